@@ -1,0 +1,16 @@
+"""The HTTP edge shared by the gateway and the simulator: a lean server and upstream pool."""
+
+from saltgate.http.client import UpstreamError, UpstreamPool, UpstreamResponse, parse_authority
+from saltgate.http.server import Handler, Headers, HttpServer, Request, Response
+
+__all__ = [
+    "Handler",
+    "Headers",
+    "HttpServer",
+    "Request",
+    "Response",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamResponse",
+    "parse_authority",
+]

@@ -1,0 +1,317 @@
+"""A pooled HTTP/1.1 client for upstream replicas, on asyncio protocols and httptools.
+
+The gateway forwards every request over kept-alive connections; a general-purpose client
+(httpx, aiohttp) costs several times the parse-and-forward work itself. Responses are
+read as a stream of body chunks so SSE passes through without buffering. A connection
+goes back to the pool only after its response was read to the end; a cancelled or broken
+exchange closes it, which is also how an abandoned request is cancelled upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import httptools
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached or broke the exchange.
+
+    `before_response` says whether anything of the response had arrived, which decides
+    whether a retry on another replica is safe.
+    """
+
+    def __init__(self, message: str, *, before_response: bool) -> None:
+        super().__init__(message)
+        self.before_response = before_response
+
+
+class _UpstreamConnection(asyncio.Protocol):
+    __slots__ = (
+        "_chunks",
+        "_done",
+        "_headers",
+        "_headers_future",
+        "_parser",
+        "_waiter",
+        "broken",
+        "pool",
+        "status",
+        "transport",
+    )
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._headers: Headers = []
+        self._headers_future: asyncio.Future[None] | None = None
+        self._chunks: deque[bytes] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = False
+        self.broken = False
+        self.status = 0
+
+    # transport callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.broken = True
+        self.pool._forget(self)
+        error = UpstreamError("upstream closed the connection", before_response=False)
+        future = self._headers_future
+        if future is not None and not future.done():
+            future.set_exception(
+                UpstreamError("upstream closed the connection", before_response=True)
+            )
+        elif not self._done:
+            self._wake(error)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.broken = True
+            error = UpstreamError("malformed response from upstream", before_response=False)
+            future = self._headers_future
+            if future is not None and not future.done():
+                future.set_exception(error)
+            else:
+                self._wake(error)
+            if self.transport is not None:
+                self.transport.close()
+
+    # parser callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        future = self._headers_future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._wake(None)
+
+    def on_message_complete(self) -> None:
+        self._done = True
+        if not self._parser.should_keep_alive():
+            self.broken = True
+        self._wake(None)
+
+    def _wake(self, error: Exception | None) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
+
+    # exchange
+    def begin(self) -> asyncio.Future[None]:
+        self._headers = []
+        self._chunks.clear()
+        self._done = False
+        self.status = 0
+        self._headers_future = asyncio.get_running_loop().create_future()
+        return self._headers_future
+
+    @property
+    def headers(self) -> Headers:
+        return self._headers
+
+    async def next_chunk(self, timeout: float | None) -> bytes | None:
+        """The next body chunk, or None at the end of the response."""
+        while True:
+            if self._chunks:
+                return self._chunks.popleft()
+            if self._done:
+                return None
+            if self.broken:
+                raise UpstreamError("upstream closed the connection", before_response=False)
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(self._waiter, timeout)
+            except TimeoutError:
+                raise UpstreamError("upstream read timed out", before_response=False) from None
+            finally:
+                self._waiter = None
+
+    @property
+    def done(self) -> bool:
+        return self._done and not self._chunks
+
+
+class UpstreamResponse:
+    """Status, headers, and the body as chunks; `release` must be called (read() does it)."""
+
+    __slots__ = ("_conn", "_read_timeout", "_released", "headers", "status")
+
+    def __init__(self, conn: _UpstreamConnection, read_timeout: float | None) -> None:
+        self._conn = conn
+        self._read_timeout = read_timeout
+        self._released = False
+        self.status = conn.status
+        self.headers = conn.headers
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    async def read(self) -> bytes:
+        parts = [chunk async for chunk in self.chunks()]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        try:
+            while True:
+                chunk = await conn.next_chunk(self._read_timeout)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Return the connection to the pool if its response ended cleanly, else close it."""
+        if self._released:
+            return
+        self._released = True
+        conn = self._conn
+        if conn.done and not conn.broken:
+            conn.pool._put_back(conn)
+        else:
+            conn.pool._discard(conn)
+
+
+class UpstreamPool:
+    """Kept-alive connections to one upstream (host, port)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        max_idle: int = 256,
+        connect_timeout: float = 5.0,
+        response_timeout: float | None = 600.0,
+        read_timeout: float | None = 600.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.max_idle = max_idle
+        self.connect_timeout = connect_timeout
+        self.response_timeout = response_timeout
+        self.read_timeout = read_timeout
+        self._idle: list[_UpstreamConnection] = []
+        self._all: set[_UpstreamConnection] = set()
+        self._host_header = f"{host}:{port}".encode()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._all)
+
+    async def _connect(self) -> _UpstreamConnection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _UpstreamConnection(self), self.host, self.port),
+                self.connect_timeout,
+            )
+        except (OSError, TimeoutError) as exc:
+            raise UpstreamError(
+                f"cannot connect to upstream: {exc.__class__.__name__}", before_response=True
+            ) from None
+        self._all.add(conn)
+        return conn
+
+    def _take_idle(self) -> _UpstreamConnection | None:
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if not conn.broken and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        return None
+
+    async def request(
+        self, method: bytes, path: bytes, headers: Headers, body: bytes = b""
+    ) -> UpstreamResponse:
+        """Send one request; returns once the response headers have arrived.
+
+        A kept-alive connection the upstream closed meanwhile fails before any response;
+        that case is retried once on a fresh connection, so callers only see real failures.
+        """
+        head = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (method, path, self._host_header)]
+        for name, value in headers:
+            head.append(b"%s: %s\r\n" % (name, value))
+        head.append(b"content-length: %d\r\n\r\n" % len(body))
+        head.append(body)
+        payload = b"".join(head)
+        conn = self._take_idle()
+        reused = conn is not None
+        for _attempt in range(2):
+            if conn is None:
+                conn = await self._connect()
+            try:
+                return await self._exchange(conn, payload)
+            except UpstreamError as exc:
+                self._discard(conn)
+                if not (reused and exc.before_response):
+                    raise
+                conn, reused = None, False
+        raise AssertionError("unreachable")
+
+    async def _exchange(self, conn: _UpstreamConnection, payload: bytes) -> UpstreamResponse:
+        headers_ready = conn.begin()
+        transport = conn.transport
+        assert transport is not None
+        transport.write(payload)
+        try:
+            await asyncio.wait_for(headers_ready, self.response_timeout)
+        except TimeoutError:
+            raise UpstreamError("upstream response timed out", before_response=True) from None
+        except asyncio.CancelledError:
+            self._discard(conn)
+            raise
+        return UpstreamResponse(conn, self.read_timeout)
+
+    def _put_back(self, conn: _UpstreamConnection) -> None:
+        if len(self._idle) < self.max_idle:
+            self._idle.append(conn)
+        else:
+            self._discard(conn)
+
+    def _discard(self, conn: _UpstreamConnection) -> None:
+        conn.broken = True
+        self._forget(conn)
+        if conn.transport is not None:
+            conn.transport.close()
+
+    def _forget(self, conn: _UpstreamConnection) -> None:
+        self._all.discard(conn)
+
+    async def close(self) -> None:
+        for conn in list(self._all):
+            self._discard(conn)
+        self._idle.clear()
+        await asyncio.sleep(0)
+
+
+def parse_authority(url: str) -> tuple[str, int, str]:
+    """Split http://host:port/prefix into (host, port, prefix); only plain http is pooled."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"upstream URL must look like http://host:port, got {url!r}")
+    return parts.hostname, parts.port or 80, parts.path.rstrip("/")

@@ -1,0 +1,181 @@
+"""The HTTP edge over real loopback sockets: server and pooled client against each other."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from saltgate.http import HttpServer, Request, Response, UpstreamError, UpstreamPool
+
+
+async def _echo(request: Request) -> Response:
+    if request.path == b"/stream":
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(3):
+                await asyncio.sleep(0)
+                yield b"part%d;" % i
+
+        return Response(200, [(b"content-type", b"text/plain")], stream=chunks())
+    body = b"%s %s %s" % (request.method, request.path, request.body)
+    return Response(200, [(b"x-seen-query", request.query)], body)
+
+
+async def _raw_exchange(port: int, data: bytes, read_until_close: bool = True) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    out = await asyncio.wait_for(reader.read(), 5) if read_until_close else b""
+    writer.close()
+    return out
+
+
+def test_keep_alive_reuses_one_connection() -> None:
+    async def main() -> None:
+        server = HttpServer(_echo)
+        port = await server.start("127.0.0.1", 0)
+        pool = UpstreamPool("127.0.0.1", port)
+        for i in range(5):
+            resp = await pool.request(b"POST", b"/x?q=1", [], b"body%d" % i)
+            assert resp.status == 200
+            assert resp.header(b"x-seen-query") == b"q=1"
+            assert await resp.read() == b"POST /x body%d" % i
+        assert pool.open_connections == 1
+        await pool.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_streamed_response_arrives_in_chunks() -> None:
+    async def main() -> None:
+        server = HttpServer(_echo)
+        port = await server.start("127.0.0.1", 0)
+        pool = UpstreamPool("127.0.0.1", port)
+        resp = await pool.request(b"GET", b"/stream", [])
+        assert resp.header(b"transfer-encoding") == b"chunked"
+        assert await resp.read() == b"part0;part1;part2;"
+        # the connection survives a chunked response
+        resp = await pool.request(b"GET", b"/again", [])
+        assert await resp.read() == b"GET /again "
+        assert pool.open_connections == 1
+        await pool.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_pipelined_requests_answer_in_order() -> None:
+    async def main() -> None:
+        server = HttpServer(_echo)
+        port = await server.start("127.0.0.1", 0)
+        data = b"".join(
+            b"GET /%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(3)
+        ) + b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        out = await _raw_exchange(port, data)
+        positions = [out.index(b"GET /%s " % p) for p in (b"0", b"1", b"2", b"last")]
+        assert positions == sorted(positions)
+        await server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"POST /x HTTP/1.1\r\ncontent-length: 999999\r\n\r\n", b"413"),
+        (b"POST /x HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n800\r\n" + b"a" * 2048, b"413"),
+        (b"NOT HTTP AT ALL\r\n\r\n", b"400"),
+        (b"GET /x HTTP/1.1\r\n" + b"x-big: " + b"a" * 70000 + b"\r\n\r\n", b"431"),
+    ],
+)
+def test_bad_requests_get_a_status_and_the_server_keeps_serving(
+    request_bytes: bytes, status: bytes
+) -> None:
+    async def main() -> None:
+        server = HttpServer(_echo, max_body_bytes=1024)
+        port = await server.start("127.0.0.1", 0)
+        out = await _raw_exchange(port, request_bytes)
+        assert out.startswith(b"HTTP/1.1 " + status), out[:80]
+        pool = UpstreamPool("127.0.0.1", port)
+        resp = await pool.request(b"GET", b"/ok", [])
+        assert await resp.read() == b"GET /ok "
+        await pool.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_expect_continue_is_answered() -> None:
+    async def main() -> None:
+        server = HttpServer(_echo)
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /e HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 2\r\n"
+            b"connection: close\r\n\r\n"
+        )
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert first.startswith(b"HTTP/1.1 100 Continue")
+        writer.write(b"hi")
+        rest = await asyncio.wait_for(reader.read(), 5)
+        assert rest.endswith(b"POST /e hi")
+        writer.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_client_going_away_cancels_the_handler() -> None:
+    cancelled = asyncio.Event()
+
+    async def slow(request: Request) -> Response:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return Response(200)
+
+    async def main() -> None:
+        server = HttpServer(slow)
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+        await asyncio.wait_for(cancelled.wait(), 5)
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_unreachable_upstream_fails_before_response() -> None:
+    async def main() -> None:
+        server = HttpServer(_echo)
+        port = await server.start("127.0.0.1", 0)
+        await server.close()
+        pool = UpstreamPool("127.0.0.1", port, connect_timeout=1)
+        with pytest.raises(UpstreamError) as info:
+            await pool.request(b"GET", b"/", [])
+        assert info.value.before_response
+
+    asyncio.run(main())
+
+
+def test_stale_pooled_connection_is_replaced_transparently() -> None:
+    async def main() -> None:
+        server = HttpServer(_echo, idle_timeout=0.05)
+        port = await server.start("127.0.0.1", 0)
+        pool = UpstreamPool("127.0.0.1", port)
+        await (await pool.request(b"GET", b"/a", [])).read()
+        await asyncio.sleep(0.2)  # the server closes the idle connection
+        resp = await pool.request(b"GET", b"/b", [])
+        assert await resp.read() == b"GET /b "
+        await pool.close()
+        await server.close()
+
+    asyncio.run(main())
