@@ -1,0 +1,164 @@
+"""Usage ledger: commit-before-acknowledge, group commit, and survival of SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from saltgate.store.ledger import Ledger, LedgerError, UsageRecord
+
+
+def _rec(i: int, tenant: str = "tn_a", model: str = "m") -> UsageRecord:
+    return UsageRecord(1_700_000_000.0 + i, tenant, f"key_{i}", model, 100 + i, i, 7, 200)
+
+
+def _rows(path: Path) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(
+            "SELECT ts, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
+            "completion_tokens, status FROM usage ORDER BY ts"
+        ).fetchall()
+    finally:
+        conn.close()
+
+
+def test_records_committed_and_batched(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+    n = 500
+    records = [_rec(i) for i in range(n)]
+
+    async def run() -> Ledger:
+        ledger = Ledger(path)
+        await asyncio.gather(*(ledger.record(r) for r in records))
+        # Acknowledged means committed: visible to another connection before close().
+        assert len(_rows(path)) == n
+        await ledger.aclose()
+        return ledger
+
+    ledger = asyncio.run(run())
+    st = ledger.stats()
+    assert st.records == n
+    assert st.transactions < n // 10, st  # concurrent records shared transactions
+    assert st.max_batch_seen > 1
+    rows = _rows(path)
+    assert rows == [
+        (
+            r.ts,
+            r.tenant_id,
+            r.key_id,
+            r.model,
+            r.prompt_tokens,
+            r.cached_tokens,
+            r.completion_tokens,
+            r.status,
+        )
+        for r in records
+    ]
+
+
+def test_max_batch_bounds_transactions(tmp_path: Path) -> None:
+    async def run() -> Ledger:
+        ledger = Ledger(tmp_path / "saltgate.db", max_batch=16)
+        await asyncio.gather(*(ledger.record(_rec(i)) for i in range(200)))
+        await ledger.aclose()
+        return ledger
+
+    st = asyncio.run(run()).stats()
+    assert st.records == 200 and st.max_batch_seen <= 16 and st.transactions >= 200 // 16
+
+
+def test_close_drains_and_refuses_new_records(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+
+    async def run() -> None:
+        ledger = Ledger(path)
+        tasks = [asyncio.ensure_future(ledger.record(_rec(i))) for i in range(50)]
+        await asyncio.sleep(0)  # let every task enqueue
+        ledger.close()  # blocks until the queue is committed
+        assert len(_rows(path)) == 50
+        await asyncio.gather(*tasks)
+        with pytest.raises(LedgerError, match="closed"):
+            await ledger.record(_rec(99))
+        ledger.close()  # idempotent
+
+    asyncio.run(run())
+
+
+def test_commit_failure_reaches_the_caller(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+
+    async def run() -> None:
+        ledger = Ledger(path)
+        await ledger.record(_rec(0))
+        conn = sqlite3.connect(path)
+        conn.execute("DROP TABLE usage")  # a real SQLite failure for the next commit
+        conn.close()
+        with pytest.raises(LedgerError, match="not committed: no such table: usage"):
+            await ledger.record(_rec(1))
+        await ledger.aclose()
+
+    asyncio.run(run())
+
+
+def test_cancelled_waiter_does_not_break_the_writer(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+
+    async def run() -> None:
+        ledger = Ledger(path)
+        task = asyncio.ensure_future(ledger.record(_rec(0)))
+        await asyncio.sleep(0)
+        task.cancel()
+        await ledger.record(_rec(1))
+        await ledger.aclose()
+
+    asyncio.run(run())
+    assert len(_rows(path)) == 2  # a cancelled wait does not un-record
+
+
+def test_sigkill_loses_no_acknowledged_record(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+    child = Path(__file__).with_name("ledger_crash_child.py")
+    proc = subprocess.Popen([sys.executable, str(child), str(path), "64"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    out = bytearray()
+
+    def drain() -> None:
+        # Read continuously so a full pipe never throttles the child: it must be killed
+        # while it runs flat out, not while it waits for us.
+        assert proc.stdout is not None
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            out.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    deadline = time.monotonic() + 60
+    try:
+        while out.count(b"\n") < 5000:
+            assert proc.poll() is None, f"child exited early with {proc.returncode}"
+            assert time.monotonic() < deadline, "child too slow"
+            time.sleep(0.005)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        reader.join(timeout=30)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    # A torn last line is not an acknowledgement.
+    acked = [ln.decode() for ln in bytes(out).split(b"\n")[:-1]]
+
+    conn = sqlite3.connect(path)  # recovers the WAL left by the killed process
+    stored = {k for (k,) in conn.execute("SELECT key_id FROM usage")}
+    conn.close()
+    missing = set(acked) - stored
+    assert len(set(acked)) == len(acked) >= 5000
+    assert not missing, f"{len(missing)} acknowledged records lost, e.g. {sorted(missing)[:3]}"
+    # All 64 writers were acknowledged concurrently (the load was real).
+    assert len({a.split("-")[0] for a in acked}) == 64

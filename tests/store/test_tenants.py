@@ -1,0 +1,242 @@
+"""Tenants, hashed keys, epochs and the gateway's KeyIndex, on real SQLite files."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import sqlite3
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from saltgate.store.ledger import Ledger, UsageRecord
+from saltgate.store.tenants import (
+    SCHEMA_VERSION,
+    KeyIndex,
+    KeyNotFoundError,
+    KeyRevokedError,
+    StoreError,
+    TenantExistsError,
+    TenantNotFoundError,
+    TenantStore,
+    db_path,
+)
+
+KEY_RE = re.compile(r"sg_[A-Za-z0-9_-]{43}")
+
+
+def _store(tmp_path: Path) -> TenantStore:
+    return TenantStore.from_state_dir(tmp_path / "state")
+
+
+def test_create_tenant_ids_and_duplicate(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        a = store.create_tenant("acme")
+        b = store.create_tenant("globex")
+        assert re.fullmatch(r"tn_[0-9a-f]{16}", a.id)
+        assert a.id != b.id
+        assert a.epoch == 0 and a.epoch_label == "0"
+        with pytest.raises(TenantExistsError, match="'acme' already exists"):
+            store.create_tenant("acme")
+        assert [t.name for t in store.list_tenants()] == ["acme", "globex"]
+        assert store.get_tenant(a.id) == a == store.get_tenant("acme")
+
+
+@pytest.mark.parametrize("name", ["", "-x", "a b", "x" * 65, "tn_0123456789abcdef", "sg_x", "é"])
+def test_invalid_tenant_names(tmp_path: Path, name: str) -> None:
+    with _store(tmp_path) as store, pytest.raises(StoreError, match="invalid tenant name"):
+        store.create_tenant(name)
+
+
+def test_db_file_private_and_versioned(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        store.create_tenant("acme")
+    path = db_path(tmp_path / "state")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+    # Reopening keeps the data (no re-migration).
+    with _store(tmp_path) as store:
+        assert [t.name for t in store.list_tenants()] == ["acme"]
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+    TenantStore(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(StoreError, match="newer than this saltgate supports"):
+        TenantStore(path)
+
+
+def test_keys_are_stored_only_as_sha256(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with TenantStore.from_state_dir(state) as store:
+        t = store.create_tenant("acme")
+        key_id, key = store.create_key("acme")
+        assert KEY_RE.fullmatch(key)
+        assert re.fullmatch(r"key_[0-9a-f]{12}", key_id)
+        (stored,) = store._conn.execute("SELECT key_hash FROM api_keys").fetchone()
+        assert bytes(stored) == hashlib.sha256(key.encode()).digest()
+        [info] = store.list_keys(t.id)
+        assert (info.id, info.tenant_id, info.revoked_at) == (key_id, t.id, None)
+        assert key not in repr(info)
+    # The clear key appears nowhere on disk (db, WAL, shm).
+    blobs = b"".join(p.read_bytes() for p in state.iterdir())
+    assert key.encode() not in blobs
+    assert hashlib.sha256(key.encode()).digest() in blobs
+
+
+def test_authenticate(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+    with TenantStore(path) as store:
+        t = store.create_tenant("acme")
+        key_id, key = store.create_key("acme")
+        _, other = store.create_key("acme")
+    index = KeyIndex(path)
+    try:
+        p = index.authenticate(key)
+        assert p is not None
+        assert (p.tenant_id, p.tenant_name, p.key_id, p.epoch) == (t.id, "acme", key_id, 0)
+        assert index.authenticate(other) is not None
+        assert len(index) == 2
+        # One changed character, wrong length, wrong prefix, non-ASCII, empty.
+        flipped = key[:-1] + ("A" if key[-1] != "A" else "B")
+        for bad in (flipped, key[:-1], "xx" + key[2:], key[:-1] + "é", ""):
+            assert index.authenticate(bad) is None
+    finally:
+        index.close()
+
+
+def test_tenant_id_survives_key_rotation(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+    store = TenantStore(path)
+    index = KeyIndex(path, max_staleness=None)
+    old_id, old = store.create_key(store.create_tenant("acme").id)
+    assert index.refresh_if_changed()
+    before = index.authenticate(old)
+    new_id, new = store.create_key("acme")
+    store.revoke_key(old_id)
+    assert index.refresh_if_changed()
+    after = index.authenticate(new)
+    assert index.authenticate(old) is None
+    assert before is not None and after is not None
+    assert after.tenant_id == before.tenant_id
+    assert after.epoch == before.epoch  # same salt: the cache stays warm
+    assert after.key_id == new_id != before.key_id
+    index.close()
+    store.close()
+
+
+def test_rotate_salt_moves_epoch(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+    store = TenantStore(path)
+    t = store.create_tenant("acme")
+    _, key = store.create_key("acme")
+    index = KeyIndex(path, max_staleness=None)
+    assert store.rotate_salt("acme") == 1
+    assert store.rotate_salt(t.id) == 2
+    assert index.refresh_if_changed()
+    p = index.authenticate(key)
+    assert p is not None and p.epoch == 2 and p.epoch_label == "2" and p.tenant_id == t.id
+    assert store.get_tenant("acme").epoch == 2
+    with pytest.raises(TenantNotFoundError, match="'nobody'"):
+        store.rotate_salt("nobody")
+    index.close()
+    store.close()
+
+
+def test_errors_are_clear_and_never_echo_keys(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        store.create_tenant("acme")
+        key_id, key = store.create_key("acme")
+        with pytest.raises(KeyNotFoundError, match="key_000000000000") as e1:
+            store.revoke_key("key_000000000000")
+        assert "no such key id" in str(e1.value)
+        # A key pasted where an id belongs: refused without repeating it.
+        with pytest.raises(KeyNotFoundError) as e2:
+            store.revoke_key(key)
+        with pytest.raises(TenantNotFoundError) as e3:
+            store.create_key(key)
+        for err in (e2.value, e3.value):
+            assert key not in str(err) and key[3:20] not in str(err)
+            assert "looks like an API key" in str(err)
+        store.revoke_key(key_id)
+        with pytest.raises(KeyRevokedError, match="already revoked"):
+            store.revoke_key(key_id)
+        with pytest.raises(TenantNotFoundError, match="'ghost'"):
+            store.create_key("ghost")
+
+
+def test_refresh_is_cheap_and_ignores_usage_writes(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+    with TenantStore(path) as store:
+        store.create_tenant("acme")
+        store.create_key("acme")
+    index = KeyIndex(path, max_staleness=None)
+    reloads = index.reloads
+    assert not index.refresh_if_changed()
+
+    async def meter() -> None:
+        ledger = Ledger(path)
+        await ledger.record(UsageRecord(time.time(), "tn_x", "key_x", "m", 1, 0, 1, 200))
+        await ledger.aclose()
+
+    asyncio.run(meter())
+    # Another connection committed (data_version moved) but auth data did not change.
+    assert not index.refresh_if_changed()
+    assert index.reloads == reloads
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        index.refresh_if_changed()
+    per_call = (time.perf_counter() - t0) / 1000
+    assert per_call < 200e-6, f"refresh_if_changed took {per_call * 1e6:.0f} us"
+    index.close()
+
+
+def _cli(path: Path, code: str) -> str:
+    """Run store code in another process, as the `saltgate` CLI would."""
+    script = f"from saltgate.store.tenants import TenantStore\nstore = TenantStore({str(path)!r})\n"
+    out = subprocess.run(
+        [sys.executable, "-c", script + textwrap.dedent(code)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return out.stdout.strip()
+
+
+def test_revocation_and_rotation_from_another_process_apply_within_a_second(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "saltgate.db"
+    out = _cli(path, "store.create_tenant('acme'); print(*store.create_key('acme'))")
+    key_id, key = out.split()
+    index = KeyIndex(path, max_staleness=0.5)  # a running gateway
+    p = index.authenticate(key)
+    assert p is not None and p.epoch == 0
+
+    _cli(path, "print(store.rotate_salt('acme'))")
+    done = time.monotonic()
+    while (p := index.authenticate(key)) is not None and p.epoch == 0:
+        assert time.monotonic() - done < 1.0, "rotation not seen within a second"
+        time.sleep(0.01)
+    assert p is not None and p.epoch == 1
+
+    _cli(path, f"store.revoke_key({key_id!r})")
+    done = time.monotonic()
+    while index.authenticate(key) is not None:
+        assert time.monotonic() - done < 1.0, "revocation not seen within a second"
+        time.sleep(0.01)
+    index.close()
