@@ -71,9 +71,10 @@ def test_pipelined_requests_answer_in_order() -> None:
     async def main() -> None:
         server = HttpServer(_echo)
         port = await server.start("127.0.0.1", 0)
-        data = b"".join(
-            b"GET /%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(3)
-        ) + b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        data = (
+            b"".join(b"GET /%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(3))
+            + b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        )
         out = await _raw_exchange(port, data)
         positions = [out.index(b"GET /%s " % p) for p in (b"0", b"1", b"2", b"last")]
         assert positions == sorted(positions)
@@ -142,7 +143,7 @@ def test_client_going_away_cancels_the_handler() -> None:
     async def main() -> None:
         server = HttpServer(slow)
         port = await server.start("127.0.0.1", 0)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
         await writer.drain()
         await asyncio.sleep(0.05)

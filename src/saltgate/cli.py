@@ -1,0 +1,245 @@
+"""The `saltgate` command: one entry point, a subcommand per tool."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from saltgate.store.tenants import TenantStore
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from saltgate.sim.server import SimConfig
+
+    d = SimConfig()
+    p = sub.add_parser("sim", help="run a simulated vLLM replica (OpenAI API, prefix cache)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--model", default=d.model, help="served model name")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV-cache capacity")
+    p.add_argument("--hash-algo", choices=("sha256", "sha256_cbor"), default=d.hash_algo)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1")
+    p.add_argument("--kv-events-endpoint", default=None, help="ZMQ endpoint, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-replay-endpoint", default=None)
+    p.add_argument("--kv-events-topic", default=d.kv_events_topic)
+    p.add_argument("--prefill-ms-per-1k-tokens", type=float, default=d.prefill_ms_per_1k_tokens)
+    p.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.set_defaults(func=_run_sim)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from saltgate.sim.run import SimConfig, serve_forever
+
+    config = SimConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        hash_algo=args.hash_algo,
+        api_key=args.api_key,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
+        decode_ms_per_token=args.decode_ms_per_token,
+        max_concurrency=args.max_concurrency,
+        max_model_len=args.max_model_len,
+    )
+    return serve_forever(config)
+
+
+def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the gateway from a configuration file")
+    p.add_argument("--config", required=True, help="TOML file (see docs/config.md)")
+    p.set_defaults(func=_run_serve)
+
+    p = sub.add_parser("up", help="run the gateway on its embedded default: simulated replicas")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (metrics on port+1)")
+    p.add_argument("--replicas", type=int, default=2, help="how many simulated replicas")
+    p.add_argument("--state-dir", default=".state", help="tenants, keys, usage, master key")
+    p.set_defaults(func=_run_up)
+
+
+def _state_dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", default=".state", help="directory holding saltgate.db")
+
+
+def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tenants = sub.add_parser("tenants", help="create, list and rotate tenants")
+    tsub = tenants.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = tsub.add_parser("create", help="create a tenant")
+    p.add_argument("name")
+    _state_dir_arg(p)
+    p.set_defaults(func=_tenants_create)
+    p = tsub.add_parser("list", help="list tenants")
+    _state_dir_arg(p)
+    p.set_defaults(func=_tenants_list)
+    p = tsub.add_parser("rotate-salt", help="move a tenant to a fresh cache namespace")
+    p.add_argument("name")
+    _state_dir_arg(p)
+    p.set_defaults(func=_tenants_rotate)
+
+    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    ksub = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = ksub.add_parser("create", help="mint an API key (printed once, stored as a hash)")
+    p.add_argument("tenant")
+    _state_dir_arg(p)
+    p.set_defaults(func=_keys_create)
+    p = ksub.add_parser("list", help="list key ids (never the keys)")
+    p.add_argument("tenant", nargs="?")
+    _state_dir_arg(p)
+    p.set_defaults(func=_keys_list)
+    p = ksub.add_parser("revoke", help="revoke a key by its id")
+    p.add_argument("key_id")
+    _state_dir_arg(p)
+    p.set_defaults(func=_keys_revoke)
+
+    p = sub.add_parser("usage", help="per-tenant usage and cost")
+    _state_dir_arg(p)
+    p.add_argument("--since", help="a duration back (24h, 7d) or an ISO date")
+    p.add_argument("--config", help="gateway config, for the prices")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_const", const="json", dest="fmt")
+    fmt.add_argument("--csv", action="store_const", const="csv", dest="fmt")
+    p.set_defaults(func=_usage, fmt="table")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from saltgate.config import ConfigError, load_config
+    from saltgate.gateway.run import serve
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"saltgate serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from saltgate.gateway.run import up
+
+    if args.replicas < 1:
+        print("saltgate up: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    return up(args.port, args.replicas, Path(args.state_dir))
+
+
+def _store(args: argparse.Namespace) -> TenantStore:
+    from pathlib import Path
+
+    from saltgate.store.tenants import TenantStore
+
+    Path(args.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+    return TenantStore.from_state_dir(args.state_dir)
+
+
+def _tenants_create(args: argparse.Namespace) -> int:
+    return _with_store(args, lambda st: f"created tenant {st.create_tenant(args.name).name}")
+
+
+def _tenants_list(args: argparse.Namespace) -> int:
+    def show(st: TenantStore) -> str:
+        rows = [f"{t.id}\t{t.name}\tepoch {t.epoch}" for t in st.list_tenants()]
+        return "\n".join(rows)
+
+    return _with_store(args, show)
+
+
+def _tenants_rotate(args: argparse.Namespace) -> int:
+    return _with_store(
+        args, lambda st: f"tenant {args.name} moved to epoch {st.rotate_salt(args.name)}"
+    )
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    def create(st: TenantStore) -> str:
+        key_id, key = st.create_key(args.tenant)
+        print(f"created {key_id} for {args.tenant}", file=sys.stderr)
+        return key
+
+    return _with_store(args, create)
+
+
+def _keys_list(args: argparse.Namespace) -> int:
+    def show(st: TenantStore) -> str:
+        rows = []
+        for k in st.list_keys(args.tenant):
+            state = "revoked" if k.revoked_at is not None else "active"
+            rows.append(f"{k.id}\t{k.tenant_id}\t{state}")
+        return "\n".join(rows)
+
+    return _with_store(args, show)
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    return _with_store(args, lambda st: f"revoked {st.revoke_key(args.key_id).id}")
+
+
+def _with_store(args: argparse.Namespace, action: Callable[[TenantStore], str]) -> int:
+    """Run a store action; a StoreError is one line on stderr and exit status 1."""
+    from saltgate.store.tenants import StoreError
+
+    try:
+        with _store(args) as store:
+            out = action(store)
+    except StoreError as exc:
+        print(f"saltgate {args.command}: {exc}", file=sys.stderr)
+        return 1
+    if out:
+        print(out)
+    return 0
+
+
+def _usage(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from saltgate.config import ConfigError, load_config
+    from saltgate.store.pricing import format_usage, parse_since, usage_report
+    from saltgate.store.tenants import StoreError, db_path
+
+    try:
+        prices = load_config(args.config).prices if args.config else {}
+        since = parse_since(args.since, time.time()) if args.since else None
+        rows = usage_report(db_path(Path(args.state_dir)), since, prices)
+    except (ConfigError, StoreError, ValueError) as exc:
+        print(f"saltgate usage: {exc}", file=sys.stderr)
+        return 1
+    print(format_usage(rows, args.fmt))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="saltgate", description="A secure prompt-caching gateway for multi-tenant LLMs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_gateway(sub)
+    _add_admin(sub)
+    _add_sim(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Command = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""`saltgate sim` over real HTTP on loopback, with a real ZMQ subscriber for its KV events."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import zmq
+
+from saltgate.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from saltgate.sim import block_hashes, event_hash
+from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate.sim.tokenizer import tokenize
+
+MODEL = "sim-model"
+
+
+@asynccontextmanager
+async def sim(**kw: Any) -> AsyncIterator[tuple[RunningSim, httpx.AsyncClient]]:
+    running = await start_sim(SimConfig(port=0, **kw))
+    async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+        try:
+            yield running, client
+        finally:
+            await running.close()
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())  # type: ignore[arg-type]
+
+
+async def complete(client: httpx.AsyncClient, prompt: object, **extra: Any) -> dict[str, Any]:
+    resp = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
+    )
+    assert resp.status_code == 200, resp.text
+    doc: dict[str, Any] = resp.json()
+    return doc
+
+
+def cached(doc: dict[str, Any]) -> int:
+    return int(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_same_salt_hits_other_or_no_salt_misses() -> None:
+    async def main() -> None:
+        async with sim(block_size=16) as (_, client):
+            prompt = list(range(100, 200))  # 100 tokens: 6 full blocks
+            assert cached(await complete(client, prompt, cache_salt="A")) == 0
+            assert cached(await complete(client, prompt, cache_salt="A")) == 96
+            assert cached(await complete(client, prompt, cache_salt="B")) == 0
+            assert cached(await complete(client, prompt)) == 0
+            assert cached(await complete(client, prompt)) == 96  # control: unsalted hits too
+            exact = list(range(100, 196))  # 96 tokens: a fully cached prompt recomputes a block
+            assert cached(await complete(client, exact, cache_salt="A")) == 80
+
+    run(main)
+
+
+def test_text_and_chat_prompts_count_real_tokens() -> None:
+    async def main() -> None:
+        async with sim() as (_, client):
+            text = "The quick brown fox jumps over the lazy dog. " * 20
+            doc = await complete(client, text, max_tokens=5)
+            assert doc["usage"]["prompt_tokens"] == len(tokenize(text))
+            assert doc["usage"]["completion_tokens"] == 5
+            assert len(tokenize(doc["choices"][0]["text"])) == 5
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+            resp = await client.post("/v1/chat/completions", json=body)
+            chat = resp.json()
+            assert chat["object"] == "chat.completion"
+            assert chat["usage"]["prompt_tokens"] > len(tokenize(text))  # template tokens
+            assert chat["choices"][0]["message"]["role"] == "assistant"
+
+    run(main)
+
+
+async def stream_events(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[str]:
+    async with client.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        return [line[6:] async for line in resp.aiter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streaming_usage_only_when_asked(path: str) -> None:
+    async def main() -> None:
+        async with sim() as (_, client):
+            key = "messages" if "chat" in path else "prompt"
+            value: object = [{"role": "user", "content": "hi"}] if "chat" in path else "hi"
+            body: dict[str, Any] = {"model": MODEL, key: value, "max_tokens": 4, "stream": True}
+            plain = await stream_events(client, path, body)
+            assert plain[-1] == "[DONE]"
+            assert all('"usage":{' not in e for e in plain)
+            body["stream_options"] = {"include_usage": True}
+            events = await stream_events(client, path, body)
+            usage_chunk = orjson.loads(events[-2])
+            assert usage_chunk["choices"] == []
+            assert usage_chunk["usage"]["completion_tokens"] == 4
+            assert usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+    run(main)
+
+
+def test_cache_hit_shows_in_time_to_first_token() -> None:
+    async def ttft(client: httpx.AsyncClient, prompt: list[int], salt: str) -> float:
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 2,
+            "stream": True,
+            "cache_salt": salt,
+        }
+        start = time.perf_counter()
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    return time.perf_counter() - start
+        raise AssertionError("no token")
+
+    async def main() -> None:
+        async with sim(prefill_ms_per_1k_tokens=20, block_size=16) as (_, client):
+            misses, hits = [], []
+            for i in range(5):
+                prompt = [1000 + i * 7 + j for j in range(2048)]  # ~41 ms to prefill cold
+                misses.append(await ttft(client, prompt, "s"))
+                hits.append(await ttft(client, prompt, "s"))
+            assert statistics.median(misses) > statistics.median(hits) + 0.02
+
+    run(main)
+
+
+def test_eviction_under_a_small_pool_publishes_vllm_events() -> None:
+    async def main() -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        port = sub.bind_to_random_port("tcp://127.0.0.1")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        endpoint = f"tcp://127.0.0.1:{port}"  # an address without '*': the replica connects
+        async with sim(
+            block_size=16, num_blocks=9, kv_events_endpoint=endpoint, kv_events_topic="kv@sim"
+        ) as (_, client):
+            # ZMQ's slow joiner: publish AllBlocksCleared until the subscriber sees one
+            for _ in range(100):
+                assert (await client.post("/reset_prefix_cache")).status_code == 200
+                if sub.poll(50):
+                    while sub.poll(100):  # drain every probe still in flight
+                        sub.recv_multipart()
+                    break
+            first = list(range(10, 74))  # 4 blocks
+            await complete(client, first, cache_salt="tenantA", max_tokens=1)
+            await complete(client, list(range(500, 564)), max_tokens=1)
+            await complete(client, list(range(900, 964)), max_tokens=1)  # forces evictions
+            assert (await client.post("/reset_prefix_cache")).status_code == 200
+            frames = []
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if sub.poll(100):
+                    frames.append(sub.recv_multipart())
+                    continue
+                if any(
+                    isinstance(e, AllBlocksCleared)
+                    for f in frames
+                    for e in decode_batch(f[2]).events
+                ):
+                    break
+        sub.close(0)
+        assert frames and all(f[0] == b"kv@sim" for f in frames)
+        seqs = [int.from_bytes(f[1], "big") for f in frames]
+        assert seqs == list(range(seqs[0], seqs[0] + len(frames)))
+        events = [e for f in frames for e in decode_batch(f[2]).events]
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+        expected = [event_hash(d) for d in block_hashes(first, 16, cache_salt="tenantA")]
+        first_event = stored[0]
+        assert list(first_event.block_hashes) == expected
+        assert first_event.extra_keys is not None
+        assert first_event.extra_keys[0] == ("tenantA",)
+        assert list(first_event.token_ids) == first
+        assert set(expected) & set(removed)  # the oldest blocks were evicted (LRU)
+        assert isinstance(events[-1], AllBlocksCleared)
+
+    run(main)
+
+
+BAD: list[tuple[str, bytes, int, str]] = [
+    ("/v1/completions", b"{nope", 400, "not valid JSON"),
+    ("/v1/completions", b"[1]", 400, "JSON object"),
+    ("/v1/completions", b'{"model":"other","prompt":"x"}', 404, "does not exist"),
+    ("/v1/completions", b'{"model":"sim-model","prompt":"x","max_tokens":"5"}', 400, "max_tokens"),
+    ("/v1/completions", b'{"model":"sim-model","prompt":5}', 400, "prompt"),
+    ("/v1/completions", b'{"model":"sim-model","prompt":[99999999]}', 400, "out of vocabulary"),
+    (
+        "/v1/completions",
+        b'{"model":"sim-model","prompt":"x","max_tokens":99999}',
+        400,
+        "maximum context length",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model":"sim-model","messages":[{"role":"x","content":"a"}]}',
+        400,
+        "role",
+    ),
+    (
+        "/v1/completions",
+        b'{"model":"sim-model","prompt":"x","stream_options":{}}',
+        400,
+        "stream=True",
+    ),
+    ("/v1/nothing", b"{}", 404, "Not Found"),
+]
+
+
+def test_bad_input_gets_vllm_shaped_errors_and_the_server_keeps_serving() -> None:
+    async def main() -> None:
+        async with sim(max_model_len=4096, max_body_bytes=10_000) as (_, client):
+            for path, body, status, needle in BAD:
+                resp = await client.post(path, content=body)
+                assert resp.status_code == status, (body, resp.text)
+                error = resp.json()["error"]
+                assert needle in error["message"], error
+                assert error["code"] == status
+            resp = await client.post("/v1/completions", content=b"x" * 20_000)
+            assert resp.status_code == 413
+            assert cached(await complete(client, "still fine")) == 0
+
+    run(main)
+
+
+SALT_MESSAGE = (
+    "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+    "'@', '/', '\\\\', or NUL."
+)
+
+
+@pytest.mark.parametrize(
+    ("salt", "message"),
+    [
+        ("", "Parameter 'cache_salt' must be a non-empty string if provided."),
+        (5, "Parameter 'cache_salt' must be a non-empty string if provided."),
+        ("a" * 129, SALT_MESSAGE),
+        ("a@b", SALT_MESSAGE),
+        ("a/b", SALT_MESSAGE),
+        ("a\\b", SALT_MESSAGE),
+        ("a\x00b", SALT_MESSAGE),
+    ],
+)
+def test_cache_salt_validation_matches_vllm(salt: object, message: str) -> None:
+    async def main() -> None:
+        async with sim() as (_, client):
+            resp = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": salt}
+            )
+            assert resp.status_code == 400
+            assert resp.json()["error"]["message"] == message
+
+    run(main)
+
+
+def test_accepted_salts_match_vllm() -> None:
+    async def main() -> None:
+        async with sim() as (_, client):
+            for salt in ("a" * 128, "ünïcødé-租户"):
+                await complete(client, "x", cache_salt=salt)
+
+    run(main)
+
+
+def test_api_key_guards_v1_like_vllm() -> None:
+    async def main() -> None:
+        async with sim(api_key="backend-secret") as (_, client):
+            body = {"model": MODEL, "prompt": "x"}
+            assert (await client.post("/v1/completions", json=body)).status_code == 401
+            bad = {"authorization": "Bearer nope"}
+            assert (await client.post("/v1/completions", json=body, headers=bad)).status_code == 401
+            assert (await client.get("/v1/models")).status_code == 401
+            assert (await client.get("/health")).status_code == 200
+            good = {"authorization": "Bearer backend-secret"}
+            resp = await client.post("/v1/completions", json=body, headers=good)
+            assert resp.status_code == 200
+
+    run(main)
+
+
+def test_metrics_use_vllm_names() -> None:
+    async def main() -> None:
+        async with sim(hash_algo="sha256_cbor", block_size=16) as (_, client):
+            prompt = list(range(64))
+            await complete(client, prompt)
+            await complete(client, prompt)
+            text = (await client.get("/metrics")).text
+            values = {
+                line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line and not line.startswith("#")
+            }
+            assert values["vllm:prefix_cache_queries_total"] == 128
+            assert values["vllm:prefix_cache_hits_total"] == 48
+            assert values["vllm:num_requests_running"] == 0
+            assert values["vllm:num_requests_waiting"] == 0
+            assert 0 <= values["vllm:kv_cache_usage_perc"] <= 1
+            assert 'prefix_caching_hash_algo="sha256_cbor"' in text
+
+    run(main)
+
+
+def test_queue_waits_at_the_concurrency_limit() -> None:
+    async def main() -> None:
+        async with sim(max_concurrency=1, decode_ms_per_token=20) as (running, client):
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 10}
+            tasks = [
+                asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(3)
+            ]
+            await asyncio.sleep(0.05)
+            engine = running.server.engine
+            assert (engine.num_running, engine.num_waiting) == (1, 2)
+            start = time.perf_counter()
+            await asyncio.gather(*tasks)
+            assert time.perf_counter() - start > 0.3  # three requests of ~0.18 s, one at a time
+
+    run(main)
