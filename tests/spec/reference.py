@@ -1,0 +1,230 @@
+"""An independent implementation of spec v1, written from docs/spec.md, for test vectors.
+
+Shares no code with saltgate.spec: HMAC is built from hashlib (RFC 2104), HKDF by hand
+(RFC 5869), framing with struct, canonical JSON by a small serialiser of its own (not
+orjson). It favours plainness over speed: build every piece in full, then cut.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import struct
+from typing import Any
+
+BLOCK = 64  # SHA-256 block size
+
+
+def hmac_sha256(key: bytes, msg: bytes) -> bytes:
+    if len(key) > BLOCK:
+        key = hashlib.sha256(key).digest()
+    key = key.ljust(BLOCK, b"\x00")
+    inner = hashlib.sha256(bytes(b ^ 0x36 for b in key) + msg).digest()
+    return hashlib.sha256(bytes(b ^ 0x5C for b in key) + inner).digest()
+
+
+def hkdf_sha256(ikm: bytes, info: bytes, length: int, salt: bytes = b"") -> bytes:
+    prk = hmac_sha256(salt or b"\x00" * 32, ikm)  # RFC 5869 2.2: no salt = HashLen zeros
+    okm, block, counter = b"", b"", 1
+    while len(okm) < length:
+        block = hmac_sha256(prk, block + info + bytes([counter]))
+        okm += block
+        counter += 1
+    return okm[:length]
+
+
+def lp(x: bytes) -> bytes:
+    return struct.pack(">I", len(x)) + x
+
+
+def subkeys(master: bytes) -> dict[str, bytes]:
+    return {
+        "salt": hkdf_sha256(master, b"saltgate/v1/salt", 32),
+        "route": hkdf_sha256(master, b"saltgate/v1/route", 32),
+        "kv_events": hkdf_sha256(master, b"saltgate/v1/kv-events", 32),
+    }
+
+
+def cache_salt(k_salt: bytes, tenant: str, epoch: str, secret: str | None) -> str:
+    msg = b"saltgate/v1/cache-salt"
+    msg += lp(b"user" if secret else b"tenant")
+    msg += lp(tenant.encode()) + lp(epoch.encode())
+    if secret:
+        msg += lp(secret.encode())
+    mac = hmac_sha256(k_salt, msg)
+    return "sg1_" + base64.urlsafe_b64encode(mac).decode().replace("=", "")
+
+
+def route_key(k_route: bytes, model: str, salt: str, window: bytes) -> bytes:
+    return hmac_sha256(
+        k_route, b"saltgate/v1/route" + lp(model.encode()) + lp(salt.encode()) + lp(window)
+    )
+
+
+# -- canonical JSON (docs/spec.md, "Canonical JSON") ------------------------------------
+
+
+def format_float(x: float) -> str:
+    if math.isnan(x) or math.isinf(x):
+        raise ValueError("not representable")
+    if x == 0:
+        return "-0.0" if math.copysign(1, x) < 0 else "0.0"
+    digits, exp = _shortest(x)
+    sign = "-" if x < 0 else ""
+    # exp: the decimal exponent of the first digit (x = d.ddd * 10**exp)
+    if -5 <= exp < 16:
+        if exp >= 0:
+            intpart = digits[: exp + 1].ljust(exp + 1, "0")
+            frac = digits[exp + 1 :] or "0"
+            return f"{sign}{intpart}.{frac}"
+        return f"{sign}0.{'0' * (-exp - 1)}{digits}"
+    mant = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+    return f"{sign}{mant}e{'+' if exp > 0 else '-'}{abs(exp)}"
+
+
+def _shortest(x: float) -> tuple[str, int]:
+    """Shortest round-trip significant digits and exponent, via repr's digits."""
+    mantissa, _, e = f"{abs(x):.17e}".partition("e")
+    for n in range(1, 18):
+        cand = f"{abs(x):.{n - 1}e}"
+        if float(cand) == abs(x):
+            mantissa, _, e = cand.partition("e")
+            break
+    digits = mantissa.replace(".", "").rstrip("0") or "0"
+    return digits, int(e)
+
+
+def canonical_json(v: Any) -> str:  # noqa: PLR0911 - one return per JSON type
+    if v is None:
+        return "null"
+    if v is True:
+        return "true"
+    if v is False:
+        return "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return format_float(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ",".join(canonical_json(e) for e in v) + "]"
+    if isinstance(v, dict):
+        items = sorted(v.items())
+        return "{" + ",".join(f"{canonical_json(k)}:{canonical_json(e)}" for k, e in items) + "}"
+    raise TypeError(type(v))
+
+
+# -- route window (docs/spec.md, "Route window") -----------------------------------------
+
+
+def _text(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def _lead(messages: Any) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for m in messages if isinstance(messages, list) else []:
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") in ("system", "developer"):
+            out.append(("S", m.get("content")))
+        elif m.get("role") == "user":
+            out.append(("U", m.get("content")))
+            break
+    return out
+
+
+def _tokens(ids: list[Any]) -> bytes:
+    good: list[int] = []
+    for t in ids:
+        if type(t) is not int:
+            break
+        good.append(t)
+    return ",".join(map(str, good)).encode()
+
+
+def pieces(body: dict[str, Any], route: str) -> list[tuple[str, bytes]]:
+    out: list[tuple[str, bytes]] = []
+    pck = body.get("prompt_cache_key")
+    if isinstance(pck, str) and pck:
+        out.append(("K", pck.encode()))
+    tools = body.get("tools")
+    if tools is not None and tools != []:
+        out.append(("T", canonical_json(tools).encode()))
+    raw: list[tuple[str, Any]] = []
+    if route == "/v1/chat/completions":
+        raw = _lead(body.get("messages"))
+    elif route == "/v1/completions":
+        p = body.get("prompt")
+        if isinstance(p, str):
+            out.append(("P", p.encode()))
+        elif isinstance(p, list) and p:
+            if type(p[0]) is int:
+                out.append(("I", _tokens(p)))
+            elif isinstance(p[0], str):
+                out.append(("P", p[0].encode()))
+            elif isinstance(p[0], list):
+                out.append(("I", _tokens(p[0])))
+    elif route == "/v1/responses":
+        if isinstance(body.get("instructions"), str):
+            raw.append(("S", body["instructions"]))
+        inp = body.get("input")
+        raw += [("U", inp)] if isinstance(inp, str) else _lead(inp)
+    elif route == "/v1/messages":
+        if body.get("system") is not None:
+            raw.append(("S", body["system"]))
+        raw += _lead(body.get("messages"))
+    out += [(tag, (_text(c) or "").encode()) for tag, c in raw]
+    return out
+
+
+def window(body: dict[str, Any], route: str, w: int = 1024, floor: int = 4096) -> bytes | None:
+    pck = body.get("prompt_cache_key")
+    if not (isinstance(pck, str) and pck) and prompt_size(body, route) < floor:
+        return None
+    buf = b""
+    for tag, data in pieces(body, route):
+        room = w - len(buf) - 5
+        if room <= 0:
+            break
+        cut = data[:room]
+        buf += tag.encode() + struct.pack(">I", len(cut)) + cut
+    return buf
+
+
+def prompt_size(body: dict[str, Any], route: str) -> int:
+    tools = body.get("tools")
+    n = len(canonical_json(tools).encode()) if tools is not None and tools != [] else 0
+    texts: list[Any] = []
+    if route in ("/v1/chat/completions", "/v1/messages"):
+        if route == "/v1/messages":
+            texts.append(body.get("system"))
+        msgs = body.get("messages")
+        texts += (
+            [m.get("content") for m in msgs if isinstance(m, dict)]
+            if isinstance(msgs, list)
+            else []
+        )
+    elif route == "/v1/responses":
+        texts.append(
+            body.get("instructions") if isinstance(body.get("instructions"), str) else None
+        )
+        inp = body.get("input")
+        if isinstance(inp, str):
+            texts.append(inp)
+        elif isinstance(inp, list):
+            texts += [i.get("content") for i in inp if isinstance(i, dict)]
+    elif route == "/v1/completions":
+        for tag, data in pieces({"prompt": body.get("prompt")}, route):
+            n += len(data) if tag == "P" else 4 * (data.count(b",") + 1 if data else 0)
+        return n
+    return n + sum(len((_text(t) or "").encode()) for t in texts if t is not None)
