@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -59,8 +60,7 @@ class _UpstreamConnection(asyncio.Protocol):
 
     # transport callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.broken = True

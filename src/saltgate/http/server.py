@@ -15,6 +15,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import httptools
 
@@ -127,8 +128,7 @@ class _Connection(asyncio.Protocol):
 
     # -- transport callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         peer = transport.get_extra_info("peername")
         self._peer = str(peer[0]) if isinstance(peer, tuple) else ""
         self._server.connections.add(self)

@@ -1,0 +1,213 @@
+"""The gateway's configuration file (TOML), read into typed, validated objects.
+
+Every mistake in the file is reported as a ConfigError naming the key and what is
+expected, so `saltgate serve --config FILE` fails with one clear line, not a traceback.
+Secrets (the master key, replica API keys) are referenced by file or environment
+variable; their values never appear in an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from saltgate.http.client import parse_authority
+from saltgate.store.pricing import Price, parse_prices
+
+MIN_MASTER_KEY_BYTES = 32
+
+
+class ConfigError(ValueError):
+    """A configuration problem a person can fix; the message says where and how."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    url: str
+    weight: float = 1.0
+    api_key: str | None = None
+
+    @property
+    def authority(self) -> tuple[str, int, str]:
+        return parse_authority(self.url)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    replicas: tuple[ReplicaConfig, ...]
+    state_dir: Path
+    master_key_file: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = 8001
+    max_body_bytes: int = 8 * 1024 * 1024
+    upstream_timeout_s: float = 600.0
+    prices: dict[str, Price] = field(default_factory=dict)
+    salting: bool = True
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "saltgate.db"
+
+
+def _expect(table: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    value = table[key]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ConfigError(f"{where}.{key}: expected {_kind_name(kind)}, got a boolean")
+    if not isinstance(value, kind):
+        raise ConfigError(f"{where}.{key}: expected {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _secret_ref(table: dict[str, Any], prefix: str, where: str) -> str | None:
+    """A secret given as `<prefix>_file` or `<prefix>_env` (never inline in the file)."""
+    if prefix in table:
+        raise ConfigError(
+            f"{where}.{prefix}: do not put secrets in the config file; "
+            f"use {prefix}_file or {prefix}_env"
+        )
+    if f"{prefix}_file" in table:
+        path = Path(_expect(table, f"{prefix}_file", str, where))
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"{where}.{prefix}_file: cannot read {path}: {exc.strerror}"
+            ) from None
+    if f"{prefix}_env" in table:
+        name = _expect(table, f"{prefix}_env", str, where)
+        value = os.environ.get(name)
+        if not value:
+            raise ConfigError(f"{where}.{prefix}_env: environment variable {name} is not set")
+        return value
+    return None
+
+
+def _replica(item: Any, index: int) -> ReplicaConfig:
+    where = f"replicas[{index}]"
+    if not isinstance(item, dict):
+        raise ConfigError(f'{where}: expected a table with url = "http://host:port"')
+    if "url" not in item:
+        raise ConfigError(f"{where}.url: missing")
+    url = _expect(item, "url", str, where)
+    try:
+        parse_authority(url)
+    except ValueError as exc:
+        raise ConfigError(f"{where}.url: {exc}") from None
+    weight = float(_expect(item, "weight", (int, float), where)) if "weight" in item else 1.0
+    if weight <= 0:
+        raise ConfigError(f"{where}.weight: must be positive")
+    unknown = set(item) - {"url", "weight", "api_key_file", "api_key_env", "api_key"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+    return ReplicaConfig(url, weight, _secret_ref(item, "api_key", where))
+
+
+def _prices(table: Any) -> dict[str, Price]:
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise ConfigError("prices: expected [prices.MODEL] tables with input, cached_input, output")
+    try:
+        return parse_prices(table)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
+    """Build a GatewayConfig from a parsed TOML document; relative paths start at `base`."""
+    known = {"gateway", "replicas", "prices", "testing"}
+    unknown = set(doc) - known
+    if unknown:
+        raise ConfigError(f"unknown sections {sorted(unknown)}; expected {sorted(known)}")
+    gw = doc.get("gateway", {})
+    if not isinstance(gw, dict):
+        raise ConfigError("gateway: expected a table")
+    replicas_doc = doc.get("replicas")
+    if not isinstance(replicas_doc, list) or not replicas_doc:
+        raise ConfigError('replicas: at least one [[replicas]] with url = "http://host:port"')
+    replicas = tuple(_replica(item, i) for i, item in enumerate(replicas_doc))
+
+    def path(key: str, default: str) -> Path:
+        value = Path(_expect(gw, key, str, "gateway") if key in gw else default)
+        return value if value.is_absolute() else base / value
+
+    state_dir = path("state_dir", ".state")
+    kwargs: dict[str, Any] = {}
+    for key, kind in (
+        ("host", str),
+        ("port", int),
+        ("admin_host", str),
+        ("admin_port", int),
+        ("max_body_bytes", int),
+        ("upstream_timeout_s", (int, float)),
+    ):
+        if key in gw:
+            kwargs[key] = _expect(gw, key, kind, "gateway")
+    unknown = set(gw) - {*kwargs, "state_dir", "master_key_file"}
+    if unknown:
+        raise ConfigError(f"gateway: unknown keys {sorted(unknown)}")
+    testing = doc.get("testing", {})
+    salting = True
+    if isinstance(testing, dict) and "disable_salting" in testing:
+        salting = not _expect(testing, "disable_salting", bool, "testing")
+    return GatewayConfig(
+        replicas=replicas,
+        state_dir=state_dir,
+        master_key_file=path("master_key_file", str(state_dir / "master.key")),
+        prices=_prices(doc.get("prices", {})),
+        salting=salting,
+        **kwargs,
+    )
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    return parse_config(doc, path.parent)
+
+
+def load_master_key(path: Path) -> bytes:
+    """Read the cluster secret; refuse short keys and files others can read."""
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read master key file {path}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"master key file {path} is readable by others; chmod 600 it")
+    key = data.strip()
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        key = bytes.fromhex(key.decode())
+    if len(key) < MIN_MASTER_KEY_BYTES:
+        raise ConfigError(
+            f"master key in {path} is too short: need at least {MIN_MASTER_KEY_BYTES} bytes"
+        )
+    return key
+
+
+def create_master_key(path: Path) -> bool:
+    """Write a fresh 32-byte key (hex) with mode 0600 if none exists; True if created."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return True

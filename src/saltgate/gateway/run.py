@@ -1,0 +1,182 @@
+"""Assemble and run a gateway: `saltgate serve --config FILE` and `saltgate up`."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from saltgate.config import (
+    ConfigError,
+    GatewayConfig,
+    ReplicaConfig,
+    create_master_key,
+    load_master_key,
+)
+from saltgate.gateway.metrics import Metrics
+from saltgate.gateway.replicas import ReplicaSet
+from saltgate.gateway.server import Gateway
+from saltgate.http import HttpServer, Request, Response
+from saltgate.sim.run import RunningSim, SimConfig, install_uvloop, start_sim
+from saltgate.spec.derive import derive_subkeys
+from saltgate.store.ledger import Ledger
+from saltgate.store.tenants import KeyIndex, TenantStore
+
+HEALTH_PROBE_INTERVAL_S = 2.0
+DEMO_TENANTS = ("demo-alice", "demo-bob")
+
+
+@dataclass
+class RunningGateway:
+    gateway: Gateway
+    port: int
+    admin: HttpServer | None
+    admin_port: int | None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.gateway.config.host}:{self.port}"
+
+    async def close(self) -> None:
+        await self.gateway.http.close()
+        if self.admin is not None:
+            await self.admin.close()
+        await self.gateway.replicas.close()
+        await self.gateway.ledger.aclose()
+        self.gateway.keys.close()
+
+
+async def start_gateway(config: GatewayConfig) -> RunningGateway:
+    master_key = load_master_key(config.master_key_file)
+    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    keys = KeyIndex(config.db_path)
+    ledger = Ledger(config.db_path)
+    replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s)
+    metrics = Metrics()
+    gateway = Gateway(
+        config,
+        subkeys=derive_subkeys(master_key),
+        keys=keys,
+        ledger=ledger,
+        replicas=replicas,
+        metrics=metrics,
+    )
+    await replicas.probe_all()
+    replicas.start_probing(HEALTH_PROBE_INTERVAL_S)
+    port = await gateway.http.start(config.host, config.port)
+    admin = None
+    admin_port = None
+    if config.admin_port is not None:
+
+        async def admin_handler(request: Request) -> Response:
+            if request.method == b"GET" and request.path == b"/metrics":
+                return Response(
+                    200, [(b"content-type", b"text/plain; version=0.0.4")], metrics.render()
+                )
+            return Response(404)
+
+        admin = HttpServer(admin_handler)
+        admin_port = await admin.start(config.admin_host, config.admin_port)
+    return RunningGateway(gateway, port, admin, admin_port)
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _serve(config: GatewayConfig) -> None:
+    running = await start_gateway(config)
+    print(f"saltgate: serving on {running.url} ({len(config.replicas)} replicas)", flush=True)
+    if running.admin_port is not None:
+        print(f"saltgate: metrics on http://{config.admin_host}:{running.admin_port}/metrics")
+    await _wait_for_signal()
+    await running.close()
+
+
+def serve(config: GatewayConfig) -> int:
+    install_uvloop()
+    try:
+        asyncio.run(_serve(config))
+    except ConfigError as exc:
+        print(f"saltgate: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"saltgate: cannot serve on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def demo_keys(store: TenantStore) -> list[tuple[str, str]]:
+    """Make sure the demo tenants exist and mint each a fresh key for this run.
+
+    Keys are stored only as hashes, so a key can be shown once; the previous run's demo
+    keys are revoked, while the tenants (and so their warm caches) stay.
+    """
+    existing = {t.name for t in store.list_tenants()}
+    minted = []
+    for name in DEMO_TENANTS:
+        if name not in existing:
+            store.create_tenant(name)
+        for key in store.list_keys(name):
+            if key.revoked_at is None:
+                store.revoke_key(key.id)
+        _, key_value = store.create_key(name)
+        minted.append((name, key_value))
+    return minted
+
+
+async def _up(port: int, replicas: int, state_dir: Path, sim_base_port: int) -> None:
+    sims: list[RunningSim] = []
+    for i in range(replicas):
+        sim_port = sim_base_port + i if sim_base_port else 0
+        sims.append(await start_sim(SimConfig(port=sim_port)))
+    config = GatewayConfig(
+        replicas=tuple(ReplicaConfig(s.url) for s in sims),
+        state_dir=state_dir,
+        master_key_file=state_dir / "master.key",
+        port=port,
+        admin_port=port + 1 if port else 0,
+    )
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    create_master_key(config.master_key_file)
+    store = TenantStore(config.db_path)
+    try:
+        keys = demo_keys(store)
+    finally:
+        store.close()
+    running = await start_gateway(config)
+    model = sims[0].server.config.model
+    print(f"saltgate up: gateway on {running.url} with {replicas} simulated replicas", flush=True)
+    print(f"  metrics:  http://{config.admin_host}:{running.admin_port}/metrics")
+    print(f"  state:    {state_dir}")
+    for name, key in keys:
+        print(f"  tenant {name}: API key {key}")
+    print(
+        f"  try: curl -s {running.url}/v1/completions -H 'Authorization: Bearer {keys[0][1]}' "
+        f"-H 'content-type: application/json' "
+        f'-d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 8}}\'',
+        flush=True,
+    )
+    await _wait_for_signal()
+    await running.close()
+    for sim in sims:
+        await sim.close()
+
+
+def up(port: int, replicas: int, state_dir: Path, sim_base_port: int = 0) -> int:
+    install_uvloop()
+    try:
+        asyncio.run(_up(port, replicas, state_dir, sim_base_port))
+    except ConfigError as exc:
+        print(f"saltgate up: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"saltgate up: cannot serve on port {port}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,129 @@
+"""Reading token usage out of replica responses, whole or streamed (pure, no I/O).
+
+Metering needs the usage a replica reports. For streams the gateway forces
+`stream_options.include_usage` on, so the last data event carries it; when the client
+did not ask for usage, that event is removed again so the client sees what it asked for.
+The SSE scanner only parses events that can hold usage, so passing a stream through
+costs a substring search per event, not a JSON parse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def _int(value: Any) -> int:
+    return value if type(value) is int and value >= 0 else 0
+
+
+def usage_from_object(usage: Any) -> Usage | None:
+    """Understands the OpenAI chat/completions, Responses and Anthropic Messages shapes."""
+    if not isinstance(usage, dict):
+        return None
+    if "prompt_tokens" in usage:
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+        return Usage(
+            _int(usage.get("prompt_tokens")), _int(cached), _int(usage.get("completion_tokens"))
+        )
+    if "input_tokens" in usage or "output_tokens" in usage:
+        details = usage.get("input_tokens_details")
+        if isinstance(details, dict):
+            cached = _int(details.get("cached_tokens"))
+            prompt = _int(usage.get("input_tokens"))
+        else:  # Anthropic counts cache reads apart from input_tokens
+            cached = _int(usage.get("cache_read_input_tokens"))
+            prompt = _int(usage.get("input_tokens")) + cached
+        return Usage(prompt, cached, _int(usage.get("output_tokens")))
+    return None
+
+
+def usage_from_body(body: bytes) -> Usage | None:
+    """Usage of a whole (non-streamed) JSON response, or None if it has none."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    found = usage_from_object(doc.get("usage"))
+    if found is None and isinstance(doc.get("response"), dict):
+        found = usage_from_object(doc["response"].get("usage"))
+    return found
+
+
+def _merge(old: Usage | None, new: Usage) -> Usage:
+    """Anthropic streams split usage over message_start and message_delta events."""
+    if old is None:
+        return new
+    return Usage(
+        max(old.prompt_tokens, new.prompt_tokens),
+        max(old.cached_tokens, new.cached_tokens),
+        max(old.completion_tokens, new.completion_tokens),
+    )
+
+
+class SseUsageScanner:
+    """Feed raw SSE bytes; get back the bytes to forward, and the usage seen so far.
+
+    Events are forwarded whole as soon as they are complete. With `drop_usage_event`, the
+    usage-only event the gateway asked for (no choices, a usage object) is removed.
+    """
+
+    __slots__ = ("_buffer", "drop_usage_event", "usage")
+
+    def __init__(self, *, drop_usage_event: bool) -> None:
+        self.drop_usage_event = drop_usage_event
+        self.usage: Usage | None = None
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._buffer + chunk if self._buffer else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._buffer = data
+            return b""
+        complete, self._buffer = data[: end + 2], data[end + 2 :]
+        if b'"usage"' not in complete:
+            return complete
+        kept = [event for event in complete.split(b"\n\n")[:-1] if self._keep(event)]
+        return b"".join(event + b"\n\n" for event in kept)
+
+    def flush(self) -> bytes:
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _keep(self, event: bytes) -> bool:
+        if b'"usage"' not in event:
+            return True
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                doc = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(doc, dict):
+                continue
+            holder = doc.get("response") if isinstance(doc.get("response"), dict) else doc
+            message = doc.get("message")
+            if isinstance(message, dict) and "usage" in message:
+                holder = message
+            assert isinstance(holder, dict)
+            found = usage_from_object(holder.get("usage"))
+            if found is None:
+                continue
+            self.usage = _merge(self.usage, found)
+            if self.drop_usage_event and doc.get("choices") == []:
+                return False
+        return True

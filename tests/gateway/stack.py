@@ -1,0 +1,133 @@
+"""A real stack for gateway tests: simulated replicas, a recording tap, and the gateway.
+
+Everything talks HTTP over loopback. The tap sits between the gateway and each replica
+and keeps the exact bytes the replica received, so tests can assert what reached it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key
+from saltgate.gateway.run import RunningGateway, start_gateway
+from saltgate.http import HttpServer, Request, Response, UpstreamPool
+from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate.store.pricing import Price
+from saltgate.store.tenants import TenantStore
+
+MODEL = "sim-model"
+
+
+@dataclass
+class Tap:
+    """A pass-through replica front that records every request it forwards."""
+
+    target: RunningSim
+    seen: list[Request] = field(default_factory=list)
+    server: HttpServer | None = None
+    port: int = 0
+
+    async def start(self) -> None:
+        pool = UpstreamPool("127.0.0.1", self.target.port)
+
+        async def handle(request: Request) -> Response:
+            self.seen.append(request)
+            headers = [(k, v) for k, v in request.headers if k not in (b"host", b"content-length")]
+            upstream = await pool.request(request.method, request.path, headers, request.body)
+            if upstream.header(b"transfer-encoding") == b"chunked":
+                kept = [(k, v) for k, v in upstream.headers if k != b"transfer-encoding"]
+                return Response(upstream.status, kept, stream=upstream.chunks())
+            body = await upstream.read()
+            kept = [(k, v) for k, v in upstream.headers if k != b"content-length"]
+            return Response(upstream.status, kept, body)
+
+        self.server = HttpServer(handle)
+        self.port = await self.server.start("127.0.0.1", 0)
+        self._pool = pool
+
+    async def close(self) -> None:
+        assert self.server is not None
+        await self.server.close()
+        await self._pool.close()
+
+
+@dataclass
+class Stack:
+    gateway: RunningGateway
+    sims: list[RunningSim]
+    taps: list[Tap]
+    keys: dict[str, str]
+    state_dir: Path
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    def client(self, tenant: str | None = None, **kw: object) -> httpx.AsyncClient:
+        headers = {"authorization": f"Bearer {self.keys[tenant]}"} if tenant else {}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30, **kw)  # type: ignore[arg-type]
+
+    def forwarded(self) -> list[Request]:
+        """The generation requests replicas received (health probes left out)."""
+        return [r for tap in self.taps for r in tap.seen if r.method == b"POST"]
+
+    def seen_bodies(self) -> list[bytes]:
+        return [r.body for r in self.forwarded()]
+
+
+@asynccontextmanager
+async def stack(
+    tmp: Path,
+    *,
+    replicas: int = 2,
+    tenants: tuple[str, ...] = ("alice", "bob"),
+    salting: bool = True,
+    sim: SimConfig | None = None,
+    max_body_bytes: int = 1024 * 1024,
+) -> AsyncIterator[Stack]:
+    sims = [await start_sim(sim or SimConfig(port=0)) for _ in range(replicas)]
+    taps = [Tap(s) for s in sims]
+    for tap in taps:
+        await tap.start()
+    state = tmp / "state"
+    state.mkdir(mode=0o700)
+    create_master_key(state / "master.key")
+    keys = {}
+    with TenantStore.from_state_dir(state) as store:
+        for name in tenants:
+            store.create_tenant(name)
+            keys[name] = store.create_key(name)[1]
+    config = GatewayConfig(
+        replicas=tuple(ReplicaConfig(f"http://127.0.0.1:{t.port}") for t in taps),
+        state_dir=state,
+        master_key_file=state / "master.key",
+        port=0,
+        admin_port=0,
+        max_body_bytes=max_body_bytes,
+        prices={MODEL: Price(1.0, 0.1, 2.0)},
+        salting=salting,
+    )
+    gateway = await start_gateway(config)
+    try:
+        yield Stack(gateway, sims, taps, keys, state)
+    finally:
+        await gateway.close()
+        for tap in taps:
+            await tap.close()
+        for s in sims:
+            await s.close()
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())  # type: ignore[arg-type]
+
+
+def long_prompt(seed: str, words: int = 400) -> str:
+    """Text long enough to fill many KV blocks; `seed` makes it unique."""
+    return " ".join(f"{seed}{i}" for i in range(words))

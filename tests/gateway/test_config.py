@@ -1,0 +1,86 @@
+"""Config files: good ones load, bad ones give one clear line naming the problem."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from saltgate.config import ConfigError, create_master_key, load_config, load_master_key
+
+GOOD = """
+[gateway]
+port = 9000
+state_dir = "st"
+
+[[replicas]]
+url = "http://127.0.0.1:8100"
+weight = 2
+api_key_env = "SG_TEST_BACKEND_KEY"
+
+[prices.sim-model]
+input = 1.0
+cached_input = 0.1
+output = 2
+"""
+
+
+def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SG_TEST_BACKEND_KEY", "backend-secret")
+    path = tmp_path / "g.toml"
+    path.write_text(GOOD)
+    config = load_config(path)
+    assert config.port == 9000
+    assert config.state_dir == tmp_path / "st"
+    assert config.master_key_file == tmp_path / "st" / "master.key"
+    assert config.replicas[0].weight == 2.0
+    assert config.replicas[0].api_key == "backend-secret"
+    assert config.prices["sim-model"].cached_input_per_mtok == 0.1
+    assert config.salting
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[gateway\n", "not valid TOML"),
+        ("[gateway]\nport = 1\n", "replicas"),
+        ('[[replicas]]\nurl = "ftp://x"\n', "replicas[0].url"),
+        ('[[replicas]]\nurl = "http://h:1"\napi_key = "inline"\n', "do not put secrets"),
+        ('[[replicas]]\nurl = "http://h:1"\napi_key_env = "SG_UNSET_VAR_X"\n', "not set"),
+        ('[[replicas]]\nurl = "http://h:1"\nweight = -1\n', "weight"),
+        ('[gateway]\nport = "80"\n[[replicas]]\nurl = "http://h:1"\n', "gateway.port"),
+        ('[gateway]\nprot = 80\n[[replicas]]\nurl = "http://h:1"\n', "unknown keys"),
+        ('[[replicas]]\nurl = "http://h:1"\n[prices.m]\ninput = 1\n', "cached_input"),
+        ('[[replicas]]\nurl = "http://h:1"\n[extra]\n', "unknown sections"),
+    ],
+)
+def test_bad_configs_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "g.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert needle in str(info.value)
+    assert "inline" not in str(info.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_master_key_is_created_private_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "master.key"
+    assert create_master_key(path)
+    assert not create_master_key(path)  # never overwritten
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert len(load_master_key(path)) == 32
+    os.chmod(path, 0o644)
+    with pytest.raises(ConfigError, match="readable by others"):
+        load_master_key(path)
+    short = tmp_path / "short.key"
+    short.write_text("abcd")
+    os.chmod(short, 0o600)
+    with pytest.raises(ConfigError, match="too short") as info:
+        load_master_key(short)
+    assert "abcd" not in str(info.value)

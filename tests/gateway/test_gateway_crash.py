@@ -1,0 +1,95 @@
+"""Kill the gateway with SIGKILL under load: every response a client got has its record."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from saltgate.config import create_master_key
+from saltgate.store.tenants import TenantStore
+
+
+def _spawn(args: list[str], banner: str) -> tuple[subprocess.Popen[str], str]:
+    """Start `python -m saltgate.cli ARGS` and return it with the URL it announces."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "saltgate.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    seen = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if banner in line:
+            url = next(word for word in line.split() if word.startswith("http://"))
+            return proc, url
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"{args[0]} did not start: {''.join(seen)[-2000:]}")
+
+
+def test_sigkill_under_load_loses_no_delivered_record(tmp_path: Path) -> None:
+    sim, sim_url = _spawn(
+        ["sim", "--port", "0", "--prefill-ms-per-1k-tokens", "0", "--decode-ms-per-token", "0"],
+        "saltgate sim:",
+    )
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    create_master_key(state / "master.key")
+    with TenantStore.from_state_dir(state) as store:
+        store.create_tenant("alice")
+        key = store.create_key("alice")[1]
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[gateway]\nport = 0\nadmin_port = 0\nstate_dir = "{state}"\n\n'
+        f'[[replicas]]\nurl = "{sim_url}"\n'
+    )
+    gateway, url = _spawn(["serve", "--config", str(config)], "serving on")
+    acknowledged = 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal acknowledged
+        body = {"model": "sim-model", "prompt": "crash test", "max_tokens": 1}
+        while True:
+            try:
+                resp = await http.post("/v1/completions", json=body)
+            except httpx.HTTPError:
+                return  # the gateway is gone
+            if resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] > 0:
+                acknowledged += 1
+
+    async def load() -> None:
+        headers = {"authorization": f"Bearer {key}"}
+        limits = httpx.Limits(max_connections=32)
+        async with httpx.AsyncClient(
+            base_url=url, headers=headers, timeout=5, limits=limits
+        ) as http:
+            tasks = [asyncio.create_task(client(http)) for _ in range(32)]
+            await asyncio.sleep(2.0)
+            os.kill(gateway.pid, signal.SIGKILL)  # mid-flight: requests are in every stage
+            await asyncio.wait_for(asyncio.gather(*tasks), 20)
+
+    try:
+        asyncio.run(load())
+    finally:
+        gateway.kill()
+        gateway.wait()
+        sim.send_signal(signal.SIGTERM)
+        sim.wait(10)
+    conn = sqlite3.connect(state / "saltgate.db")
+    (recorded,) = conn.execute("SELECT count(*) FROM usage WHERE status = 200").fetchone()
+    conn.close()
+    assert acknowledged > 20  # the load really ran (a loaded machine runs few)
+    assert recorded >= acknowledged

@@ -1,0 +1,73 @@
+"""The SSE usage scanner, without sockets: any chunking gives the same events and usage."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+
+from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body, usage_from_object
+
+
+def _event(doc: object) -> bytes:
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+USAGE = {
+    "prompt_tokens": 40,
+    "completion_tokens": 3,
+    "prompt_tokens_details": {"cached_tokens": 32},
+}
+STREAM = (
+    _event({"id": "c", "choices": [{"index": 0, "text": "a", "finish_reason": None}]})
+    + _event({"id": "c", "choices": [{"index": 0, "text": "b \\n\\n x", "finish_reason": None}]})
+    + _event({"id": "c", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+    + _event({"id": "c", "choices": [], "usage": USAGE})
+    + b"data: [DONE]\n\n"
+)
+
+
+def _scan(chunks: list[bytes], drop: bool) -> tuple[bytes, Usage | None]:
+    scanner = SseUsageScanner(drop_usage_event=drop)
+    out = b"".join(scanner.feed(c) for c in chunks) + scanner.flush()
+    return out, scanner.usage
+
+
+def test_any_chunking_gives_the_same_result() -> None:
+    rng = random.Random(7)
+    expected_kept, usage = _scan([STREAM], drop=False)
+    expected_dropped, _ = _scan([STREAM], drop=True)
+    assert expected_kept == STREAM
+    assert usage == Usage(40, 32, 3)
+    assert b'"usage"' not in expected_dropped
+    assert expected_dropped.endswith(b"data: [DONE]\n\n")
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(STREAM)), rng.randint(1, 12)))
+        chunks = [STREAM[a:b] for a, b in zip([0, *cuts], [*cuts, len(STREAM)], strict=True)]
+        assert _scan(chunks, drop=False) == (expected_kept, usage)
+        assert _scan(chunks, drop=True) == (expected_dropped, usage)
+
+
+def test_usage_shapes_of_the_three_apis() -> None:
+    assert usage_from_object(USAGE) == Usage(40, 32, 3)
+    responses = {
+        "input_tokens": 50,
+        "output_tokens": 5,
+        "input_tokens_details": {"cached_tokens": 16},
+    }
+    assert usage_from_object(responses) == Usage(50, 16, 5)
+    anthropic = {"input_tokens": 10, "cache_read_input_tokens": 30, "output_tokens": 2}
+    assert usage_from_object(anthropic) == Usage(40, 30, 2)
+    assert usage_from_object({"prompt_tokens": "many"}) == Usage(0, 0, 0)
+    assert usage_from_object(None) is None
+    assert usage_from_body(orjson.dumps({"response": {"usage": responses}})) == Usage(50, 16, 5)
+    assert usage_from_body(b"not json") is None
+
+
+def test_anthropic_stream_usage_is_merged_across_events() -> None:
+    stream = _event(
+        {"type": "message_start", "message": {"usage": {"input_tokens": 7, "output_tokens": 1}}}
+    ) + _event({"type": "message_delta", "usage": {"output_tokens": 9}})
+    out, usage = _scan([stream], drop=True)
+    assert out == stream  # only OpenAI usage-only chunks are ever removed
+    assert usage == Usage(7, 0, 9)
