@@ -68,7 +68,7 @@ class Gateway:
 
     def _describe_metrics(self) -> None:
         m = self.metrics
-        m.describe("saltgate_requests_total", "counter", "Requests by route and status.")
+        m.describe("saltgate_requests_total", "counter", "Requests by method and status.")
         m.describe("saltgate_tokens_total", "counter", "Tokens metered, by kind.")
         m.describe("saltgate_upstream_failures_total", "counter", "Failed upstream exchanges.")
         m.gauge(
