@@ -180,3 +180,57 @@ def test_stale_pooled_connection_is_replaced_transparently() -> None:
         await server.close()
 
     asyncio.run(main())
+
+
+async def _slow(request: Request) -> Response:
+    if request.path == b"/silent":
+        await asyncio.sleep(5)
+        return Response(200)
+
+    async def trickle() -> AsyncIterator[bytes]:
+        yield b"first;"
+        await asyncio.sleep(5)
+        yield b"never"
+
+    return Response(200, stream=trickle())
+
+
+def test_upstream_timeouts_fail_clearly_and_close_the_connection() -> None:
+    async def main() -> None:
+        server = HttpServer(_slow)
+        port = await server.start("127.0.0.1", 0)
+        pool = UpstreamPool("127.0.0.1", port, response_timeout=0.1, read_timeout=0.2)
+        with pytest.raises(UpstreamError, match="response timed out") as info:
+            await pool.request(b"GET", b"/silent", [])
+        assert info.value.before_response
+        resp = await pool.request(b"GET", b"/trickle", [])
+        chunks = resp.chunks()
+        assert await anext(chunks) == b"first;"
+        with pytest.raises(UpstreamError, match="read timed out") as info:
+            await anext(chunks)
+        assert not info.value.before_response
+        await asyncio.sleep(0.01)
+        assert pool.open_connections == 0  # timed-out exchanges are never reused
+        await pool.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_idle_connections_are_closed_but_busy_ones_are_not() -> None:
+    async def slowish(request: Request) -> Response:
+        await asyncio.sleep(0.3)  # longer than the idle timeout
+        return Response(200, body=b"done")
+
+    async def main() -> None:
+        server = HttpServer(slowish, idle_timeout=0.1)
+        port = await server.start("127.0.0.1", 0)
+        pool = UpstreamPool("127.0.0.1", port)
+        assert await (await pool.request(b"GET", b"/", [])).read() == b"done"
+        assert pool.open_connections == 1
+        await asyncio.sleep(0.3)
+        assert pool.open_connections == 0  # closed once idle
+        await pool.close()
+        await server.close()
+
+    asyncio.run(main())

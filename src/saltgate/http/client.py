@@ -33,13 +33,24 @@ class UpstreamError(Exception):
 
 
 class _UpstreamConnection(asyncio.Protocol):
+    """One kept-alive connection; one exchange at a time.
+
+    Timeouts cost one timer per exchange, not one per await: a watchdog fires at the
+    response deadline, and while the body streams it only re-arms itself for the time left
+    since the last data arrived (data_received just stamps the time).
+    """
+
     __slots__ = (
         "_chunks",
         "_done",
         "_headers",
         "_headers_future",
+        "_last_data",
+        "_loop",
         "_parser",
+        "_read_timeout",
         "_waiter",
+        "_watchdog",
         "broken",
         "pool",
         "status",
@@ -49,11 +60,15 @@ class _UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpResponseParser(self)
         self._headers: Headers = []
         self._headers_future: asyncio.Future[None] | None = None
         self._chunks: deque[bytes] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._read_timeout: float | None = None
+        self._last_data = 0.0
         self._done = False
         self.broken = False
         self.status = 0
@@ -64,27 +79,17 @@ class _UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.broken = True
+        self._stop_watchdog()
         self.pool._forget(self)
-        error = UpstreamError("upstream closed the connection", before_response=False)
-        future = self._headers_future
-        if future is not None and not future.done():
-            future.set_exception(
-                UpstreamError("upstream closed the connection", before_response=True)
-            )
-        elif not self._done:
-            self._wake(error)
+        self._fail("upstream closed the connection")
 
     def data_received(self, data: bytes) -> None:
+        self._last_data = self._loop.time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError:
             self.broken = True
-            error = UpstreamError("malformed response from upstream", before_response=False)
-            future = self._headers_future
-            if future is not None and not future.done():
-                future.set_exception(error)
-            else:
-                self._wake(error)
+            self._fail("malformed response from upstream")
             if self.transport is not None:
                 self.transport.close()
 
@@ -104,9 +109,19 @@ class _UpstreamConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._done = True
+        self._stop_watchdog()
         if not self._parser.should_keep_alive():
             self.broken = True
         self._wake(None)
+
+    # failure and wake-ups
+    def _fail(self, message: str) -> None:
+        """Fail whoever waits: the headers (nothing arrived yet) or the body reader."""
+        future = self._headers_future
+        if future is not None and not future.done():
+            future.set_exception(UpstreamError(message, before_response=True))
+        elif not self._done:
+            self._wake(UpstreamError(message, before_response=False))
 
     def _wake(self, error: Exception | None) -> None:
         waiter = self._waiter
@@ -116,20 +131,57 @@ class _UpstreamConnection(asyncio.Protocol):
             else:
                 waiter.set_exception(error)
 
+    def _on_watchdog(self) -> None:
+        self._watchdog = None
+        future = self._headers_future
+        if future is not None and not future.done():
+            self._expire("upstream response timed out")
+            return
+        if self._read_timeout is None or self._done:
+            return
+        idle_until = self._last_data + self._read_timeout
+        if self._loop.time() >= idle_until:
+            self._expire("upstream read timed out")
+        else:
+            self._watchdog = self._loop.call_at(idle_until, self._on_watchdog)
+
+    def _expire(self, message: str) -> None:
+        self.broken = True
+        self._fail(message)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
     # exchange
-    def begin(self) -> asyncio.Future[None]:
+    def begin(
+        self, response_timeout: float | None, read_timeout: float | None
+    ) -> asyncio.Future[None]:
         self._headers = []
         self._chunks.clear()
         self._done = False
         self.status = 0
-        self._headers_future = asyncio.get_running_loop().create_future()
+        self._read_timeout = read_timeout
+        self._headers_future = self._loop.create_future()
+        if response_timeout is not None:
+            self._watchdog = self._loop.call_later(response_timeout, self._on_watchdog)
         return self._headers_future
 
     @property
     def headers(self) -> Headers:
         return self._headers
 
-    async def next_chunk(self, timeout: float | None) -> bytes | None:
+    def take_body(self) -> bytes:
+        """The whole body, when the response already ended (no waiting needed)."""
+        chunks = self._chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        return body
+
+    async def next_chunk(self) -> bytes | None:
         """The next body chunk, or None at the end of the response."""
         while True:
             if self._chunks:
@@ -138,11 +190,9 @@ class _UpstreamConnection(asyncio.Protocol):
                 return None
             if self.broken:
                 raise UpstreamError("upstream closed the connection", before_response=False)
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
-                await asyncio.wait_for(self._waiter, timeout)
-            except TimeoutError:
-                raise UpstreamError("upstream read timed out", before_response=False) from None
+                await self._waiter
             finally:
                 self._waiter = None
 
@@ -150,15 +200,17 @@ class _UpstreamConnection(asyncio.Protocol):
     def done(self) -> bool:
         return self._done and not self._chunks
 
+    def abandon(self) -> None:
+        self._stop_watchdog()
+
 
 class UpstreamResponse:
     """Status, headers, and the body as chunks; `release` must be called (read() does it)."""
 
-    __slots__ = ("_conn", "_read_timeout", "_released", "headers", "status")
+    __slots__ = ("_conn", "_released", "headers", "status")
 
-    def __init__(self, conn: _UpstreamConnection, read_timeout: float | None) -> None:
+    def __init__(self, conn: _UpstreamConnection) -> None:
         self._conn = conn
-        self._read_timeout = read_timeout
         self._released = False
         self.status = conn.status
         self.headers = conn.headers
@@ -170,6 +222,11 @@ class UpstreamResponse:
         return None
 
     async def read(self) -> bytes:
+        conn = self._conn
+        if conn._done:  # the usual case for small bodies: it all came with the headers
+            body = conn.take_body()
+            self.release()
+            return body
         parts = [chunk async for chunk in self.chunks()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -177,7 +234,7 @@ class UpstreamResponse:
         conn = self._conn
         try:
             while True:
-                chunk = await conn.next_chunk(self._read_timeout)
+                chunk = await conn.next_chunk()
                 if chunk is None:
                     return
                 yield chunk
@@ -190,6 +247,7 @@ class UpstreamResponse:
             return
         self._released = True
         conn = self._conn
+        conn.abandon()
         if conn.done and not conn.broken:
             conn.pool._put_back(conn)
         else:
@@ -274,18 +332,16 @@ class UpstreamPool:
         raise AssertionError("unreachable")
 
     async def _exchange(self, conn: _UpstreamConnection, payload: bytes) -> UpstreamResponse:
-        headers_ready = conn.begin()
+        headers_ready = conn.begin(self.response_timeout, self.read_timeout)
         transport = conn.transport
         assert transport is not None
         transport.write(payload)
         try:
-            await asyncio.wait_for(headers_ready, self.response_timeout)
-        except TimeoutError:
-            raise UpstreamError("upstream response timed out", before_response=True) from None
+            await headers_ready
         except asyncio.CancelledError:
             self._discard(conn)
             raise
-        return UpstreamResponse(conn, self.read_timeout)
+        return UpstreamResponse(conn)
 
     def _put_back(self, conn: _UpstreamConnection) -> None:
         if len(self._idle) < self.max_idle:
@@ -295,6 +351,7 @@ class UpstreamPool:
 
     def _discard(self, conn: _UpstreamConnection) -> None:
         conn.broken = True
+        conn.abandon()
         self._forget(conn)
         if conn.transport is not None:
             conn.transport.close()

@@ -100,6 +100,8 @@ class _Connection(asyncio.Protocol):
         "_headers",
         "_headers_size",
         "_idle_handle",
+        "_last_active",
+        "_loop",
         "_parser",
         "_peer",
         "_pending",
@@ -124,6 +126,8 @@ class _Connection(asyncio.Protocol):
         self._writable = asyncio.Event()
         self._writable.set()
         self._idle_handle: asyncio.TimerHandle | None = None
+        self._loop = asyncio.get_running_loop()
+        self._last_active = self._loop.time()
         self._peer = ""
 
     # -- transport callbacks -------------------------------------------------------------
@@ -132,7 +136,7 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self._peer = str(peer[0]) if isinstance(peer, tuple) else ""
         self._server.connections.add(self)
-        self._arm_idle_timer()
+        self._arm_idle_timer(self._last_active)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
@@ -150,7 +154,7 @@ class _Connection(asyncio.Protocol):
         self._writable.set()
 
     def data_received(self, data: bytes) -> None:
-        self._arm_idle_timer()
+        self._last_active = self._loop.time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -208,9 +212,8 @@ class _Connection(asyncio.Protocol):
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         request = Request(self._parser.get_method(), path, query, self._headers, body, self._peer)
         keep_alive = self._parser.should_keep_alive()
-        self._cancel_idle_timer()
         if self._current is None:
-            self._current = asyncio.get_running_loop().create_task(self._serve(request, keep_alive))
+            self._current = self._loop.create_task(self._serve(request, keep_alive))
         else:
             self._pending.append((request, keep_alive))
 
@@ -223,7 +226,7 @@ class _Connection(asyncio.Protocol):
                     self._close()
                     return
                 if not self._pending:
-                    self._arm_idle_timer()
+                    self._last_active = self._loop.time()
                     return
                 request, keep_alive = self._pending.popleft()
         finally:
@@ -295,21 +298,27 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
-    def _arm_idle_timer(self) -> None:
-        self._cancel_idle_timer()
+    def _arm_idle_timer(self, since: float) -> None:
+        """One timer per connection: activity only stamps the time, the timer re-arms."""
         timeout = self._server.idle_timeout
         if timeout > 0:
-            loop = asyncio.get_running_loop()
-            self._idle_handle = loop.call_later(timeout, self._idle_expired)
+            self._idle_handle = self._loop.call_at(since + timeout, self._idle_check)
 
     def _cancel_idle_timer(self) -> None:
         if self._idle_handle is not None:
             self._idle_handle.cancel()
             self._idle_handle = None
 
-    def _idle_expired(self) -> None:
-        if self._current is None:
+    def _idle_check(self) -> None:
+        self._idle_handle = None
+        if self._closing:
+            return
+        if self._current is not None:  # busy answering: idle time starts when it ends
+            self._arm_idle_timer(self._loop.time())
+        elif self._loop.time() >= self._last_active + self._server.idle_timeout:
             self._close()
+        else:
+            self._arm_idle_timer(self._last_active)
 
     def shutdown(self) -> None:
         if self._current is None:
