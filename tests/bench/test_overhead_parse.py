@@ -1,0 +1,188 @@
+"""The overhead benchmark's pure parts: wrk's output, the load it sends, the report maths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from saltgate.bench.overhead import (
+    aggregate,
+    chat_body,
+    fixed_completion,
+    markdown,
+    nginx_conf,
+    parse_time_ms,
+    parse_wrk_output,
+    ratios,
+    summarize_profile,
+    wrk_script,
+)
+
+WRK_OK = """\
+Running 5s test @ http://127.0.0.1:40001/v1/chat/completions
+  1 threads and 32 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     9.23ms    1.02ms  31.20ms   91.00%
+    Req/Sec     3.47k   120.00     3.70k    70.00%
+  Latency Distribution
+     50%    9.23ms
+     75%    9.80ms
+     90%   10.50ms
+     99%   15.14ms
+  17350 requests in 5.00s, 12.34MB read
+Requests/sec:   3470.00
+Transfer/sec:      2.47MB
+"""
+
+WRK_ERRORS = """\
+Running 2s test @ http://127.0.0.1:40002/v1/chat/completions
+  1 threads and 1 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency    38.50us   12.00us   1.20ms   95.00%
+    Req/Sec    24.70k     1.10k   26.00k    80.00%
+  Latency Distribution
+     50%   38.00us
+     75%   41.00us
+     90%   45.00us
+     99%   82.00us
+  49480 requests in 2.00s, 30.10MB read
+  Socket errors: connect 0, read 3, write 0, timeout 2
+  Non-2xx or 3xx responses: 7
+Requests/sec:  24740.12
+Transfer/sec:     15.05MB
+"""
+
+
+def test_parse_wrk_output() -> None:
+    r = parse_wrk_output(WRK_OK)
+    assert r.requests == 17350
+    assert r.duration_s == pytest.approx(5.0)
+    assert r.rps == pytest.approx(3470.0)
+    assert (r.p50_ms, r.p75_ms, r.p90_ms, r.p99_ms) == pytest.approx((9.23, 9.8, 10.5, 15.14))
+    assert r.non_2xx == 0
+    assert r.errors == 0
+
+
+def test_parse_wrk_output_errors_and_microseconds() -> None:
+    r = parse_wrk_output(WRK_ERRORS)
+    assert r.p50_ms == pytest.approx(0.038)
+    assert r.p99_ms == pytest.approx(0.082)
+    assert r.non_2xx == 7
+    assert r.socket_errors == {"connect": 0, "read": 3, "write": 0, "timeout": 2}
+    assert r.errors == 12
+
+
+def test_parse_wrk_output_needs_latency_distribution() -> None:
+    without = "\n".join(line for line in WRK_OK.splitlines() if "%" not in line or "Req" in line)
+    with pytest.raises(ValueError, match="latency distribution"):
+        parse_wrk_output(without)
+
+
+@pytest.mark.parametrize(
+    ("text", "ms"),
+    [("12.00us", 0.012), ("1.5ms", 1.5), ("2.00s", 2000.0), ("1.50m", 90_000.0)],
+)
+def test_parse_time_ms(text: str, ms: float) -> None:
+    assert parse_time_ms(text) == pytest.approx(ms)
+
+
+def test_parse_time_ms_rejects_garbage() -> None:
+    with pytest.raises(ValueError):
+        parse_time_ms("fast")
+
+
+def test_load_is_a_chat_request_of_about_4_4_kb() -> None:
+    for stream in (False, True):
+        body = chat_body(stream=stream)
+        assert 4300 <= len(body) <= 4500
+        doc = json.loads(body)
+        assert doc["model"] == "sim-model"
+        assert doc.get("stream", False) is stream
+    script = wrk_script(chat_body(stream=False), "sk-test")
+    assert 'wrk.headers["Authorization"] = [==[Bearer sk-test]==]' in script
+    assert 'wrk.method = "POST"' in script
+
+
+def test_nginx_answer_is_openai_shaped_and_quoted() -> None:
+    doc = json.loads(fixed_completion())
+    assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] == 1024
+    conf = nginx_conf(Path("/tmp/x"), [1111, 2222])
+    assert "listen 127.0.0.1:1111;" in conf
+    assert "listen 127.0.0.1:2222;" in conf
+    assert "$" not in conf
+
+
+def _sample(target: str, conc: int, rps: float, p50: float, p99: float) -> dict[str, object]:
+    return {
+        "scenario": "nginx",
+        "target": target,
+        "round": 0,
+        "concurrency": conc,
+        "requests": int(rps),
+        "duration_s": 1.0,
+        "rps": rps,
+        "p50_ms": p50,
+        "p75_ms": p50,
+        "p90_ms": p99,
+        "p99_ms": p99,
+        "non_2xx": 0,
+        "socket_errors": {},
+    }
+
+
+def test_added_latency_and_ratios() -> None:
+    samples = [
+        _sample("direct", 1, 20000, 0.05, 0.1),
+        _sample("saltgate", 1, 2000, 0.35, 1.1),
+        _sample("smg", 1, 1500, 0.45, 2.1),
+        _sample("direct", 32, 30000, 1.0, 2.0),
+        _sample("saltgate", 32, 4000, 8.0, 12.0),
+        _sample("smg", 32, 3200, 10.0, 14.0),
+    ]
+    points = aggregate(samples)
+    salt1 = next(p for p in points if p["target"] == "saltgate" and p["concurrency"] == 1)
+    assert salt1["added_p50_ms"] == pytest.approx(0.30)
+    assert salt1["added_p99_ms"] == pytest.approx(1.0)
+    rows = ratios(points)
+    r32 = next(r for r in rows if r["concurrency"] == 32)
+    assert r32["peer"] == "smg"
+    assert r32["rps_ratio"] == pytest.approx(1.25)
+    assert r32["added_p50_ratio"] == pytest.approx(7.0 / 9.0)
+    result = {
+        "meta": {
+            "started": "now",
+            "machine": {"cpu": "test", "cpus": 2},
+            "loadavg_before": (0.0, 0.0, 0.0),
+            "loadavg_after": (0.0, 0.0, 0.0),
+            "duration_s": 1,
+            "warmup_s": 0,
+            "rounds": 1,
+            "pinning": {"load_and_backend_cpu": 0, "router_cpu": 1},
+        },
+        "support": {"direct": {"nginx": "ok"}, "saltgate": {"nginx": "ok"}, "smg": {"nginx": "ok"}},
+        "points": points,
+        "ratios": rows,
+        "profiles": [],
+        "notes": [],
+    }
+    text = markdown(result)
+    assert "| saltgate | 32 | 4,000 |" in text
+    assert "1.25x, met" in text
+    assert "300 us vs 400 us, met" in text
+
+
+def test_summarize_profile_own_and_total() -> None:
+    raw = (
+        "<module> (saltgate/cli.py:1);run (asyncio/runners.py:10);handle (gw/server.py:5) 30\n"
+        "<module> (saltgate/cli.py:1);run (asyncio/runners.py:10);loads (orjson) 10\n"
+        "<module> (saltgate/cli.py:1);run (asyncio/runners.py:10) 10\n"
+    )
+    summary = summarize_profile(raw)
+    assert summary["samples"] == 50
+    own = {row["frame"]: row["pct"] for row in summary["top_own"]}
+    assert own["handle (gw/server.py:5)"] == 60.0
+    assert own["run (asyncio/runners.py:10)"] == 20.0
+    total = {row["frame"]: row["pct"] for row in summary["top_total"]}
+    assert total["<module> (saltgate/cli.py:1)"] == 100.0
