@@ -1,0 +1,164 @@
+"""How much one simulated replica sustains on one core, and how many fit on one machine.
+
+    scripts/bench-setup.sh   # wrk and taskset
+    .venv/bin/python -m saltgate.bench.sim_capacity [--duration 5] [--replicas 64]
+
+Throughput: one `saltgate sim` pinned to core 1 with a zero time model (so the CPU cost
+per request is all there is), wrk pinned to core 0 posting a ~4.4 KB chat request, whole
+and streamed (16 output tokens). Footprint: N replicas started at once with the default
+time model; resident memory and idle CPU per replica, and a request answered by each.
+Results go to docs/benchmarks.md ("Replica simulator").
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from saltgate.bench.overhead import (
+    BenchError,
+    Proc,
+    chat_body,
+    default_tools_venv,
+    find_tools,
+    free_port,
+    http_request,
+    parse_wrk_output,
+    pinned,
+    wrk_script,
+)
+
+CONCURRENCY = 32
+
+
+def _sim_argv(port: int, *, zero_time: bool) -> list[str]:
+    argv = [sys.executable, "-m", "saltgate.cli", "sim", "--host", "127.0.0.1", "--port", str(port)]
+    if zero_time:
+        argv += ["--prefill-ms-per-1k-tokens", "0", "--decode-ms-per-token", "0"]
+    return argv
+
+
+def _wait_ready(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if http_request(port, "GET", "/health", timeout=1.0)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise BenchError(f"simulated replica on port {port} not ready within {timeout:.0f}s")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime + stime
+    return ticks / 100.0
+
+
+def throughput(duration: int, workdir: Path) -> list[tuple[str, float, float, float]]:
+    """(mode, requests/s, p50 ms, p99 ms) for whole and streamed answers on one core."""
+    tools = find_tools(default_tools_venv())
+    port = free_port()
+    sim = Proc("sim", pinned(tools, 1, _sim_argv(port, zero_time=True)), workdir / "sim.log")
+    rows = []
+    try:
+        _wait_ready(port)
+        for mode, stream in (("whole", False), ("streamed", True)):
+            script = workdir / f"{mode}.lua"
+            script.write_text(wrk_script(chat_body(stream=stream), "unused"))
+            argv = [
+                tools.need("wrk"),
+                "-t1",
+                f"-c{CONCURRENCY}",
+                f"-d{round(duration)}s",
+                "--latency",
+                "-s",
+                str(script),
+                f"http://127.0.0.1:{port}",
+            ]
+            run = subprocess.run(  # noqa: S603 - argv built here, no shell
+                pinned(tools, 0, argv),
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=duration + 30,
+            )
+            try:
+                result = parse_wrk_output(run.stdout)
+            except ValueError as exc:
+                raise BenchError(f"{mode}: {exc}\n{run.stdout}{run.stderr}") from None
+            if result.errors:
+                raise BenchError(f"{mode}: {result.errors} failed requests:\n{run.stdout}")
+            rows.append((mode, result.rps, result.p50_ms, result.p99_ms))
+    finally:
+        sim.stop()
+    return rows
+
+
+def footprint(replicas: int, workdir: Path) -> tuple[float, float, float]:
+    """(start seconds, mean RSS MB, idle CPU % of a core) per replica for `replicas` at once."""
+    ports = [free_port() for _ in range(replicas)]
+    start = time.monotonic()
+    procs = [
+        Proc(f"sim{i}", _sim_argv(p, zero_time=False), workdir / f"sim{i}.log")
+        for i, p in enumerate(ports)
+    ]
+    try:
+        for port in ports:
+            _wait_ready(port, timeout=120.0)
+        started = time.monotonic() - start
+        body = b'{"model":"sim-model","prompt":"hello","max_tokens":4}'
+        for port in ports:
+            status = http_request(port, "POST", "/v1/completions", body, timeout=10.0)[0]
+            if status != 200:
+                raise BenchError(f"replica on port {port} answered {status}")
+        cpu0 = [_cpu_seconds(p.pid) for p in procs]
+        time.sleep(5.0)
+        idle = [(_cpu_seconds(p.pid) - c) / 5.0 * 100 for p, c in zip(procs, cpu0, strict=True)]
+        rss = [_rss_mb(p.pid) for p in procs]
+    finally:
+        for proc in procs:
+            proc.stop()
+    return started / replicas, sum(rss) / len(rss), sum(idle) / len(idle)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m saltgate.bench.sim_capacity")
+    parser.add_argument("--duration", type=int, default=5, help="seconds per wrk point")
+    parser.add_argument("--replicas", type=int, default=64, help="replicas for the footprint")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="sg-simcap-") as tmp:
+        try:
+            rows = throughput(args.duration, Path(tmp))
+            per_start, rss, idle = footprint(args.replicas, Path(tmp))
+        except BenchError as exc:
+            print(f"sim_capacity: {exc}", file=sys.stderr)
+            return 1
+    print(f"One replica on one core, wrk c={CONCURRENCY}, ~4.4 KB chat, 16 output tokens:")
+    print("| answer | requests/s | p50 ms | p99 ms |\n|---|---|---|---|")
+    for mode, rps, p50, p99 in rows:
+        print(f"| {mode} | {rps:,.0f} | {p50:.2f} | {p99:.2f} |")
+    memory_bound = int(24 * 1024 / rss)
+    print(
+        f"\n{args.replicas} replicas at once: {per_start * 1000:.0f} ms to start each, "
+        f"{rss:.1f} MB resident each, {idle:.2f}% of a core each when idle; "
+        f"24 GiB holds about {memory_bound} replicas (before their KV-cache maps fill)."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
