@@ -234,3 +234,26 @@ def test_idle_connections_are_closed_but_busy_ones_are_not() -> None:
         await server.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("grace", [2.0, 0.0])
+def test_close_lets_responses_in_progress_finish_within_the_grace(grace: float) -> None:
+    async def slowish(request: Request) -> Response:
+        await asyncio.sleep(0.2)
+        return Response(200, body=b"finished")
+
+    async def main() -> None:
+        server = HttpServer(slowish)
+        port = await server.start("127.0.0.1", 0)
+        pool = UpstreamPool("127.0.0.1", port)
+        pending = asyncio.create_task(pool.request(b"GET", b"/", []))
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(server.close(grace=grace), 5)
+        if grace:
+            assert await (await pending).read() == b"finished"
+        else:
+            with pytest.raises(UpstreamError):
+                await pending
+        await pool.close()
+
+    asyncio.run(main())

@@ -321,8 +321,22 @@ class _Connection(asyncio.Protocol):
             self._arm_idle_timer(self._last_active)
 
     def shutdown(self) -> None:
+        """Close now if idle; otherwise close after the response in progress."""
         if self._current is None:
             self._close()
+        else:
+            self._pending.clear()
+            self._current.add_done_callback(lambda _: self._close())
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
+    def abort(self) -> None:
+        """Cancel the response in progress and close."""
+        if self._current is not None:
+            self._current.cancel()
+        self._close()
 
 
 class HttpServer:
@@ -352,10 +366,19 @@ class HttpServer:
         sockets = self._server.sockets
         return int(sockets[0].getsockname()[1]) if sockets else port
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for conn in list(self.connections):
-                conn.shutdown()
-            await self._server.wait_closed()
-            self._server = None
+    async def close(self, grace: float = 5.0) -> None:
+        """Stop accepting; let responses in progress finish for up to `grace` seconds."""
+        if self._server is None:
+            return
+        self._server.close()
+        for conn in list(self.connections):
+            conn.shutdown()
+        deadline = asyncio.get_running_loop().time() + grace
+        while any(c.busy for c in self.connections):
+            if asyncio.get_running_loop().time() >= deadline:
+                for conn in list(self.connections):
+                    conn.abort()
+                break
+            await asyncio.sleep(0.01)
+        await self._server.wait_closed()
+        self._server = None
