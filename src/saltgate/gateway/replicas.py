@@ -1,8 +1,9 @@
-"""The gateway's view of its replicas: connection pools, in-flight counts, health.
+"""The gateway's replicas: connection pools and probes around the sans-IO router.
 
-Until the cache-aware router lands, a request goes to the least-loaded healthy replica.
-A replica that fails a connection is marked down; a background probe of /health brings
-it back. The probe also learns the models the replicas serve, for GET /v1/models.
+The router (saltgate.routing) decides; this module does the I/O it needs: a pooled
+connection per replica, /health, /v1/models and /metrics probes every
+``probe_interval_s``, and a replica set that can change while requests are in flight
+(`reload`): a removed replica's pool closes once its last request has finished.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,81 +20,157 @@ import orjson
 
 from saltgate.config import ReplicaConfig
 from saltgate.http.client import UpstreamError, UpstreamPool
+from saltgate.routing import Member, Plan, ReplicaState, Router, parse_waiting
 
 log = logging.getLogger(__name__)
+
+RETIRE_POLL_S = 0.1
 
 
 @dataclass(slots=True, eq=False)
 class Replica:
-    index: int
     config: ReplicaConfig
     pool: UpstreamPool
     prefix: bytes
-    auth: list[tuple[bytes, bytes]]
-    inflight: int = 0
-    healthy: bool = True
     models: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        """The replica's identity in the ranking: its URL, the same on every gateway."""
+        return self.config.url
+
+    @property
+    def auth(self) -> list[tuple[bytes, bytes]]:
+        key = self.config.api_key
+        return [(b"authorization", b"Bearer " + key.encode())] if key else []
 
 
 class ReplicaSet:
-    def __init__(self, configs: tuple[ReplicaConfig, ...], *, timeout: float) -> None:
-        self.replicas: list[Replica] = []
-        for i, cfg in enumerate(configs):
-            host, port, prefix = cfg.authority
-            auth = [(b"authorization", b"Bearer " + cfg.api_key.encode())] if cfg.api_key else []
-            pool = UpstreamPool(host, port, response_timeout=timeout, read_timeout=timeout)
-            self.replicas.append(Replica(i, cfg, pool, prefix.encode(), auth))
+    def __init__(
+        self, configs: tuple[ReplicaConfig, ...], *, timeout: float, router: Router
+    ) -> None:
+        self.router = router
+        self.timeout = timeout
+        self._replicas: dict[str, Replica] = {}
         self._probe_task: asyncio.Task[None] | None = None
-        self._turn = 0
+        self._retiring: set[asyncio.Task[None]] = set()
+        self.reload(configs)
 
-    def pick(self, exclude: set[Replica]) -> Replica | None:
-        """Least in-flight among healthy replicas not yet tried; rotate among equals."""
-        best: Replica | None = None
-        n = len(self.replicas)
-        self._turn = (self._turn + 1) % n
-        for k in range(n):
-            replica = self.replicas[(self._turn + k) % n]
-            if not replica.healthy or replica in exclude:
-                continue
-            if best is None or replica.inflight < best.inflight:
-                best = replica
-        return best
+    @property
+    def replicas(self) -> list[Replica]:
+        """In configuration order."""
+        return list(self._replicas.values())
 
-    def mark_down(self, replica: Replica) -> None:
-        if replica.healthy:
-            log.warning("replica %d marked down", replica.index)
-        replica.healthy = False
+    # -- membership ------------------------------------------------------------------------
+    def reload(self, configs: tuple[ReplicaConfig, ...]) -> None:
+        """Switch to a new replica list without a restart; replicas that stay keep their
+        pools, load and health, and removed ones finish what they are serving."""
+        replicas: dict[str, Replica] = {}
+        for cfg in configs:
+            replica = self._replicas.get(cfg.url)
+            if replica is None:
+                host, port, prefix = cfg.authority
+                pool = UpstreamPool(
+                    host, port, response_timeout=self.timeout, read_timeout=self.timeout
+                )
+                replica = Replica(cfg, pool, prefix.encode())
+            replica.config = cfg
+            replicas[cfg.url] = replica
+        self.router.set_members(Member(cfg.url, cfg.weight) for cfg in configs)
+        removed = [r for url, r in self._replicas.items() if url not in replicas]
+        self._replicas = replicas
+        for replica in removed:
+            task = asyncio.get_running_loop().create_task(self._retire(replica))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, replica: Replica) -> None:
+        deadline = time.monotonic() + self.timeout
+        try:
+            while self.router.inflight(replica.id) > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(RETIRE_POLL_S)
+        finally:
+            await replica.pool.close()
+
+    # -- decisions and the events that feed them -----------------------------------------
+    def plan(self, route: str, body: Mapping[str, Any], model: str, salt: str | None) -> Plan:
+        """A request's routing input: its route key and prefix digests, under the policy."""
+        router = self.router
+        key = router.request_key(route, body, model, salt)
+        return router.plan(key, time.monotonic(), router.prefixes(route, body, model, salt))
+
+    def pick(self, plan: Plan, tried: set[str]) -> Replica | None:
+        replica_id = self.router.pick(plan, time.monotonic(), tried)
+        return None if replica_id is None else self._replicas[replica_id]
+
+    def started(self, replica: Replica) -> None:
+        self.router.started(replica.id, time.monotonic())
+
+    def responded(self, replica: Replica) -> None:
+        self.router.responded(replica.id)
+
+    def failed(self, replica: Replica) -> None:
+        self.router.failed(replica.id, time.monotonic())
+
+    def finished(self, replica: Replica) -> None:
+        self.router.finished(replica.id)
+
+    def available(self) -> list[tuple[int, Replica, bool]]:
+        """(index in the configuration, replica, may be picked now) for the metrics."""
+        now = time.monotonic()
+        return [
+            (i, r, self._state(r).health.available(now))
+            for i, r in enumerate(self._replicas.values())
+        ]
+
+    def _state(self, replica: Replica) -> ReplicaState:
+        state = self.router.state(replica.id)
+        assert state is not None, "the router and the replica set list the same replicas"
+        return state
 
     def models(self) -> list[dict[str, Any]]:
         seen: dict[str, dict[str, Any]] = {}
-        for replica in self.replicas:
+        for replica in self._replicas.values():
             for model in replica.models:
                 seen.setdefault(str(model.get("id")), model)
         return list(seen.values())
 
+    # -- probes ----------------------------------------------------------------------------
     async def probe(self, replica: Replica) -> bool:
         try:
-            resp = await replica.pool.request(b"GET", replica.prefix + b"/health", replica.auth)
-            await resp.read()
-            ok = resp.status == 200
-            if ok:
-                resp = await replica.pool.request(
-                    b"GET", replica.prefix + b"/v1/models", replica.auth
-                )
-                body = await resp.read()
-                if resp.status == 200:
-                    replica.models = _model_entries(body)
-        except UpstreamError:
+            ok = await asyncio.wait_for(self._probe(replica), self.router.config.probe_timeout_s)
+        except (UpstreamError, TimeoutError):
             ok = False
-        if ok and not replica.healthy:
-            log.info("replica %d is back", replica.index)
-        replica.healthy = ok
+        state = self.router.state(replica.id)
+        if state is None:
+            return ok  # removed while the probe ran
+        was_up = state.health.probe.up
+        self.router.probed(replica.id, ok)
+        if state.health.probe.up != was_up:
+            index = self.replicas.index(replica)
+            log.warning("replica %d is %s", index, "back" if ok else "down: its probes fail")
         return ok
+
+    async def _probe(self, replica: Replica) -> bool:
+        resp = await replica.pool.request(b"GET", replica.prefix + b"/health", replica.auth)
+        await resp.read()
+        if resp.status != 200:
+            return False
+        resp = await replica.pool.request(b"GET", replica.prefix + b"/v1/models", replica.auth)
+        body = await resp.read()
+        if resp.status == 200:
+            replica.models = _model_entries(body)
+        resp = await replica.pool.request(b"GET", replica.prefix + b"/metrics", replica.auth)
+        body = await resp.read()
+        self.router.observed_queue(replica.id, parse_waiting(body) if resp.status == 200 else None)
+        return True
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(r) for r in self.replicas))
 
-    def start_probing(self, interval: float) -> None:
+    def start_probing(self) -> None:
+        interval = self.router.config.probe_interval_s
+
         async def loop() -> None:
             while True:
                 await asyncio.sleep(interval)
@@ -104,7 +183,11 @@ class ReplicaSet:
             self._probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe_task
-        for replica in self.replicas:
+        retiring = list(self._retiring)
+        for task in retiring:
+            task.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
+        for replica in self._replicas.values():
             await replica.pool.close()
 
 

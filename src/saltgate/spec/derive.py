@@ -10,6 +10,7 @@ every conversation (route keys): bump the version label instead.
 from __future__ import annotations
 
 import hmac
+import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -27,6 +28,7 @@ LABEL_ROUTE_KEY: Final = b"saltgate/v1/route"
 LABEL_KV_EVENTS_KEY: Final = b"saltgate/v1/kv-events"
 CACHE_SALT_DOMAIN: Final = b"saltgate/v1/cache-salt"
 ROUTE_DOMAIN: Final = b"saltgate/v1/route"
+PREFIX_DOMAIN: Final = b"saltgate/v1/prefix"
 SALT_PREFIX: Final = "sg1_"
 SALT_LENGTH: Final = 47  # "sg1_" + 43 base64url characters of a 32-byte MAC
 
@@ -417,3 +419,102 @@ def route_key(k_route: bytes, model: str, salt: str, window: bytes) -> bytes:
     """
     msg = b"".join((ROUTE_DOMAIN, lp(model.encode("utf-8")), lp(salt.encode("utf-8")), lp(window)))
     return hmac.digest(k_route, msg, "sha256")
+
+
+# -- prefix digests (router-local affinity, docs/routing.md) ------------------------------
+
+TAG_ASSISTANT: Final = b"A"
+TAG_OTHER: Final = b"O"
+_ROLE_TAGS: Final = {
+    "system": TAG_SYSTEM,
+    "developer": TAG_SYSTEM,
+    "user": TAG_USER,
+    "assistant": TAG_ASSISTANT,
+}
+
+
+def _conversation(messages: object) -> Iterator[tuple[bytes, str]]:
+    if not isinstance(messages, list):
+        return
+    for msg in messages:
+        if isinstance(msg, dict):
+            role = msg.get("role")
+            tag = _ROLE_TAGS.get(role, TAG_OTHER) if isinstance(role, str) else TAG_OTHER
+            yield tag, "".join(_parts_text(msg.get("content")))
+
+
+def _whole_prompt(body: Mapping[str, Any], route: str) -> Iterator[tuple[bytes, str]]:
+    """Every piece of the prompt in order, later turns included (unlike the window)."""
+    pck = body.get("prompt_cache_key")
+    if isinstance(pck, str) and pck:
+        yield TAG_PROMPT_CACHE_KEY, pck
+    tools = _canonical_tools(body.get("tools"))
+    if tools is not None:
+        yield TAG_TOOLS, tools.decode("utf-8")
+    if route == ROUTE_COMPLETIONS:
+        piece = _completion_prompt(body.get("prompt"))
+        if piece is not None:
+            tag, value = piece
+            if isinstance(value, str):
+                yield tag, value
+            else:
+                assert isinstance(value, list)
+                ids = itertools.takewhile(_is_token_id, value)
+                yield tag, ",".join(map(str, ids)) + ","
+        return
+    if route == ROUTE_RESPONSES:
+        instructions = body.get("instructions")
+        if isinstance(instructions, str):
+            yield TAG_SYSTEM, instructions
+        inp = body.get("input")
+        if isinstance(inp, str):
+            yield TAG_USER, inp
+        else:
+            yield from _conversation(inp)
+        return
+    if route == ROUTE_MESSAGES:
+        system = body.get("system")
+        if system is not None:
+            yield TAG_SYSTEM, "".join(_parts_text(system))
+    yield from _conversation(body.get("messages"))
+
+
+def prefix_digests(
+    k_route: bytes,
+    model: str,
+    salt: str,
+    body: Mapping[str, Any],
+    route: str,
+    *,
+    first_depth: int = DEFAULT_WINDOW_BYTES,
+    max_depth: int = 256 * 1024,
+) -> list[bytes]:
+    """Keyed digests of the prompt's first d bytes, d = first_depth, 2x, 4x, ... (shallow first).
+
+    A later turn of a conversation extends the earlier prompt, so they share the digests
+    up to the earlier prompt's length (within a factor 2): the router remembers which
+    replica served a digest and sends the next turn there. The flattening is tag || text
+    per piece, with no lengths, so a growing prompt keeps its earlier prefix bytes; it is
+    a routing hint, not a commitment, so pieces need no unambiguous framing. Keyed with
+    the route sub-key, the model and the salt: tenants never share a digest, and nothing
+    outside the gateway can compute one. Local to a gateway: not part of what gateways
+    must agree on (the window key is).
+    """
+    if first_depth <= 0:
+        raise ValueError("first_depth must be positive")
+    flat = bytearray()
+    for tag, text in _whole_prompt(body, route):
+        flat += tag
+        flat += text[:max_depth].encode("utf-8")
+        if len(flat) >= max_depth:
+            break
+    mac = hmac.new(k_route, PREFIX_DOMAIN + lp(model.encode()) + lp(salt.encode()), "sha256")
+    digests: list[bytes] = []
+    done = 0
+    depth = first_depth
+    while depth <= min(len(flat), max_depth):
+        mac.update(flat[done:depth])
+        done = depth
+        digests.append(mac.copy().digest())
+        depth *= 2
+    return digests

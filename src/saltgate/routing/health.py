@@ -1,0 +1,135 @@
+"""Replica health as small state machines fed events: no clocks, no sockets.
+
+- Breaker (passive): consecutive failed exchanges open it; after ``open_s``, or at once
+  when an active probe succeeds, it lets one trial request through (half-open); the trial's
+  outcome closes or re-opens it.
+- Probe (active): ``failures`` consecutive failed /health probes take a replica out; one
+  good probe brings it back.
+- Overload: the replica's own queue (vLLM's ``vllm:num_requests_waiting``) with
+  hysteresis. An overloaded replica is skipped when picking but stays a member, so the
+  ranking of every key is unchanged and its traffic returns when the queue drains.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+WAITING_METRIC = b"vllm:num_requests_waiting"
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(slots=True)
+class Breaker:
+    failure_threshold: int
+    open_s: float
+    state: BreakerState = BreakerState.CLOSED
+    failures: int = 0
+    opened_at: float = 0.0
+    trial_started: float | None = None
+
+    def allows(self, now: float) -> bool:
+        """Whether a request may be sent now (pure: `started` records the trial)."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.OPEN:
+            return now - self.opened_at >= self.open_s
+        # Half-open: one trial at a time; a trial nobody reported on expires after open_s.
+        return self.trial_started is None or now - self.trial_started >= self.open_s
+
+    def started(self, now: float) -> None:
+        if self.state is BreakerState.OPEN and now - self.opened_at >= self.open_s:
+            self.state = BreakerState.HALF_OPEN
+        if self.state is BreakerState.HALF_OPEN:
+            self.trial_started = now
+
+    def succeeded(self) -> None:
+        self.state = BreakerState.CLOSED
+        self.failures = 0
+        self.trial_started = None
+
+    def failed(self, now: float) -> None:
+        self.failures += 1
+        if self.state is not BreakerState.CLOSED or self.failures >= self.failure_threshold:
+            self.state = BreakerState.OPEN
+            self.opened_at = now
+            self.trial_started = None
+
+    def probe_succeeded(self) -> None:
+        """An active probe answered: an open breaker may try one request right away."""
+        if self.state is BreakerState.OPEN:
+            self.state = BreakerState.HALF_OPEN
+            self.trial_started = None
+
+
+@dataclass(slots=True)
+class Probe:
+    failure_threshold: int
+    failures: int = 0
+
+    @property
+    def up(self) -> bool:
+        return self.failures < self.failure_threshold
+
+    def observed(self, ok: bool) -> None:
+        self.failures = 0 if ok else self.failures + 1
+
+
+@dataclass(slots=True)
+class Overload:
+    enter_waiting: float
+    exit_waiting: float
+    overloaded: bool = False
+
+    def observed(self, waiting: float | None) -> None:
+        """Feed a queue length; None (no metrics) means nothing to hold against it."""
+        if waiting is None:
+            self.overloaded = False
+        elif self.overloaded:
+            self.overloaded = waiting > self.exit_waiting
+        else:
+            self.overloaded = waiting >= self.enter_waiting
+
+
+@dataclass(slots=True)
+class ReplicaHealth:
+    breaker: Breaker
+    probe: Probe
+    overload: Overload
+
+    def available(self, now: float) -> bool:
+        """A member that may be picked: its probes pass and its breaker lets a request by."""
+        return self.probe.up and self.breaker.allows(now)
+
+    def probed(self, ok: bool) -> None:
+        self.probe.observed(ok)
+        if ok:
+            self.breaker.probe_succeeded()
+
+
+def parse_waiting(metrics: bytes) -> float | None:
+    """Sum of ``vllm:num_requests_waiting`` samples in a Prometheus text page, or None."""
+    total: float | None = None
+    for line in metrics.splitlines():
+        if not line.startswith(WAITING_METRIC):
+            continue
+        rest = line[len(WAITING_METRIC) :]
+        if rest[:1] not in (b"{", b" "):
+            continue  # another metric sharing the prefix
+        if rest.startswith(b"{"):
+            rest = rest[rest.rfind(b"}") + 1 :]
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        if value >= 0:  # NaN compares false: left out with negatives
+            total = (total or 0.0) + value
+    return total

@@ -1,0 +1,96 @@
+"""Prefix affinity: keyed prefix digests, the owner table, and how the router follows them."""
+
+from __future__ import annotations
+
+from saltgate.routing.affinity import PrefixAffinity
+from saltgate.routing.rendezvous import Member
+from saltgate.routing.router import Router, RouterConfig
+from saltgate.spec.derive import ROUTE_CHAT, ROUTE_COMPLETIONS, prefix_digests
+
+KEY = b"k" * 32
+MEMBERS = [Member(f"http://r{i}", 1.0) for i in range(4)]
+
+
+def turns(n: int) -> list[dict[str, object]]:
+    """A conversation's request bodies, each turn extending the last one."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You help. " * 30}]
+    bodies: list[dict[str, object]] = []
+    for i in range(n):
+        messages.append({"role": "user", "content": f"question {i} " * 40})
+        bodies.append({"model": "m", "messages": list(messages)})
+        messages.append({"role": "assistant", "content": f"answer {i} " * 60})
+    return bodies
+
+
+def test_a_later_turn_shares_the_earlier_turns_digests() -> None:
+    first, second, third = (
+        prefix_digests(KEY, "m", "salt", body, ROUTE_CHAT, first_depth=256) for body in turns(3)
+    )
+    assert len(first) < len(second) < len(third)
+    assert second[: len(first)] == first and third[: len(second)] == second
+    other_salt = prefix_digests(KEY, "m", "other", turns(1)[0], ROUTE_CHAT, first_depth=256)
+    other_key = prefix_digests(b"x" * 32, "m", "salt", turns(1)[0], ROUTE_CHAT, first_depth=256)
+    assert not set(first) & set(other_salt)  # tenants never share a digest
+    assert not set(first) & set(other_key)  # another cluster secret, other digests
+
+
+def test_growing_completion_prompts_keep_their_prefix_digests() -> None:
+    short = {"prompt": "word " * 300}
+    longer = {"prompt": "word " * 300 + "more " * 300}
+    ids_short = {"prompt": list(range(600))}
+    ids_long = {"prompt": list(range(1200))}
+    for a, b in ((short, longer), (ids_short, ids_long)):
+        da = prefix_digests(KEY, "m", "s", a, ROUTE_COMPLETIONS, first_depth=256)
+        db = prefix_digests(KEY, "m", "s", b, ROUTE_COMPLETIONS, first_depth=256)
+        assert da and db[: len(da)] == da and len(db) > len(da)
+    assert prefix_digests(KEY, "m", "s", {"prompt": "tiny"}, ROUTE_COMPLETIONS) == []
+
+
+def test_the_table_answers_deepest_first_and_forgets() -> None:
+    table = PrefixAffinity(ttl_s=10, max_entries=3)
+    table.record([b"a", b"b"], "r0", now=0)
+    table.record([b"a", b"b", b"c"], "r1", now=1)
+    assert table.owners([b"a", b"b", b"c"], now=2) == ["r1"]
+    table.record([b"a"], "r2", now=3)
+    assert table.owners([b"a", b"b", b"c"], now=4) == ["r1", "r2"]
+    assert table.owners([b"a"], now=20) == []  # expired
+    table.record([b"d", b"e", b"f", b"g"], "r3", now=21)
+    assert len(table) == 3  # bounded
+
+
+def test_a_conversation_that_starts_short_follows_its_first_replica() -> None:
+    config = RouterConfig(min_prompt_bytes=100_000, affinity_first_depth=256)  # no window key
+    router = Router(config, KEY, MEMBERS)
+    homes = []
+    for body in turns(4):
+        plan = router.plan(
+            router.request_key(ROUTE_CHAT, body, "m", "s"),
+            0.0,
+            router.prefixes(ROUTE_CHAT, body, "m", "s"),
+        )
+        assert plan.key is None
+        chosen = router.pick(plan, 0.0)
+        assert chosen is not None
+        homes.append(chosen)
+        router.started(chosen, 0.0)  # keep it loaded: least-loaded alone would move on
+    assert len(set(homes)) == 1
+    control = Router(RouterConfig(min_prompt_bytes=100_000, affinity_ttl_s=0), KEY, MEMBERS)
+    spread = set()
+    for _ in range(4):
+        chosen = control.pick(control.plan(None, 0.0), 0.0)
+        assert chosen is not None
+        control.started(chosen, 0.0)
+        spread.add(chosen)
+    assert len(spread) > 1  # without affinity the turns scatter
+
+
+def test_the_load_cap_overrides_the_owner() -> None:
+    config = RouterConfig(min_prompt_bytes=100_000, affinity_first_depth=256, max_inflight_delta=2)
+    router = Router(config, KEY, MEMBERS)
+    body = turns(1)[0]
+    prefixes = router.prefixes(ROUTE_CHAT, body, "m", "s")
+    home = router.pick(router.plan(None, 0.0, prefixes), 0.0)
+    assert home is not None
+    for _ in range(3):
+        router.started(home, 0.0)
+    assert router.pick(router.plan(None, 0.0, prefixes), 0.0) != home

@@ -1,0 +1,95 @@
+"""`saltgate serve` as a real process: SIGHUP reloads [[replicas]] without a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import httpx
+from tests.gateway.stack import MODEL, long_prompt, run
+
+from saltgate.config import create_master_key
+from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate.store.tenants import TenantStore
+
+SALTGATE = Path(sys.executable).parent / "saltgate"
+
+
+def write_config(path: Path, state: Path, sims: list[RunningSim]) -> None:
+    replicas = "".join(f'[[replicas]]\nurl = "{s.url}"\n' for s in sims)
+    path.write_text(
+        f'[gateway]\nport = 0\nadmin_port = 0\nstate_dir = "{state}"\n'
+        f"[router]\nprobe_interval_s = 0.2\n{replicas}"
+    )
+
+
+async def line_with(stream: asyncio.StreamReader, needle: str) -> str:
+    while True:
+        line = (await asyncio.wait_for(stream.readline(), 20)).decode()
+        assert line, f"saltgate serve exited before printing {needle!r}"
+        if needle in line:
+            return line
+
+
+def test_sighup_reloads_the_replica_list(tmp_path: Path) -> None:
+    async def main() -> None:
+        assert SALTGATE.exists(), f"missing {SALTGATE}: run `make install`"
+        sims = [await start_sim(SimConfig(port=0)) for _ in range(3)]
+        state = tmp_path / "state"
+        state.mkdir(mode=0o700)
+        create_master_key(state / "master.key")
+        with TenantStore.from_state_dir(state) as store:
+            store.create_tenant("alice")
+            key = store.create_key("alice")[1]
+        config = tmp_path / "gateway.toml"
+        write_config(config, state, sims[:2])
+        proc = await asyncio.create_subprocess_exec(
+            str(SALTGATE),
+            "serve",
+            "--config",
+            str(config),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            url = (await line_with(proc.stdout, "serving on")).split()[3]
+            headers = {"authorization": f"Bearer {key}"}
+            async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+
+                async def burst(tag: str) -> list[int]:
+                    before = [s.server.engine.requests_finished for s in sims]
+                    for i in range(12):
+                        body = {"model": MODEL, "prompt": long_prompt(f"{tag}{i}_", 800)}
+                        resp = await client.post("/v1/completions", json=body | {"max_tokens": 2})
+                        assert resp.status_code == 200, resp.text
+                    return [
+                        s.server.engine.requests_finished - b
+                        for s, b in zip(sims, before, strict=True)
+                    ]
+
+                assert (await burst("a"))[2] == 0
+                write_config(config, state, sims)
+                proc.send_signal(signal.SIGHUP)
+                await line_with(proc.stdout, "reloaded")
+                assert (await burst("b"))[2] > 0  # the added replica takes its share
+                write_config(config, state, sims[1:])
+                proc.send_signal(signal.SIGHUP)
+                await line_with(proc.stdout, "reloaded")
+                assert (await burst("c"))[0] == 0  # the removed one gets nothing
+                config.write_text("[router]\npolicy = 'nope'\n")
+                proc.send_signal(signal.SIGHUP)
+                refused = await line_with(proc.stderr, "reload refused")
+                assert "router.policy" in refused or "replicas" in refused
+                assert (await burst("d"))[0] == 0  # still serving on the previous list
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 20)
+            for s in sims:
+                await s.close()
+
+    run(main)

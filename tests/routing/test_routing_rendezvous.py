@@ -1,0 +1,68 @@
+"""Weighted rendezvous ranking: weights, determinism, order independence, minimal movement."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import Counter
+
+import pytest
+
+from saltgate.routing import Member, rank
+from saltgate.routing import rendezvous as rendezvous_module
+
+
+def keys(count: int, seed: str = "k") -> list[bytes]:
+    return [hashlib.sha256(f"{seed}{i}".encode()).digest() for i in range(count)]
+
+
+def top(key: bytes, members: list[Member]) -> str:
+    return rank(key, members)[0].id
+
+
+def test_each_replica_ranks_first_for_its_share_of_the_weight() -> None:
+    members = [Member("a", 1.0), Member("b", 2.0), Member("c", 3.0), Member("d", 4.0)]
+    n = 20000
+    counts = Counter(top(k, members) for k in keys(n))
+    for m in members:
+        # Binomial sd <= 0.0035 here; 0.015 is > 4 sd, and a weight-blind hash (0.25) fails.
+        assert abs(counts[m.id] / n - m.weight / 10.0) < 0.015, counts
+
+
+def test_ranking_ignores_the_order_replicas_are_listed_in() -> None:
+    members = [Member(f"http://10.0.0.{i}:8000", 1.0 + i % 3) for i in range(5)]
+    for key in keys(50):
+        expected = [m.id for m in rank(key, members)]
+        for perm in itertools.islice(itertools.permutations(members), 0, 120, 7):
+            assert [m.id for m in rank(key, list(perm))] == expected
+
+
+def test_equal_scores_are_ordered_by_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rendezvous_module, "hrw_score", lambda key, member: 1.0)
+    members = [Member("c"), Member("a"), Member("b")]
+    assert [m.id for m in rank(b"k", members)] == ["a", "b", "c"]
+    assert [m.id for m in rank(b"k", members[::-1])] == ["a", "b", "c"]
+
+
+def test_removing_one_of_n_moves_only_its_keys_about_one_in_n() -> None:
+    n = 10
+    members = [Member(f"r{i}") for i in range(n)]
+    sample = keys(20000)
+    before = {k: top(k, members) for k in sample}
+    gone = "r3"
+    after = {k: top(k, [m for m in members if m.id != gone]) for k in sample}
+    moved = [k for k in sample if before[k] != after[k]]
+    assert all(before[k] == gone for k in moved)  # nobody else's keys move
+    assert all(after[k] == before[k] for k in sample if before[k] != gone)
+    assert abs(len(moved) / len(sample) - 1 / n) < 0.01
+    # Adding a replica takes about 1/(n+1) of the keys, all of them to the new one.
+    grown = {k: top(k, [*members, Member("r10")]) for k in sample}
+    moved = [k for k in sample if grown[k] != before[k]]
+    assert all(grown[k] == "r10" for k in moved)
+    assert abs(len(moved) / len(sample) - 1 / (n + 1)) < 0.01
+
+
+def test_weights_must_be_positive_and_finite() -> None:
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="weight"):
+            Member("r", bad)
