@@ -1,0 +1,1 @@
+"""EHBP (Encrypted HTTP Body Protocol): pure framing, HPKE contexts and response keys."""

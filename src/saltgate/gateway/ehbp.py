@@ -1,0 +1,183 @@
+"""EHBP at the gateway's edge: open encrypted request bodies before the gateway sees them,
+seal whatever it answers, frame by frame.
+
+It wraps the gateway's handler, so the request path (auth, policy, salt, forward) is the
+same for encrypted and plaintext requests; the handler only learns that the body arrived
+encrypted (for `require_encrypted_secret`). An envelope that does not open is answered
+here and nothing is forwarded: 422 problem+json for a body sealed to another key (the
+client refetches the key config and resends), 400 in OpenAI's error shape otherwise.
+Bodyless requests and requests without `Ehbp-Encapsulated-Key` pass through in plaintext.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Final
+
+import orjson
+
+from saltgate.config import ConfigError
+from saltgate.ehbp.frames import (
+    ENCAPSULATED_KEY_HEADER,
+    KEYS_MEDIA_TYPE,
+    KEYS_PATH,
+    PROBLEM_MEDIA_TYPE,
+    PUBLIC_KEY_BYTES,
+    RESPONSE_NONCE_BYTES,
+    RESPONSE_NONCE_HEADER,
+    EhbpError,
+    KeyConfigError,
+    ReplayGuard,
+    ResponseSealer,
+    ServerKey,
+    parse_hex_field,
+    problem_json,
+)
+from saltgate.gateway.metrics import Metrics
+from saltgate.http import Request, Response
+from saltgate.policy.errors import ApiError
+from saltgate.spec.derive import SECRET_FIELD
+
+# The gateway's handler, told whether the body arrived encrypted.
+BodyHandler = Callable[[Request, bool], Awaitable[Response]]
+
+_ENC_HEADER: Final = ENCAPSULATED_KEY_HEADER.lower().encode()
+_NONCE_HEADER: Final = RESPONSE_NONCE_HEADER.lower().encode()
+_KEYS_PATH: Final = KEYS_PATH.encode()
+# Framing of the encrypted body; the opened body gets its own.
+_DROPPED_REQUEST_HEADERS: Final = frozenset({_ENC_HEADER, b"content-length", b"transfer-encoding"})
+_OUTCOMES: Final = "saltgate_ehbp_requests_total"
+
+
+def plaintext_secret_refused() -> ApiError:
+    """400 for `require_encrypted_secret`: the secret must travel inside an EHBP body."""
+    return ApiError(
+        400,
+        f"This gateway accepts '{SECRET_FIELD}' only inside an EHBP-encrypted body (the "
+        "operator could read it otherwise); use the saltgate client SDK or `saltgate proxy`, "
+        "or omit the field to use the tenant-wide cache.",
+        param=SECRET_FIELD,
+        code="unencrypted_user_cache_secret",
+    )
+
+
+class EhbpEdge:
+    """The HTTP server's handler when EHBP is on; `key` may be replaced to rotate."""
+
+    def __init__(
+        self,
+        handle: BodyHandler,
+        key: ServerKey,
+        metrics: Metrics,
+        *,
+        replay: ReplayGuard | None = None,
+    ) -> None:
+        self._handle = handle
+        self.key = key
+        self.metrics = metrics
+        self.replay = replay or ReplayGuard()
+        metrics.describe(_OUTCOMES, "counter", "EHBP-encrypted requests by outcome.")
+
+    async def handle(self, request: Request) -> Response:
+        if request.path == _KEYS_PATH and request.method == b"GET":
+            return Response(
+                200,
+                [(b"content-type", KEYS_MEDIA_TYPE.encode()), (b"cache-control", b"no-cache")],
+                self.key.config.encode(),
+            )
+        values = [v for n, v in request.headers if n == _ENC_HEADER]
+        if not values or not request.body:
+            return await self._handle(request, False)
+        try:
+            if len(values) > 1:
+                raise EhbpError(f"send exactly one {ENCAPSULATED_KEY_HEADER} header")
+            enc = parse_hex_field(values[0], PUBLIC_KEY_BYTES, ENCAPSULATED_KEY_HEADER)
+            opened = self.key.open_request(enc, request.body)
+            if not self.replay.first_use(enc):
+                raise EhbpError("this encrypted request was already received (replay)")
+        except KeyConfigError as exc:
+            self._count("key_config")
+            return Response(
+                422,
+                [(b"content-type", PROBLEM_MEDIA_TYPE.encode())],
+                orjson.dumps(problem_json(str(exc))),
+            )
+        except EhbpError as exc:
+            self._count("rejected")
+            error = ApiError(400, f"Invalid EHBP request: {exc}.", code="invalid_ehbp")
+            return Response(400, [(b"content-type", b"application/json")], error.body())
+        self._count("opened")
+        inner = Request(
+            request.method,
+            request.path,
+            request.query,
+            [(n, v) for n, v in request.headers if n not in _DROPPED_REQUEST_HEADERS],
+            opened.plaintext,
+            request.peer,
+        )
+        response = await self._handle(inner, True)
+        nonce = secrets.token_bytes(RESPONSE_NONCE_BYTES)
+        headers = [(n, v) for n, v in response.headers if n != b"content-length"]
+        headers.append((_NONCE_HEADER, nonce.hex().encode()))
+        sealed = _sealed(response, opened.response_sealer(nonce))
+        return Response(response.status, headers, stream=sealed)
+
+    def _count(self, outcome: str) -> None:
+        self.metrics.inc(_OUTCOMES, (("outcome", outcome),))
+
+
+async def _sealed(response: Response, sealer: ResponseSealer) -> AsyncIterator[bytes]:
+    """The response body as frames: one per chunk the gateway produces, as it produces it."""
+    if response.stream is None:
+        if response.body:
+            yield sealer.seal(response.body)
+        return
+    inner = response.stream
+    try:
+        async for chunk in inner:
+            if chunk:
+                yield sealer.seal(chunk)
+    finally:
+        aclose = getattr(inner, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def load_or_create_server_key(path: Path) -> ServerKey:
+    """The operator's HPKE key file (hex of 32 bytes, mode 0600); made if absent.
+
+    Never follows a symlink; refuses a file others can read. The key's bytes never appear
+    in an error.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot create EHBP key file {path}: {exc.strerror}") from None
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(ServerKey.generate().private_bytes().hex() + "\n")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ConfigError(f"cannot read EHBP key file {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        data = f.read(4096)
+    if not stat.S_ISREG(mode) or mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"EHBP key file {path} must be a regular file of mode 0600")
+    raw = b""
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        raw = bytes.fromhex(data.decode().strip())
+    if len(raw) != PUBLIC_KEY_BYTES:
+        raise ConfigError(
+            f"EHBP key file {path} must hold {2 * PUBLIC_KEY_BYTES} hex digits (an X25519 key)"
+        )
+    return ServerKey(raw)

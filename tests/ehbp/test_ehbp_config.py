@@ -1,0 +1,113 @@
+"""Where the gateway's HPKE key comes from: [ehbp] in the config, the operator's key file,
+and `saltgate up` (a key made at start, EHBP and plaintext alike)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import ehbp
+import httpx
+import pytest
+from tests.gateway.stack import MODEL
+
+from saltgate.config import ConfigError, parse_config
+from saltgate.ehbp.frames import KEYS_PATH, KeyConfig
+from saltgate.gateway.ehbp import load_or_create_server_key
+
+REPLICAS = {"replicas": [{"url": "http://127.0.0.1:9"}]}
+
+
+def test_the_ehbp_section(tmp_path: Path) -> None:
+    default = parse_config(dict(REPLICAS), tmp_path)
+    assert default.ehbp and default.ehbp_key_file is None
+    assert not default.require_encrypted_secret
+    config = parse_config(
+        {**REPLICAS, "ehbp": {"key_file": "hpke.key", "require_encrypted_secret": True}},
+        tmp_path,
+    )
+    assert config.ehbp_key_file == tmp_path / "hpke.key"
+    assert config.require_encrypted_secret
+    assert not parse_config({**REPLICAS, "ehbp": {"enabled": False}}, tmp_path).ehbp
+    for table, words in (
+        ({"key": "x"}, "unknown keys"),
+        ({"enabled": "yes"}, "expected bool"),
+        ({"enabled": False, "require_encrypted_secret": True}, "needs ehbp.enabled"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            parse_config({**REPLICAS, "ehbp": table}, tmp_path)
+
+
+def test_the_key_file_is_made_once_private_and_kept(tmp_path: Path) -> None:
+    path = tmp_path / "keys" / "hpke.key"
+    key = load_or_create_server_key(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert load_or_create_server_key(path).config == key.config  # a restart keeps the key
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="mode 0600") as info:
+        load_or_create_server_key(path)
+    assert key.private_bytes().hex() not in str(info.value)
+    path.chmod(0o600)
+    path.write_text("not hex\n")
+    with pytest.raises(ConfigError, match="64 hex digits"):
+        load_or_create_server_key(path)
+    link = tmp_path / "link.key"
+    link.symlink_to(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_or_create_server_key(link)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_saltgate_up_serves_ehbp_and_plaintext_alike(tmp_path: Path) -> None:
+    async def main() -> None:
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "saltgate.cli",
+            "up",
+            "--port",
+            str(port),
+            "--replicas",
+            "1",
+            "--state-dir",
+            str(tmp_path / "state"),
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None
+            lines: list[str] = []
+            while not any(line.lstrip().startswith("try:") for line in lines):
+                line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+                assert line, f"saltgate up exited early: {lines}"
+                lines.append(line)
+            text = "".join(lines)
+            fingerprint = re.search(r"EHBP key: (sha256:[0-9a-f]{64})", text)
+            api_key = re.search(r"tenant demo-alice: API key (\S+)", text)
+            assert fingerprint and api_key
+            url = f"http://127.0.0.1:{port}"
+            async with httpx.AsyncClient(base_url=url, timeout=30) as plain:
+                config = (await plain.get(KEYS_PATH)).content
+                assert KeyConfig.decode(config).fingerprint == fingerprint.group(1)
+                body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+                auth = {"authorization": f"Bearer {api_key.group(1)}"}
+                assert (await plain.post("/v1/completions", json=body, headers=auth)).is_success
+            transport = ehbp.AsyncEHBPTransport(ehbp.ServerIdentity.unmarshal_public_config(config))
+            async with httpx.AsyncClient(base_url=url, transport=transport, timeout=30) as sealed:
+                resp = await sealed.post("/v1/completions", json=body, headers=auth)
+                assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
+        finally:
+            proc.send_signal(signal.SIGINT)
+            await asyncio.wait_for(proc.wait(), 30)
+
+    asyncio.run(main())
