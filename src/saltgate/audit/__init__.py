@@ -1,0 +1,1 @@
+"""The isolation audit: timing probes from outside, and deployment checks."""
