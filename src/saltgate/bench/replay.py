@@ -1,0 +1,524 @@
+"""`saltgate bench replay`: replay a real trace through each routing policy in turn.
+
+Method (docs/benchmarks.md, "Replay benchmark"): the trace (Mooncake's conversation trace
+by default) becomes a schedule (saltgate.bench.trace_schedule: sessions from the hash
+chains, tenants by Zipf, token blocks, send times divided by --time-scale). For every
+policy, fresh simulated replicas (finite caches, prefill time per uncached token) start,
+the router under test starts in front of them, and one asyncio load generator sends the
+same schedule as streaming completions, measuring time to first token and reading
+cached tokens from the usage chunk. Gateway policies get an API key per tenant; the
+peers get a cache_salt per tenant in the body, so their isolation is comparable.
+
+Per policy (replay_metrics.summarize): cached-token ratio, TTFT p50/p90/p99, throughput,
+requests per replica and max/mean, failed requests, cross-tenant cache hits, and the load
+generator's own overhead. Output: a table on stdout, --json OUT, --plot OUT.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from saltgate.bench.overhead import (
+    BenchError,
+    Proc,
+    Tools,
+    default_tools_venv,
+    find_tools,
+    free_port,
+    machine_info,
+    tool_versions,
+)
+from saltgate.bench.replay_client import RequestShape, replay
+from saltgate.bench.replay_metrics import check_targets, markdown_table, summarize
+from saltgate.bench.replay_procs import (
+    GATEWAY_POLICIES,
+    POLICIES,
+    Fleet,
+    GatewayState,
+    SimSettings,
+    check_gateway_config,
+    gateway_config,
+    prepare_gateway_state,
+    router_argv,
+)
+from saltgate.bench.trace_schedule import (
+    ReplayRequest,
+    TraceError,
+    build_schedule,
+    load_trace,
+    zipf_weights,
+)
+from saltgate.http.client import UpstreamError, UpstreamPool
+
+MODEL = "sim-model"
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[4] / "shared/traces/mooncake/conversation_trace.jsonl"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    replica: int
+    kill_at_s: float
+    revive_after_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    policies: tuple[str, ...]
+    replicas: int
+    tenants: int
+    sim: SimSettings
+    block_tokens: int
+    text_prompts: bool
+    router_settings: tuple[str, ...]
+    fault: Fault | None
+    drain_timeout_s: float
+    startup_timeout_s: float
+    progress: bool
+
+
+class Bench:
+    """Runs one policy after another on the same schedule; keeps every child accounted for."""
+
+    def __init__(
+        self, options: Options, schedule: Sequence[ReplayRequest], tools: Tools, workdir: Path
+    ) -> None:
+        self.o = options
+        self.schedule = schedule
+        self.tools = tools
+        self.workdir = workdir
+        self.state: GatewayState | None = None
+        self.ttfts: dict[str, list[float]] = {}
+
+    def log(self, message: str) -> None:
+        print(f"[replay] {message}", file=sys.stderr, flush=True)
+
+    def shape(self, policy: str) -> RequestShape:
+        if policy in GATEWAY_POLICIES:
+            if self.state is None:
+                self.state = prepare_gateway_state(self.workdir / "gateway-state", self.o.tenants)
+            return RequestShape(
+                MODEL, self.o.block_tokens, self.o.text_prompts, tenant_keys=self.state.api_keys
+            )
+        salts = tuple(f"bench-tenant-{i}" for i in range(self.o.tenants))
+        return RequestShape(
+            MODEL,
+            self.o.block_tokens,
+            self.o.text_prompts,
+            tenant_salts=salts,
+            session_header=policy.endswith(":consistent_hash"),
+        )
+
+    async def run(self) -> list[dict[str, Any]]:
+        results = []
+        for policy in self.o.policies:
+            started = time.monotonic()
+            try:
+                result = await self.run_policy(policy, self.shape(policy))
+            except BenchError as exc:
+                self.log(f"{policy}: {exc}")
+                result = {"policy": policy, "error": str(exc).splitlines()[0]}
+            self.log(f"{policy}: done in {time.monotonic() - started:.0f} s")
+            results.append(result)
+        return results
+
+    async def run_policy(self, policy: str, shape: RequestShape) -> dict[str, Any]:
+        fleet = Fleet(self.o.sim, self.o.replicas, self.workdir, policy.replace(":", "-"))
+        router: Proc | None = None
+        try:
+            await fleet.start(self.o.startup_timeout_s)
+            port = free_port()
+            router = self.start_router(policy, port, fleet)
+            await self.wait_ready(router, port, shape)
+            baseline = await fleet.served()
+            pool = UpstreamPool(
+                "127.0.0.1", port, max_idle=1024, response_timeout=None, read_timeout=None
+            )
+            try:
+                run, fault = await self.replay_with_fault(policy, pool, shape, fleet)
+            finally:
+                await pool.close()
+            served = [b - a for a, b in zip(baseline, await fleet.served(), strict=True)]
+        finally:
+            if router is not None:
+                router.stop()
+            fleet.stop()
+        result = summarize(
+            policy,
+            self.schedule,
+            run.outcomes,
+            block_size=self.o.block_tokens,
+            replica_requests=served,
+        )
+        result["isolating"] = result["cross_tenant_hits"] == 0
+        result["loadgen"] = run.overhead()
+        if fault is not None:
+            result["fault"] = fault
+        self.ttfts[policy] = [t for o in run.outcomes if o and o.ok and (t := o.ttft_s)]
+        return result
+
+    def start_router(self, policy: str, port: int, fleet: Fleet) -> Proc:
+        config = None
+        tag = policy.replace(":", "-")
+        if policy in GATEWAY_POLICIES:
+            assert self.state is not None
+            text = gateway_config(
+                self.state,
+                fleet.urls,
+                port=port,
+                admin_port=free_port(),
+                policy=policy,
+                router_settings=self.o.router_settings,
+            )
+            config = self.workdir / f"{tag}.toml"
+            config.write_text(text)
+            check_gateway_config(text, self.workdir)
+        argv = router_argv(policy, self.tools, port, fleet.urls, config)
+        return Proc(tag, argv, self.workdir / f"{tag}-router.log")
+
+    async def wait_ready(self, router: Proc, port: int, shape: RequestShape) -> None:
+        """Ready when a real (tiny) completion comes back through it: workers registered."""
+        headers, body = shape.probe_parts()
+        deadline = time.monotonic() + self.o.startup_timeout_s
+        last = "no answer"
+        pool = UpstreamPool("127.0.0.1", port, connect_timeout=2.0, response_timeout=10.0)
+        try:
+            while time.monotonic() < deadline:
+                if not router.alive():
+                    raise BenchError(
+                        f"{router.name} exited ({router.popen.returncode}) before it was "
+                        f"ready; log {router.log_path}:\n{router.tail()}"
+                    )
+                try:
+                    resp = await pool.request(b"POST", b"/v1/completions", headers, body)
+                    answer = await resp.read()
+                    if resp.status == 200 and b'"choices"' in answer:
+                        return
+                    last = f"HTTP {resp.status}: {answer[:200]!r}"
+                except UpstreamError as exc:
+                    last = str(exc)
+                await asyncio.sleep(0.2)
+        finally:
+            await pool.close()
+        raise BenchError(f"{router.name} not ready after {self.o.startup_timeout_s} s: {last}")
+
+    async def replay_with_fault(
+        self, policy: str, pool: UpstreamPool, shape: RequestShape, fleet: Fleet
+    ) -> tuple[Any, dict[str, Any] | None]:
+        bar = self._progress(policy)
+        fault_task = None
+        record: dict[str, Any] | None = None
+        if self.o.fault is not None:
+            record = {"replica": self.o.fault.replica}
+            fault_task = asyncio.create_task(self._fault(fleet, self.o.fault, record))
+        try:
+            run = await replay(
+                pool,
+                self.schedule,
+                shape,
+                drain_timeout_s=self.o.drain_timeout_s,
+                on_done=bar.update if bar is not None else lambda: None,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+            if fault_task is not None:
+                fault_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fault_task
+        return run, record
+
+    async def _fault(self, fleet: Fleet, fault: Fault, record: dict[str, Any]) -> None:
+        t0 = time.monotonic()
+        await asyncio.sleep(fault.kill_at_s)
+        record["served_before_kill"] = await fleet.kill(fault.replica)
+        record["killed_at_s"] = round(time.monotonic() - t0, 2)
+        self.log(f"killed replica {fault.replica} at {record['killed_at_s']} s")
+        if fault.revive_after_s is None:
+            return
+        await asyncio.sleep(fault.revive_after_s)
+        await fleet.revive(fault.replica, self.o.startup_timeout_s)
+        record["revived_at_s"] = round(time.monotonic() - t0, 2)
+        self.log(f"replica {fault.replica} back (fresh cache) at {record['revived_at_s']} s")
+
+    def _progress(self, policy: str) -> Any:
+        if not self.o.progress:
+            return None
+        from tqdm import tqdm  # type: ignore[import-untyped]  # noqa: PLC0415 - only for runs
+
+        return tqdm(total=len(self.schedule), desc=policy, unit="req", file=sys.stderr)
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def plot_ttfts(ttfts: dict[str, list[float]], path: Path, title: str) -> None:
+    """TTFT distributions as CDFs on a log time axis, one line per policy."""
+    # Imported here: matplotlib takes about a second, and only --plot needs it.
+    import matplotlib  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for policy, values in ttfts.items():
+        if not values:
+            continue
+        xs = np.sort(np.asarray(values) * 1000.0)
+        ys = np.arange(1, len(xs) + 1) / len(xs)
+        ax.plot(xs, ys, label=policy, linestyle="-" if policy in GATEWAY_POLICIES else "--")
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def schedule_info(schedule: Sequence[ReplayRequest], tenants: int) -> dict[str, Any]:
+    per_tenant = [0] * tenants
+    for req in schedule:
+        per_tenant[req.tenant] += 1
+    return {
+        "requests": len(schedule),
+        "sessions": len({r.session for r in schedule}),
+        "duration_s": round(schedule[-1].at_s, 2) if schedule else 0.0,
+        "offered_rps": round(len(schedule) / schedule[-1].at_s, 2)
+        if schedule and schedule[-1].at_s
+        else None,
+        "requests_per_tenant": per_tenant,
+    }
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    if text == "all":
+        return POLICIES
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}"
+        )
+    return names
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = SimSettings()
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (JSONL)")
+    p.add_argument("--replicas", type=_positive(int), default=4, help="simulated replicas")
+    p.add_argument("--tenants", type=_positive(int), default=8, help="tenants (Zipf over them)")
+    p.add_argument(
+        "--policy",
+        type=_policies,
+        default=POLICIES,
+        help=f"comma-separated, run in this order, or 'all' (default): {', '.join(POLICIES)}",
+    )
+    p.add_argument(
+        "--time-scale", type=_positive(float), default=10.0, help="replay S times faster"
+    )
+    p.add_argument("--json", type=Path, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, help="write a PNG of the TTFT distributions here")
+    w = p.add_argument_group("trace window and tenants")
+    w.add_argument("--start", type=float, default=0.0, help="trace seconds to skip")
+    w.add_argument(
+        "--duration", type=_positive(float), default=600.0, help="trace seconds to replay"
+    )
+    w.add_argument("--limit", type=_positive(int), help="at most this many requests")
+    w.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of tenant sizes")
+    w.add_argument("--seed", type=int, default=0, help="seed of the tenant assignment")
+    w.add_argument(
+        "--block-tokens",
+        type=_positive(int),
+        default=64,
+        help="tokens per 512-token trace block (a multiple of --sim-block-size)",
+    )
+    w.add_argument(
+        "--prompt-format",
+        choices=("text", "ids"),
+        default="text",
+        help="prompts as one-token words (default; smg refuses token ids) or token ids",
+    )
+    s = p.add_argument_group("simulated replicas")
+    s.add_argument("--sim-block-size", type=_positive(int), default=d.block_size)
+    s.add_argument("--num-blocks", type=_positive(int), default=d.num_blocks)
+    s.add_argument(
+        "--prefill-ms-per-1k-tokens", type=_positive(float), default=d.prefill_ms_per_1k_tokens
+    )
+    s.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
+    s.add_argument("--max-concurrency", type=_positive(int), default=d.max_concurrency)
+    r = p.add_argument_group("routers and faults")
+    r.add_argument(
+        "--router-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra TOML line for the gateway's [router] section (repeatable)",
+    )
+    r.add_argument("--kill-replica-at", type=float, help="kill a replica this many s in")
+    r.add_argument("--revive-after", type=float, help="bring it back this many s later")
+    r.add_argument("--kill-replica", type=int, default=0, help="which replica to kill")
+    r.add_argument("--tools-venv", type=Path, help="venv with smg and vllm-router")
+    r.add_argument("--drain-timeout", type=_positive(float), default=120.0)
+    r.add_argument("--startup-timeout", type=_positive(float), default=60.0)
+    r.add_argument("--workdir", type=Path, help="keep logs and configs here (default: temp)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _options(args: argparse.Namespace) -> Options:
+    if args.block_tokens % args.sim_block_size:
+        raise BenchError("--block-tokens must be a multiple of --sim-block-size")
+    if args.revive_after is not None and args.kill_replica_at is None:
+        raise BenchError("--revive-after needs --kill-replica-at")
+    if not 0 <= args.kill_replica < args.replicas:
+        raise BenchError(f"--kill-replica must be in 0..{args.replicas - 1}")
+    for line in args.router_set:
+        if "=" not in line:
+            raise BenchError(f"--router-set expects KEY=VALUE, got {line!r}")
+    fault = None
+    if args.kill_replica_at is not None:
+        fault = Fault(args.kill_replica, args.kill_replica_at, args.revive_after)
+    return Options(
+        policies=args.policy,
+        replicas=args.replicas,
+        tenants=args.tenants,
+        sim=SimSettings(
+            block_size=args.sim_block_size,
+            num_blocks=args.num_blocks,
+            prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
+            decode_ms_per_token=args.decode_ms_per_token,
+            max_concurrency=args.max_concurrency,
+        ),
+        block_tokens=args.block_tokens,
+        text_prompts=args.prompt_format == "text",
+        router_settings=tuple(
+            f"{k.strip()} = {v.strip()}" for k, v in (s.split("=", 1) for s in args.router_set)
+        ),
+        fault=fault,
+        drain_timeout_s=args.drain_timeout,
+        startup_timeout_s=args.startup_timeout,
+        progress=not args.no_progress,
+    )
+
+
+@contextlib.contextmanager
+def _workdir(path: Path | None) -> Iterator[Path]:
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="saltgate-replay-") as tmp:
+        yield Path(tmp)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `saltgate bench replay` command; 0 when every policy ran, 1 if one could not."""
+    try:
+        options = _options(args)
+        trace = load_trace(args.trace)
+        schedule = build_schedule(
+            trace,
+            tenants=options.tenants,
+            zipf_exponent=args.zipf,
+            seed=args.seed,
+            block_size=options.block_tokens,
+            time_scale=args.time_scale,
+            start_s=args.start,
+            duration_s=args.duration,
+            limit=args.limit,
+        )
+        if not schedule:
+            raise BenchError("the trace window holds no requests; check --start/--duration")
+        venv = args.tools_venv or default_tools_venv()
+        tools = find_tools(venv)
+        peers = [p for p in options.policies if p not in GATEWAY_POLICIES]
+        for policy in peers:
+            tools.need("smg" if policy.startswith("sglang") else "vllm-router")
+    except (BenchError, TraceError) as exc:
+        print(f"saltgate bench replay: {exc}", file=sys.stderr)
+        return 2
+    info = schedule_info(schedule, options.tenants)
+    print(
+        f"[replay] {info['requests']} requests, {info['sessions']} sessions, "
+        f"{info['duration_s']} s at x{args.time_scale} ({info['offered_rps']} req/s offered); "
+        f"requests per tenant {info['requests_per_tenant']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    started = time.time()
+    with _workdir(args.workdir) as workdir:
+        bench = Bench(options, schedule, tools, workdir)
+        results = asyncio.run(bench.run())
+        ttfts = bench.ttfts
+    targets = check_targets(results)
+    print(markdown_table(results))
+    for line in targets:
+        print(line)
+    if args.json is not None:
+        report = {
+            "benchmark": "replay",
+            "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "trace": str(args.trace),
+            "schedule": info,
+            "tenant_weights": [round(w, 4) for w in zipf_weights(options.tenants, args.zipf)],
+            "config": {
+                "replicas": options.replicas,
+                "tenants": options.tenants,
+                "zipf": args.zipf,
+                "seed": args.seed,
+                "time_scale": args.time_scale,
+                "start_s": args.start,
+                "duration_s": args.duration,
+                "limit": args.limit,
+                "block_tokens": options.block_tokens,
+                "prompt_format": args.prompt_format,
+                "sim": asdict(options.sim),
+                "router_settings": list(options.router_settings),
+                "fault": asdict(options.fault) if options.fault else None,
+            },
+            "machine": machine_info(),
+            "tools": tool_versions(tools),
+            "results": results,
+            "targets": targets,
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot is not None:
+        plot_ttfts(
+            ttfts,
+            args.plot,
+            f"TTFT, {info['requests']} requests of {args.trace.name}, x{args.time_scale}, "
+            f"{options.replicas} replicas, {options.tenants} tenants",
+        )
+    return 1 if any("error" in r for r in results) else 0

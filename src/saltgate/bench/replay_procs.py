@@ -1,0 +1,253 @@
+"""The replay's processes: a fleet of `saltgate sim` replicas and the router under test.
+
+Each policy gets fresh replicas (empty caches). Gateway policies run `saltgate serve`
+with `[router] policy = P`; the peers run as their own binaries from the bench venv
+(scripts/bench-setup.sh). Children run in their own process groups with their output in
+log files under the work directory, and listen on 127.0.0.1 only; processes and helpers
+are the overhead benchmark's (saltgate.bench.overhead), not copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from saltgate.bench.overhead import BenchError, Proc, Tools, free_port
+from saltgate.config import ConfigError, create_master_key, parse_config
+from saltgate.http.client import UpstreamError, UpstreamPool
+from saltgate.store.tenants import TenantStore
+
+GATEWAY_POLICIES = ("saltgate", "round_robin", "least_loaded", "consistent_hash")
+# policy name -> (tool, its --policy)
+PEER_POLICIES = {
+    "sglang-router:cache_aware": ("smg", "cache_aware"),
+    "vllm-router:cache_aware": ("vllm-router", "cache_aware"),
+    "vllm-router:consistent_hash": ("vllm-router", "consistent_hash"),
+}
+POLICIES = (*GATEWAY_POLICIES, *PEER_POLICIES)
+SERVED_METRIC = "vllm:request_success_total"
+
+
+def metric_total(text: str, name: str) -> float | None:
+    """Sum of a Prometheus metric's samples (all label sets) in an exposition text."""
+    total: float | None = None
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            with contextlib.suppress(ValueError, IndexError):
+                total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def http_get(port: int, path: bytes, timeout: float = 2.0) -> tuple[int, bytes]:
+    pool = UpstreamPool("127.0.0.1", port, connect_timeout=timeout, response_timeout=timeout)
+    try:
+        resp = await pool.request(b"GET", path, [])
+        return resp.status, await resp.read()
+    finally:
+        await pool.close()
+
+
+@dataclass(frozen=True, slots=True)
+class SimSettings:
+    """The replicas' cache and time model (docs/sim.md), the same for every policy."""
+
+    block_size: int = 16
+    num_blocks: int = 8192
+    prefill_ms_per_1k_tokens: float = 60.0
+    decode_ms_per_token: float = 2.0
+    max_concurrency: int = 64
+
+    def argv(self, port: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "saltgate.cli",
+            "sim",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--block-size",
+            str(self.block_size),
+            "--num-blocks",
+            str(self.num_blocks),
+            "--prefill-ms-per-1k-tokens",
+            str(self.prefill_ms_per_1k_tokens),
+            "--decode-ms-per-token",
+            str(self.decode_ms_per_token),
+            "--max-concurrency",
+            str(self.max_concurrency),
+        ]
+
+
+class Fleet:
+    """N simulated replicas on fixed ports; a replica can be killed and brought back."""
+
+    def __init__(self, settings: SimSettings, count: int, workdir: Path, tag: str) -> None:
+        self.settings = settings
+        self.workdir = workdir
+        self.tag = tag
+        self.ports = [free_port() for _ in range(count)]
+        self.procs: list[Proc | None] = [None] * count
+        self._served_before: list[float] = [0.0] * count
+        self._lives = [0] * count
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    def _spawn(self, i: int) -> None:
+        self._lives[i] += 1
+        log = self.workdir / f"{self.tag}-sim{i}-{self._lives[i]}.log"
+        self.procs[i] = Proc(f"sim{i}", self.settings.argv(self.ports[i]), log)
+
+    async def start(self, timeout: float) -> None:
+        for i in range(len(self.ports)):
+            self._spawn(i)
+        await asyncio.gather(*(self.wait_healthy(i, timeout) for i in range(len(self.ports))))
+
+    async def wait_healthy(self, i: int, timeout: float) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        last = "no answer"
+        while asyncio.get_running_loop().time() < deadline:
+            proc = self.procs[i]
+            if proc is None or not proc.alive():
+                tail = proc.tail() if proc else ""
+                raise BenchError(f"replica {i} exited before it was healthy:\n{tail}")
+            try:
+                status, _ = await http_get(self.ports[i], b"/health")
+                if status == 200:
+                    return
+                last = f"HTTP {status}"
+            except UpstreamError as exc:
+                last = str(exc)
+            await asyncio.sleep(0.1)
+        raise BenchError(
+            f"replica {i} on port {self.ports[i]} not healthy after {timeout} s: {last}"
+        )
+
+    async def served(self) -> list[int]:
+        """Requests each replica finished, over all its lives (a killed life counts too)."""
+        counts = []
+        for i, port in enumerate(self.ports):
+            now = 0.0
+            proc = self.procs[i]
+            if proc is not None and proc.alive():
+                with contextlib.suppress(UpstreamError):
+                    status, body = await http_get(port, b"/metrics")
+                    if status == 200:
+                        now = metric_total(body.decode(errors="replace"), SERVED_METRIC) or 0.0
+            counts.append(int(self._served_before[i] + now))
+        return counts
+
+    async def kill(self, i: int) -> int:
+        """SIGKILL replica i, as a crash would; returns (and keeps) what it served so far."""
+        self._served_before[i] = float((await self.served())[i])
+        proc = self.procs[i]
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.stop()
+            self.procs[i] = None
+        return int(self._served_before[i])
+
+    async def revive(self, i: int, timeout: float) -> None:
+        """A fresh replica (empty cache) on the same port."""
+        self._spawn(i)
+        await self.wait_healthy(i, timeout)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc is not None:
+                proc.stop()
+        self.procs = [None] * len(self.ports)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayState:
+    state_dir: Path
+    api_keys: tuple[str, ...]  # one per tenant, tenant i = "tenant-i"
+
+
+def prepare_gateway_state(state_dir: Path, tenants: int) -> GatewayState:
+    """A master key and T tenants with one API key each, in a fresh state directory."""
+    state_dir.mkdir(parents=True, mode=0o700)
+    create_master_key(state_dir / "master.key")
+    keys = []
+    with TenantStore.from_state_dir(state_dir) as store:
+        for i in range(tenants):
+            name = f"tenant-{i}"
+            store.create_tenant(name)
+            keys.append(store.create_key(name)[1])
+    return GatewayState(state_dir, tuple(keys))
+
+
+def gateway_config(
+    state: GatewayState,
+    replica_urls: Sequence[str],
+    *,
+    port: int,
+    admin_port: int,
+    policy: str,
+    router_settings: Sequence[str] = (),
+) -> str:
+    """`saltgate serve` TOML: the replicas, and [router] policy plus KEY = VALUE lines."""
+    router = "".join(f"{line}\n" for line in router_settings)
+    replicas = "".join(f"\n[[replicas]]\nurl = {json.dumps(u)}\n" for u in replica_urls)
+    return (
+        "[gateway]\n"
+        'host = "127.0.0.1"\n'
+        f"port = {port}\n"
+        'admin_host = "127.0.0.1"\n'
+        f"admin_port = {admin_port}\n"
+        f"state_dir = {json.dumps(str(state.state_dir))}\n"
+        f"master_key_file = {json.dumps(str(state.state_dir / 'master.key'))}\n"
+        "\n[router]\n"
+        f"policy = {json.dumps(policy)}\n"
+        f"{router}"
+        f"{replicas}"
+    )
+
+
+def check_gateway_config(text: str, base: Path) -> None:
+    """Refuse, with the gateway's own message, a config `saltgate serve` would refuse."""
+    try:
+        parse_config(tomllib.loads(text), base)
+    except tomllib.TOMLDecodeError as exc:
+        raise BenchError(f"gateway config is not valid TOML (check --router-set): {exc}") from None
+    except ConfigError as exc:
+        raise BenchError(f"saltgate serve refuses the config: {exc}") from None
+
+
+def router_argv(
+    policy: str, tools: Tools, port: int, replica_urls: Sequence[str], config: Path | None
+) -> list[str]:
+    if policy in GATEWAY_POLICIES:
+        assert config is not None
+        return [sys.executable, "-m", "saltgate.cli", "serve", "--config", str(config)]
+    tool, peer_policy = PEER_POLICIES[policy]
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *replica_urls,
+        "--policy",
+        peer_policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+    ]
+    if tool == "smg":
+        return [tools.need("smg"), "launch", *common, "--log-level", "warn"]
+    return [tools.need("vllm-router"), *common, "--log-level", "warning"]
