@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from saltgate.kvevents.relay import KvRelaySettings, KvUpstream
     from saltgate.store.tenants import TenantStore
 
 Command = Callable[[argparse.Namespace], int]
@@ -221,6 +225,157 @@ def _usage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_kv_relay(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "kv-relay",
+        help="relay the replicas' KV events, sanitised, to authenticated consumers",
+        description="Either --config FILE (the gateway's: replicas' kv_events_* and "
+        "[kv_relay]) or the options below. See docs/kv-relay.md.",
+    )
+    p.add_argument("--config", help="gateway TOML file with a [kv_relay] section")
+    p.add_argument("--master-key-file", help="the cluster's master key (without --config)")
+    p.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="ENDPOINT[,REPLAY]",
+        help="a replica's KV-event endpoint (and its replay endpoint); repeat per replica",
+    )
+    p.add_argument("--publish", help="where consumers subscribe, e.g. tcp://127.0.0.1:5600")
+    p.add_argument("--replay", help="where consumers ask for replay, e.g. tcp://127.0.0.1:5601")
+    p.add_argument("--client-key", action="append", default=[], help="a consumer's public key")
+    p.add_argument("--client-keys-file", help="consumers' public keys, one per line")
+    p.add_argument("--replay-window", type=int, help="messages kept for replay")
+    p.add_argument(
+        "--print-server-key", action="store_true", help="print the public key consumers pin"
+    )
+    p.set_defaults(func=_run_kv_relay)
+
+
+def _kv_relay_from_args(
+    args: argparse.Namespace,
+) -> tuple[Path, list[KvUpstream], KvRelaySettings | None]:
+    """(master key file, upstreams, settings) from --config or the options; ValueError.
+
+    The settings are None when only --print-server-key was asked for without --config.
+    """
+    from pathlib import Path
+
+    from saltgate.config import load_config
+    from saltgate.kvevents.relay import KvRelaySettings, KvUpstream
+
+    if args.config:
+        config = load_config(args.config)
+        if config.kv_relay is None:
+            raise ValueError(f"{args.config} has no [kv_relay] section")
+        upstreams = [u for r in config.replicas if (u := r.kv_upstream) is not None]
+        return config.master_key_file, upstreams, config.kv_relay
+    if not args.master_key_file:
+        raise ValueError("give --config FILE, or --master-key-file with the other options")
+    key_file = Path(args.master_key_file)
+    if args.print_server_key:
+        return key_file, [], None
+    upstreams = []
+    for item in args.upstream:
+        endpoint, _, replay = item.partition(",")
+        upstreams.append(KvUpstream(endpoint, replay or None))
+    if not upstreams:
+        raise ValueError("--upstream: give at least one replica's KV-event endpoint")
+    table: dict[str, object] = {
+        "publish_endpoint": args.publish,
+        "replay_endpoint": args.replay,
+        "client_keys": args.client_key,
+    }
+    if args.client_keys_file:
+        table["client_keys_file"] = args.client_keys_file
+    if args.replay_window is not None:
+        table["replay_window"] = args.replay_window
+    return key_file, upstreams, KvRelaySettings.from_table(table, Path.cwd())
+
+
+def _run_kv_relay(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from saltgate.config import load_master_key
+    from saltgate.kvevents.relay import KvRelay, relay_server_keys
+    from saltgate.spec.derive import derive_subkeys
+
+    try:
+        key_file, upstreams, settings = _kv_relay_from_args(args)
+        k_kv = derive_subkeys(load_master_key(key_file)).kv_events
+        if args.print_server_key or settings is None:
+            print(relay_server_keys(k_kv).public)
+            return 0
+        relay = KvRelay(upstreams, k_kv, settings)
+        relay.start()
+    except (ValueError, OSError) as exc:  # ConfigError is a ValueError
+        print(f"saltgate kv-relay: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"saltgate kv-relay: {relay.describe()}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    relay.close()
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`saltgate bench NAME`: one sub-command per benchmark (docs/benchmarks.md)."""
+    bench = sub.add_parser("bench", help="benchmarks (docs/benchmarks.md)")
+    bsub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+
+    from saltgate.bench import replay
+
+    p = bsub.add_parser("replay", help="replay a real trace through each routing policy")
+    replay.add_arguments(p)
+    p.set_defaults(func=replay.run)
+
+    for name, module in _OWN_PARSERS.items():
+        # Listed for --help; main() hands their arguments to the module's own parser.
+        bsub.add_parser(name, help=(importlib.import_module(module).__doc__ or "").split("\n")[0])
+
+
+# Benchmarks that parse their own options: `saltgate bench NAME ARGS` runs module.main(ARGS).
+_OWN_PARSERS = {
+    "overhead": "saltgate.bench.overhead",
+    "sim-capacity": "saltgate.bench.sim_capacity",
+}
+
+
+def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "proxy",
+        help="a loopback OpenAI-compatible proxy adding client-keyed caching (EHBP + secret)",
+    )
+    p.add_argument("--upstream", required=True, help="the gateway's URL (without /v1)")
+    p.add_argument("--api-key", required=True, help="the tenant API key to send upstream")
+    p.add_argument("--port", type=int, default=8788, help="loopback port to listen on")
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        help="accept only this gateway key fingerprint (sha256:...; repeatable); "
+        "without it the first key seen is trusted and recorded",
+    )
+    p.set_defaults(func=_run_proxy)
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from saltgate.client.proxy import ProxyConfig, serve_proxy
+
+    config = ProxyConfig(args.upstream, args.api_key, args.port, pin=tuple(args.pin))
+    return serve_proxy(config)
+
+
+def _add_audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from saltgate.audit.command import add_audit_parser
+
+    add_audit_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="saltgate", description="A secure prompt-caching gateway for multi-tenant LLMs."
@@ -229,10 +384,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway(sub)
     _add_admin(sub)
     _add_sim(sub)
+    _add_kv_relay(sub)
+    _add_bench(sub)
+    _add_proxy(sub)
+    _add_audit(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in _OWN_PARSERS:
+        own_main: Callable[[list[str]], int] = importlib.import_module(_OWN_PARSERS[argv[1]]).main
+        return own_main(argv[2:])
     args = build_parser().parse_args(argv)
     func: Command = args.func
     try:

@@ -9,6 +9,7 @@ variable; their values never appear in an error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import stat
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from saltgate.http.client import parse_authority
+from saltgate.kvevents.relay import KvRelaySettings, KvUpstream
+from saltgate.routing.router import RouterConfig
 from saltgate.store.pricing import Price, parse_prices
 
 MIN_MASTER_KEY_BYTES = 32
@@ -32,10 +35,22 @@ class ReplicaConfig:
     url: str
     weight: float = 1.0
     api_key: str | None = None
+    # The replica's vLLM KV-event stream, for the relay (docs/kv-relay.md).
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_bind: bool = False
 
     @property
     def authority(self) -> tuple[str, int, str]:
         return parse_authority(self.url)
+
+    @property
+    def kv_upstream(self) -> KvUpstream | None:
+        if self.kv_events_endpoint is None:
+            return None
+        return KvUpstream(
+            self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_events_bind
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +66,14 @@ class GatewayConfig:
     upstream_timeout_s: float = 600.0
     prices: dict[str, Price] = field(default_factory=dict)
     salting: bool = True
+    router: RouterConfig = field(default_factory=RouterConfig)
+    config_file: Path | None = None  # where it was read from: `saltgate serve` reloads it
+    # Client-keyed mode (docs/client-keyed.md): serve EHBP next to plaintext; the HPKE key
+    # lives in memory (made at start) unless the operator gives a key file.
+    ehbp: bool = True
+    ehbp_key_file: Path | None = None
+    require_encrypted_secret: bool = False
+    kv_relay: KvRelaySettings | None = None  # [kv_relay]: run the KV-event relay in serve
 
     @property
     def db_path(self) -> Path:
@@ -109,10 +132,16 @@ def _replica(item: Any, index: int) -> ReplicaConfig:
     weight = float(_expect(item, "weight", (int, float), where)) if "weight" in item else 1.0
     if weight <= 0:
         raise ConfigError(f"{where}.weight: must be positive")
-    unknown = set(item) - {"url", "weight", "api_key_file", "api_key_env", "api_key"}
+    kv_keys = {"kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_bind"}
+    unknown = set(item) - {"url", "weight", "api_key_file", "api_key_env", "api_key", *kv_keys}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-    return ReplicaConfig(url, weight, _secret_ref(item, "api_key", where))
+    kv: dict[str, Any] = {}
+    for key in sorted(kv_keys & set(item)):
+        kv[key] = _expect(item, key, bool if key == "kv_events_bind" else str, where)
+    if kv and "kv_events_endpoint" not in kv:
+        raise ConfigError(f"{where}.kv_events_endpoint: missing (the other kv_events_* need it)")
+    return ReplicaConfig(url, weight, _secret_ref(item, "api_key", where), **kv)
 
 
 def _prices(table: Any) -> dict[str, Price]:
@@ -126,7 +155,7 @@ def _prices(table: Any) -> dict[str, Price]:
 
 def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
     """Build a GatewayConfig from a parsed TOML document; relative paths start at `base`."""
-    known = {"gateway", "replicas", "prices", "testing"}
+    known = {"gateway", "replicas", "prices", "router", "testing", "ehbp", "kv_relay"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown sections {sorted(unknown)}; expected {sorted(known)}")
@@ -137,6 +166,10 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
     if not isinstance(replicas_doc, list) or not replicas_doc:
         raise ConfigError('replicas: at least one [[replicas]] with url = "http://host:port"')
     replicas = tuple(_replica(item, i) for i, item in enumerate(replicas_doc))
+    urls = [r.url for r in replicas]
+    for i, url in enumerate(urls):
+        if url in urls[:i]:
+            raise ConfigError(f"replicas[{i}].url: {url} is listed twice")
 
     def path(key: str, default: str) -> Path:
         value = Path(_expect(gw, key, str, "gateway") if key in gw else default)
@@ -167,8 +200,59 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         master_key_file=path("master_key_file", str(state_dir / "master.key")),
         prices=_prices(doc.get("prices", {})),
         salting=salting,
+        router=_router(doc.get("router", {})),
+        kv_relay=_kv_relay(doc.get("kv_relay"), replicas, base),
+        **_ehbp(doc.get("ehbp", {}), base),
         **kwargs,
     )
+
+
+def _ehbp(table: Any, base: Path) -> dict[str, Any]:
+    """[ehbp]: enabled (default true), key_file (made 0600 if absent), require_encrypted_secret."""
+    if not isinstance(table, dict):
+        raise ConfigError("ehbp: expected a table")
+    unknown = set(table) - {"enabled", "key_file", "require_encrypted_secret"}
+    if unknown:
+        raise ConfigError(f"ehbp: unknown keys {sorted(unknown)}")
+    out: dict[str, Any] = {}
+    if "enabled" in table:
+        out["ehbp"] = _expect(table, "enabled", bool, "ehbp")
+    if "key_file" in table:
+        key_file = Path(_expect(table, "key_file", str, "ehbp"))
+        out["ehbp_key_file"] = key_file if key_file.is_absolute() else base / key_file
+    if "require_encrypted_secret" in table:
+        required = _expect(table, "require_encrypted_secret", bool, "ehbp")
+        if required and not out.get("ehbp", True):
+            raise ConfigError(
+                "ehbp.require_encrypted_secret: needs ehbp.enabled = true (clients could "
+                "not send a secret at all)"
+            )
+        out["require_encrypted_secret"] = required
+    return out
+
+
+def _kv_relay(
+    table: Any, replicas: tuple[ReplicaConfig, ...], base: Path
+) -> KvRelaySettings | None:
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ConfigError("kv_relay: expected a table")
+    if not any(r.kv_events_endpoint for r in replicas):
+        raise ConfigError("kv_relay: no [[replicas]] has a kv_events_endpoint to subscribe to")
+    try:
+        return KvRelaySettings.from_table(table, base)
+    except ValueError as exc:
+        raise ConfigError(f"kv_relay.{exc}") from None
+
+
+def _router(table: Any) -> RouterConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("router: expected a table")
+    try:
+        return RouterConfig.from_table(table)
+    except ValueError as exc:
+        raise ConfigError(f"router.{exc}") from None
 
 
 def load_config(path: str | Path) -> GatewayConfig:
@@ -179,7 +263,7 @@ def load_config(path: str | Path) -> GatewayConfig:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    return parse_config(doc, path.parent)
+    return dataclasses.replace(parse_config(doc, path.parent), config_file=path)
 
 
 def load_master_key(path: Path) -> bytes:

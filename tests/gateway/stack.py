@@ -17,6 +17,7 @@ import httpx
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key
 from saltgate.gateway.run import RunningGateway, start_gateway
 from saltgate.http import HttpServer, Request, Response, UpstreamPool
+from saltgate.routing import RouterConfig
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.pricing import Price
 from saltgate.store.tenants import TenantStore
@@ -90,6 +91,8 @@ async def stack(
     salting: bool = True,
     sim: SimConfig | None = None,
     max_body_bytes: int = 1024 * 1024,
+    router: RouterConfig | None = None,
+    require_encrypted_secret: bool = False,
 ) -> AsyncIterator[Stack]:
     sims = [await start_sim(sim or SimConfig(port=0)) for _ in range(replicas)]
     taps = [Tap(s) for s in sims]
@@ -112,6 +115,8 @@ async def stack(
         max_body_bytes=max_body_bytes,
         prices={MODEL: Price(1.0, 0.1, 2.0)},
         salting=salting,
+        router=router or RouterConfig(),
+        require_encrypted_secret=require_encrypted_secret,
     )
     gateway = await start_gateway(config)
     try:

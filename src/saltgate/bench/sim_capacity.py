@@ -83,7 +83,7 @@ def throughput(duration: int, workdir: Path) -> list[tuple[str, float, float, fl
                 tools.need("wrk"),
                 "-t1",
                 f"-c{CONCURRENCY}",
-                f"-d{round(duration)}s",
+                f"-d{duration}s",
                 "--latency",
                 "-s",
                 str(script),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import sys
 from dataclasses import dataclass
@@ -13,18 +14,22 @@ from saltgate.config import (
     GatewayConfig,
     ReplicaConfig,
     create_master_key,
+    load_config,
     load_master_key,
 )
+from saltgate.ehbp.frames import KEYS_PATH, ServerKey
+from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.gateway.server import Gateway
 from saltgate.http import HttpServer, Request, Response
+from saltgate.kvevents.relay import KvRelay
+from saltgate.routing import Router
 from saltgate.sim.run import RunningSim, SimConfig, install_uvloop, start_sim
 from saltgate.spec.derive import derive_subkeys
 from saltgate.store.ledger import Ledger
 from saltgate.store.tenants import KeyIndex, TenantStore
 
-HEALTH_PROBE_INTERVAL_S = 2.0
 DEMO_TENANTS = ("demo-alice", "demo-bob")
 
 
@@ -34,10 +39,19 @@ class RunningGateway:
     port: int
     admin: HttpServer | None
     admin_port: int | None
+    ehbp: EhbpEdge | None = None
+    kv_relay: KvRelay | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.gateway.config.host}:{self.port}"
+
+    def reload(self, config: GatewayConfig) -> None:
+        """Apply a new [[replicas]] list without a restart (SIGHUP); other settings wait
+        for the next start."""
+        gateway = self.gateway
+        gateway.replicas.reload(config.replicas)
+        gateway.config = dataclasses.replace(gateway.config, replicas=config.replicas)
 
     async def close(self) -> None:
         await self.gateway.http.close()
@@ -46,6 +60,22 @@ class RunningGateway:
         await self.gateway.replicas.close()
         await self.gateway.ledger.aclose()
         self.gateway.keys.close()
+        if self.kv_relay is not None:
+            await asyncio.to_thread(self.kv_relay.close)
+
+
+def start_kv_relay(config: GatewayConfig, k_kv: bytes) -> KvRelay | None:
+    """The KV-event relay of [kv_relay], started, or None when the section is absent.
+
+    Its upstreams are the replicas' event endpoints as configured at start (a SIGHUP
+    reload of [[replicas]] does not change them).
+    """
+    if config.kv_relay is None:
+        return None
+    upstreams = [u for r in config.replicas if (u := r.kv_upstream) is not None]
+    relay = KvRelay(upstreams, k_kv, config.kv_relay)
+    relay.start()
+    return relay
 
 
 async def start_gateway(config: GatewayConfig) -> RunningGateway:
@@ -53,18 +83,21 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     keys = KeyIndex(config.db_path)
     ledger = Ledger(config.db_path)
-    replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s)
+    subkeys = derive_subkeys(master_key)
+    router = Router(config.router, subkeys.route)
+    replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s, router=router)
     metrics = Metrics()
     gateway = Gateway(
         config,
-        subkeys=derive_subkeys(master_key),
+        subkeys=subkeys,
         keys=keys,
         ledger=ledger,
         replicas=replicas,
         metrics=metrics,
     )
+    ehbp = _ehbp_edge(config, gateway, metrics)
     await replicas.probe_all()
-    replicas.start_probing(HEALTH_PROBE_INTERVAL_S)
+    replicas.start_probing()
     port = await gateway.http.start(config.host, config.port)
     admin = None
     admin_port = None
@@ -79,7 +112,26 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
 
         admin = HttpServer(admin_handler)
         admin_port = await admin.start(config.admin_host, config.admin_port)
-    return RunningGateway(gateway, port, admin, admin_port)
+    running = RunningGateway(gateway, port, admin, admin_port, ehbp)
+    try:
+        running.kv_relay = start_kv_relay(config, subkeys.kv_events)
+    except BaseException:
+        await running.close()
+        raise
+    return running
+
+
+def _ehbp_edge(config: GatewayConfig, gateway: Gateway, metrics: Metrics) -> EhbpEdge | None:
+    """Serve EHBP beside plaintext: the operator's key file, else a key made now (memory only)."""
+    if not config.ehbp:
+        return None
+    if config.ehbp_key_file is None:
+        key = ServerKey.generate()
+    else:
+        key = load_or_create_server_key(config.ehbp_key_file)
+    edge = EhbpEdge(gateway.handle, key, metrics)
+    gateway.http.handler = edge.handle
+    return edge
 
 
 async def _wait_for_signal() -> None:
@@ -90,11 +142,28 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
+def _reload_from(running: RunningGateway, path: Path) -> None:
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        print(f"saltgate: reload refused, keeping the current replicas: {exc}", file=sys.stderr)
+        return
+    running.reload(config)
+    print(f"saltgate: reloaded {path}: {len(config.replicas)} replicas", flush=True)
+
+
 async def _serve(config: GatewayConfig) -> None:
     running = await start_gateway(config)
     print(f"saltgate: serving on {running.url} ({len(config.replicas)} replicas)", flush=True)
     if running.admin_port is not None:
         print(f"saltgate: metrics on http://{config.admin_host}:{running.admin_port}/metrics")
+    if running.ehbp is not None:
+        print(f"saltgate: EHBP key {running.ehbp.key.config.fingerprint} at {KEYS_PATH}")
+    if running.kv_relay is not None:
+        print(f"saltgate: {running.kv_relay.describe()}", flush=True)
+    if config.config_file is not None:
+        path = config.config_file
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_from, running, path)
     await _wait_for_signal()
     await running.close()
 
@@ -155,6 +224,8 @@ async def _up(port: int, replicas: int, state_dir: Path, sim_base_port: int) -> 
     print(f"saltgate up: gateway on {running.url} with {replicas} simulated replicas", flush=True)
     print(f"  metrics:  http://{config.admin_host}:{running.admin_port}/metrics")
     print(f"  state:    {state_dir}")
+    if running.ehbp is not None:
+        print(f"  EHBP key: {running.ehbp.key.config.fingerprint} (made at start; pin it)")
     for name, key in keys:
         print(f"  tenant {name}: API key {key}")
     print(

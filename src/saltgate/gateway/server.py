@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import orjson
 
 from saltgate.config import GatewayConfig
+from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import Replica, ReplicaSet
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
@@ -24,6 +25,7 @@ from saltgate.http.client import UpstreamResponse
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import forward_request_headers, scrub_response_headers
 from saltgate.policy.request import Inspected, inspect, parse_json_object, prepare, resolve_route
+from saltgate.routing.router import Plan
 from saltgate.spec.derive import SubKeys, cache_salt
 from saltgate.store.ledger import Ledger, UsageRecord
 from saltgate.store.tenants import KeyIndex, Principal
@@ -75,22 +77,21 @@ class Gateway:
             "saltgate_replica_inflight",
             "Requests in flight per replica (index in the configuration).",
             lambda: [
-                ((("replica", str(r.index)),), float(r.inflight)) for r in self.replicas.replicas
+                ((("replica", str(i)),), float(self.replicas.router.inflight(r.id)))
+                for i, r, _ in self.replicas.available()
             ],
         )
         m.gauge(
             "saltgate_replica_healthy",
-            "1 if the replica passes its health checks.",
-            lambda: [
-                ((("replica", str(r.index)),), float(r.healthy)) for r in self.replicas.replicas
-            ],
+            "1 if the replica passes its health checks and its breaker is not open.",
+            lambda: [((("replica", str(i)),), float(ok)) for i, _, ok in self.replicas.available()],
         )
 
     # -- the request path ----------------------------------------------------------------
-    async def handle(self, request: Request) -> Response:
+    async def handle(self, request: Request, body_encrypted: bool = False) -> Response:
         started = time.monotonic()
         try:
-            response = await self._handle(request, started)
+            response = await self._handle(request, started, body_encrypted)
         except ApiError as error:
             response = api_error_response(error)
         self.metrics.inc(
@@ -99,7 +100,7 @@ class Gateway:
         )
         return response
 
-    async def _handle(self, request: Request, started: float) -> Response:
+    async def _handle(self, request: Request, started: float, body_encrypted: bool) -> Response:
         route = resolve_route(request.method, request.path)
         if route == "/health":
             return Response(200, list(JSON), b'{"status":"ok"}')
@@ -110,6 +111,12 @@ class Gateway:
             )
         body = parse_json_object(request.body, self.config.max_body_bytes)
         inspected = inspect(route, body)
+        if (
+            inspected.user_cache_secret
+            and not body_encrypted
+            and self.config.require_encrypted_secret
+        ):
+            raise plaintext_secret_refused()
         salt = None
         if self.config.salting:
             salt = cache_salt(
@@ -119,7 +126,8 @@ class Gateway:
                 inspected.user_cache_secret,
             )
         payload = prepare(body, inspected, salt)
-        return await self._forward(request, principal, inspected, payload, started)
+        plan = self.replicas.plan(route, body, inspected.model, salt)
+        return await self._forward(request, principal, inspected, payload, started, plan=plan)
 
     def _authenticate(self, request: Request) -> Principal:
         header = request.header(b"authorization")
@@ -153,11 +161,13 @@ class Gateway:
         inspected: Inspected,
         payload: bytes,
         started: float,
+        *,
+        plan: Plan,
     ) -> Response:
         headers = forward_request_headers(request.headers)
-        tried: set[Replica] = set()
+        tried: set[str] = set()  # a failure before the first byte moves on down the ranking
         while True:
-            replica = self.replicas.pick(tried)
+            replica = self.replicas.pick(plan, tried)
             if replica is None:
                 raise ApiError(
                     503,
@@ -165,23 +175,24 @@ class Gateway:
                     type="service_unavailable",
                     code="no_replica",
                 )
-            replica.inflight += 1
+            self.replicas.started(replica)
             try:
                 upstream = await replica.pool.request(
                     b"POST", replica.prefix + request.path, headers + replica.auth, payload
                 )
+                self.replicas.responded(replica)
                 break
             except UpstreamError as exc:
-                replica.inflight -= 1
+                self.replicas.failed(replica)
+                self.replicas.finished(replica)
                 self.metrics.inc("saltgate_upstream_failures_total")
-                tried.add(replica)
-                self.replicas.mark_down(replica)
+                tried.add(replica.id)
                 if not exc.before_response:
                     raise ApiError(
                         502, "The replica failed while answering; retry the request."
                     ) from None
             except BaseException:
-                replica.inflight -= 1
+                self.replicas.finished(replica)
                 raise
         record = _Metering(self, principal, inspected.model, started)
         response_headers = scrub_response_headers(upstream.headers)
@@ -192,10 +203,11 @@ class Gateway:
         try:
             body = await upstream.read()
         except UpstreamError:
+            self.replicas.failed(replica)
             await record.commit(Usage(), 502)
             raise ApiError(502, "The replica failed while answering; retry the request.") from None
         finally:
-            replica.inflight -= 1
+            self.replicas.finished(replica)
         usage = usage_from_body(body) if upstream.status == 200 else None
         await record.commit(usage or Usage(), upstream.status)
         return Response(upstream.status, response_headers, body)
@@ -221,10 +233,11 @@ class Gateway:
             status = 200
         except UpstreamError:
             status = 502
+            self.replicas.failed(replica)
             error = ApiError(502, "The replica failed during the stream; retry the request.")
             held = b"data: " + error.body() + b"\n\n"
         finally:
-            replica.inflight -= 1
+            self.replicas.finished(replica)
             upstream.release()
             if status == CLIENT_CLOSED:
                 # The client is gone and this generator is being torn down: record what was
