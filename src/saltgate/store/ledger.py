@@ -2,8 +2,8 @@
 
 The gateway awaits `Ledger.record` before it completes a response, and `record` returns
 only after the row's transaction has committed — so a crash can lose no record of a
-response a client received. Records that arrive while a transaction is being written wait
-for the next one, so under load many requests share one commit (group commit).
+response a client received. Records that arrive during one turn of the event loop share
+the next commit, so under load many requests share one transaction (group commit).
 
 Why WAL with synchronous=NORMAL is enough: a WAL commit hands the frames to the kernel with
 write() before COMMIT returns; only the fsync is deferred to checkpoints. A killed process
@@ -12,22 +12,18 @@ every acknowledged record survives a *process* crash (tests/store/test_ledger.py
 writer to prove it). Only a kernel crash or power loss could drop the last commits; pass
 ``synchronous="FULL"`` to fsync each group commit if that matters more than latency.
 
-Measured on this machine (2 shared vCPUs, Python 3.11.7, SQLite 3.40.1, ext4 on virtio),
-each writer awaiting `record` in a closed loop for 3 s:
+Measured on this machine (2 vCPUs, Python 3.11.7, SQLite 3.40.1, ext4 on virtio), each
+writer awaiting `record` in a closed loop for 3 s, commits on the event loop's thread:
 
-    .venv/bin/python tests/store/bench_ledger.py --writers 64 --seconds 3 [--uvloop]
+    .venv/bin/python tests/store/bench_ledger.py --writers 64 --seconds 3 --uvloop
 
-    writers  loop     records/s  mean batch  latency per record p50 / p99 / max
-    64       asyncio     49,000          64  1.2 ms / 2.6 ms / 22 ms
-    64       uvloop      50,600          64  1.2 ms / 2.9 ms / 22 ms
-    8        asyncio     21,800           8  0.30 ms / 0.66 ms / 20 ms
-    1        asyncio      5,500           1  0.13 ms / 0.37 ms / 18 ms
-    1        uvloop       7,100           1  0.09 ms / 0.49 ms / 14 ms
+    writers  records/s  mean batch  latency per record p50 / p99
+    64          64,300          64  0.98 ms / 1.27 ms
+    1           12,400           1  0.06 ms / 0.14 ms
 
-So the ledger adds ~0.1 ms to an unloaded request and ~1 ms at 64 in flight (a whole
-batch is written and acknowledged together); the rare ~20 ms maxima are most likely WAL
-auto-checkpoints or scheduler stalls on the shared cores. 50k records/s is far above what
-a few vLLM replicas complete.
+(An earlier design committed on a writer thread: 50,600 / 7,100 records/s at 64 / 1
+writers, and through the GIL it stretched the gateway's tail.) WAL checkpoints, which
+fsync, run on a thread of their own every second, so the loop never waits for one.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import queue
 import sqlite3
 import threading
 from collections.abc import Sequence
@@ -92,25 +87,18 @@ def _row(r: UsageRecord) -> tuple[float, str, str, str, int, int, int, int]:
 
 
 _Item = tuple[UsageRecord, "asyncio.Future[None]"]
-
-
-class _Stop:
-    """Queue sentinel: drain and exit."""
-
-
-def _settle(futures: list[asyncio.Future[None]], error: str | None) -> None:
-    """Runs on the event loop: resolve the futures of one batch (cancelled ones are done)."""
-    for fut in futures:
-        if fut.done():
-            continue
-        if error is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(LedgerError(error))
+CHECKPOINT_INTERVAL_S = 1.0
 
 
 class Ledger:
-    """Group-committing usage writer: a thread with its own connection, fed by a queue."""
+    """Group-committing usage writer on the event loop's own thread.
+
+    Records that arrive during one turn of the event loop are committed together at the
+    start of the next (one `call_soon`), then every waiter is released. A commit costs
+    ~30-50 us of the loop's time (WAL, synchronous=NORMAL: no fsync), less than handing
+    each record to a writer thread: that hand-off cost more CPU per request and, through
+    the GIL, added milliseconds to the tail at low concurrency (docs/benchmarks.md).
+    """
 
     def __init__(
         self,
@@ -123,66 +111,67 @@ class Ledger:
             raise ValueError("max_batch must be >= 1")
         self.path = Path(path)
         self.max_batch = max_batch
-        # Opened here so schema/permission errors surface to the caller; used only by the
-        # writer thread afterwards.
-        self._conn = open_db(self.path, check_same_thread=False)
+        self._conn = open_db(self.path)
         self._conn.execute(f"PRAGMA synchronous={synchronous}")
-        self._queue: queue.SimpleQueue[_Item | _Stop] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        # Checkpoints copy the WAL into the database and fsync: milliseconds the event loop
+        # must not wait for. A thread with its own connection does them (PASSIVE: writers
+        # are never blocked); the loop only appends to the WAL.
+        self._conn.execute("PRAGMA wal_autocheckpoint=0")
+        self._stop = threading.Event()
+        self._checkpointer = threading.Thread(
+            target=self._checkpoint_loop, name="saltgate-ledger-checkpoint", daemon=True
+        )
+        self._checkpointer.start()
+        self._pending: list[_Item] = []
+        self._flush_scheduled = False
         self._closed = False
         self._transactions = 0
         self._records = 0
         self._max_batch_seen = 0
-        self._thread = threading.Thread(target=self._run, name="saltgate-ledger", daemon=True)
-        self._thread.start()
 
     async def record(self, rec: UsageRecord) -> None:
         """Return once `rec` is committed; raise LedgerError if it could not be."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        with self._lock:
-            if self._closed:
-                raise LedgerError("usage ledger is closed")
-            self._queue.put((rec, fut))
+        if self._closed:
+            raise LedgerError("usage ledger is closed")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._pending.append((rec, fut))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        # A cancelled wait cancels only `fut`: the record stays queued and is committed.
         await fut
 
     def stats(self) -> LedgerStats:
         return LedgerStats(self._transactions, self._records, self._max_batch_seen)
 
     def close(self) -> None:
-        """Commit everything queued, stop the writer, close the connection. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.put(_Stop())
-        self._thread.join()
+        """Commit everything queued, then close the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._flush()
+        self._stop.set()
+        self._checkpointer.join()
         self._conn.close()
 
     async def aclose(self) -> None:
-        """`close` without blocking the event loop."""
-        await asyncio.to_thread(self.close)
+        self.close()
 
-    # writer thread
+    def _checkpoint_loop(self) -> None:
+        conn = open_db(self.path, check_same_thread=False)
+        try:
+            while not self._stop.wait(CHECKPOINT_INTERVAL_S):
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            conn.close()
 
-    def _run(self) -> None:
-        stop = False
-        while not stop:
-            batch: list[_Item] = []
-            item = self._queue.get()
-            while True:
-                if isinstance(item, _Stop):
-                    # record() refuses new items once the sentinel is queued: nothing follows.
-                    stop = True
-                    break
-                batch.append(item)
-                if len(batch) >= self.max_batch:
-                    break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            if batch:
-                self._commit(batch)
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, []
+        for start in range(0, len(pending), self.max_batch):
+            self._commit(pending[start : start + self.max_batch])
 
     def _commit(self, batch: Sequence[_Item]) -> None:
         error: str | None = None
@@ -201,11 +190,10 @@ class Ledger:
             self._transactions += 1
             self._records += len(batch)
             self._max_batch_seen = max(self._max_batch_seen, len(batch))
-        # One wake-up per event loop per batch, not per record.
-        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
         for _, fut in batch:
-            by_loop.setdefault(fut.get_loop(), []).append(fut)
-        for loop, futures in by_loop.items():
-            # A closed loop has no one left to tell.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, futures, error)
+            if fut.done():
+                continue
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(LedgerError(error))
