@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 JSON = [(b"content-type", b"application/json")]
 DONE = b"data: [DONE]\n\n"
+TENANT_SALT_CACHE = 65_536  # tenants x epochs remembered; cleared when full
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
 
 
@@ -66,6 +67,7 @@ class Gateway:
         self.http = HttpServer(
             self.handle, max_body_bytes=config.max_body_bytes, error_response=error_response
         )
+        self._tenant_salts: dict[tuple[str, int], str] = {}
         self._describe_metrics()
 
     def _describe_metrics(self) -> None:
@@ -117,17 +119,26 @@ class Gateway:
             and self.config.require_encrypted_secret
         ):
             raise plaintext_secret_refused()
-        salt = None
-        if self.config.salting:
-            salt = cache_salt(
-                self.subkeys.salt,
-                principal.tenant_id,
-                str(principal.epoch),
-                inspected.user_cache_secret,
-            )
+        salt = self._salt(principal, inspected.user_cache_secret) if self.config.salting else None
         payload = prepare(body, inspected, salt)
         plan = self.replicas.plan(route, body, inspected.model, salt)
         return await self._forward(request, principal, inspected, payload, started, plan=plan)
+
+    def _salt(self, principal: Principal, user_cache_secret: str | None) -> str:
+        """The request's cache salt; tenant-wide salts are remembered (one HMAC per tenant
+        and epoch), user salts are not, so no user secret is kept past its request."""
+        if user_cache_secret:
+            return cache_salt(
+                self.subkeys.salt, principal.tenant_id, str(principal.epoch), user_cache_secret
+            )
+        key = (principal.tenant_id, principal.epoch)
+        salt = self._tenant_salts.get(key)
+        if salt is None:
+            if len(self._tenant_salts) >= TENANT_SALT_CACHE:
+                self._tenant_salts.clear()
+            salt = cache_salt(self.subkeys.salt, principal.tenant_id, str(principal.epoch), None)
+            self._tenant_salts[key] = salt
+        return salt
 
     def _authenticate(self, request: Request) -> Principal:
         header = request.header(b"authorization")

@@ -281,9 +281,11 @@ class Router:
         owner = None
         if plan.prefixes and self._affinity is not None:
             owner = self._follow_prefix(plan.prefixes, now, exclude)
+        if owner is not None and (
+            plan.key is None or plan.rate <= self.config.per_replica_rate  # not hot: R = 1
+        ):
+            return owner.id
         if plan.key is None or policy == "least_loaded":
-            if owner is not None:
-                return owner.id
             return self._least_loaded(now, exclude, skip_overloaded=policy == "saltgate")
         ranked = self._ranked(plan.key, now, exclude)
         if not ranked:
@@ -300,17 +302,18 @@ class Router:
         owners = self._affinity.owners(prefixes, now)
         if not owners:
             return None
-        pool = [
-            s
-            for s in self._states.values()
-            if s.id not in exclude and s.health.available(now) and not s.health.overload.overloaded
-        ]
-        if not pool:
+        usable = {
+            state.id: state
+            for state in self._states.values()
+            if state.id not in exclude
+            and state.health.available(now)
+            and not state.health.overload.overloaded
+        }
+        if not usable:
             return None
-        ceiling = min(s.load for s in pool) + self.config.max_inflight_delta
-        by_id = {s.id: s for s in pool}
+        ceiling = min(state.load for state in usable.values()) + self.config.max_inflight_delta
         for owner in owners:
-            state = by_id.get(owner)
+            state = usable.get(owner)
             if state is not None and state.load <= ceiling:
                 return state
         return None
@@ -318,16 +321,13 @@ class Router:
     def _warm_pick(
         self, ranked: list[ReplicaState], rate: float, owner: ReplicaState | None = None
     ) -> ReplicaState:
-        """The key's warm set decides; a prefix owner (within the cap) comes first.
+        """The key's warm set decides; a hot key's prefix owner competes with it on load.
 
-        A key that is not hot (R = 1) simply follows its owner: the conversation's cache is
-        there. A hot key lets the owner compete with the top R on load, so one busy
-        prefix still spreads.
+        (A key that is not hot never gets here with an owner: it follows the owner, whose
+        cache holds the conversation.) Competing on load lets one busy prefix spread.
         """
         eligible = [s for s in ranked if not s.health.overload.overloaded] or ranked
         size = warm_set_size(rate, self.config.per_replica_rate, len(eligible))
-        if owner is not None and size <= 1:
-            return owner
         warm = eligible[:size]
         if owner is not None and owner not in warm:
             warm = [owner, *warm]
