@@ -35,6 +35,7 @@ from saltgate.spec.derive import (
 )
 from saltgate.spec.derive import route_key as keyed_route_key
 
+RANKING_CACHE: Final = 65_536  # route keys whose ranking is remembered; cleared when full
 POLICIES: Final = ("saltgate", "round_robin", "least_loaded", "consistent_hash")
 
 
@@ -167,6 +168,7 @@ class Router:
             else None
         )
         self._states: dict[str, ReplicaState] = {}
+        self._rankings: dict[bytes, list[str]] = {}
         self._retired: dict[str, ReplicaState] = {}
         self._turn = 0
         self.set_members(members)
@@ -190,6 +192,7 @@ class Router:
             if rid not in states and state.inflight > 0:
                 self._retired[rid] = state  # keeps counting until its requests finish
         self._states = states
+        self._rankings.clear()  # members changed: every ranking may change
 
     def _new_health(self) -> ReplicaHealth:
         c = self.config
@@ -248,12 +251,20 @@ class Router:
         return [s.id for s in self._ranked(key, now, frozenset())]
 
     def _ranked(self, key: bytes, now: float, exclude: Collection[str]) -> list[ReplicaState]:
-        members = [
-            s.member
-            for s in self._states.values()
-            if s.id not in exclude and s.health.available(now)
+        order = self._rankings.get(key)
+        if order is None:
+            # The ranking depends only on the key and the members, so it is remembered
+            # (a busy key is ranked once, not per request); health is applied after.
+            order = [m.id for m in rank(key, (s.member for s in self._states.values()))]
+            if len(self._rankings) >= RANKING_CACHE:
+                self._rankings.clear()
+            self._rankings[key] = order
+        states = self._states
+        return [
+            state
+            for rid in order
+            if rid not in exclude and (state := states[rid]).health.available(now)
         ]
-        return [self._states[m.id] for m in rank(key, members)]
 
     # -- decisions -------------------------------------------------------------------------
     def plan(self, key: bytes | None, now: float, prefixes: tuple[bytes, ...] = ()) -> Plan:
