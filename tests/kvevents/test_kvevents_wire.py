@@ -24,7 +24,7 @@ from saltgate.kvevents.wire import (
     encode_seq,
     make_frames,
     parse_frames,
-    parse_replay_reply,
+    parse_replay_frames,
     replay_request,
 )
 
@@ -214,9 +214,11 @@ def test_frames_and_seq() -> None:
 
 def test_replay_helpers() -> None:
     assert replay_request(5) == b"\x00" * 7 + b"\x05"
-    assert parse_replay_reply([b"", encode_seq(4), b"p"]) == (4, b"p")
-    assert parse_replay_reply([encode_seq(4), b"p"]) == (4, b"p")
-    assert parse_replay_reply([b"", REPLAY_END_SEQ, b""]) is None
+    assert parse_replay_frames([b"", b"kv@r0", encode_seq(4), b"p"]) == (b"kv@r0", 4, b"p")
+    assert parse_replay_frames([b"kv@r0", encode_seq(4), b"p"]) == (b"kv@r0", 4, b"p")  # REQ
+    assert parse_replay_frames([b"", encode_seq(4), b"p"]) == (b"", 4, b"p")  # older vLLM
+    assert parse_replay_frames([b"", b"", REPLAY_END_SEQ, b""]) is None
+    assert parse_replay_frames([b"", REPLAY_END_SEQ, b""]) is None
     assert REPLAY_END_SEQ == b"\xff" * 8
     with pytest.raises(WireError):
-        parse_replay_reply([b"x"])
+        parse_replay_frames([b"x"])

@@ -29,7 +29,6 @@ from saltgate.kvevents.relay import (
     keyed_block_hash,
     opaque_replica_id,
     parse_client_key,
-    parse_replay_frames,
     relay_server_keys,
     sanitize_batch,
     sanitize_event,
@@ -44,7 +43,7 @@ from saltgate.kvevents.wire import (
     decode_batch,
     encode_batch,
     make_frames,
-    parse_replay_reply,
+    parse_replay_frames,
     replay_request,
 )
 
@@ -373,9 +372,9 @@ def test_raw_upstream_frames_carry_what_the_relay_removes(harness: Harness) -> N
         dealer.connect(harness.upstream.bound_replay_endpoint)
         dealer.send_multipart([b"", replay_request(0)])
         assert dealer.poll(5000)
-        reply = parse_replay_reply(dealer.recv_multipart())
+        reply = parse_replay_frames(dealer.recv_multipart())
         assert reply is not None
-        raw = reply[1]
+        raw = reply[2]
     finally:
         ctx.destroy(linger=0)
     with harness.consumer() as consumer:

@@ -27,13 +27,13 @@ from saltgate.kvevents.relay import (
     RelayedBatch,
     RelaySubscriber,
     keyed_block_hash,
-    parse_replay_frames,
 )
 from saltgate.kvevents.wire import (
     BlockRemoved,
     BlockStored,
     decode_batch,
     encode_batch,
+    parse_replay_frames,
     replay_request,
 )
 from saltgate.sim.run import RunningSim, SimConfig, start_sim

@@ -162,9 +162,9 @@ class KvEventPublisher:
             ident = frames[0]
             start = int.from_bytes(frames[2], "big")
             try:
-                for seq, payload in self._snapshot(start):
-                    sock.send_multipart([ident, b"", encode_seq(seq), payload])
-                sock.send_multipart([ident, b"", REPLAY_END_SEQ, b""])
+                for seq, payload in self._snapshot(start):  # as vLLM 0.32 answers
+                    sock.send_multipart([ident, b"", self._topic, encode_seq(seq), payload])
+                sock.send_multipart([ident, b"", b"", REPLAY_END_SEQ, b""])
             except zmq.ZMQError:
                 continue  # the requester went away; serve the next one
 

@@ -58,6 +58,7 @@ from saltgate.kvevents.wire import (
     encode_batch,
     encode_seq,
     parse_frames,
+    parse_replay_frames,
     replay_request,
 )
 from saltgate.spec.encoding import lp
@@ -75,7 +76,6 @@ __all__ = [
     "keyed_block_hash",
     "opaque_replica_id",
     "parse_client_key",
-    "parse_replay_frames",
     "relay_server_keys",
     "sanitize_batch",
     "sanitize_event",
@@ -148,26 +148,6 @@ def relay_server_keys(k_kv: bytes) -> CurveKeyPair:
     secret_z85 = z85.encode(secret).decode("ascii")
     public = zmq.curve_public(secret_z85.encode("ascii")).decode("ascii")
     return CurveKeyPair(public=public, secret=secret_z85)
-
-
-def parse_replay_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes] | None:
-    """A replay answer as (topic, seq, payload), or None for the end marker.
-
-    vLLM 0.32 (and this relay) answer ``[topic, seq, payload]`` and end with
-    ``[b"", END, b""]``; older vLLM and saltgate's simulator answer ``[seq, payload]`` and
-    end with ``[END, b""]`` (topic then b""). A DEALER sees an empty delimiter frame first.
-    """
-    parts = [bytes(f) for f in frames]
-    if parts and parts[0] == b"":
-        parts = parts[1:]
-    if len(parts) == 2:
-        parts = [b"", *parts]
-    if len(parts) != 3:
-        raise WireError(f"a replay answer has 2 or 3 frames after the delimiter, not {len(parts)}")
-    topic, seq, payload = parts
-    if seq == REPLAY_END_SEQ:
-        return None
-    return topic, decode_seq(seq), payload
 
 
 def parse_client_key(text: str) -> str:

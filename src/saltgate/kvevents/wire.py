@@ -45,7 +45,7 @@ __all__ = [
     "encode_seq",
     "make_frames",
     "parse_frames",
-    "parse_replay_reply",
+    "parse_replay_frames",
     "replay_request",
 ]
 
@@ -371,18 +371,21 @@ def replay_request(start_seq: int) -> bytes:
     return encode_seq(start_seq)
 
 
-def parse_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
-    """One replay reply as (seq, payload), or None for the end marker.
+def parse_replay_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes] | None:
+    """A replay answer as (topic, seq, payload), or None for the end marker.
 
-    Accepts the frames as a REQ socket sees them ``[seq, payload]`` or as a DEALER sees
-    them ``[b"", seq, payload]``.
+    vLLM 0.32 answers ``[topic, seq, payload]`` and ends with ``[b"", END, b""]``; older
+    releases answered ``[seq, payload]`` and ended with ``[END, b""]`` (topic then b"").
+    A DEALER sees an empty delimiter frame first; a REQ socket does not.
     """
-    parts = list(frames)
-    if len(parts) == 3 and parts[0] == b"":
+    parts = [bytes(f) for f in frames]
+    if parts and parts[0] == b"" and len(parts) in (3, 4):
         parts = parts[1:]
-    if len(parts) != 2:
-        raise WireError(f"a replay reply has 2 frames after the delimiter, got {len(parts)}")
-    seq, payload = bytes(parts[0]), bytes(parts[1])
+    if len(parts) == 2:
+        parts = [b"", *parts]
+    if len(parts) != 3:
+        raise WireError(f"a replay answer has 2 or 3 frames after the delimiter, not {len(parts)}")
+    topic, seq, payload = parts
     if seq == REPLAY_END_SEQ:
         return None
-    return decode_seq(seq), payload
+    return topic, decode_seq(seq), payload
