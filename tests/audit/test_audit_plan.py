@@ -98,6 +98,11 @@ def test_stream_reader_marks_the_first_content_chunk() -> None:
     assert chat.cached_tokens == 32 and chat.done
     completion = StreamReader()
     assert completion.feed(chunk({"choices": [{"text": "x", "index": 0}]}))
+    # a token can decode to "" (real vLLM with a random model): it is still the first token
+    empty = StreamReader()
+    assert empty.feed(chunk({"choices": [{"text": "", "index": 0, "finish_reason": None}]}))
+    empty_chat = StreamReader()
+    assert empty_chat.feed(chunk({"choices": [{"delta": {"content": ""}}]}))
 
 
 def test_stream_reader_reports_errors_and_garbage() -> None:

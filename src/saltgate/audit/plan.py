@@ -251,8 +251,8 @@ class ProbeError(Exception):
 class StreamReader:
     """Reads an OpenAI SSE stream line by line: when the first token came, cached tokens.
 
-    The first token is the first chunk carrying non-empty text (completions) or delta
-    content (chat): chat streams open with a role-only chunk sent before any prefill.
+    The first token is the first chunk carrying a token (`_has_content`); chat streams
+    open with a role-only chunk sent before any prefill, which does not count.
     """
 
     first_token: bool = False
@@ -300,11 +300,16 @@ class StreamReader:
 
 
 def _has_content(choice: dict[str, Any]) -> bool:
-    text = choice.get("text")
-    if isinstance(text, str) and text:
+    """Whether this chunk is a generated token (its text may be empty).
+
+    vLLM sends one chunk per token; a token can decode to "" (a random model's often do),
+    so the text's presence counts, not its length. Chat's opening chunk carries the role
+    and is sent before any prefill: it is not a token.
+    """
+    if isinstance(choice.get("text"), str) or choice.get("finish_reason") is not None:
         return True
     delta = choice.get("delta")
-    return isinstance(delta, dict) and bool(delta.get("content"))
+    return isinstance(delta, dict) and "role" not in delta and "content" in delta
 
 
 def _error_message(body: object) -> str:

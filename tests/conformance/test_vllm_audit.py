@@ -1,0 +1,66 @@
+"""The timing audit against real vLLM: it sees the leak without salts, and none via saltgate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from tests.conformance.fleet import MODEL_NAME, Fleet, Tenancy
+from tests.conformance.test_vllm import gateway
+
+from saltgate.audit.plan import Identity, TimingAuditConfig
+from saltgate.audit.stats import Verdict
+from saltgate.audit.timing import TimingReport, run_timing_audit
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+# 16 blocks of 32 tokens; two primes at a time stay well inside the replicas' 160 blocks,
+# so a victim's prefix is still cached when the attacker probes it.
+PREFIX = (512,)
+
+
+async def audit(base_url: str, victim: Identity, attacker: Identity, **kw: int) -> TimingReport:
+    config = TimingAuditConfig(
+        base_url,
+        victim,
+        attacker,
+        prefix_tokens=PREFIX,
+        tail_tokens=8,
+        model=MODEL_NAME,
+        prime_batch=2,
+        progress=False,
+        seed=5,
+        **kw,  # type: ignore[arg-type]
+    )
+    return await run_timing_audit(config)
+
+
+def summary(report: TimingReport) -> str:
+    doc = report.to_json()
+    return json.dumps({k: v for k, v in doc.items() if k != "configurations"}, default=str)
+
+
+def test_7_audit_detects_unsalted_vllm_and_passes_saltgate(fleet: Fleet, tenancy: Tenancy) -> None:
+    replica = fleet.replicas[0]
+    # No salts, straight to vLLM (with its API key): the attacker sees the victim's hits.
+    key_only = Identity(api_key=fleet.api_key)
+    bare = asyncio.run(audit(replica.url, key_only, key_only, samples=80, max_samples=80))
+    attack = bare.configurations[0].attack
+    assert bare.verdict is Verdict.LEAK, summary(bare)
+    assert attack is not None and attack.auc > 0.8, summary(bare)
+
+    # Through saltgate, one replica for both tenants: another tenant learns nothing, and
+    # the audit's own positive control (the victim probing itself) must still be detected.
+    async def through_gateway() -> TimingReport:
+        async with gateway(fleet, tenancy, replicas=(0,)) as url:
+            return await audit(
+                url,
+                Identity(api_key=tenancy.keys["alice"]),
+                Identity(api_key=tenancy.keys["bob"]),
+                samples=250,
+                max_samples=1500,
+            )
+
+    salted = asyncio.run(through_gateway())
+    assert salted.verdict is Verdict.PASS, summary(salted)
