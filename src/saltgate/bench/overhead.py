@@ -45,6 +45,8 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from saltgate.sim.run import sim_command
+
 MODEL = "sim-model"
 CHAT_PATH = "/v1/chat/completions"
 TARGETS = ("direct", "saltgate", "smg", "vllm-router")
@@ -580,22 +582,9 @@ class Bench:
         ports = [free_port(), free_port()]
         procs = []
         for i, port in enumerate(ports):
-            argv = [
-                sys.executable,
-                "-m",
-                "saltgate.cli",
-                "sim",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--prefill-ms-per-1k-tokens",
-                "0",
-                "--decode-ms-per-token",
-                "0",
-                "--max-concurrency",
-                "256",
-            ]
+            argv = sim_command(
+                port, prefill_ms_per_1k_tokens=0, decode_ms_per_token=0, max_concurrency=256
+            )
             procs.append(self.spawn(f"sim{i}", pinned(self.tools, self.o.load_cpu, argv)))
         backends = Backends(ports, procs)
         self._wait_backends(backends)

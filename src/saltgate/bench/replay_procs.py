@@ -23,6 +23,7 @@ from pathlib import Path
 from saltgate.bench.overhead import BenchError, Proc, Tools, free_port
 from saltgate.config import ConfigError, create_master_key, parse_config
 from saltgate.http.client import UpstreamError, UpstreamPool
+from saltgate.sim.run import sim_command
 from saltgate.store.tenants import TenantStore
 
 GATEWAY_POLICIES = ("saltgate", "round_robin", "least_loaded", "consistent_hash")
@@ -66,26 +67,14 @@ class SimSettings:
     max_concurrency: int = 64
 
     def argv(self, port: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "saltgate.cli",
-            "sim",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--block-size",
-            str(self.block_size),
-            "--num-blocks",
-            str(self.num_blocks),
-            "--prefill-ms-per-1k-tokens",
-            str(self.prefill_ms_per_1k_tokens),
-            "--decode-ms-per-token",
-            str(self.decode_ms_per_token),
-            "--max-concurrency",
-            str(self.max_concurrency),
-        ]
+        return sim_command(
+            port,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            prefill_ms_per_1k_tokens=self.prefill_ms_per_1k_tokens,
+            decode_ms_per_token=self.decode_ms_per_token,
+            max_concurrency=self.max_concurrency,
+        )
 
 
 class Fleet:

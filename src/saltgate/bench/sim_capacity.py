@@ -32,15 +32,15 @@ from saltgate.bench.overhead import (
     pinned,
     wrk_script,
 )
+from saltgate.sim.run import sim_command
 
 CONCURRENCY = 32
 
 
 def _sim_argv(port: int, *, zero_time: bool) -> list[str]:
-    argv = [sys.executable, "-m", "saltgate.cli", "sim", "--host", "127.0.0.1", "--port", str(port)]
     if zero_time:
-        argv += ["--prefill-ms-per-1k-tokens", "0", "--decode-ms-per-token", "0"]
-    return argv
+        return sim_command(port, prefill_ms_per_1k_tokens=0, decode_ms_per_token=0)
+    return sim_command(port)
 
 
 def _wait_ready(port: int, timeout: float = 20.0) -> None:

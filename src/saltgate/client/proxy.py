@@ -10,7 +10,6 @@ that port can spend the key, as with any local credential helper.
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from saltgate.client.transport import AsyncSaltgateTransport, GatewayKeyError
 from saltgate.ehbp.frames import EhbpError
 from saltgate.http import HttpServer, Request, Response
 from saltgate.policy.errors import ApiError
+from saltgate.runtime import until_stopped
 
 DEFAULT_PORT: Final = 8788
 LOOPBACK: Final = "127.0.0.1"
@@ -146,11 +146,7 @@ async def _serve(config: ProxyConfig) -> None:
         f"{transport.session.trust.mode})",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stopped()
     await running.close()
 
 

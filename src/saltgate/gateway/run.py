@@ -25,7 +25,8 @@ from saltgate.gateway.server import Gateway
 from saltgate.http import HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
 from saltgate.routing import Router
-from saltgate.sim.run import RunningSim, SimConfig, install_uvloop, start_sim
+from saltgate.runtime import run_service, until_stopped
+from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.spec.derive import derive_subkeys
 from saltgate.store.ledger import Ledger
 from saltgate.store.tenants import KeyIndex, TenantStore
@@ -134,14 +135,6 @@ def _ehbp_edge(config: GatewayConfig, gateway: Gateway, metrics: Metrics) -> Ehb
     return edge
 
 
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-
-
 def _reload_from(running: RunningGateway, path: Path) -> None:
     try:
         config = load_config(path)
@@ -164,21 +157,17 @@ async def _serve(config: GatewayConfig) -> None:
     if config.config_file is not None:
         path = config.config_file
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_from, running, path)
-    await _wait_for_signal()
+    await until_stopped()
     await running.close()
 
 
 def serve(config: GatewayConfig) -> int:
-    install_uvloop()
-    try:
-        asyncio.run(_serve(config))
-    except ConfigError as exc:
-        print(f"saltgate: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"saltgate: cannot serve on {config.host}:{config.port}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(
+        lambda: _serve(config),
+        "saltgate",
+        cannot_run=f"cannot serve on {config.host}:{config.port}",
+        usage_errors=(ConfigError,),
+    )
 
 
 def demo_keys(store: TenantStore) -> list[tuple[str, str]]:
@@ -234,20 +223,16 @@ async def _up(port: int, replicas: int, state_dir: Path, sim_base_port: int) -> 
         f'-d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 8}}\'',
         flush=True,
     )
-    await _wait_for_signal()
+    await until_stopped()
     await running.close()
     for sim in sims:
         await sim.close()
 
 
 def up(port: int, replicas: int, state_dir: Path, sim_base_port: int = 0) -> int:
-    install_uvloop()
-    try:
-        asyncio.run(_up(port, replicas, state_dir, sim_base_port))
-    except ConfigError as exc:
-        print(f"saltgate up: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"saltgate up: cannot serve on port {port}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(
+        lambda: _up(port, replicas, state_dir, sim_base_port),
+        "saltgate up",
+        cannot_run=f"cannot serve on port {port}",
+        usage_errors=(ConfigError,),
+    )

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
 import sys
 
-import uvloop
-
 from saltgate.kvevents.publisher import KvEventPublisher
+from saltgate.runtime import run_service, until_stopped
 from saltgate.sim.server import SimConfig, SimServer
 
-__all__ = ["RunningSim", "SimConfig", "serve_forever", "start_sim"]
+__all__ = ["RunningSim", "SimConfig", "serve_forever", "sim_command", "start_sim"]
+
+
+def sim_command(port: int, host: str = "127.0.0.1", **options: float | str) -> list[str]:
+    """The argv that runs `saltgate sim` in a child process with this interpreter.
+
+    Options are the command's long flags with underscores: ``max_concurrency=256`` gives
+    ``--max-concurrency 256``.
+    """
+    argv = [sys.executable, "-m", "saltgate.cli", "sim", "--host", host, "--port", str(port)]
+    for name, value in options.items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
 
 
 class RunningSim:
@@ -45,27 +54,16 @@ async def start_sim(config: SimConfig) -> RunningSim:
     return RunningSim(server, port, publisher)
 
 
-def install_uvloop() -> None:
-    """Run on uvloop: the servers were measured on it (docs/benchmarks.md)."""
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-
-
 async def _serve(config: SimConfig) -> None:
     sim = await start_sim(config)
     print(f"saltgate sim: model {config.model} at {sim.url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stopped()
     await sim.close()
 
 
 def serve_forever(config: SimConfig) -> int:
-    install_uvloop()
-    try:
-        asyncio.run(_serve(config))
-    except OSError as exc:
-        print(f"saltgate sim: cannot serve on {config.host}:{config.port}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(
+        lambda: _serve(config),
+        "saltgate sim",
+        cannot_run=f"cannot serve on {config.host}:{config.port}",
+    )

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import hmac
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -292,10 +292,19 @@ def _completion_prompt(prompt: object) -> tuple[bytes, object] | None:
     return None
 
 
-def _prompt_pieces(body: Mapping[str, Any], route: str) -> Iterator[tuple[bytes, object]]:
-    """The route-specific pieces after K and T, in prompt order (docs/spec.md)."""
+MessagesReader = Callable[[object], Iterator[tuple[bytes, object]]]
+
+
+def _route_pieces(
+    body: Mapping[str, Any], route: str, read_messages: MessagesReader
+) -> Iterator[tuple[bytes, object]]:
+    """The route-specific pieces after K and T, in prompt order: (tag, content or ids).
+
+    `read_messages` decides which messages count: the leading ones for the window
+    (docs/spec.md), all of them for the prefix digests.
+    """
     if route == ROUTE_CHAT:
-        yield from _leading_chat(body.get("messages"))
+        yield from read_messages(body.get("messages"))
     elif route == ROUTE_COMPLETIONS:
         piece = _completion_prompt(body.get("prompt"))
         if piece is not None:
@@ -308,12 +317,12 @@ def _prompt_pieces(body: Mapping[str, Any], route: str) -> Iterator[tuple[bytes,
         if isinstance(inp, str):
             yield TAG_USER, inp
         else:
-            yield from _leading_chat(inp)
+            yield from read_messages(inp)
     elif route == ROUTE_MESSAGES:
         system = body.get("system")
         if system is not None:
             yield TAG_SYSTEM, system
-        yield from _leading_chat(body.get("messages"))
+        yield from read_messages(body.get("messages"))
 
 
 def _all_texts(body: Mapping[str, Any], route: str) -> Iterator[str]:
@@ -419,7 +428,7 @@ def route_window(
         window.add_texts(TAG_PROMPT_CACHE_KEY, iter((pck,)))
     if tools_json is not None:
         window.add_bytes(TAG_TOOLS, tools_json)
-    for tag, value in _prompt_pieces(body, route):
+    for tag, value in _route_pieces(body, route, _leading_chat):
         if window.room() <= 0:
             break
         if tag == TAG_TOKEN_IDS:
@@ -451,50 +460,31 @@ _ROLE_TAGS: Final = {
 }
 
 
-def _conversation(messages: object) -> Iterator[tuple[bytes, str]]:
+def _conversation(messages: object) -> Iterator[tuple[bytes, object]]:
+    """(tag, content) of every message, in order."""
     if not isinstance(messages, list):
         return
     for msg in messages:
         if isinstance(msg, dict):
             role = msg.get("role")
             tag = _ROLE_TAGS.get(role, TAG_OTHER) if isinstance(role, str) else TAG_OTHER
-            yield tag, "".join(_parts_text(msg.get("content")))
+            yield tag, msg.get("content")
 
 
 def _whole_prompt(body: Mapping[str, Any], route: str) -> Iterator[tuple[bytes, str]]:
-    """Every piece of the prompt in order, later turns included (unlike the window)."""
+    """Every piece of the prompt as text, in order, later turns included (unlike the window)."""
     pck = body.get("prompt_cache_key")
     if isinstance(pck, str) and pck:
         yield TAG_PROMPT_CACHE_KEY, pck
     tools = _canonical_tools(body.get("tools"))
     if tools is not None:
         yield TAG_TOOLS, tools.decode("utf-8")
-    if route == ROUTE_COMPLETIONS:
-        piece = _completion_prompt(body.get("prompt"))
-        if piece is not None:
-            tag, value = piece
-            if isinstance(value, str):
-                yield tag, value
-            else:
-                assert isinstance(value, list)
-                ids = itertools.takewhile(_is_token_id, value)
-                yield tag, ",".join(map(str, ids)) + ","
-        return
-    if route == ROUTE_RESPONSES:
-        instructions = body.get("instructions")
-        if isinstance(instructions, str):
-            yield TAG_SYSTEM, instructions
-        inp = body.get("input")
-        if isinstance(inp, str):
-            yield TAG_USER, inp
+    for tag, value in _route_pieces(body, route, _conversation):
+        if tag == TAG_TOKEN_IDS:
+            assert isinstance(value, list)
+            yield tag, ",".join(map(str, itertools.takewhile(_is_token_id, value))) + ","
         else:
-            yield from _conversation(inp)
-        return
-    if route == ROUTE_MESSAGES:
-        system = body.get("system")
-        if system is not None:
-            yield TAG_SYSTEM, "".join(_parts_text(system))
-    yield from _conversation(body.get("messages"))
+            yield tag, "".join(_parts_text(value))
 
 
 def prefix_digests(
