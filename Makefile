@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint typecheck pytest vllm-env lock clean
+.PHONY: install up test lint typecheck pytest vllm-env bench-tools lock clean
 
 install: $(STAMP)
 
@@ -30,7 +30,12 @@ typecheck: install
 vllm-env:
 	$(PYTHON) scripts/vllm_env.py
 
-pytest: install vllm-env
+# The peers and tools the replay tests run against (sglang-router, vllm-router, nginx,
+# wrk) in .bench/venv and from apt; idempotent, and a failure says what is missing.
+bench-tools:
+	bash scripts/bench-setup.sh
+
+pytest: install vllm-env bench-tools
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
