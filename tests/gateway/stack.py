@@ -82,6 +82,18 @@ class Stack:
         return [r.body for r in self.forwarded()]
 
 
+def new_state_dir(state: Path, tenants: tuple[str, ...]) -> dict[str, str]:
+    """A fresh state directory: a master key, and one tenant with one API key per name."""
+    state.mkdir(mode=0o700)
+    create_master_key(state / "master.key")
+    keys = {}
+    with TenantStore.from_state_dir(state) as store:
+        for name in tenants:
+            store.create_tenant(name)
+            keys[name] = store.create_key(name)[1]
+    return keys
+
+
 @asynccontextmanager
 async def stack(
     tmp: Path,
@@ -99,13 +111,7 @@ async def stack(
     for tap in taps:
         await tap.start()
     state = tmp / "state"
-    state.mkdir(mode=0o700)
-    create_master_key(state / "master.key")
-    keys = {}
-    with TenantStore.from_state_dir(state) as store:
-        for name in tenants:
-            store.create_tenant(name)
-            keys[name] = store.create_key(name)[1]
+    keys = new_state_dir(state, tenants)
     config = GatewayConfig(
         replicas=tuple(ReplicaConfig(f"http://127.0.0.1:{t.port}") for t in taps),
         state_dir=state,

@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
-
-from saltgate.config import create_master_key
-from saltgate.store.tenants import TenantStore
+from tests.gateway.stack import new_state_dir
 
 
 def _spawn(args: list[str], banner: str) -> tuple[subprocess.Popen[str], str]:
@@ -46,11 +44,7 @@ def test_sigkill_under_load_loses_no_delivered_record(tmp_path: Path) -> None:
         "saltgate sim:",
     )
     state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    create_master_key(state / "master.key")
-    with TenantStore.from_state_dir(state) as store:
-        store.create_tenant("alice")
-        key = store.create_key("alice")[1]
+    key = new_state_dir(state, ("alice",))["alice"]
     config = tmp_path / "gateway.toml"
     config.write_text(
         f'[gateway]\nport = 0\nadmin_port = 0\nstate_dir = "{state}"\n\n'

@@ -9,11 +9,9 @@ import sys
 from pathlib import Path
 
 import httpx
-from tests.gateway.stack import MODEL, long_prompt, run
+from tests.gateway.stack import MODEL, long_prompt, new_state_dir, run
 
-from saltgate.config import create_master_key
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
-from saltgate.store.tenants import TenantStore
 
 SALTGATE = Path(sys.executable).parent / "saltgate"
 
@@ -39,11 +37,7 @@ def test_sighup_reloads_the_replica_list(tmp_path: Path) -> None:
         assert SALTGATE.exists(), f"missing {SALTGATE}: run `make install`"
         sims = [await start_sim(SimConfig(port=0)) for _ in range(3)]
         state = tmp_path / "state"
-        state.mkdir(mode=0o700)
-        create_master_key(state / "master.key")
-        with TenantStore.from_state_dir(state) as store:
-            store.create_tenant("alice")
-            key = store.create_key("alice")[1]
+        key = new_state_dir(state, ("alice",))["alice"]
         config = tmp_path / "gateway.toml"
         write_config(config, state, sims[:2])
         proc = await asyncio.create_subprocess_exec(
