@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from saltgate.routing.affinity import PrefixAffinity
 from saltgate.routing.rendezvous import Member
 from saltgate.routing.router import Router, RouterConfig
@@ -50,9 +52,9 @@ def test_the_table_answers_deepest_first_and_forgets() -> None:
     table = PrefixAffinity(ttl_s=10, max_entries=3)
     table.record([b"a", b"b"], "r0", now=0)
     table.record([b"a", b"b", b"c"], "r1", now=1)
-    assert table.owners([b"a", b"b", b"c"], now=2) == ["r1"]
+    assert table.owners([b"a", b"b", b"c"], now=2) == [("r1", 2, 0)]
     table.record([b"a"], "r2", now=3)
-    assert table.owners([b"a", b"b", b"c"], now=4) == ["r1", "r2"]
+    assert table.owners([b"a", b"b", b"c"], now=4) == [("r1", 2, 0), ("r2", 0, 0)]
     assert table.owners([b"a"], now=20) == []  # expired
     table.record([b"d", b"e", b"f", b"g"], "r3", now=21)
     assert len(table) == 3  # bounded
@@ -94,3 +96,52 @@ def test_the_load_cap_overrides_the_owner() -> None:
     for _ in range(3):
         router.started(home, 0.0)
     assert router.pick(router.plan(None, 0.0, prefixes), 0.0) != home
+
+
+def test_the_plan_knows_what_each_owner_holds() -> None:
+    router = Router(RouterConfig(min_prompt_bytes=100_000, affinity_first_depth=256), KEY, MEMBERS)
+    first, second = turns(2)
+    home = router.pick(router.plan(None, 0.0, router.prefixes(ROUTE_CHAT, first, "m", "s")), 0.0)
+    assert home is not None
+    prefixes = router.prefixes(ROUTE_CHAT, second, "m", "s")
+    plan = router.plan(None, 1.0, prefixes)
+    assert plan.prompt_bytes == prefixes.prompt_bytes > 0
+    (owner, depth), *_ = plan.owners
+    assert owner == home and 256 <= depth <= router.prefixes(ROUTE_CHAT, first, "m", "s")[1]
+    assert plan.uncached_bytes(home) == plan.prompt_bytes - depth
+    assert plan.uncached_bytes("elsewhere") == plan.prompt_bytes
+
+
+def test_a_prefill_backlog_moves_a_fresh_prompt_but_a_cached_conversation_stays() -> None:
+    config = RouterConfig(min_prompt_bytes=100_000, affinity_first_depth=256, max_prefill_delta=1)
+    router = Router(config, KEY, MEMBERS)
+    first, second = turns(2)
+    home = router.pick(router.plan(None, 0.0, router.prefixes(ROUTE_CHAT, first, "m", "s")), 0.0)
+    assert home is not None
+    prefixes = router.prefixes(ROUTE_CHAT, second, "m", "s")
+    plan = router.plan(None, 1.0, prefixes)
+    saved = plan.prompt_bytes - plan.uncached_bytes(home)
+    # A backlog smaller than what the home replica has cached: the conversation stays.
+    router.started(home, 1.0, prefill=saved - 10)
+    assert router.pick(plan, 1.0) == home
+    # A backlog beyond it: another replica starts the prompt sooner.
+    router.started(home, 1.0, prefill=20)
+    moved = router.pick(plan, 1.0)
+    assert moved is not None and moved != home
+    # The backlog drains as prompts are prefilled (and never below zero).
+    router.prefilled(home, saved + 10)
+    state = router.state(home)
+    assert state is not None and state.prefill == 0.0
+
+
+@pytest.mark.parametrize("delta", [0.0, 1024.0], ids=["guard-off", "guard-on"])
+def test_a_keys_top_replica_with_a_long_prefill_queue_is_passed_over(delta: float) -> None:
+    router = Router(RouterConfig(max_prefill_delta=delta), KEY, MEMBERS)
+    body = {"model": "m", "messages": [{"role": "system", "content": "lorem ipsum " * 500}]}
+    key = router.request_key(ROUTE_CHAT, body, "m", "s")
+    assert key is not None
+    top = router.ranking(key, 0.0)[0]
+    router.started(top, 0.0, prefill=1e6)
+    plan = router.plan(key, 0.0, router.prefixes(ROUTE_CHAT, body, "m", "s"))
+    chosen = router.pick(plan, 0.0)
+    assert (chosen == top) is (delta == 0.0)

@@ -102,8 +102,11 @@ def test_a_conversation_stays_on_one_replica_and_hits_its_cache(tmp_path: Path) 
 
 @pytest.mark.parametrize("hot", [True, False], ids=["hot-key-spreads", "control-no-expansion"])
 def test_a_hot_key_spreads_over_more_than_one_replica_under_load(tmp_path: Path, hot: bool) -> None:
-    # The cap is out of the way (100), so only the warm set can spread the key.
-    router = RouterConfig(per_replica_rate=1.0 if hot else 1e6, max_inflight_delta=100)
+    # The caps are out of the way (in-flight 100, prefill guard off), so only the warm set
+    # can spread the key.
+    router = RouterConfig(
+        per_replica_rate=1.0 if hot else 1e6, max_inflight_delta=100, max_prefill_delta=0
+    )
 
     async def main() -> None:
         async with stack(tmp_path, replicas=3, router=router) as s, s.client("alice") as alice:
@@ -317,5 +320,28 @@ def test_no_response_or_error_names_the_replica(tmp_path: Path) -> None:
             for tap in s.taps:
                 assert str(tap.port) not in resp.text and str(tap.port) not in str(resp.headers)
             assert "127.0.0.1" not in resp.text
+
+    run(main)
+
+
+def test_every_prefill_estimate_is_handed_back(tmp_path: Path) -> None:
+    """Streams (at their first chunk), whole answers and abandoned streams all return
+    their prefill estimate: the backlog the router balances on drains to zero."""
+
+    async def main() -> None:
+        async with stack(tmp_path, replicas=2) as s, s.client("alice") as alice:
+            router = s.gateway.gateway.replicas.router
+            body = {"model": MODEL, "prompt": prompt("backlog"), "max_tokens": 30, "stream": True}
+            async with alice.stream("POST", "/v1/completions", json=body) as resp:
+                async for _ in resp.aiter_bytes():
+                    # mid-stream: the prompt is prefilled, the request still in flight
+                    busy = [st for st in router.states if st.inflight]
+                    assert len(busy) == 1 and busy[0].prefill == 0.0
+                    break
+            await asyncio.gather(
+                *(complete(alice, prompt(f"whole {i}"), max_tokens=3) for i in range(4))
+            )
+            await until(lambda: all(st.inflight == 0 for st in router.states))
+            assert all(st.prefill == 0.0 for st in router.states)
 
     run(main)

@@ -103,17 +103,24 @@ class ReplicaSet:
         replica_id = self.router.pick(plan, time.monotonic(), tried)
         return None if replica_id is None else self._replicas[replica_id]
 
-    def started(self, replica: Replica) -> None:
-        self.router.started(replica.id, time.monotonic())
+    def started(self, replica: Replica, plan: Plan) -> float:
+        """Count the request on the replica; returns its prefill estimate there, which
+        `prefilled` (first output) or `finished` hands back."""
+        prefill = float(plan.uncached_bytes(replica.id))
+        self.router.started(replica.id, time.monotonic(), prefill)
+        return prefill
 
     def responded(self, replica: Replica) -> None:
         self.router.responded(replica.id)
 
+    def prefilled(self, replica: Replica, prefill: float) -> None:
+        self.router.prefilled(replica.id, prefill)
+
     def failed(self, replica: Replica) -> None:
         self.router.failed(replica.id, time.monotonic())
 
-    def finished(self, replica: Replica) -> None:
-        self.router.finished(replica.id)
+    def finished(self, replica: Replica, prefill: float = 0.0) -> None:
+        self.router.finished(replica.id, prefill)
 
     def available(self) -> list[tuple[int, Replica, bool]]:
         """(index in the configuration, replica, may be picked now) for the metrics."""

@@ -186,7 +186,7 @@ class Gateway:
                     type="service_unavailable",
                     code="no_replica",
                 )
-            self.replicas.started(replica)
+            prefill = self.replicas.started(replica, plan)
             try:
                 upstream = await replica.pool.request(
                     b"POST", replica.prefix + request.path, headers + replica.auth, payload
@@ -195,7 +195,7 @@ class Gateway:
                 break
             except UpstreamError as exc:
                 self.replicas.failed(replica)
-                self.replicas.finished(replica)
+                self.replicas.finished(replica, prefill)
                 self.metrics.inc("saltgate_upstream_failures_total")
                 tried.add(replica.id)
                 if not exc.before_response:
@@ -203,13 +203,15 @@ class Gateway:
                         502, "The replica failed while answering; retry the request."
                     ) from None
             except BaseException:
-                self.replicas.finished(replica)
+                self.replicas.finished(replica, prefill)
                 raise
         record = _Metering(self, principal, inspected.model, started)
         response_headers = scrub_response_headers(upstream.headers)
         content_type = upstream.header(b"content-type") or b""
         if upstream.status == 200 and content_type.startswith(b"text/event-stream"):
-            stream = self._relay_stream(upstream, replica, record, inspected.client_wants_usage)
+            stream = self._relay_stream(
+                upstream, replica, prefill, record, inspected.client_wants_usage
+            )
             return Response(200, response_headers, stream=stream)
         try:
             body = await upstream.read()
@@ -218,7 +220,7 @@ class Gateway:
             await record.commit(Usage(), 502)
             raise ApiError(502, "The replica failed while answering; retry the request.") from None
         finally:
-            self.replicas.finished(replica)
+            self.replicas.finished(replica, prefill)
         usage = usage_from_body(body) if upstream.status == 200 else None
         await record.commit(usage or Usage(), upstream.status)
         return Response(upstream.status, response_headers, body)
@@ -227,14 +229,19 @@ class Gateway:
         self,
         upstream: UpstreamResponse,
         replica: Replica,
+        prefill: float,
         record: _Metering,
         client_wants_usage: bool,
     ) -> AsyncIterator[bytes]:
+        """Pass the stream through; its first chunk tells the router the prefill is done."""
         scanner = SseUsageScanner(drop_usage_event=not client_wants_usage)
         status = CLIENT_CLOSED
         held = b""
         try:
             async for chunk in upstream.chunks():
+                if prefill:
+                    self.replicas.prefilled(replica, prefill)
+                    prefill = 0.0
                 out = scanner.feed(chunk)
                 if out.endswith(DONE):
                     out, held = out[: -len(DONE)], DONE
@@ -248,7 +255,7 @@ class Gateway:
             error = ApiError(502, "The replica failed during the stream; retry the request.")
             held = b"data: " + error.body() + b"\n\n"
         finally:
-            self.replicas.finished(replica)
+            self.replicas.finished(replica, prefill)
             upstream.release()
             if status == CLIENT_CLOSED:
                 # The client is gone and this generator is being torn down: record what was

@@ -6,7 +6,7 @@ Pure: imports nothing that performs I/O (docs/routing.md).
 from saltgate.routing.health import Breaker, BreakerState, Overload, Probe, parse_waiting
 from saltgate.routing.hotkeys import HotKeys, warm_set_size
 from saltgate.routing.rendezvous import Member, hrw_score, rank
-from saltgate.routing.router import POLICIES, Plan, ReplicaState, Router, RouterConfig
+from saltgate.routing.router import POLICIES, Plan, Prefixes, ReplicaState, Router, RouterConfig
 
 __all__ = [
     "POLICIES",
@@ -16,6 +16,7 @@ __all__ = [
     "Member",
     "Overload",
     "Plan",
+    "Prefixes",
     "Probe",
     "ReplicaState",
     "Router",

@@ -23,30 +23,37 @@ class PrefixAffinity:
             raise ValueError("ttl_s and max_entries must be positive")
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._owner: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._owner: OrderedDict[bytes, tuple[str, float, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._owner)
 
-    def owners(self, digests: Sequence[bytes], now: float) -> list[str]:
-        """Replicas that recently served these prefixes, deepest prefix first, no repeats."""
-        found: list[str] = []
-        for digest in reversed(digests):
-            entry = self._owner.get(digest)
+    def owners(self, digests: Sequence[bytes], now: float) -> list[tuple[str, int, int]]:
+        """(replica, index of the deepest digest it holds, length of the prompt that left
+        it there) for the replicas that recently served these prefixes, deepest first,
+        each replica once."""
+        found: list[tuple[str, int, int]] = []
+        seen: set[str] = set()
+        for index in range(len(digests) - 1, -1, -1):
+            entry = self._owner.get(digests[index])
             if entry is None:
                 continue
-            replica_id, at = entry
+            replica_id, at, length = entry
             if now - at > self.ttl_s:
-                del self._owner[digest]
-            elif replica_id not in found:
-                found.append(replica_id)
+                del self._owner[digests[index]]
+            elif replica_id not in seen:
+                seen.add(replica_id)
+                found.append((replica_id, index, length))
         return found
 
-    def record(self, digests: Sequence[bytes], replica_id: str, now: float) -> None:
-        """`replica_id` now holds (or is computing) every one of these prefixes."""
+    def record(
+        self, digests: Sequence[bytes], replica_id: str, now: float, prompt_bytes: int = 0
+    ) -> None:
+        """`replica_id` now holds (or is computing) every one of these prefixes, of a
+        prompt of ``prompt_bytes``."""
         owner = self._owner
         for digest in digests:
-            owner[digest] = (replica_id, now)
+            owner[digest] = (replica_id, now, prompt_bytes)
             owner.move_to_end(digest)
         while len(owner) > self.max_entries:
             owner.popitem(last=False)

@@ -21,7 +21,7 @@ import hashlib
 import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from saltgate.routing.affinity import PrefixAffinity
 from saltgate.routing.health import Breaker, Overload, Probe, ReplicaHealth
@@ -30,7 +30,8 @@ from saltgate.routing.rendezvous import Member, rank
 from saltgate.spec.derive import (
     DEFAULT_MIN_PROMPT_BYTES,
     DEFAULT_WINDOW_BYTES,
-    prefix_digests,
+    flat_prompt,
+    prefix_digests_of,
     route_window,
 )
 from saltgate.spec.derive import route_key as keyed_route_key
@@ -58,6 +59,7 @@ class RouterConfig:
     overload_exit_waiting: float = 2.0
     affinity_ttl_s: float = 600.0
     affinity_first_depth: int = DEFAULT_WINDOW_BYTES
+    max_prefill_delta: float = 32_768.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -113,6 +115,7 @@ _POSITIVE: Final = (
 )
 _NON_NEGATIVE: Final = (
     "affinity_ttl_s",
+    "max_prefill_delta",
     "window_bytes",
     "min_prompt_bytes",
     "max_inflight_delta",
@@ -127,6 +130,7 @@ class ReplicaState:
     member: Member
     health: ReplicaHealth
     inflight: int = 0
+    prefill: float = 0.0  # prompt bytes sent here and not yet prefilled (estimated uncached)
 
     @property
     def id(self) -> str:
@@ -138,18 +142,41 @@ class ReplicaState:
         return self.inflight / self.member.weight
 
 
+class Prefixes(NamedTuple):
+    """A prompt's keyed prefix digests (shallow first) and its flattened size in bytes."""
+
+    digests: tuple[bytes, ...] = ()
+    prompt_bytes: int = 0
+
+
+NO_PREFIXES: Final = Prefixes()
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """One request's routing input, fixed when it arrives (retries reuse it)."""
+    """One request's routing input, fixed when it arrives (retries reuse it).
+
+    ``owners``: the replicas that recently served a prefix of this prompt, deepest first,
+    with that prefix's length in bytes: what each would find in its cache.
+    """
 
     key: bytes | None
     rate: float = 0.0
     prefixes: tuple[bytes, ...] = ()
+    prompt_bytes: int = 0
+    owners: tuple[tuple[str, int], ...] = ()
+
+    def uncached_bytes(self, replica_id: str) -> int:
+        """The prompt bytes ``replica_id`` would have to prefill (its cached prefix aside)."""
+        for owner, depth in self.owners:
+            if owner == replica_id:
+                return max(0, self.prompt_bytes - depth)
+        return self.prompt_bytes
 
     def __repr__(self) -> str:
         return (
             f"Plan(key={'<set>' if self.key else None}, rate={self.rate:.3f}, "
-            f"prefixes={len(self.prefixes)})"
+            f"prefixes={len(self.prefixes)}, prompt_bytes={self.prompt_bytes})"
         )
 
 
@@ -231,20 +258,17 @@ class Router:
 
     def prefixes(
         self, route: str, body: Mapping[str, Any], model: str, salt: str | None
-    ) -> tuple[bytes, ...]:
-        """The request's keyed prefix digests, when prefix affinity is on (else empty)."""
+    ) -> Prefixes:
+        """The request's keyed prefix digests and prompt size (policy saltgate; else none)."""
+        if self.config.policy != "saltgate":
+            return Prefixes()
+        flat = flat_prompt(body, route)
         if self._affinity is None:
-            return ()
-        return tuple(
-            prefix_digests(
-                self._route_secret,
-                model,
-                salt or "",
-                body,
-                route,
-                first_depth=self.config.affinity_first_depth,
-            )
+            return Prefixes((), len(flat))
+        digests = prefix_digests_of(
+            flat, self._route_secret, model, salt or "", self.config.affinity_first_depth
         )
+        return Prefixes(tuple(digests), len(flat))
 
     def ranking(self, key: bytes, now: float) -> list[str]:
         """Available replicas by rendezvous rank for ``key`` (the retry order)."""
@@ -267,12 +291,23 @@ class Router:
         ]
 
     # -- decisions -------------------------------------------------------------------------
-    def plan(self, key: bytes | None, now: float, prefixes: tuple[bytes, ...] = ()) -> Plan:
+    def plan(self, key: bytes | None, now: float, prefixes: Prefixes = NO_PREFIXES) -> Plan:
         """Fix a request's routing input; counts it toward its key's rate (saltgate)."""
         if self.config.policy != "saltgate":
             return Plan(key)
         rate = self._hot.observe(key, now) if key is not None else 0.0
-        return Plan(key, rate, prefixes)
+        owners: tuple[tuple[str, int], ...] = ()
+        if prefixes.digests and self._affinity is not None:
+            first = self.config.affinity_first_depth
+            found = self._affinity.owners(prefixes.digests, now)
+            # A shared digest at depth d proves d bytes in common; the next depth did not
+            # match, so fewer than 2d. Within that, what the replica holds is at most the
+            # earlier prompt: the whole of it when this is its conversation's next turn.
+            owners = tuple(
+                (rid, _shared_estimate(first << index, length, prefixes.prompt_bytes))
+                for rid, index, length in found
+            )
+        return Plan(key, rate, prefixes.digests, prefixes.prompt_bytes, owners)
 
     def pick(self, plan: Plan, now: float, exclude: Collection[str] = ()) -> str | None:
         """The replica for a request not yet tried on ``exclude``; None if none is left.
@@ -281,8 +316,10 @@ class Router:
         turn of the conversation follows it (`affinity.PrefixAffinity`).
         """
         chosen = self._choose(plan, now, exclude)
+        if chosen is not None and self.config.policy == "saltgate":
+            chosen = self._prefill_guard(chosen, plan, now, exclude)
         if chosen is not None and plan.prefixes and self._affinity is not None:
-            self._affinity.record(plan.prefixes, chosen, now)
+            self._affinity.record(plan.prefixes, chosen, now, plan.prompt_bytes)
         return chosen
 
     def _choose(self, plan: Plan, now: float, exclude: Collection[str]) -> str | None:
@@ -290,8 +327,8 @@ class Router:
         if policy == "round_robin":
             return self._round_robin(now, exclude)
         owner = None
-        if plan.prefixes and self._affinity is not None:
-            owner = self._follow_prefix(plan.prefixes, now, exclude)
+        if plan.owners:
+            owner = self._follow_prefix(plan.owners, now, exclude)
         if owner is not None and (
             plan.key is None or plan.rate <= self.config.per_replica_rate  # not hot: R = 1
         ):
@@ -306,13 +343,9 @@ class Router:
         return self._warm_pick(ranked, plan.rate, owner).id
 
     def _follow_prefix(
-        self, prefixes: tuple[bytes, ...], now: float, exclude: Collection[str]
+        self, owners: tuple[tuple[str, int], ...], now: float, exclude: Collection[str]
     ) -> ReplicaState | None:
         """The replica that served the deepest shared prefix, if within the load cap."""
-        assert self._affinity is not None
-        owners = self._affinity.owners(prefixes, now)
-        if not owners:
-            return None
         usable = {
             state.id: state
             for state in self._states.values()
@@ -323,7 +356,7 @@ class Router:
         if not usable:
             return None
         ceiling = min(state.load for state in usable.values()) + self.config.max_inflight_delta
-        for owner in owners:
+        for owner, _depth in owners:
             state = usable.get(owner)
             if state is not None and state.load <= ceiling:
                 return state
@@ -349,6 +382,34 @@ class Router:
             return best
         return least
 
+    def _prefill_guard(self, chosen: str, plan: Plan, now: float, exclude: Collection[str]) -> str:
+        """Keep ``chosen`` unless another replica would start this prompt much sooner.
+
+        A request's time to first token is the prefill queued before it plus its own
+        uncached part, so each replica costs its prefill backlog plus the bytes of this
+        prompt it does not hold. The choice stands within ``max_prefill_delta`` bytes of the
+        cheapest; beyond that the cheapest takes it. A conversation with a long cached
+        prefix therefore stays home through a larger backlog than a fresh prompt does.
+        """
+        delta = self.config.max_prefill_delta
+        if delta <= 0:
+            return chosen
+        candidates = [
+            s
+            for s in self._states.values()
+            if s.id not in exclude and s.health.available(now) and not s.health.overload.overloaded
+        ]
+        current = self._states.get(chosen)
+        if current is None or current not in candidates:
+            return chosen
+        cost = current.prefill + plan.uncached_bytes(chosen)
+        best, best_cost = current, cost
+        for state in candidates:
+            other = state.prefill + plan.uncached_bytes(state.id)
+            if other < best_cost:
+                best, best_cost = state, other
+        return chosen if cost <= best_cost + delta else best.id
+
     def _rotation(self, now: float, exclude: Collection[str]) -> list[ReplicaState]:
         """Available replicas, starting one further along at every call."""
         states = [s for s in self._states.values() if s.id not in exclude]
@@ -371,11 +432,20 @@ class Router:
         return min(states, key=_load).id if states else None
 
     # -- events ----------------------------------------------------------------------------
-    def started(self, replica_id: str, now: float) -> None:
+    def started(self, replica_id: str, now: float, prefill: float = 0.0) -> None:
+        """A request went to the replica; ``prefill``: its uncached prompt bytes there
+        (`Plan.uncached_bytes`), counted until `prefilled` or `finished`."""
         state = self._states.get(replica_id)
         if state is not None:
             state.inflight += 1
+            state.prefill += prefill
             state.health.breaker.started(now)
+
+    def prefilled(self, replica_id: str, prefill: float) -> None:
+        """The request's first output arrived: its prompt no longer waits for prefill."""
+        state = self._states.get(replica_id) or self._retired.get(replica_id)
+        if state is not None:
+            state.prefill = max(0.0, state.prefill - prefill)
 
     def responded(self, replica_id: str) -> None:
         """The replica answered (any status): the exchange worked."""
@@ -389,8 +459,9 @@ class Router:
         if state is not None:
             state.health.breaker.failed(now)
 
-    def finished(self, replica_id: str) -> None:
-        """The request no longer occupies the replica (every `started` gets one)."""
+    def finished(self, replica_id: str, prefill: float = 0.0) -> None:
+        """The request no longer occupies the replica (every `started` gets one);
+        ``prefill``: what of its `started` prefill `prefilled` has not taken back."""
         state = self._states.get(replica_id)
         if state is None:
             state = self._retired.get(replica_id)
@@ -398,6 +469,7 @@ class Router:
                 del self._retired[replica_id]
         if state is not None and state.inflight > 0:
             state.inflight -= 1
+            state.prefill = max(0.0, state.prefill - prefill)
 
     def probed(self, replica_id: str, ok: bool) -> None:
         state = self._states.get(replica_id)
@@ -409,6 +481,12 @@ class Router:
         state = self._states.get(replica_id)
         if state is not None:
             state.health.overload.observed(waiting)
+
+
+def _shared_estimate(depth: int, earlier_prompt: int, prompt: int) -> int:
+    """Bytes of this prompt a replica holds, given its deepest shared digest at ``depth``
+    (so fewer than 2 * depth shared) and the length of the prompt it served."""
+    return max(depth, min(2 * depth, earlier_prompt, prompt))
 
 
 def _load(state: ReplicaState) -> float:

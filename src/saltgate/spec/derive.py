@@ -43,6 +43,7 @@ SECRET_MAX_CHARS: Final = 256
 
 DEFAULT_WINDOW_BYTES: Final = 1024
 DEFAULT_MIN_PROMPT_BYTES: Final = 4096
+MAX_PREFIX_DEPTH: Final = 256 * 1024
 
 # Route-window piece tags, one ASCII byte each (see docs/spec.md, "Route window").
 TAG_PROMPT_CACHE_KEY: Final = b"K"
@@ -483,8 +484,55 @@ def _whole_prompt(body: Mapping[str, Any], route: str) -> Iterator[tuple[bytes, 
         if tag == TAG_TOKEN_IDS:
             assert isinstance(value, list)
             yield tag, ",".join(map(str, itertools.takewhile(_is_token_id, value))) + ","
+        elif isinstance(value, str):
+            yield tag, value
         else:
             yield tag, "".join(_parts_text(value))
+
+
+def flat_prompt(body: Mapping[str, Any], route: str, max_depth: int = MAX_PREFIX_DEPTH) -> bytes:
+    """The prompt flattened as tag || text per piece, up to ``max_depth`` bytes.
+
+    With no lengths between pieces, a growing prompt keeps its earlier bytes as a prefix:
+    a routing hint, not a commitment, so pieces need no unambiguous framing. Its length
+    is also the router's measure of the prefill work a request brings.
+    """
+    pieces: list[bytes] = []
+    size = 0
+    for tag, text in _whole_prompt(body, route):
+        piece = tag + text[:max_depth].encode("utf-8")
+        pieces.append(piece)
+        size += len(piece)
+        if size >= max_depth:
+            break
+    return b"".join(pieces)[:max_depth]
+
+
+def prefix_digests_of(
+    flat: bytes, k_route: bytes, model: str, salt: str, first_depth: int = DEFAULT_WINDOW_BYTES
+) -> list[bytes]:
+    """Keyed digests of ``flat[:d]`` for d = first_depth, 2x, 4x, ... <= len(flat), shallow first.
+
+    One SHA-256 pass, finished on a copy at each depth. Keyed by prefixing the route
+    sub-key, the model and the (secret-derived) salt: a digest is only ever a key of the
+    router's in-memory table, never shown to anyone, so the length extension that HMAC
+    guards against gives nothing away, and HMAC would double the cost (its finish on a
+    copy runs two hashes per depth).
+    """
+    if first_depth <= 0:
+        raise ValueError("first_depth must be positive")
+    running = hashlib.sha256(
+        b"".join((PREFIX_DOMAIN, lp(k_route), lp(model.encode()), lp(salt.encode())))
+    )
+    digests: list[bytes] = []
+    done = 0
+    depth = first_depth
+    while depth <= len(flat):
+        running.update(flat[done:depth])
+        done = depth
+        digests.append(running.copy().digest())
+        depth *= 2
+    return digests
 
 
 def prefix_digests(
@@ -495,38 +543,15 @@ def prefix_digests(
     route: str,
     *,
     first_depth: int = DEFAULT_WINDOW_BYTES,
-    max_depth: int = 256 * 1024,
+    max_depth: int = MAX_PREFIX_DEPTH,
 ) -> list[bytes]:
     """Keyed digests of the prompt's first d bytes, d = first_depth, 2x, 4x, ... (shallow first).
 
     A later turn of a conversation extends the earlier prompt, so they share the digests
     up to the earlier prompt's length (within a factor 2): the router remembers which
-    replica served a digest and sends the next turn there. The flattening is tag || text
-    per piece, with no lengths, so a growing prompt keeps its earlier prefix bytes; it is
-    a routing hint, not a commitment, so pieces need no unambiguous framing. Keyed with
-    the route sub-key, the model and the salt: tenants never share a digest, and nothing
-    outside the gateway can compute one. Local to a gateway: not part of what gateways
-    must agree on (the window key is).
+    replica served a digest and sends the next turn there. Keyed with the route sub-key,
+    the model and the salt: tenants never share a digest, and nothing outside the gateway
+    can compute one. Local to a gateway: not part of what gateways must agree on (the
+    window key is).
     """
-    if first_depth <= 0:
-        raise ValueError("first_depth must be positive")
-    flat = bytearray()
-    for tag, text in _whole_prompt(body, route):
-        flat += tag
-        flat += text[:max_depth].encode("utf-8")
-        if len(flat) >= max_depth:
-            break
-    # Keyed BLAKE2b (a MAC by construction) over the prefix, copied at each depth: one
-    # pass over the prompt; Python's own BLAKE2 avoids OpenSSL 3's per-call setup cost.
-    running = hashlib.blake2b(
-        PREFIX_DOMAIN + lp(model.encode()) + lp(salt.encode()), key=k_route, digest_size=32
-    )
-    digests: list[bytes] = []
-    done = 0
-    depth = first_depth
-    while depth <= min(len(flat), max_depth):
-        running.update(flat[done:depth])
-        done = depth
-        digests.append(running.copy().digest())
-        depth *= 2
-    return digests
+    return prefix_digests_of(flat_prompt(body, route, max_depth), k_route, model, salt, first_depth)

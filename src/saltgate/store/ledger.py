@@ -36,7 +36,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from saltgate.store.tenants import open_db
 
@@ -50,9 +50,8 @@ class LedgerError(Exception):
     """A record could not be committed (or the ledger is closed); the response should fail."""
 
 
-@dataclass(frozen=True, slots=True)
-class UsageRecord:
-    """One completed request, as metered."""
+class UsageRecord(NamedTuple):
+    """One completed request, as metered; a tuple, so it is the row SQLite inserts."""
 
     ts: float
     tenant_id: str
@@ -71,19 +70,6 @@ class LedgerStats:
     transactions: int
     records: int
     max_batch_seen: int
-
-
-def _row(r: UsageRecord) -> tuple[float, str, str, str, int, int, int, int]:
-    return (
-        r.ts,
-        r.tenant_id,
-        r.key_id,
-        r.model,
-        r.prompt_tokens,
-        r.cached_tokens,
-        r.completion_tokens,
-        r.status,
-    )
 
 
 _Item = tuple[UsageRecord, "asyncio.Future[None]"]
@@ -178,7 +164,7 @@ class Ledger:
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                self._conn.executemany(_INSERT, [_row(rec) for rec, _ in batch])
+                self._conn.executemany(_INSERT, [rec for rec, _ in batch])
                 self._conn.execute("COMMIT")
             except BaseException:
                 if self._conn.in_transaction:
