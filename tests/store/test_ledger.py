@@ -77,6 +77,30 @@ def test_max_batch_bounds_transactions(tmp_path: Path) -> None:
     assert st.records == 200 and st.max_batch_seen <= 16 and st.transactions >= 200 // 16
 
 
+@pytest.mark.parametrize("busy", [True, False], ids=["busy-coalesces", "idle-commits-at-once"])
+def test_a_busy_gateway_lets_one_commit_carry_records_from_several_loop_turns(
+    tmp_path: Path, busy: bool
+) -> None:
+    async def run() -> Ledger:
+        ledger = Ledger(tmp_path / "saltgate.db", busy=lambda: busy, max_delay_s=0.5)
+
+        async def late(i: int) -> None:
+            for _ in range(i):  # arrive i loop turns later
+                await asyncio.sleep(0)
+            await ledger.record(_rec(i))
+
+        await asyncio.gather(*(late(i) for i in range(10)))
+        await ledger.aclose()
+        return ledger
+
+    st = asyncio.run(run()).stats()
+    assert st.records == 10
+    if busy:
+        assert st.transactions == 1  # all ten waited for the same commit
+    else:
+        assert st.transactions >= 5  # each loop turn committed on its own
+
+
 def test_close_drains_and_refuses_new_records(tmp_path: Path) -> None:
     path = tmp_path / "saltgate.db"
 

@@ -83,9 +83,10 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     master_key = load_master_key(config.master_key_file)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     keys = KeyIndex(config.db_path)
-    ledger = Ledger(config.db_path)
     subkeys = derive_subkeys(master_key)
     router = Router(config.router, subkeys.route)
+    # Under load, let one commit carry the records of requests about to finish.
+    ledger = Ledger(config.db_path, busy=router.busy)
     replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s, router=router)
     metrics = Metrics()
     gateway = Gateway(

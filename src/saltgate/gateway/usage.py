@@ -9,14 +9,12 @@ costs a substring search per event, not a JSON parse.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
+class Usage(NamedTuple):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

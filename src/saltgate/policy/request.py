@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import orjson
 
@@ -218,9 +217,8 @@ def parse_json_object(raw: bytes, max_bytes: int) -> dict[str, Any]:
 _TOKEN_LIMIT_PARAMS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
-@dataclass(frozen=True, slots=True)
-class Inspected:
-    """What the gateway reads from a body, type-checked once.
+class Inspected(NamedTuple):
+    """What the gateway reads from a body, type-checked once (a tuple: cheap per request).
 
     ``client_wants_usage``: whether the client's own request makes the response carry
     usage. When False on a stream, the gateway (which forces usage on to meter) removes
@@ -231,9 +229,15 @@ class Inspected:
     model: str
     stream: bool
     client_wants_usage: bool
-    user_cache_secret: str | None = field(repr=False)
+    user_cache_secret: str | None
     max_tokens: int | None = None
     prompt_cache_key: str | None = None
+
+    def __repr__(self) -> str:  # never the user's secret
+        return (
+            f"Inspected(route={self.route!r}, model={self.model!r}, stream={self.stream}, "
+            f"secret={'<set>' if self.user_cache_secret else None})"
+        )
 
     @property
     def forces_usage(self) -> bool:

@@ -152,9 +152,9 @@ class Prefixes(NamedTuple):
 NO_PREFIXES: Final = Prefixes()
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """One request's routing input, fixed when it arrives (retries reuse it).
+class Plan(NamedTuple):
+    """One request's routing input, fixed when it arrives (retries reuse it). A tuple:
+    one is built per request, and a frozen dataclass costs 3x as much to build.
 
     ``owners``: the replicas that recently served a prefix of this prompt, deepest first,
     with that prefix's length in bytes: what each would find in its cache.
@@ -237,6 +237,10 @@ class Router:
     def state(self, replica_id: str) -> ReplicaState | None:
         return self._states.get(replica_id)
 
+    def busy(self) -> bool:
+        """Whether any request is in flight on any replica."""
+        return any(s.inflight for s in self._states.values()) or bool(self._retired)
+
     def inflight(self, replica_id: str) -> int:
         state = self._states.get(replica_id) or self._retired.get(replica_id)
         return state.inflight if state is not None else 0
@@ -272,9 +276,18 @@ class Router:
 
     def ranking(self, key: bytes, now: float) -> list[str]:
         """Available replicas by rendezvous rank for ``key`` (the retry order)."""
-        return [s.id for s in self._ranked(key, now, frozenset())]
+        return [s.id for s in self._ranked(key, self._usable(now, ()))]
 
-    def _ranked(self, key: bytes, now: float, exclude: Collection[str]) -> list[ReplicaState]:
+    def _usable(self, now: float, exclude: Collection[str]) -> dict[str, ReplicaState]:
+        """The replicas a request may go to now (not excluded, probes pass, breaker lets
+        it by), in configuration order: computed once per decision."""
+        return {
+            rid: state
+            for rid, state in self._states.items()
+            if rid not in exclude and state.health.available(now)
+        }
+
+    def _ranked(self, key: bytes, usable: dict[str, ReplicaState]) -> list[ReplicaState]:
         order = self._rankings.get(key)
         if order is None:
             # The ranking depends only on the key and the members, so it is remembered
@@ -283,12 +296,7 @@ class Router:
             if len(self._rankings) >= RANKING_CACHE:
                 self._rankings.clear()
             self._rankings[key] = order
-        states = self._states
-        return [
-            state
-            for rid in order
-            if rid not in exclude and (state := states[rid]).health.available(now)
-        ]
+        return [usable[rid] for rid in order if rid in usable]
 
     # -- decisions -------------------------------------------------------------------------
     def plan(self, key: bytes | None, now: float, prefixes: Prefixes = NO_PREFIXES) -> Plan:
@@ -315,64 +323,69 @@ class Router:
         Under ``saltgate`` the choice is remembered for the request's prefixes, so the next
         turn of the conversation follows it (`affinity.PrefixAffinity`).
         """
-        chosen = self._choose(plan, now, exclude)
-        if chosen is not None and self.config.policy == "saltgate":
-            chosen = self._prefill_guard(chosen, plan, now, exclude)
-        if chosen is not None and plan.prefixes and self._affinity is not None:
-            self._affinity.record(plan.prefixes, chosen, now, plan.prompt_bytes)
-        return chosen
-
-    def _choose(self, plan: Plan, now: float, exclude: Collection[str]) -> str | None:
+        usable = self._usable(now, exclude)
+        if not usable:
+            return None
         policy = self.config.policy
+        if policy != "saltgate":
+            return self._baseline(policy, plan, usable).id
+        fresh = [s for s in usable.values() if not s.health.overload.overloaded]
+        chosen = self._choose(plan, usable, fresh or list(usable.values()))
+        if fresh and chosen in fresh:
+            chosen = self._prefill_guard(chosen, plan, fresh)
+        if plan.prefixes and self._affinity is not None:
+            self._affinity.record(plan.prefixes, chosen.id, now, plan.prompt_bytes)
+        return chosen.id
+
+    def _baseline(self, policy: str, plan: Plan, usable: dict[str, ReplicaState]) -> ReplicaState:
         if policy == "round_robin":
-            return self._round_robin(now, exclude)
-        owner = None
-        if plan.owners:
-            owner = self._follow_prefix(plan.owners, now, exclude)
+            return self._rotation(usable.values())[0]
+        if plan.key is None or policy == "least_loaded":
+            return min(self._rotation(usable.values()), key=_load)
+        return self._ranked(plan.key, usable)[0]  # consistent_hash
+
+    def _choose(
+        self, plan: Plan, usable: dict[str, ReplicaState], eligible: list[ReplicaState]
+    ) -> ReplicaState:
+        """Policy saltgate before the prefill guard. ``eligible``: the usable replicas that
+        are not overloaded (all usable ones if every replica is)."""
+        owner = self._follow_prefix(plan.owners, eligible) if plan.owners else None
         if owner is not None and (
             plan.key is None or plan.rate <= self.config.per_replica_rate  # not hot: R = 1
         ):
-            return owner.id
-        if plan.key is None or policy == "least_loaded":
-            return self._least_loaded(now, exclude, skip_overloaded=policy == "saltgate")
-        ranked = self._ranked(plan.key, now, exclude)
-        if not ranked:
-            return None
-        if policy == "consistent_hash":
-            return ranked[0].id
-        return self._warm_pick(ranked, plan.rate, owner).id
+            return owner
+        if plan.key is None:
+            return min(self._rotation(eligible), key=_load)
+        ranked = [s for s in self._ranked(plan.key, usable) if s in eligible]
+        return self._warm_pick(ranked, eligible, plan.rate, owner)
 
     def _follow_prefix(
-        self, owners: tuple[tuple[str, int], ...], now: float, exclude: Collection[str]
+        self, owners: tuple[tuple[str, int], ...], eligible: list[ReplicaState]
     ) -> ReplicaState | None:
         """The replica that served the deepest shared prefix, if within the load cap."""
-        usable = {
-            state.id: state
-            for state in self._states.values()
-            if state.id not in exclude
-            and state.health.available(now)
-            and not state.health.overload.overloaded
-        }
-        if not usable:
-            return None
-        ceiling = min(state.load for state in usable.values()) + self.config.max_inflight_delta
+        ceiling = min(s.inflight / s.member.weight for s in eligible)
+        ceiling += self.config.max_inflight_delta
+        by_id = {s.id: s for s in eligible}
         for owner, _depth in owners:
-            state = usable.get(owner)
+            state = by_id.get(owner)
             if state is not None and state.load <= ceiling:
                 return state
         return None
 
     def _warm_pick(
-        self, ranked: list[ReplicaState], rate: float, owner: ReplicaState | None = None
+        self,
+        ranked: list[ReplicaState],
+        eligible: list[ReplicaState],
+        rate: float,
+        owner: ReplicaState | None = None,
     ) -> ReplicaState:
         """The key's warm set decides; a hot key's prefix owner competes with it on load.
 
         (A key that is not hot never gets here with an owner: it follows the owner, whose
         cache holds the conversation.) Competing on load lets one busy prefix spread.
         """
-        eligible = [s for s in ranked if not s.health.overload.overloaded] or ranked
-        size = warm_set_size(rate, self.config.per_replica_rate, len(eligible))
-        warm = eligible[:size]
+        size = warm_set_size(rate, self.config.per_replica_rate, len(ranked))
+        warm = ranked[:size]
         if owner is not None and owner not in warm:
             warm = [owner, *warm]
         # min() keeps the first of equals: ties go to the owner, then the higher-ranked.
@@ -382,7 +395,9 @@ class Router:
             return best
         return least
 
-    def _prefill_guard(self, chosen: str, plan: Plan, now: float, exclude: Collection[str]) -> str:
+    def _prefill_guard(
+        self, chosen: ReplicaState, plan: Plan, candidates: list[ReplicaState]
+    ) -> ReplicaState:
         """Keep ``chosen`` unless another replica would start this prompt much sooner.
 
         A request's time to first token is the prefill queued before it plus its own
@@ -394,42 +409,19 @@ class Router:
         delta = self.config.max_prefill_delta
         if delta <= 0:
             return chosen
-        candidates = [
-            s
-            for s in self._states.values()
-            if s.id not in exclude and s.health.available(now) and not s.health.overload.overloaded
-        ]
-        current = self._states.get(chosen)
-        if current is None or current not in candidates:
-            return chosen
-        cost = current.prefill + plan.uncached_bytes(chosen)
-        best, best_cost = current, cost
+        cost = chosen.prefill + plan.uncached_bytes(chosen.id)
+        best, best_cost = chosen, cost
         for state in candidates:
             other = state.prefill + plan.uncached_bytes(state.id)
             if other < best_cost:
                 best, best_cost = state, other
-        return chosen if cost <= best_cost + delta else best.id
+        return chosen if cost <= best_cost + delta else best
 
-    def _rotation(self, now: float, exclude: Collection[str]) -> list[ReplicaState]:
-        """Available replicas, starting one further along at every call."""
-        states = [s for s in self._states.values() if s.id not in exclude]
-        states = [s for s in states if s.health.available(now)]
-        if not states:
-            return []
-        self._turn = (self._turn + 1) % len(states)
-        return states[self._turn :] + states[: self._turn]
-
-    def _round_robin(self, now: float, exclude: Collection[str]) -> str | None:
-        states = self._rotation(now, exclude)
-        return states[0].id if states else None
-
-    def _least_loaded(
-        self, now: float, exclude: Collection[str], *, skip_overloaded: bool
-    ) -> str | None:
-        states = self._rotation(now, exclude)
-        if skip_overloaded:
-            states = [s for s in states if not s.health.overload.overloaded] or states
-        return min(states, key=_load).id if states else None
+    def _rotation(self, states: Collection[ReplicaState]) -> list[ReplicaState]:
+        """``states`` (not empty), starting one further along at every call."""
+        listed = list(states)
+        self._turn = (self._turn + 1) % len(listed)
+        return listed[self._turn :] + listed[: self._turn]
 
     # -- events ----------------------------------------------------------------------------
     def started(self, replica_id: str, now: float, prefill: float = 0.0) -> None:

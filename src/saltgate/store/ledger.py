@@ -33,7 +33,7 @@ import contextlib
 import os
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -84,6 +84,11 @@ class Ledger:
     ~30-50 us of the loop's time (WAL, synchronous=NORMAL: no fsync), less than handing
     each record to a writer thread: that hand-off cost more CPU per request and, through
     the GIL, added milliseconds to the tail at low concurrency (docs/benchmarks.md).
+
+    ``busy`` (optional) says whether other requests are still being served, i.e. more
+    records are on their way. Then the commit waits up to ``max_delay_s`` for them, so
+    under load one transaction carries several records (each commit's fixed cost is
+    most of it); an idle gateway still commits at the next loop turn.
     """
 
     def __init__(
@@ -92,11 +97,17 @@ class Ledger:
         *,
         max_batch: int = 2048,
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
+        busy: Callable[[], bool] | None = None,
+        max_delay_s: float = 0.001,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if max_delay_s < 0:
+            raise ValueError("max_delay_s must be >= 0")
         self.path = Path(path)
         self.max_batch = max_batch
+        self.max_delay_s = max_delay_s
+        self._busy = busy
         self._conn = open_db(self.path)
         self._conn.execute(f"PRAGMA synchronous={synchronous}")
         # Checkpoints copy the WAL into the database and fsync: milliseconds the event loop
@@ -110,6 +121,7 @@ class Ledger:
         self._checkpointer.start()
         self._pending: list[_Item] = []
         self._flush_scheduled = False
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._transactions = 0
         self._records = 0
@@ -123,8 +135,12 @@ class Ledger:
         fut: asyncio.Future[None] = loop.create_future()
         self._pending.append((rec, fut))
         if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
+            if self._busy is not None and self._busy():
+                if self._flush_timer is None:
+                    self._flush_timer = loop.call_later(self.max_delay_s, self._flush)
+            else:
+                self._flush_scheduled = True
+                loop.call_soon(self._flush)
         # A cancelled wait cancels only `fut`: the record stays queued and is committed.
         await fut
 
@@ -155,6 +171,9 @@ class Ledger:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         pending, self._pending = self._pending, []
         for start in range(0, len(pending), self.max_batch):
             self._commit(pending[start : start + self.max_batch])
