@@ -243,3 +243,17 @@ def test_router_section_of_the_config_file(tmp_path: Path) -> None:
         path.write_text(base + text)
         with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace(".", r"\.")):
             load_config(path)
+
+
+def test_busy_counts_requests_in_flight_including_on_removed_replicas() -> None:
+    r = router()
+    assert not r.busy()
+    r.started(MEMBERS[0].id, 0.0)
+    r.started(MEMBERS[1].id, 0.0)
+    r.set_members(MEMBERS[1:])  # replica 0 leaves with a request still in flight
+    r.finished(MEMBERS[1].id)
+    assert r.busy()
+    r.finished(MEMBERS[0].id)
+    assert not r.busy()
+    r.finished(MEMBERS[0].id)  # a stray report changes nothing
+    assert not r.busy()

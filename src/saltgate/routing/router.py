@@ -198,6 +198,7 @@ class Router:
         self._rankings: dict[bytes, list[str]] = {}
         self._retired: dict[str, ReplicaState] = {}
         self._turn = 0
+        self._inflight_total = 0
         self.set_members(members)
 
     def __repr__(self) -> str:
@@ -239,7 +240,7 @@ class Router:
 
     def busy(self) -> bool:
         """Whether any request is in flight on any replica."""
-        return any(s.inflight for s in self._states.values()) or bool(self._retired)
+        return self._inflight_total > 0
 
     def inflight(self, replica_id: str) -> int:
         state = self._states.get(replica_id) or self._retired.get(replica_id)
@@ -430,6 +431,7 @@ class Router:
         state = self._states.get(replica_id)
         if state is not None:
             state.inflight += 1
+            self._inflight_total += 1
             state.prefill += prefill
             state.health.breaker.started(now)
 
@@ -461,6 +463,7 @@ class Router:
                 del self._retired[replica_id]
         if state is not None and state.inflight > 0:
             state.inflight -= 1
+            self._inflight_total -= 1
             state.prefill = max(0.0, state.prefill - prefill)
 
     def probed(self, replica_id: str, ok: bool) -> None:
