@@ -16,7 +16,9 @@ import zmq
 
 from saltgate.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from saltgate.sim import block_hashes, event_hash
+from saltgate.sim.engine import Generation
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate.sim.server import _Shape
 from saltgate.sim.tokenizer import tokenize
 
 MODEL = "sim-model"
@@ -325,5 +327,29 @@ def test_queue_waits_at_the_concurrency_limit() -> None:
             start = time.perf_counter()
             await asyncio.gather(*tasks)
             assert time.perf_counter() - start > 0.3  # three requests of ~0.18 s, one at a time
+
+    run(main)
+
+
+def test_a_chat_streams_role_chunk_comes_with_its_first_token() -> None:
+    """As in vLLM: nothing is streamed before the prefill produced the first token (a
+    router may read the first chunk as "prefilled"); a stream without tokens still
+    names the role."""
+
+    async def main() -> None:
+        pulled: list[str] = []
+
+        async def tokens(n: int) -> AsyncIterator[str]:
+            for i in range(n):
+                pulled.append(f" t{i}")
+                yield f" t{i}"
+
+        shape = _Shape(chat=True, model=MODEL)
+        stream = shape.sse(tokens(2), Generation(prompt_tokens=3), include_usage=False)
+        first = await anext(stream)
+        assert b'"role":"assistant"' in first and pulled == [" t0"]
+        assert b" t0" in await anext(stream)
+        empty = [c async for c in shape.sse(tokens(0), Generation(3), include_usage=False)]
+        assert b'"role":"assistant"' in empty[0]
 
     run(main)

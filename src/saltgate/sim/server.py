@@ -340,19 +340,28 @@ class _Shape:
             "stop_reason": None,
         }
 
+    def _role_chunk(self) -> bytes:
+        role = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self._chunk([role], None)
+
     async def sse(
         self, tokens: AsyncIterator[str], gen: Generation, include_usage: bool
     ) -> AsyncIterator[bytes]:
-        if self.chat:
-            role = {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            yield self._chunk([role], None)
+        # vLLM sends a chat stream's role chunk with its first output, after the prefill:
+        # a router that reads the first chunk as "prefilled" sees the same here.
+        role_pending = self.chat
         async for piece in tokens:
+            if role_pending:
+                role_pending = False
+                yield self._role_chunk()
             yield self._chunk([self._delta(piece, None)], None)
+        if role_pending:
+            yield self._role_chunk()
         yield self._chunk([self._delta("", gen.finish_reason)], None)
         if include_usage:
             yield self._chunk([], self.usage(gen))
