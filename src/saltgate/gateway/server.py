@@ -68,6 +68,7 @@ class Gateway:
             self.handle, max_body_bytes=config.max_body_bytes, error_response=error_response
         )
         self._tenant_salts: dict[tuple[str, int], str] = {}
+        self._request_labels: dict[tuple[bytes, int], tuple[tuple[str, str], ...]] = {}
         self._describe_metrics()
 
     def _describe_metrics(self) -> None:
@@ -96,10 +97,12 @@ class Gateway:
             response = await self._handle(request, started, body_encrypted)
         except ApiError as error:
             response = api_error_response(error)
-        self.metrics.inc(
-            "saltgate_requests_total",
-            (("method", request.method.decode()), ("status", str(response.status))),
-        )
+        key = (request.method, response.status)
+        labels = self._request_labels.get(key)
+        if labels is None:  # bounded: llhttp knows a fixed set of methods
+            labels = (("method", request.method.decode()), ("status", str(response.status)))
+            self._request_labels[key] = labels
+        self.metrics.inc("saltgate_requests_total", labels)
         return response
 
     async def _handle(self, request: Request, started: float, body_encrypted: bool) -> Response:
