@@ -9,6 +9,9 @@ Policies (``RouterConfig.policy``):
   key's traffic goes to the least-loaded of its top R replicas, R growing with the key's
   rate, unless that replica is more than ``max_inflight_delta`` above the least-loaded
   one; overloaded replicas are skipped; keyless requests go to the least-loaded replica.
+  A later turn follows the replica that served its deepest prefix (prefix affinity), and
+  the prefill guard overrides any of these choices that would queue the prompt behind
+  much more prefill than another replica (docs/routing.md).
 - ``consistent_hash``: a baseline: plain rendezvous over SHA-256 of the same window, no
   hot-key spreading, no load or overload awareness (keyless requests: least-loaded).
 - ``round_robin``, ``least_loaded``: baselines that ignore the prompt.
