@@ -35,13 +35,16 @@ class UpstreamError(Exception):
 class _UpstreamConnection(asyncio.Protocol):
     """One kept-alive connection; one exchange at a time.
 
-    Timeouts cost one timer per exchange, not one per await: a watchdog fires at the
-    response deadline, and while the body streams it only re-arms itself for the time left
-    since the last data arrived (data_received just stamps the time).
+    Timeouts cost one timer per connection, not one per exchange or per await: an
+    exchange only stamps its response deadline, and the watchdog, when it fires, re-arms
+    itself for whatever is due next (the current exchange's deadline, or while the body
+    streams the time left since the last data arrived: data_received just stamps it). A
+    finished exchange leaves the timer armed; it disarms when it finds the connection idle.
     """
 
     __slots__ = (
         "_chunks",
+        "_deadline",
         "_done",
         "_headers",
         "_headers_future",
@@ -51,6 +54,7 @@ class _UpstreamConnection(asyncio.Protocol):
         "_read_timeout",
         "_waiter",
         "_watchdog",
+        "_watchdog_at",
         "broken",
         "pool",
         "status",
@@ -67,6 +71,8 @@ class _UpstreamConnection(asyncio.Protocol):
         self._chunks: deque[bytes] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._watchdog_at = 0.0
+        self._deadline: float | None = None
         self._read_timeout: float | None = None
         self._last_data = 0.0
         self._done = False
@@ -109,7 +115,6 @@ class _UpstreamConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._done = True
-        self._stop_watchdog()
         if not self._parser.should_keep_alive():
             self.broken = True
         self._wake(None)
@@ -131,19 +136,29 @@ class _UpstreamConnection(asyncio.Protocol):
             else:
                 waiter.set_exception(error)
 
+    def _arm(self, when: float) -> None:
+        self._watchdog = self._loop.call_at(when, self._on_watchdog)
+        self._watchdog_at = when
+
     def _on_watchdog(self) -> None:
         self._watchdog = None
+        now = self._loop.time()
         future = self._headers_future
         if future is not None and not future.done():
-            self._expire("upstream response timed out")
+            if self._deadline is None:
+                return
+            if now >= self._deadline:
+                self._expire("upstream response timed out")
+            else:  # armed for an earlier exchange: this one is due later
+                self._arm(self._deadline)
             return
         if self._read_timeout is None or self._done:
-            return
+            return  # idle, or the response ended: disarm
         idle_until = self._last_data + self._read_timeout
-        if self._loop.time() >= idle_until:
+        if now >= idle_until:
             self._expire("upstream read timed out")
         else:
-            self._watchdog = self._loop.call_at(idle_until, self._on_watchdog)
+            self._arm(idle_until)
 
     def _expire(self, message: str) -> None:
         self.broken = True
@@ -166,8 +181,14 @@ class _UpstreamConnection(asyncio.Protocol):
         self.status = 0
         self._read_timeout = read_timeout
         self._headers_future = self._loop.create_future()
-        if response_timeout is not None:
-            self._watchdog = self._loop.call_later(response_timeout, self._on_watchdog)
+        if response_timeout is None:
+            self._deadline = None
+        else:
+            self._deadline = self._loop.time() + response_timeout
+            if self._watchdog is not None and self._watchdog_at > self._deadline:
+                self._stop_watchdog()  # armed for later than this exchange may take
+            if self._watchdog is None:
+                self._arm(self._deadline)
         return self._headers_future
 
     @property
@@ -199,9 +220,6 @@ class _UpstreamConnection(asyncio.Protocol):
     @property
     def done(self) -> bool:
         return self._done and not self._chunks
-
-    def abandon(self) -> None:
-        self._stop_watchdog()
 
 
 class UpstreamResponse:
@@ -247,7 +265,6 @@ class UpstreamResponse:
             return
         self._released = True
         conn = self._conn
-        conn.abandon()
         if conn.done and not conn.broken:
             conn.pool._put_back(conn)
         else:
@@ -351,7 +368,7 @@ class UpstreamPool:
 
     def _discard(self, conn: _UpstreamConnection) -> None:
         conn.broken = True
-        conn.abandon()
+        conn._stop_watchdog()
         self._forget(conn)
         if conn.transport is not None:
             conn.transport.close()
