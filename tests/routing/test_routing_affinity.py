@@ -113,7 +113,12 @@ def test_the_plan_knows_what_each_owner_holds() -> None:
 
 
 def test_a_prefill_backlog_moves_a_fresh_prompt_but_a_cached_conversation_stays() -> None:
-    config = RouterConfig(min_prompt_bytes=100_000, affinity_first_depth=256, max_prefill_delta=1)
+    config = RouterConfig(
+        min_prompt_bytes=100_000,
+        affinity_first_depth=256,
+        max_prefill_delta=1,
+        max_prefill_delta_cached=1,
+    )
     router = Router(config, KEY, MEMBERS)
     first, second = turns(2)
     home = router.pick(router.plan(None, 0.0, router.prefixes(ROUTE_CHAT, first, "m", "s")), 0.0)
@@ -145,3 +150,24 @@ def test_a_keys_top_replica_with_a_long_prefill_queue_is_passed_over(delta: floa
     plan = router.plan(key, 0.0, router.prefixes(ROUTE_CHAT, body, "m", "s"))
     chosen = router.pick(plan, 0.0)
     assert (chosen == top) is (delta == 0.0)
+
+
+def test_a_conversation_stays_home_through_a_longer_queue_than_a_fresh_prompt() -> None:
+    """Two guard deltas: a replica holding part of the prompt keeps it through up to
+    max_prefill_delta_cached of extra cost; elsewhere max_prefill_delta applies."""
+    config = RouterConfig(
+        min_prompt_bytes=100_000,
+        affinity_first_depth=256,
+        max_prefill_delta=100,
+        max_prefill_delta_cached=10_000,
+    )
+    router = Router(config, KEY, MEMBERS)
+    first, second = turns(2)
+    home = router.pick(router.plan(None, 0.0, router.prefixes(ROUTE_CHAT, first, "m", "s")), 0.0)
+    assert home is not None
+    plan = router.plan(None, 1.0, router.prefixes(ROUTE_CHAT, second, "m", "s"))
+    saved = plan.prompt_bytes - plan.uncached_bytes(home)
+    router.started(home, 1.0, prefill=saved + 5_000)  # 5,000 above another replica's cost
+    assert router.pick(plan, 1.0) == home
+    fresh = router.plan(None, 1.0, router.prefixes(ROUTE_CHAT, first, "m", "o"))
+    assert router.pick(fresh, 1.0) != home  # another tenant's prompt: nothing cached there

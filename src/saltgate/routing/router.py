@@ -63,6 +63,7 @@ class RouterConfig:
     affinity_ttl_s: float = 600.0
     affinity_first_depth: int = DEFAULT_WINDOW_BYTES
     max_prefill_delta: float = 32_768.0
+    max_prefill_delta_cached: float = 262_144.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -119,6 +120,7 @@ _POSITIVE: Final = (
 _NON_NEGATIVE: Final = (
     "affinity_ttl_s",
     "max_prefill_delta",
+    "max_prefill_delta_cached",
     "window_bytes",
     "min_prompt_bytes",
     "max_inflight_delta",
@@ -407,13 +409,17 @@ class Router:
         A request's time to first token is the prefill queued before it plus its own
         uncached part, so each replica costs its prefill backlog plus the bytes of this
         prompt it does not hold. The choice stands within ``max_prefill_delta`` bytes of the
-        cheapest; beyond that the cheapest takes it. A conversation with a long cached
-        prefix therefore stays home through a larger backlog than a fresh prompt does.
+        cheapest (``max_prefill_delta_cached`` when it holds part of the prompt); beyond
+        that the cheapest takes it. A conversation with a cached prefix therefore stays
+        home through a larger backlog than a fresh prompt does: its cached part lowers
+        its cost there, and moving it would also cost its later turns' hits.
         """
-        delta = self.config.max_prefill_delta
-        if delta <= 0:
+        c = self.config
+        if c.max_prefill_delta <= 0:
             return chosen
-        cost = chosen.prefill + plan.uncached_bytes(chosen.id)
+        uncached = plan.uncached_bytes(chosen.id)
+        delta = c.max_prefill_delta_cached if uncached < plan.prompt_bytes else c.max_prefill_delta
+        cost = chosen.prefill + uncached
         best, best_cost = chosen, cost
         for state in candidates:
             other = state.prefill + plan.uncached_bytes(state.id)
