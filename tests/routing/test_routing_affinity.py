@@ -6,7 +6,7 @@ import pytest
 
 from saltgate.routing.affinity import PrefixAffinity
 from saltgate.routing.rendezvous import Member
-from saltgate.routing.router import Router, RouterConfig
+from saltgate.routing.router import Plan, Router, RouterConfig
 from saltgate.spec.derive import ROUTE_CHAT, ROUTE_COMPLETIONS, prefix_digests
 
 KEY = b"k" * 32
@@ -98,14 +98,30 @@ def test_the_load_cap_overrides_the_owner() -> None:
     assert router.pick(router.plan(None, 0.0, prefixes), 0.0) != home
 
 
-def test_the_plan_knows_what_each_owner_holds() -> None:
-    router = Router(RouterConfig(min_prompt_bytes=100_000, affinity_first_depth=256), KEY, MEMBERS)
+def second_turn_at_home(
+    fresh_delta: float = 32_768.0, cached_delta: float = 262_144.0
+) -> tuple[Router, str, Plan, int]:
+    """A router (no window keys, shallow digests, these guard deltas) that has routed a
+    conversation's first turn: it, that turn's replica, the second turn's plan, and the
+    bytes of the second turn that replica holds."""
+    config = RouterConfig(
+        min_prompt_bytes=100_000,
+        affinity_first_depth=256,
+        max_prefill_delta=fresh_delta,
+        max_prefill_delta_cached=cached_delta,
+    )
+    router = Router(config, KEY, MEMBERS)
     first, second = turns(2)
     home = router.pick(router.plan(None, 0.0, router.prefixes(ROUTE_CHAT, first, "m", "s")), 0.0)
     assert home is not None
-    prefixes = router.prefixes(ROUTE_CHAT, second, "m", "s")
-    plan = router.plan(None, 1.0, prefixes)
-    assert plan.prompt_bytes == prefixes.prompt_bytes > 0
+    plan = router.plan(None, 1.0, router.prefixes(ROUTE_CHAT, second, "m", "s"))
+    return router, home, plan, plan.prompt_bytes - plan.uncached_bytes(home)
+
+
+def test_the_plan_knows_what_each_owner_holds() -> None:
+    router, home, plan, _ = second_turn_at_home()
+    first, second = turns(2)
+    assert plan.prompt_bytes == router.prefixes(ROUTE_CHAT, second, "m", "s").prompt_bytes > 0
     (owner, depth), *_ = plan.owners
     assert owner == home and 256 <= depth <= router.prefixes(ROUTE_CHAT, first, "m", "s")[1]
     assert plan.uncached_bytes(home) == plan.prompt_bytes - depth
@@ -113,19 +129,7 @@ def test_the_plan_knows_what_each_owner_holds() -> None:
 
 
 def test_a_prefill_backlog_moves_a_fresh_prompt_but_a_cached_conversation_stays() -> None:
-    config = RouterConfig(
-        min_prompt_bytes=100_000,
-        affinity_first_depth=256,
-        max_prefill_delta=1,
-        max_prefill_delta_cached=1,
-    )
-    router = Router(config, KEY, MEMBERS)
-    first, second = turns(2)
-    home = router.pick(router.plan(None, 0.0, router.prefixes(ROUTE_CHAT, first, "m", "s")), 0.0)
-    assert home is not None
-    prefixes = router.prefixes(ROUTE_CHAT, second, "m", "s")
-    plan = router.plan(None, 1.0, prefixes)
-    saved = plan.prompt_bytes - plan.uncached_bytes(home)
+    router, home, plan, saved = second_turn_at_home(fresh_delta=1, cached_delta=1)
     # A backlog smaller than what the home replica has cached: the conversation stays.
     router.started(home, 1.0, prefill=saved - 10)
     assert router.pick(plan, 1.0) == home
@@ -155,19 +159,8 @@ def test_a_keys_top_replica_with_a_long_prefill_queue_is_passed_over(delta: floa
 def test_a_conversation_stays_home_through_a_longer_queue_than_a_fresh_prompt() -> None:
     """Two guard deltas: a replica holding part of the prompt keeps it through up to
     max_prefill_delta_cached of extra cost; elsewhere max_prefill_delta applies."""
-    config = RouterConfig(
-        min_prompt_bytes=100_000,
-        affinity_first_depth=256,
-        max_prefill_delta=100,
-        max_prefill_delta_cached=10_000,
-    )
-    router = Router(config, KEY, MEMBERS)
-    first, second = turns(2)
-    home = router.pick(router.plan(None, 0.0, router.prefixes(ROUTE_CHAT, first, "m", "s")), 0.0)
-    assert home is not None
-    plan = router.plan(None, 1.0, router.prefixes(ROUTE_CHAT, second, "m", "s"))
-    saved = plan.prompt_bytes - plan.uncached_bytes(home)
+    router, home, plan, saved = second_turn_at_home(fresh_delta=100, cached_delta=10_000)
     router.started(home, 1.0, prefill=saved + 5_000)  # 5,000 above another replica's cost
     assert router.pick(plan, 1.0) == home
-    fresh = router.plan(None, 1.0, router.prefixes(ROUTE_CHAT, first, "m", "o"))
+    fresh = router.plan(None, 1.0, router.prefixes(ROUTE_CHAT, turns(1)[0], "m", "o"))
     assert router.pick(fresh, 1.0) != home  # another tenant's prompt: nothing cached there
