@@ -369,8 +369,7 @@ class Router:
         self, owners: tuple[tuple[str, int], ...], eligible: list[ReplicaState]
     ) -> ReplicaState | None:
         """The replica that served the deepest shared prefix, if within the load cap."""
-        ceiling = min(s.inflight / s.member.weight for s in eligible)
-        ceiling += self.config.max_inflight_delta
+        ceiling = min(s.load for s in eligible) + self.config.max_inflight_delta
         by_id = {s.id: s for s in eligible}
         for owner, _depth in owners:
             state = by_id.get(owner)
