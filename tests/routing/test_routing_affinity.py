@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import pytest
 
 from saltgate.routing.affinity import PrefixAffinity
 from saltgate.routing.rendezvous import Member
 from saltgate.routing.router import Plan, Router, RouterConfig
-from saltgate.spec.derive import ROUTE_CHAT, ROUTE_COMPLETIONS, prefix_digests
+from saltgate.spec.derive import ROUTE_CHAT, ROUTE_COMPLETIONS, flat_prompt, prefix_digests_of
 
 KEY = b"k" * 32
 MEMBERS = [Member(f"http://r{i}", 1.0) for i in range(4)]
+
+
+def prefix_digests(
+    body: Mapping[str, Any], route: str, *, salt: str = "salt", key: bytes = KEY
+) -> list[bytes]:
+    """The router's digests of a prompt: shallow first depth (256) so short turns get some."""
+    return prefix_digests_of(flat_prompt(body, route), key, "m", salt, 256)
 
 
 def turns(n: int) -> list[dict[str, object]]:
@@ -25,13 +35,11 @@ def turns(n: int) -> list[dict[str, object]]:
 
 
 def test_a_later_turn_shares_the_earlier_turns_digests() -> None:
-    first, second, third = (
-        prefix_digests(KEY, "m", "salt", body, ROUTE_CHAT, first_depth=256) for body in turns(3)
-    )
+    first, second, third = (prefix_digests(body, ROUTE_CHAT) for body in turns(3))
     assert len(first) < len(second) < len(third)
     assert second[: len(first)] == first and third[: len(second)] == second
-    other_salt = prefix_digests(KEY, "m", "other", turns(1)[0], ROUTE_CHAT, first_depth=256)
-    other_key = prefix_digests(b"x" * 32, "m", "salt", turns(1)[0], ROUTE_CHAT, first_depth=256)
+    other_salt = prefix_digests(turns(1)[0], ROUTE_CHAT, salt="other")
+    other_key = prefix_digests(turns(1)[0], ROUTE_CHAT, key=b"x" * 32)
     assert not set(first) & set(other_salt)  # tenants never share a digest
     assert not set(first) & set(other_key)  # another cluster secret, other digests
 
@@ -42,10 +50,10 @@ def test_growing_completion_prompts_keep_their_prefix_digests() -> None:
     ids_short = {"prompt": list(range(600))}
     ids_long = {"prompt": list(range(1200))}
     for a, b in ((short, longer), (ids_short, ids_long)):
-        da = prefix_digests(KEY, "m", "s", a, ROUTE_COMPLETIONS, first_depth=256)
-        db = prefix_digests(KEY, "m", "s", b, ROUTE_COMPLETIONS, first_depth=256)
+        da = prefix_digests(a, ROUTE_COMPLETIONS)
+        db = prefix_digests(b, ROUTE_COMPLETIONS)
         assert da and db[: len(da)] == da and len(db) > len(da)
-    assert prefix_digests(KEY, "m", "s", {"prompt": "tiny"}, ROUTE_COMPLETIONS) == []
+    assert prefix_digests({"prompt": "tiny"}, ROUTE_COMPLETIONS) == []
 
 
 def test_the_table_answers_deepest_first_and_forgets() -> None:

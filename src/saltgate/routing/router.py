@@ -271,7 +271,9 @@ class Router:
     ) -> Prefixes:
         """The request's keyed prefix digests and prompt size (policy saltgate; else none)."""
         if self.config.policy != "saltgate":
-            return Prefixes()
+            return NO_PREFIXES
+        if self._affinity is None and self.config.max_prefill_delta <= 0:
+            return NO_PREFIXES  # neither the affinity table nor the guard would read it
         flat = flat_prompt(body, route)
         if self._affinity is None:
             return Prefixes((), len(flat))

@@ -513,6 +513,12 @@ def prefix_digests_of(
 ) -> list[bytes]:
     """Keyed digests of ``flat[:d]`` for d = first_depth, 2x, 4x, ... <= len(flat), shallow first.
 
+    ``flat`` comes from `flat_prompt`. A later turn of a conversation extends the earlier
+    prompt, so they share the digests up to the earlier prompt's length (within a factor
+    2): the router remembers which replica served a digest and sends the next turn there.
+    Tenants never share a digest, and nothing outside the gateway can compute one. Local
+    to a gateway: not part of what gateways must agree on (the window key is).
+
     One SHA-256 pass, finished on a copy at each depth. Keyed by prefixing the route
     sub-key, the model and the (secret-derived) salt: a digest is only ever a key of the
     router's in-memory table, never shown to anyone, so the length extension that HMAC
@@ -533,25 +539,3 @@ def prefix_digests_of(
         digests.append(running.copy().digest())
         depth *= 2
     return digests
-
-
-def prefix_digests(
-    k_route: bytes,
-    model: str,
-    salt: str,
-    body: Mapping[str, Any],
-    route: str,
-    *,
-    first_depth: int = DEFAULT_WINDOW_BYTES,
-    max_depth: int = MAX_PREFIX_DEPTH,
-) -> list[bytes]:
-    """Keyed digests of the prompt's first d bytes, d = first_depth, 2x, 4x, ... (shallow first).
-
-    A later turn of a conversation extends the earlier prompt, so they share the digests
-    up to the earlier prompt's length (within a factor 2): the router remembers which
-    replica served a digest and sends the next turn there. Keyed with the route sub-key,
-    the model and the salt: tenants never share a digest, and nothing outside the gateway
-    can compute one. Local to a gateway: not part of what gateways must agree on (the
-    window key is).
-    """
-    return prefix_digests_of(flat_prompt(body, route, max_depth), k_route, model, salt, first_depth)
