@@ -17,6 +17,7 @@ import pytest
 
 from saltgate.store.ledger import Ledger, UsageRecord
 from saltgate.store.tenants import (
+    _MIGRATIONS,
     SCHEMA_VERSION,
     KeyIndex,
     KeyNotFoundError,
@@ -67,6 +68,24 @@ def test_db_file_private_and_versioned(tmp_path: Path) -> None:
     # Reopening keeps the data (no re-migration).
     with _store(tmp_path) as store:
         assert [t.name for t in store.list_tenants()] == ["acme"]
+
+
+def test_an_older_schema_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
+    """A version-1 database (usage indexed by ts) opens as the current version, rows kept."""
+    path = tmp_path / "saltgate.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for stmt in _MIGRATIONS[0]:
+        conn.execute(stmt)
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO usage VALUES (1, 1.0, 't', 'k', 'm', 10, 4, 2, 200)")
+    conn.close()
+    TenantStore(path).close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION > 1
+    assert conn.execute("SELECT prompt_tokens, cached_tokens FROM usage").fetchall() == [(10, 4)]
+    indexes = conn.execute("SELECT name FROM sqlite_master WHERE tbl_name = 'usage'").fetchall()
+    assert ("usage_ts",) not in indexes
+    conn.close()
 
 
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
