@@ -10,7 +10,13 @@ import pytest
 from saltgate.routing.affinity import PrefixAffinity
 from saltgate.routing.rendezvous import Member
 from saltgate.routing.router import Plan, Router, RouterConfig
-from saltgate.spec.derive import ROUTE_CHAT, ROUTE_COMPLETIONS, flat_prompt, prefix_digests_of
+from saltgate.spec.derive import (
+    ROUTE_CHAT,
+    ROUTE_COMPLETIONS,
+    Prompt,
+    flat_prompt,
+    prefix_digests_of,
+)
 
 KEY = b"k" * 32
 MEMBERS = [Member(f"http://r{i}", 1.0) for i in range(4)]
@@ -74,9 +80,9 @@ def test_a_conversation_that_starts_short_follows_its_first_replica() -> None:
     homes = []
     for body in turns(4):
         plan = router.plan(
-            router.request_key(ROUTE_CHAT, body, "m", "s"),
+            router.request_key(Prompt(body, ROUTE_CHAT), router.namespace("m", "s")),
             0.0,
-            router.prefixes(ROUTE_CHAT, body, "m", "s"),
+            router.prefixes(Prompt(body, ROUTE_CHAT), router.namespace("m", "s")),
         )
         assert plan.key is None
         chosen = router.pick(plan, 0.0)
@@ -98,7 +104,7 @@ def test_the_load_cap_overrides_the_owner() -> None:
     config = RouterConfig(min_prompt_bytes=100_000, affinity_first_depth=256, max_inflight_delta=2)
     router = Router(config, KEY, MEMBERS)
     body = turns(1)[0]
-    prefixes = router.prefixes(ROUTE_CHAT, body, "m", "s")
+    prefixes = router.prefixes(Prompt(body, ROUTE_CHAT), router.namespace("m", "s"))
     home = router.pick(router.plan(None, 0.0, prefixes), 0.0)
     assert home is not None
     for _ in range(3):
@@ -120,18 +126,34 @@ def second_turn_at_home(
     )
     router = Router(config, KEY, MEMBERS)
     first, second = turns(2)
-    home = router.pick(router.plan(None, 0.0, router.prefixes(ROUTE_CHAT, first, "m", "s")), 0.0)
+    home = router.pick(
+        router.plan(
+            None, 0.0, router.prefixes(Prompt(first, ROUTE_CHAT), router.namespace("m", "s"))
+        ),
+        0.0,
+    )
     assert home is not None
-    plan = router.plan(None, 1.0, router.prefixes(ROUTE_CHAT, second, "m", "s"))
+    plan = router.plan(
+        None, 1.0, router.prefixes(Prompt(second, ROUTE_CHAT), router.namespace("m", "s"))
+    )
     return router, home, plan, plan.prompt_bytes - plan.uncached_bytes(home)
 
 
 def test_the_plan_knows_what_each_owner_holds() -> None:
     router, home, plan, _ = second_turn_at_home()
     first, second = turns(2)
-    assert plan.prompt_bytes == router.prefixes(ROUTE_CHAT, second, "m", "s").prompt_bytes > 0
+    assert (
+        plan.prompt_bytes
+        == router.prefixes(Prompt(second, ROUTE_CHAT), router.namespace("m", "s")).prompt_bytes
+        > 0
+    )
     (owner, depth), *_ = plan.owners
-    assert owner == home and 256 <= depth <= router.prefixes(ROUTE_CHAT, first, "m", "s")[1]
+    assert (
+        owner == home
+        and 256
+        <= depth
+        <= router.prefixes(Prompt(first, ROUTE_CHAT), router.namespace("m", "s"))[1]
+    )
     assert plan.uncached_bytes(home) == plan.prompt_bytes - depth
     assert plan.uncached_bytes("elsewhere") == plan.prompt_bytes
 
@@ -155,11 +177,13 @@ def test_a_prefill_backlog_moves_a_fresh_prompt_but_a_cached_conversation_stays(
 def test_a_keys_top_replica_with_a_long_prefill_queue_is_passed_over(delta: float) -> None:
     router = Router(RouterConfig(max_prefill_delta=delta), KEY, MEMBERS)
     body = {"model": "m", "messages": [{"role": "system", "content": "lorem ipsum " * 500}]}
-    key = router.request_key(ROUTE_CHAT, body, "m", "s")
+    key = router.request_key(Prompt(body, ROUTE_CHAT), router.namespace("m", "s"))
     assert key is not None
     top = router.ranking(key, 0.0)[0]
     router.started(top, 0.0, prefill=1e6)
-    plan = router.plan(key, 0.0, router.prefixes(ROUTE_CHAT, body, "m", "s"))
+    plan = router.plan(
+        key, 0.0, router.prefixes(Prompt(body, ROUTE_CHAT), router.namespace("m", "s"))
+    )
     chosen = router.pick(plan, 0.0)
     assert (chosen == top) is (delta == 0.0)
 
@@ -170,5 +194,7 @@ def test_a_conversation_stays_home_through_a_longer_queue_than_a_fresh_prompt() 
     router, home, plan, saved = second_turn_at_home(fresh_delta=100, cached_delta=10_000)
     router.started(home, 1.0, prefill=saved + 5_000)  # 5,000 above another replica's cost
     assert router.pick(plan, 1.0) == home
-    fresh = router.plan(None, 1.0, router.prefixes(ROUTE_CHAT, turns(1)[0], "m", "o"))
+    fresh = router.plan(
+        None, 1.0, router.prefixes(Prompt(turns(1)[0], ROUTE_CHAT), router.namespace("m", "o"))
+    )
     assert router.pick(fresh, 1.0) != home  # another tenant's prompt: nothing cached there

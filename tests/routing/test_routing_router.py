@@ -11,7 +11,7 @@ import pytest
 
 from saltgate.config import ConfigError, load_config
 from saltgate.routing import Member, Plan, Router, RouterConfig
-from saltgate.spec.derive import ROUTE_CHAT, derive_subkeys, route_window
+from saltgate.spec.derive import ROUTE_CHAT, Prompt, derive_subkeys, route_window
 
 SECRET = derive_subkeys(b"m" * 32).route
 OTHER_SECRET = derive_subkeys(b"n" * 32).route
@@ -34,7 +34,7 @@ def long_system(seed: int) -> str:
 
 
 def key_of(r: Router, seed: int, salt: str = "sg1_salt") -> bytes:
-    key = r.request_key(ROUTE_CHAT, chat(long_system(seed)), "m", salt)
+    key = r.request_key(Prompt(chat(long_system(seed)), ROUTE_CHAT), r.namespace("m", salt))
     assert key is not None
     return key
 
@@ -47,8 +47,10 @@ def set_inflight(r: Router, replica_id: str, n: int) -> None:
 
 def test_short_prompts_have_no_key_and_go_least_loaded() -> None:
     r = router()
-    assert r.request_key(ROUTE_CHAT, chat("short"), "m", "s") is None
-    assert r.request_key(ROUTE_CHAT, {**chat("short"), "prompt_cache_key": "p"}, "m", "s")
+    assert r.request_key(Prompt(chat("short"), ROUTE_CHAT), r.namespace("m", "s")) is None
+    assert r.request_key(
+        Prompt({**chat("short"), "prompt_cache_key": "p"}, ROUTE_CHAT), r.namespace("m", "s")
+    )
     for state in r.states[:3]:
         state.inflight = 2
     assert r.pick(r.plan(None, 0.0), 0.0) == MEMBERS[3].id
@@ -189,7 +191,7 @@ def test_membership_changes_keep_state_and_removed_replicas_drain() -> None:
 
 def test_baselines() -> None:
     rr = router(policy="round_robin")
-    assert rr.request_key(ROUTE_CHAT, chat(long_system(1)), "m", "s") is None
+    assert rr.request_key(Prompt(chat(long_system(1)), ROUTE_CHAT), rr.namespace("m", "s")) is None
     picks = [rr.pick(rr.plan(None, 0.0), 0.0) for _ in range(8)]
     assert Counter(picks) == {m.id: 2 for m in MEMBERS}
 
@@ -204,8 +206,10 @@ def test_baselines() -> None:
         router(policy="consistent_hash", secret=OTHER_SECRET),
     )
     body = chat(long_system(2))
-    key = ch.request_key(ROUTE_CHAT, body, "m", "s")
-    assert key is not None and key == ch_other.request_key(ROUTE_CHAT, body, "m", "other")
+    key = ch.request_key(Prompt(body, ROUTE_CHAT), ch.namespace("m", "s"))
+    assert key is not None and key == ch_other.request_key(
+        Prompt(body, ROUTE_CHAT), ch_other.namespace("m", "other")
+    )
     assert key == hashlib.sha256(_window(body)).digest()
     ranked = ch.ranking(key, 0.0)
     for state in ch.states:

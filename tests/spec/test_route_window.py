@@ -36,6 +36,14 @@ def test_floor_counts_every_message_and_tools() -> None:
     assert prompt_size(chat(("user", "é")), CHAT) == 2  # UTF-8 bytes, not characters
 
 
+@pytest.mark.parametrize("role", [["system"], {"r": 1}, 7, None])
+def test_a_role_that_is_not_a_string_is_neither_system_nor_user(role: object) -> None:
+    """Any JSON value can arrive as a role; none may raise (it once did: a 500 for a list)."""
+    body = chat((role, LONG), ("user", "q"))  # type: ignore[arg-type]
+    assert route_window(body, CHAT) == b"U\x00\x00\x00\x01q"
+    assert prompt_size(body, CHAT) == len(LONG) + 1
+
+
 def test_later_turns_do_not_move_the_window() -> None:
     first = chat(("system", LONG), ("user", "question one"))
     later = chat(("system", LONG), ("user", "question one"), ("assistant", "a"), ("user", "two"))

@@ -21,6 +21,7 @@ import orjson
 from saltgate.config import ReplicaConfig
 from saltgate.http.client import UpstreamError, UpstreamPool
 from saltgate.routing import Member, Plan, ReplicaState, Router, parse_waiting
+from saltgate.spec.derive import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +34,19 @@ class Replica:
     pool: UpstreamPool
     prefix: bytes
     models: list[dict[str, Any]] = field(default_factory=list)
+    # The replica's identity in the ranking: its URL, the same on every gateway.
+    id: str = field(init=False)
+    auth: list[tuple[bytes, bytes]] = field(init=False, repr=False)  # with its backend key
 
-    @property
-    def id(self) -> str:
-        """The replica's identity in the ranking: its URL, the same on every gateway."""
-        return self.config.url
+    def __post_init__(self) -> None:
+        self.id = self.config.url
+        self.configure(self.config)
 
-    @property
-    def auth(self) -> list[tuple[bytes, bytes]]:
-        key = self.config.api_key
-        return [(b"authorization", b"Bearer " + key.encode())] if key else []
+    def configure(self, config: ReplicaConfig) -> None:
+        """Take a reloaded configuration of the same URL (its backend key may change)."""
+        self.config = config
+        key = config.api_key
+        self.auth = [(b"authorization", b"Bearer " + key.encode())] if key else []
 
 
 class ReplicaSet:
@@ -74,7 +78,7 @@ class ReplicaSet:
                     host, port, response_timeout=self.timeout, read_timeout=self.timeout
                 )
                 replica = Replica(cfg, pool, prefix.encode())
-            replica.config = cfg
+            replica.configure(cfg)
             replicas[cfg.url] = replica
         self.router.set_members(Member(cfg.url, cfg.weight) for cfg in configs)
         removed = [r for url, r in self._replicas.items() if url not in replicas]
@@ -93,11 +97,16 @@ class ReplicaSet:
             await replica.pool.close()
 
     # -- decisions and the events that feed them -----------------------------------------
-    def plan(self, route: str, body: Mapping[str, Any], model: str, salt: str | None) -> Plan:
-        """A request's routing input: its route key and prefix digests, under the policy."""
+    def plan(
+        self, route: str, body: Mapping[str, Any], model: str, salt: str | None, *, remember: bool
+    ) -> Plan:
+        """A request's routing input: its route key and prefix digests, under the policy;
+        ``remember``: whether the router may keep the salt's keyed states (`Router.namespace`)."""
         router = self.router
-        key = router.request_key(route, body, model, salt)
-        return router.plan(key, time.monotonic(), router.prefixes(route, body, model, salt))
+        prompt = Prompt(body, route)
+        keys = router.namespace(model, salt, remember=remember)
+        key = router.request_key(prompt, keys)
+        return router.plan(key, time.monotonic(), router.prefixes(prompt, keys))
 
     def pick(self, plan: Plan, tried: set[str]) -> Replica | None:
         replica_id = self.router.pick(plan, time.monotonic(), tried)

@@ -68,6 +68,7 @@ class Gateway:
             self.handle, max_body_bytes=config.max_body_bytes, error_response=error_response
         )
         self._tenant_salts: dict[tuple[str, int], str] = {}
+        self._routes: dict[tuple[bytes, bytes], str] = {}
         self._request_labels: dict[tuple[bytes, int], tuple[tuple[str, str], ...]] = {}
         self._describe_metrics()
 
@@ -106,7 +107,10 @@ class Gateway:
         return response
 
     async def _handle(self, request: Request, started: float, body_encrypted: bool) -> Response:
-        route = resolve_route(request.method, request.path)
+        route = self._routes.get((request.method, request.path))
+        if route is None:
+            route = resolve_route(request.method, request.path)
+            self._routes[(request.method, request.path)] = route  # bounded: allowed routes only
         if route == "/health":
             return Response(200, list(JSON), b'{"status":"ok"}')
         principal = self._authenticate(request)
@@ -124,7 +128,9 @@ class Gateway:
             raise plaintext_secret_refused()
         salt = self._salt(principal, inspected.user_cache_secret) if self.config.salting else None
         payload = prepare(body, inspected, salt)
-        plan = self.replicas.plan(route, body, inspected.model, salt)
+        plan = self.replicas.plan(
+            route, body, inspected.model, salt, remember=inspected.user_cache_secret is None
+        )
         return await self._forward(request, principal, inspected, payload, started, plan=plan)
 
     def _salt(self, principal: Principal, user_cache_secret: str | None) -> str:
@@ -271,6 +277,11 @@ class Gateway:
             yield held
 
 
+_PROMPT = (("kind", "prompt"),)
+_CACHED = (("kind", "cached"),)
+_COMPLETION = (("kind", "completion"),)
+
+
 class _Metering:
     """One request's usage record; `commit` returns once it is durable in the ledger."""
 
@@ -297,7 +308,8 @@ class _Metering:
             )
         )
         m = self.gateway.metrics
-        m.inc("saltgate_tokens_total", (("kind", "prompt"),), usage.prompt_tokens)
-        m.inc("saltgate_tokens_total", (("kind", "cached"),), usage.cached_tokens)
-        m.inc("saltgate_tokens_total", (("kind", "completion"),), usage.completion_tokens)
+        tokens = m.series("saltgate_tokens_total")
+        tokens[_PROMPT] += usage.prompt_tokens
+        tokens[_CACHED] += usage.cached_tokens
+        tokens[_COMPLETION] += usage.completion_tokens
         m.observe_latency((), time.monotonic() - self.started)

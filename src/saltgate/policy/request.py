@@ -295,9 +295,10 @@ def inspect(route: str, body: Mapping[str, Any]) -> Inspected:
 
     max_tokens: int | None = None
     for name in _TOKEN_LIMIT_PARAMS:
-        count = _optional_count(body, name)
-        if max_tokens is None:
-            max_tokens = count
+        if name in body:
+            count = _optional_count(body, name)
+            if max_tokens is None:
+                max_tokens = count
 
     prompt_cache_key = body.get("prompt_cache_key")
     if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
@@ -346,7 +347,10 @@ def prepare(body: Mapping[str, Any], inspected: Inspected, salt: str | None) -> 
     ``salt`` None leaves the body unsalted (a test-only switch; client salts are still
     removed). ``body`` is not modified.
     """
-    out = {k: v for k, v in body.items() if k not in STRIPPED_FIELDS}
+    if STRIPPED_FIELDS.isdisjoint(body):  # the usual case, at C speed
+        out = dict(body)
+    else:
+        out = {k: v for k, v in body.items() if k not in STRIPPED_FIELDS}
     if salt is not None:
         out["cache_salt"] = salt
     if inspected.forces_usage:

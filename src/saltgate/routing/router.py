@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Final, NamedTuple
@@ -33,13 +34,12 @@ from saltgate.routing.rendezvous import Member, rank
 from saltgate.spec.derive import (
     DEFAULT_MIN_PROMPT_BYTES,
     DEFAULT_WINDOW_BYTES,
-    flat_prompt,
-    prefix_digests_of,
-    route_window,
+    NamespaceKeys,
+    Prompt,
 )
-from saltgate.spec.derive import route_key as keyed_route_key
 
 RANKING_CACHE: Final = 65_536  # route keys whose ranking is remembered; cleared when full
+NAMESPACE_CACHE: Final = 65_536  # (model, salt) keyed states remembered; cleared when full
 POLICIES: Final = ("saltgate", "round_robin", "least_loaded", "consistent_hash")
 
 
@@ -128,23 +128,36 @@ _NON_NEGATIVE: Final = (
 )
 
 
-@dataclass(slots=True, eq=False)
 class ReplicaState:
-    """What the router knows about one replica."""
+    """What the router knows about one replica. ``load`` is an attribute kept current as
+    requests start and finish: every decision reads it several times per replica."""
 
-    member: Member
-    health: ReplicaHealth
-    inflight: int = 0
-    prefill: float = 0.0  # prompt bytes sent here and not yet prefilled (estimated uncached)
+    __slots__ = ("_inflight", "health", "id", "load", "member", "prefill")
+
+    def __init__(self, member: Member, health: ReplicaHealth) -> None:
+        self.id = member.id
+        self.member = member
+        self.health = health
+        self._inflight = 0
+        self.load = 0.0  # in-flight requests per unit of capacity weight
+        self.prefill = 0.0  # prompt bytes sent here and not yet prefilled (estimated uncached)
+
+    def __repr__(self) -> str:
+        return f"ReplicaState({self.id!r}, inflight={self._inflight}, prefill={self.prefill:.0f})"
 
     @property
-    def id(self) -> str:
-        return self.member.id
+    def inflight(self) -> int:
+        return self._inflight
 
-    @property
-    def load(self) -> float:
-        """In-flight requests per unit of capacity weight."""
-        return self.inflight / self.member.weight
+    @inflight.setter
+    def inflight(self, value: int) -> None:
+        self._inflight = value
+        self.load = value / self.member.weight
+
+    def set_member(self, member: Member) -> None:
+        """The same replica with a (possibly) new weight."""
+        self.member = member
+        self.load = self._inflight / member.weight
 
 
 class Prefixes(NamedTuple):
@@ -201,6 +214,7 @@ class Router:
         )
         self._states: dict[str, ReplicaState] = {}
         self._rankings: dict[bytes, list[str]] = {}
+        self._namespaces: dict[tuple[str, str], NamespaceKeys] = {}
         self._retired: dict[str, ReplicaState] = {}
         self._turn = 0
         self._inflight_total = 0
@@ -219,7 +233,7 @@ class Router:
             state = self._states.get(member.id) or self._retired.pop(member.id, None)
             if state is None:
                 state = ReplicaState(member, self._new_health())
-            state.member = member
+            state.set_member(member)
             states[member.id] = state
         for rid, state in self._states.items():
             if rid not in states and state.inflight > 0:
@@ -252,34 +266,41 @@ class Router:
         return state.inflight if state is not None else 0
 
     # -- keys ------------------------------------------------------------------------------
-    def request_key(
-        self, route: str, body: Mapping[str, Any], model: str, salt: str | None
-    ) -> bytes | None:
+    def namespace(self, model: str, salt: str | None, *, remember: bool = True) -> NamespaceKeys:
+        """The keyed states of a (model, salt) namespace; with ``remember``, kept for the
+        next request (False for salts from a user's secret, which outlive no request)."""
+        key = (model, salt or "")
+        keys = self._namespaces.get(key)
+        if keys is None:
+            keys = NamespaceKeys(self._route_secret, model, salt or "")
+            if remember:
+                if len(self._namespaces) >= NAMESPACE_CACHE:
+                    self._namespaces.clear()
+                self._namespaces[key] = keys
+        return keys
+
+    def request_key(self, prompt: Prompt, keys: NamespaceKeys) -> bytes | None:
         """The request's routing key under the policy, or None (no affinity)."""
         c = self.config
         if c.policy in ("round_robin", "least_loaded"):
             return None
-        window = route_window(body, route, c.window_bytes, c.min_prompt_bytes)
+        window = prompt.window(c.window_bytes, c.min_prompt_bytes)
         if window is None:
             return None
         if c.policy == "consistent_hash":
             return hashlib.sha256(window).digest()
-        return keyed_route_key(self._route_secret, model, salt or "", window)
+        return keys.route_key(window)
 
-    def prefixes(
-        self, route: str, body: Mapping[str, Any], model: str, salt: str | None
-    ) -> Prefixes:
+    def prefixes(self, prompt: Prompt, keys: NamespaceKeys) -> Prefixes:
         """The request's keyed prefix digests and prompt size (policy saltgate; else none)."""
         if self.config.policy != "saltgate":
             return NO_PREFIXES
         if self._affinity is None and self.config.max_prefill_delta <= 0:
             return NO_PREFIXES  # neither the affinity table nor the guard would read it
-        flat = flat_prompt(body, route)
+        flat = prompt.flat()
         if self._affinity is None:
             return Prefixes((), len(flat))
-        digests = prefix_digests_of(
-            flat, self._route_secret, model, salt or "", self.config.affinity_first_depth
-        )
+        digests = keys.prefix_digests(flat, self.config.affinity_first_depth)
         return Prefixes(tuple(digests), len(flat))
 
     def ranking(self, key: bytes, now: float) -> list[str]:
@@ -339,7 +360,7 @@ class Router:
             return self._baseline(policy, plan, usable).id
         fresh = [s for s in usable.values() if not s.health.overload.overloaded]
         chosen = self._choose(plan, usable, fresh or list(usable.values()))
-        if fresh and chosen in fresh:
+        if fresh:  # the choice is one of them (overloaded replicas only serve when all are)
             chosen = self._prefill_guard(chosen, plan, fresh)
         if plan.prefixes and self._affinity is not None:
             self._affinity.record(plan.prefixes, chosen.id, now, plan.prompt_bytes)
@@ -364,19 +385,22 @@ class Router:
             return owner
         if plan.key is None:
             return min(self._rotation(eligible), key=_load)
-        ranked = [s for s in self._ranked(plan.key, usable) if s in eligible]
+        ranked = self._ranked(plan.key, usable)
+        if len(ranked) > len(eligible):
+            ranked = [s for s in ranked if s in eligible]
         return self._warm_pick(ranked, eligible, plan.rate, owner)
 
     def _follow_prefix(
         self, owners: tuple[tuple[str, int], ...], eligible: list[ReplicaState]
     ) -> ReplicaState | None:
         """The replica that served the deepest shared prefix, if within the load cap."""
-        ceiling = min(s.load for s in eligible) + self.config.max_inflight_delta
-        by_id = {s.id: s for s in eligible}
+        ceiling = min(map(_load, eligible)) + self.config.max_inflight_delta
         for owner, _depth in owners:
-            state = by_id.get(owner)
-            if state is not None and state.load <= ceiling:
-                return state
+            for state in eligible:
+                if state.id == owner:
+                    if state.load <= ceiling:
+                        return state
+                    break
         return None
 
     def _warm_pick(
@@ -418,12 +442,14 @@ class Router:
         c = self.config
         if c.max_prefill_delta <= 0:
             return chosen
-        uncached = plan.uncached_bytes(chosen.id)
-        delta = c.max_prefill_delta_cached if uncached < plan.prompt_bytes else c.max_prefill_delta
+        prompt = plan.prompt_bytes
+        held = dict(plan.owners)
+        uncached = max(0, prompt - held.get(chosen.id, 0))
+        delta = c.max_prefill_delta_cached if uncached < prompt else c.max_prefill_delta
         cost = chosen.prefill + uncached
         best, best_cost = chosen, cost
         for state in candidates:
-            other = state.prefill + plan.uncached_bytes(state.id)
+            other = state.prefill + max(0, prompt - held.get(state.id, 0))
             if other < best_cost:
                 best, best_cost = state, other
         return chosen if cost <= best_cost + delta else best
@@ -494,5 +520,4 @@ def _shared_estimate(depth: int, earlier_prompt: int, prompt: int) -> int:
     return max(depth, min(2 * depth, earlier_prompt, prompt))
 
 
-def _load(state: ReplicaState) -> float:
-    return state.load
+_load: Final = operator.attrgetter("load")

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import hmac
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -63,7 +63,14 @@ ROUTE_MESSAGES: Final = "/v1/messages"
 # ratio), so the floor means roughly the same prompt length for text and token prompts.
 TOKEN_ID_BYTES: Final = 4
 
-_SYSTEM_ROLES: Final = frozenset({"system", "developer"})
+TAG_ASSISTANT: Final = b"A"
+TAG_OTHER: Final = b"O"
+_ROLE_TAGS: Final = {
+    "system": TAG_SYSTEM,
+    "developer": TAG_SYSTEM,
+    "user": TAG_USER,
+    "assistant": TAG_ASSISTANT,
+}
 
 
 # -- sub-keys ----------------------------------------------------------------------------
@@ -182,16 +189,21 @@ def _utf8_len(s: str) -> int:
     return len(s) if s.isascii() else len(s.encode("utf-8"))
 
 
-def _parts_text(content: object) -> Iterator[str]:
-    """The text pieces of a message content: the string itself, or each part's "text"."""
+def _parts_text(content: object) -> Sequence[str]:
+    """The text pieces of a message content: the string itself, or each part's "text".
+
+    Sequences rather than generators throughout this walk: a prompt is read once per
+    request, and a generator frame per message and level cost more than the reading.
+    """
     if isinstance(content, str):
-        yield content
-    elif isinstance(content, list):
-        for part in content:
-            if isinstance(part, dict):
-                text = part.get("text")
-                if isinstance(text, str):
-                    yield text
+        return (content,)
+    if isinstance(content, list):
+        return [
+            text
+            for part in content
+            if isinstance(part, dict) and isinstance(text := part.get("text"), str)
+        ]
+    return ()
 
 
 def _canonical_tools(tools: object) -> bytes | None:
@@ -231,10 +243,13 @@ class _Window:
         self.buf += u32be(len(piece))
         self.buf += piece
 
-    def add_texts(self, tag: bytes, texts: Iterator[str]) -> None:
+    def add_texts(self, tag: bytes, texts: Sequence[str]) -> None:
         """One piece made of the concatenation of ``texts``, read only as far as needed."""
         room = self.room()
         if room <= 0:
+            return
+        if len(texts) == 1:  # the usual case: a message whose content is one string
+            self.add_bytes(tag, texts[0][:room].encode("utf-8"))
             return
         chunks: list[str] = []
         chars = 0
@@ -263,21 +278,6 @@ class _Window:
         self.add_bytes(tag, ",".join(out).encode("ascii"))
 
 
-def _leading_chat(messages: object) -> Iterator[tuple[bytes, object]]:
-    """(tag, content) of the system/developer messages before the first user message, then it."""
-    if not isinstance(messages, list):
-        return
-    for msg in messages:
-        if not isinstance(msg, dict):
-            continue
-        role = msg.get("role")
-        if role in _SYSTEM_ROLES:
-            yield TAG_SYSTEM, msg.get("content")
-        elif role == "user":
-            yield TAG_USER, msg.get("content")
-            return
-
-
 def _completion_prompt(prompt: object) -> tuple[bytes, object] | None:
     """The prompt that feeds the window: a string, token ids, or the first of a batch."""
     if isinstance(prompt, str):
@@ -293,72 +293,59 @@ def _completion_prompt(prompt: object) -> tuple[bytes, object] | None:
     return None
 
 
-MessagesReader = Callable[[object], Iterator[tuple[bytes, object]]]
+# A piece of the prompt after K and T: (tag, content or token ids, whether the window
+# reads it). Plain tuples: a prompt is walked once per request, and every object or
+# generator frame per message costs more than the walk itself.
+Piece = tuple[bytes, object, bool]
 
 
-def _route_pieces(
-    body: Mapping[str, Any], route: str, read_messages: MessagesReader
-) -> Iterator[tuple[bytes, object]]:
-    """The route-specific pieces after K and T, in prompt order: (tag, content or ids).
+def _messages(messages: object, pieces: list[Piece]) -> list[Piece]:
+    """Append every message, tagged by role; the window reads the leading ones: the
+    system/developer messages before the first user message, then it."""
+    if isinstance(messages, list):
+        leading = True
+        tags = _ROLE_TAGS
+        for msg in messages:
+            if not isinstance(msg, dict):
+                continue
+            role = msg.get("role")
+            tag = tags.get(role, TAG_OTHER) if isinstance(role, str) else TAG_OTHER
+            if tag == TAG_USER:
+                pieces.append((tag, msg.get("content"), leading))
+                leading = False
+            else:
+                pieces.append((tag, msg.get("content"), leading and tag == TAG_SYSTEM))
+    return pieces
 
-    `read_messages` decides which messages count: the leading ones for the window
-    (docs/spec.md), all of them for the prefix digests.
-    """
+
+def _prompt_pieces(body: Mapping[str, Any], route: str) -> list[Piece]:
+    """The route's prompt pieces after K and T, in prompt order (docs/spec.md)."""
     if route == ROUTE_CHAT:
-        yield from read_messages(body.get("messages"))
-    elif route == ROUTE_COMPLETIONS:
+        return _messages(body.get("messages"), [])
+    if route == ROUTE_COMPLETIONS:
         piece = _completion_prompt(body.get("prompt"))
-        if piece is not None:
-            yield piece
-    elif route == ROUTE_RESPONSES:
+        return [] if piece is None else [(*piece, True)]
+    pieces: list[Piece] = []
+    if route == ROUTE_RESPONSES:
         instructions = body.get("instructions")
         if isinstance(instructions, str):
-            yield TAG_SYSTEM, instructions
+            pieces.append((TAG_SYSTEM, instructions, True))
         inp = body.get("input")
         if isinstance(inp, str):
-            yield TAG_USER, inp
-        else:
-            yield from read_messages(inp)
-    elif route == ROUTE_MESSAGES:
+            pieces.append((TAG_USER, inp, True))
+            return pieces
+        return _messages(inp, pieces)
+    if route == ROUTE_MESSAGES:
         system = body.get("system")
         if system is not None:
-            yield TAG_SYSTEM, system
-        yield from read_messages(body.get("messages"))
+            pieces.append((TAG_SYSTEM, system, True))
+        return _messages(body.get("messages"), pieces)
+    return pieces
 
 
-def _all_texts(body: Mapping[str, Any], route: str) -> Iterator[str]:
-    """Every text the prompt size counts besides tools (docs/spec.md, "Prompt size")."""
-    if route in (ROUTE_CHAT, ROUTE_MESSAGES):
-        if route == ROUTE_MESSAGES:
-            yield from _parts_text(body.get("system"))
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            for msg in messages:
-                if isinstance(msg, dict):
-                    yield from _parts_text(msg.get("content"))
-    elif route == ROUTE_RESPONSES:
-        instructions = body.get("instructions")
-        if isinstance(instructions, str):
-            yield instructions
-        inp = body.get("input")
-        if isinstance(inp, str):
-            yield inp
-        elif isinstance(inp, list):
-            for item in inp:
-                if isinstance(item, dict):
-                    yield from _parts_text(item.get("content"))
-
-
-def _completion_size(prompt: object, limit: int | None) -> int:
-    piece = _completion_prompt(prompt)
-    if piece is None:
-        return 0
-    _tag, value = piece
-    if isinstance(value, str):
-        return _utf8_len(value)
-    assert isinstance(value, list)
+def _token_ids_size(ids: list[Any], limit: int | None) -> int:
     count = 0
-    for t in value:
+    for t in ids:
         if not _is_token_id(t):
             break
         count += 1
@@ -367,34 +354,111 @@ def _completion_size(prompt: object, limit: int | None) -> int:
     return TOKEN_ID_BYTES * count
 
 
-def prompt_size(
-    body: Mapping[str, Any],
-    route: str,
-    *,
-    limit: int | None = None,
-    tools_json: bytes | None = None,
-) -> int:
-    """UTF-8 bytes of the whole prompt as spec v1 counts it, for the routing floor.
+class Prompt:
+    """A request's prompt, walked once: the route window, the prompt size and the
+    flattened prompt all read these pieces. ``body`` must come from parse_json_object
+    (strings are valid UTF-8)."""
 
-    Counts the canonical tools JSON plus every message text (all roles; text parts only),
-    ``system``/``instructions``, or the completion prompt (first of a batch; token ids
-    count TOKEN_ID_BYTES each). Stops early and returns a value >= ``limit`` once reached.
-    """
-    if tools_json is None:
-        tools_json = _canonical_tools(body.get("tools"))
-    total = len(tools_json) if tools_json is not None else 0
-    if limit is not None and total >= limit:
-        return total
-    if route == ROUTE_COMPLETIONS:
-        return total + _completion_size(body.get("prompt"), limit)
-    for text in _all_texts(body, route):
-        # UTF-8 bytes >= code points: skip encoding when the characters already reach it.
-        if limit is not None and total + len(text) >= limit:
-            return total + len(text)
-        total += _utf8_len(text)
+    __slots__ = ("cache_key", "pieces", "tools_json")
+
+    def __init__(self, body: Mapping[str, Any], route: str) -> None:
+        pck = body.get("prompt_cache_key")
+        self.cache_key: str | None = pck if isinstance(pck, str) and pck else None
+        self.tools_json = _canonical_tools(body.get("tools"))
+        self.pieces = _prompt_pieces(body, route)
+
+    def size(self, limit: int | None = None) -> int:
+        """UTF-8 bytes of the whole prompt as spec v1 counts it, for the routing floor.
+
+        Counts the canonical tools JSON plus every message text (all roles; text parts
+        only), ``system``/``instructions``, or the completion prompt (first of a batch;
+        token ids count TOKEN_ID_BYTES each); not the prompt_cache_key. Stops early and
+        returns a value >= ``limit`` once reached.
+        """
+        total = len(self.tools_json) if self.tools_json is not None else 0
         if limit is not None and total >= limit:
             return total
-    return total
+        for tag, value, _leading in self.pieces:
+            if tag == TAG_TOKEN_IDS:  # a completion's only piece
+                assert isinstance(value, list)
+                return total + _token_ids_size(value, limit)
+            for text in _parts_text(value):
+                # UTF-8 bytes >= code points: skip encoding when the characters reach it.
+                if limit is not None and total + len(text) >= limit:
+                    return total + len(text)
+                total += _utf8_len(text)
+                if limit is not None and total >= limit:
+                    return total
+        return total
+
+    def window(
+        self,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        min_prompt_bytes: int = DEFAULT_MIN_PROMPT_BYTES,
+    ) -> bytes | None:
+        """The first ``window_bytes`` of spec v1's framing of what begins the prompt, or None.
+
+        Pieces, in order: K prompt_cache_key (non-empty string), T tools (canonical JSON),
+        then per route S system/developer/instructions and U the first user message (chat,
+        responses, messages) or P prompt / I token ids (completions). None when there is
+        no prompt_cache_key and the prompt size is below ``min_prompt_bytes``: such
+        requests are not worth pinning and go to the least-loaded replica.
+        """
+        if window_bytes < 0:
+            raise ValueError("window_bytes must be >= 0")
+        if self.cache_key is None and self.size(min_prompt_bytes) < min_prompt_bytes:
+            return None
+        window = _Window(window_bytes)
+        if self.cache_key is not None:
+            window.add_texts(TAG_PROMPT_CACHE_KEY, (self.cache_key,))
+        if self.tools_json is not None:
+            window.add_bytes(TAG_TOOLS, self.tools_json)
+        for tag, value, leading in self.pieces:
+            if not leading:
+                continue
+            if window.room() <= 0:
+                break
+            if tag == TAG_TOKEN_IDS:
+                assert isinstance(value, list)
+                window.add_token_ids(tag, value)
+            else:
+                window.add_texts(tag, _parts_text(value))
+        return bytes(window.buf)
+
+    def flat(self, max_depth: int = MAX_PREFIX_DEPTH) -> bytes:
+        """The prompt flattened as tag || text per piece, up to ``max_depth`` bytes.
+
+        Pieces: K prompt_cache_key, T tools, then every message (tagged by role: S, U,
+        A, O), system/instructions, or the completion prompt (token ids as "id," each).
+        With no lengths between pieces, a growing prompt keeps its earlier bytes as a
+        prefix: a routing hint, not a commitment, so pieces need no unambiguous framing.
+        Its length is also the router's measure of the prefill work a request brings.
+        """
+        pieces: list[bytes] = []
+        if self.cache_key is not None:
+            pieces.append(TAG_PROMPT_CACHE_KEY + self.cache_key[:max_depth].encode("utf-8"))
+        if self.tools_json is not None:
+            pieces.append(TAG_TOOLS + self.tools_json[:max_depth])
+        size = sum(map(len, pieces))
+        for tag, value, _leading in self.pieces:
+            if size >= max_depth:
+                break
+            if isinstance(value, str):
+                text = value
+            elif tag == TAG_TOKEN_IDS:
+                assert isinstance(value, list)
+                text = ",".join(map(str, itertools.takewhile(_is_token_id, value))) + ","
+            else:
+                text = "".join(_parts_text(value))
+            piece = tag + text[:max_depth].encode("utf-8")
+            pieces.append(piece)
+            size += len(piece)
+        return b"".join(pieces)[:max_depth]
+
+
+def prompt_size(body: Mapping[str, Any], route: str, *, limit: int | None = None) -> int:
+    """`Prompt.size` of a request body."""
+    return Prompt(body, route).size(limit)
 
 
 def route_window(
@@ -403,41 +467,13 @@ def route_window(
     window_bytes: int = DEFAULT_WINDOW_BYTES,
     min_prompt_bytes: int = DEFAULT_MIN_PROMPT_BYTES,
 ) -> bytes | None:
-    """The first ``window_bytes`` of spec v1's framing of what begins the prompt, or None.
+    """`Prompt.window` of a request body."""
+    return Prompt(body, route).window(window_bytes, min_prompt_bytes)
 
-    Pieces, in order: K prompt_cache_key (non-empty string), T tools (canonical JSON),
-    then per route S system/developer/instructions and U the first user message (chat,
-    responses, messages) or P prompt / I token ids (completions). None when there is no
-    prompt_cache_key and the prompt size is below ``min_prompt_bytes``: such requests
-    are not worth pinning and go to the least-loaded replica. ``body`` must come from
-    parse_json_object (strings are valid UTF-8).
-    """
-    if window_bytes < 0:
-        raise ValueError("window_bytes must be >= 0")
-    pck = body.get("prompt_cache_key")
-    has_key = isinstance(pck, str) and pck != ""
-    tools_json = _canonical_tools(body.get("tools"))
-    if (
-        not has_key
-        and prompt_size(body, route, limit=min_prompt_bytes, tools_json=tools_json)
-        < min_prompt_bytes
-    ):
-        return None
-    window = _Window(window_bytes)
-    if has_key:
-        assert isinstance(pck, str)
-        window.add_texts(TAG_PROMPT_CACHE_KEY, iter((pck,)))
-    if tools_json is not None:
-        window.add_bytes(TAG_TOOLS, tools_json)
-    for tag, value in _route_pieces(body, route, _leading_chat):
-        if window.room() <= 0:
-            break
-        if tag == TAG_TOKEN_IDS:
-            assert isinstance(value, list)
-            window.add_token_ids(tag, value)
-        else:
-            window.add_texts(tag, _parts_text(value))
-    return bytes(window.buf)
+
+def flat_prompt(body: Mapping[str, Any], route: str, max_depth: int = MAX_PREFIX_DEPTH) -> bytes:
+    """`Prompt.flat` of a request body."""
+    return Prompt(body, route).flat(max_depth)
 
 
 def route_key(k_route: bytes, model: str, salt: str, window: bytes) -> bytes:
@@ -445,67 +481,10 @@ def route_key(k_route: bytes, model: str, salt: str, window: bytes) -> bytes:
 
     Keyed by the cluster secret, so no client can compute (or aim at) its replica.
     """
-    msg = b"".join((ROUTE_DOMAIN, lp(model.encode("utf-8")), lp(salt.encode("utf-8")), lp(window)))
-    return hmac_sha256(k_route, msg)
+    return NamespaceKeys(k_route, model, salt).route_key(window)
 
 
 # -- prefix digests (router-local affinity, docs/routing.md) ------------------------------
-
-TAG_ASSISTANT: Final = b"A"
-TAG_OTHER: Final = b"O"
-_ROLE_TAGS: Final = {
-    "system": TAG_SYSTEM,
-    "developer": TAG_SYSTEM,
-    "user": TAG_USER,
-    "assistant": TAG_ASSISTANT,
-}
-
-
-def _conversation(messages: object) -> Iterator[tuple[bytes, object]]:
-    """(tag, content) of every message, in order."""
-    if not isinstance(messages, list):
-        return
-    for msg in messages:
-        if isinstance(msg, dict):
-            role = msg.get("role")
-            tag = _ROLE_TAGS.get(role, TAG_OTHER) if isinstance(role, str) else TAG_OTHER
-            yield tag, msg.get("content")
-
-
-def _whole_prompt(body: Mapping[str, Any], route: str) -> Iterator[tuple[bytes, str]]:
-    """Every piece of the prompt as text, in order, later turns included (unlike the window)."""
-    pck = body.get("prompt_cache_key")
-    if isinstance(pck, str) and pck:
-        yield TAG_PROMPT_CACHE_KEY, pck
-    tools = _canonical_tools(body.get("tools"))
-    if tools is not None:
-        yield TAG_TOOLS, tools.decode("utf-8")
-    for tag, value in _route_pieces(body, route, _conversation):
-        if tag == TAG_TOKEN_IDS:
-            assert isinstance(value, list)
-            yield tag, ",".join(map(str, itertools.takewhile(_is_token_id, value))) + ","
-        elif isinstance(value, str):
-            yield tag, value
-        else:
-            yield tag, "".join(_parts_text(value))
-
-
-def flat_prompt(body: Mapping[str, Any], route: str, max_depth: int = MAX_PREFIX_DEPTH) -> bytes:
-    """The prompt flattened as tag || text per piece, up to ``max_depth`` bytes.
-
-    With no lengths between pieces, a growing prompt keeps its earlier bytes as a prefix:
-    a routing hint, not a commitment, so pieces need no unambiguous framing. Its length
-    is also the router's measure of the prefill work a request brings.
-    """
-    pieces: list[bytes] = []
-    size = 0
-    for tag, text in _whole_prompt(body, route):
-        piece = tag + text[:max_depth].encode("utf-8")
-        pieces.append(piece)
-        size += len(piece)
-        if size >= max_depth:
-            break
-    return b"".join(pieces)[:max_depth]
 
 
 def prefix_digests_of(
@@ -519,23 +498,50 @@ def prefix_digests_of(
     Tenants never share a digest, and nothing outside the gateway can compute one. Local
     to a gateway: not part of what gateways must agree on (the window key is).
 
-    One SHA-256 pass, finished on a copy at each depth. Keyed by prefixing the route
-    sub-key, the model and the (secret-derived) salt: a digest is only ever a key of the
-    router's in-memory table, never shown to anyone, so the length extension that HMAC
-    guards against gives nothing away, and HMAC would double the cost (its finish on a
-    copy runs two hashes per depth).
+    SHA-256 over PREFIX_DOMAIN || lp(k_route) || lp(model) || lp(salt) || flat[:d], in one
+    pass finished on a copy at each depth. Keyed by prefixing the route sub-key: a digest
+    is only ever a key of the router's in-memory table, never shown to anyone, so the
+    length extension that HMAC guards against gives nothing away, and HMAC would double
+    the cost (its finish on a copy runs two hashes per depth).
     """
-    if first_depth <= 0:
-        raise ValueError("first_depth must be positive")
-    running = hashlib.sha256(
-        b"".join((PREFIX_DOMAIN, lp(k_route), lp(model.encode()), lp(salt.encode())))
-    )
-    digests: list[bytes] = []
-    done = 0
-    depth = first_depth
-    while depth <= len(flat):
-        running.update(flat[done:depth])
-        done = depth
-        digests.append(running.copy().digest())
-        depth *= 2
-    return digests
+    return NamespaceKeys(k_route, model, salt).prefix_digests(flat, first_depth)
+
+
+# -- keyed states per namespace ---------------------------------------------------------
+
+
+class NamespaceKeys:
+    """The keyed hash states of one (model, cache salt) namespace, with everything but the
+    prompt already absorbed: the router keeps one per namespace and finishes a copy per
+    request (a copy costs a fraction of keying a fresh HMAC and framing the fields)."""
+
+    __slots__ = ("_prefix", "_route")
+
+    def __init__(self, k_route: bytes, model: str, salt: str) -> None:
+        fields = lp(model.encode("utf-8")) + lp(salt.encode("utf-8"))
+        self._route = hmac.new(k_route, ROUTE_DOMAIN + fields, hashlib.sha256)
+        self._prefix = hashlib.sha256(PREFIX_DOMAIN + lp(k_route) + fields)
+
+    def __repr__(self) -> str:  # the states are keyed by secrets
+        return "NamespaceKeys(<keyed>)"
+
+    def route_key(self, window: bytes) -> bytes:
+        """`route_key` of ``window`` in this namespace."""
+        mac = self._route.copy()
+        mac.update(lp(window))
+        return mac.digest()
+
+    def prefix_digests(self, flat: bytes, first_depth: int = DEFAULT_WINDOW_BYTES) -> list[bytes]:
+        """`prefix_digests_of` ``flat`` in this namespace."""
+        if first_depth <= 0:
+            raise ValueError("first_depth must be positive")
+        running = self._prefix.copy()
+        digests: list[bytes] = []
+        done = 0
+        depth = first_depth
+        while depth <= len(flat):
+            running.update(flat[done:depth])
+            done = depth
+            digests.append(running.copy().digest())
+            depth *= 2
+        return digests
