@@ -101,6 +101,21 @@ def test_a_busy_gateway_lets_one_commit_carry_records_from_several_loop_turns(
         assert st.transactions >= 5  # each loop turn committed on its own
 
 
+def test_an_idle_gateway_commits_without_waiting_for_another_loop_turn(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+
+    async def run() -> None:
+        ledger = Ledger(path, busy=lambda: False)
+        turned: list[bool] = []
+        asyncio.get_running_loop().call_soon(turned.append, True)
+        await ledger.record(_rec(1))
+        assert turned == []  # committed and returned within this turn of the loop
+        assert len(_rows(path)) == 1
+        await ledger.aclose()
+
+    asyncio.run(run())
+
+
 def test_close_drains_and_refuses_new_records(tmp_path: Path) -> None:
     path = tmp_path / "saltgate.db"
 

@@ -2,8 +2,8 @@
 
 The gateway awaits `Ledger.record` before it completes a response, and `record` returns
 only after the row's transaction has committed — so a crash can lose no record of a
-response a client received. Records that arrive during one turn of the event loop share
-the next commit, so under load many requests share one transaction (group commit).
+response a client received. Under load, records that arrive close together share one
+commit (group commit; see `Ledger` for when it waits).
 
 Why WAL with synchronous=NORMAL is enough: a WAL commit hands the frames to the kernel with
 write() before COMMIT returns; only the fsync is deferred to checkpoints. A killed process
@@ -88,7 +88,8 @@ class Ledger:
     ``busy`` (optional) says whether other requests are still being served, i.e. more
     records are on their way. Then the commit waits up to ``max_delay_s`` for them, so
     under load one transaction carries several records (each commit's fixed cost is
-    most of it); an idle gateway still commits at the next loop turn.
+    most of it); when nothing else is being served, `record` commits at once, and the
+    request goes on without waiting for another turn of the loop.
     """
 
     def __init__(
@@ -134,13 +135,17 @@ class Ledger:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._pending.append((rec, fut))
-        if not self._flush_scheduled:
-            if self._busy is not None and self._busy():
-                if self._flush_timer is None:
-                    self._flush_timer = loop.call_later(self.max_delay_s, self._flush)
-            else:
+        if self._busy is None:
+            if not self._flush_scheduled:
                 self._flush_scheduled = True
                 loop.call_soon(self._flush)
+        elif self._busy():
+            if self._flush_timer is None:
+                self._flush_timer = loop.call_later(self.max_delay_s, self._flush)
+        else:
+            # Nothing else is being served, so no record is on its way: commit now, and
+            # the caller goes on without waiting for another turn of the loop.
+            self._flush()
         # A cancelled wait cancels only `fut`: the record stays queued and is committed.
         await fut
 
