@@ -48,7 +48,9 @@ def test_7_audit_detects_unsalted_vllm_and_passes_saltgate(fleet: Fleet, tenancy
     bare = asyncio.run(audit(replica.url, key_only, key_only, samples=80, max_samples=80))
     attack = bare.configurations[0].attack
     assert bare.verdict is Verdict.LEAK, summary(bare)
-    assert attack is not None and attack.auc > 0.8, summary(bare)
+    # Not a marginal call either: the whole AUC interval lies above the bound a PASS needs
+    # (a fixed AUC threshold flaked with vLLM's CPU jitter: 0.798 once, medians 31 vs 82 ms).
+    assert attack is not None and attack.auc_low > bare.criteria.auc_bound, summary(bare)
 
     # Through saltgate, one replica for both tenants: another tenant learns nothing, and
     # the audit's own positive control (the victim probing itself) must still be detected.
