@@ -539,7 +539,6 @@ class Bench:
         self.tools = tools
         self.workdir = workdir
         self.api_key = "sk-bench-unset"
-        self.saltgate_config: Path | None = None
         self.samples: list[dict[str, Any]] = []
         self.support: dict[str, dict[str, str]] = {t: {} for t in options.targets}
         self.profiles: list[dict[str, Any]] = []
@@ -639,7 +638,8 @@ class Bench:
             raise BenchError("`saltgate keys create` printed no key on stdout")
         self.api_key = key
 
-    def _saltgate_config(self, backends: Backends, port: int) -> Path:
+    def saltgate_config(self, backends: Backends, port: int) -> Path:
+        """A config file for `saltgate serve` on ``port`` in front of ``backends``."""
         state = self.workdir / "saltgate-state"
         replicas = "".join(f'\n[[replicas]]\nurl = "{u}"\n' for u in backends.urls)
         text = (
@@ -658,7 +658,7 @@ class Bench:
 
     def router_argv(self, target: str, backends: Backends, port: int) -> list[str]:
         if target == "saltgate":
-            config = self._saltgate_config(backends, port)
+            config = self.saltgate_config(backends, port)
             return [sys.executable, "-m", "saltgate.cli", "serve", "--config", str(config)]
         common = [
             "--host",
