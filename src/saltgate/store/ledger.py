@@ -18,12 +18,13 @@ writer awaiting `record` in a closed loop for 3 s, commits on the event loop's t
     .venv/bin/python tests/store/bench_ledger.py --writers 64 --seconds 3 --uvloop
 
     writers  records/s  mean batch  latency per record p50 / p99
-    64          64,300          64  0.98 ms / 1.27 ms
-    1           12,400           1  0.06 ms / 0.14 ms
+    64         111,500          64  0.45 ms / 0.98 ms
+    1           15,200           1  0.06 ms / 0.12 ms
 
-(An earlier design committed on a writer thread: 50,600 / 7,100 records/s at 64 / 1
-writers, and through the GIL it stretched the gateway's tail.) WAL checkpoints, which
-fsync, run on a thread of their own every second, so the loop never waits for one.
+(With the usage table still indexed by ts: 64,300 and 12,400 records/s. An earlier design
+committed on a writer thread: 50,600 / 7,100 records/s at 64 / 1 writers, and through the
+GIL it stretched the gateway's tail.) WAL checkpoints, which fsync, run on a thread of
+their own every second, so the loop never waits for one.
 """
 
 from __future__ import annotations
@@ -79,11 +80,12 @@ CHECKPOINT_INTERVAL_S = 1.0
 class Ledger:
     """Group-committing usage writer on the event loop's own thread.
 
-    Records that arrive during one turn of the event loop are committed together at the
-    start of the next (one `call_soon`), then every waiter is released. A commit costs
-    ~30-50 us of the loop's time (WAL, synchronous=NORMAL: no fsync), less than handing
-    each record to a writer thread: that hand-off cost more CPU per request and, through
-    the GIL, added milliseconds to the tail at low concurrency (docs/benchmarks.md).
+    Without a ``busy`` callback, records that arrive during one turn of the event loop
+    are committed together at the start of the next (one `call_soon`), then every waiter
+    is released. A commit costs ~20-50 us of the loop's time (WAL, synchronous=NORMAL: no
+    fsync), less than handing each record to a writer thread: that hand-off cost more CPU
+    per request and, through the GIL, added milliseconds to the tail at low concurrency
+    (docs/benchmarks.md).
 
     ``busy`` (optional) says whether other requests are still being served, i.e. more
     records are on their way. Then the commit waits up to ``max_delay_s`` for them, so
