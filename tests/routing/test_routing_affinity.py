@@ -147,7 +147,7 @@ def test_the_plan_knows_what_each_owner_holds() -> None:
         == router.prefixes(Prompt(second, ROUTE_CHAT), router.namespace("m", "s")).prompt_bytes
         > 0
     )
-    (owner, depth), *_ = plan.owners
+    (owner, depth), *_ = plan.owners.items()
     assert (
         owner == home
         and 256

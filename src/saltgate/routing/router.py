@@ -25,6 +25,7 @@ import math
 import operator
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Any, Final, NamedTuple
 
 from saltgate.routing.affinity import PrefixAffinity
@@ -174,22 +175,20 @@ class Plan(NamedTuple):
     """One request's routing input, fixed when it arrives (retries reuse it). A tuple:
     one is built per request, and a frozen dataclass costs 3x as much to build.
 
-    ``owners``: the replicas that recently served a prefix of this prompt, deepest first,
-    with that prefix's length in bytes: what each would find in its cache.
+    ``owners``: the replicas that recently served a prefix of this prompt, deepest first
+    (in insertion order), each with that prefix's length in bytes: what it would find in
+    its cache.
     """
 
     key: bytes | None
     rate: float = 0.0
     prefixes: tuple[bytes, ...] = ()
     prompt_bytes: int = 0
-    owners: tuple[tuple[str, int], ...] = ()
+    owners: Mapping[str, int] = MappingProxyType({})
 
     def uncached_bytes(self, replica_id: str) -> int:
         """The prompt bytes ``replica_id`` would have to prefill (its cached prefix aside)."""
-        for owner, depth in self.owners:
-            if owner == replica_id:
-                return max(0, self.prompt_bytes - depth)
-        return self.prompt_bytes
+        return max(0, self.prompt_bytes - self.owners.get(replica_id, 0))
 
     def __repr__(self) -> str:
         return (
@@ -333,17 +332,17 @@ class Router:
         if self.config.policy != "saltgate":
             return Plan(key)
         rate = self._hot.observe(key, now) if key is not None else 0.0
-        owners: tuple[tuple[str, int], ...] = ()
+        owners: dict[str, int] = {}
         if prefixes.digests and self._affinity is not None:
             first = self.config.affinity_first_depth
             found = self._affinity.owners(prefixes.digests, now)
             # A shared digest at depth d proves d bytes in common; the next depth did not
             # match, so fewer than 2d. Within that, what the replica holds is at most the
             # earlier prompt: the whole of it when this is its conversation's next turn.
-            owners = tuple(
-                (rid, _shared_estimate(first << index, length, prefixes.prompt_bytes))
+            owners = {
+                rid: _shared_estimate(first << index, length, prefixes.prompt_bytes)
                 for rid, index, length in found
-            )
+            }
         return Plan(key, rate, prefixes.digests, prefixes.prompt_bytes, owners)
 
     def pick(self, plan: Plan, now: float, exclude: Collection[str] = ()) -> str | None:
@@ -391,11 +390,11 @@ class Router:
         return self._warm_pick(ranked, eligible, plan.rate, owner)
 
     def _follow_prefix(
-        self, owners: tuple[tuple[str, int], ...], eligible: list[ReplicaState]
+        self, owners: Mapping[str, int], eligible: list[ReplicaState]
     ) -> ReplicaState | None:
         """The replica that served the deepest shared prefix, if within the load cap."""
         ceiling = min(map(_load, eligible)) + self.config.max_inflight_delta
-        for owner, _depth in owners:
+        for owner in owners:
             for state in eligible:
                 if state.id == owner:
                     if state.load <= ceiling:
@@ -442,14 +441,12 @@ class Router:
         c = self.config
         if c.max_prefill_delta <= 0:
             return chosen
-        prompt = plan.prompt_bytes
-        held = dict(plan.owners)
-        uncached = max(0, prompt - held.get(chosen.id, 0))
-        delta = c.max_prefill_delta_cached if uncached < prompt else c.max_prefill_delta
+        uncached = plan.uncached_bytes(chosen.id)
+        delta = c.max_prefill_delta_cached if uncached < plan.prompt_bytes else c.max_prefill_delta
         cost = chosen.prefill + uncached
         best, best_cost = chosen, cost
         for state in candidates:
-            other = state.prefill + max(0, prompt - held.get(state.id, 0))
+            other = state.prefill + plan.uncached_bytes(state.id)
             if other < best_cost:
                 best, best_cost = state, other
         return chosen if cost <= best_cost + delta else best

@@ -248,9 +248,6 @@ class _Window:
         room = self.room()
         if room <= 0:
             return
-        if len(texts) == 1:  # the usual case: a message whose content is one string
-            self.add_bytes(tag, texts[0][:room].encode("utf-8"))
-            return
         chunks: list[str] = []
         chars = 0
         for text in texts:
