@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -345,13 +346,21 @@ _OWN_PARSERS = {
 }
 
 
+PROXY_API_KEY_ENV = "SALTGATE_API_KEY"  # where `saltgate proxy` reads its key by default
+
+
 def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "proxy",
         help="a loopback OpenAI-compatible proxy adding client-keyed caching (EHBP + secret)",
     )
     p.add_argument("--upstream", required=True, help="the gateway's URL (without /v1)")
-    p.add_argument("--api-key", required=True, help="the tenant API key to send upstream")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the tenant API key to send upstream (default: ${PROXY_API_KEY_ENV}, which "
+        "unlike an argument is not visible to other local users in the process list)",
+    )
     p.add_argument("--port", type=int, default=8788, help="loopback port to listen on")
     p.add_argument(
         "--pin",
@@ -366,7 +375,14 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _run_proxy(args: argparse.Namespace) -> int:
     from saltgate.client.proxy import ProxyConfig, serve_proxy
 
-    config = ProxyConfig(args.upstream, args.api_key, args.port, pin=tuple(args.pin))
+    api_key = args.api_key or os.environ.get(PROXY_API_KEY_ENV)
+    if not api_key:
+        print(
+            f"saltgate proxy: no API key: set {PROXY_API_KEY_ENV} (or pass --api-key)",
+            file=sys.stderr,
+        )
+        return 2
+    config = ProxyConfig(args.upstream, api_key, args.port, pin=tuple(args.pin))
     return serve_proxy(config)
 
 

@@ -109,7 +109,13 @@ def test_the_saltgate_proxy_command(tmp_path: Path) -> None:
     async def main() -> None:
         async with stack(tmp_path, replicas=1) as s:
             port = free_port()
-            env = {**os.environ, "HOME": str(tmp_path / "home"), ENV_VAR: SECRET}
+            # The key comes from the environment, so it is not in the process list.
+            env = {
+                **os.environ,
+                "HOME": str(tmp_path / "home"),
+                ENV_VAR: SECRET,
+                "SALTGATE_API_KEY": s.keys["alice"],
+            }
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -117,8 +123,6 @@ def test_the_saltgate_proxy_command(tmp_path: Path) -> None:
                 "proxy",
                 "--upstream",
                 s.url,
-                "--api-key",
-                s.keys["alice"],
                 "--port",
                 str(port),
                 stdout=subprocess.PIPE,
@@ -147,3 +151,17 @@ def test_the_saltgate_proxy_command(tmp_path: Path) -> None:
             assert b'"cache_salt"' in s.seen_bodies()[0]
 
     run(main)
+
+
+def test_the_proxy_command_asks_for_a_key_it_was_not_given() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SALTGATE_API_KEY"}
+    done = subprocess.run(
+        [sys.executable, "-m", "saltgate.cli", "proxy", "--upstream", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "set SALTGATE_API_KEY (or pass --api-key)" in done.stderr
