@@ -214,8 +214,9 @@ class Harness:
         endpoint, replay = self.upstream.bound_endpoint, self.upstream.bound_replay_endpoint
         assert endpoint is not None and replay is not None
         self.allowed = client_keys()
+        self.spec = KvUpstream(endpoint, replay)
         self.relay = KvRelay(
-            [KvUpstream(endpoint, replay)],
+            [self.spec],
             K_KV,
             KvRelaySettings(
                 "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", (self.allowed.public,), window
@@ -323,6 +324,40 @@ def test_a_late_relay_and_an_upstream_gap_are_filled_from_replay() -> None:
             assert relay.stats.missed_upstream == 0
     finally:
         upstream.close()
+
+
+def test_upstreams_change_while_the_relay_runs(harness: Harness) -> None:
+    """A replica added by a reload is followed (what it sent before is fetched too), one
+    removed is dropped, and the one that stays keeps its place in the stream."""
+    second = KvEventPublisher("tcp://127.0.0.1:*", "kv", replay_endpoint="tcp://127.0.0.1:*")
+    try:
+        endpoint, replay = second.bound_endpoint, second.bound_replay_endpoint
+        assert endpoint is not None and replay is not None
+        second_spec = KvUpstream(endpoint, replay)
+        harness.upstream.publish([STORED])
+        second.publish([CHILD])  # before the relay follows it
+        wait_for(lambda: harness.relay.stats.published == 1)
+        harness.relay.set_upstreams([harness.spec, second_spec])
+        wait_for(lambda: harness.relay.stats.published == 2)  # fetched from its replay
+        second.publish([REMOVED])
+        harness.upstream.publish([REMOVED])
+        wait_for(lambda: harness.relay.stats.published == 4)
+        harness.relay.set_upstreams([second_spec])
+        time.sleep(0.5)  # more than one poll interval: the change has been applied
+        harness.upstream.publish([STORED])  # no longer followed
+        second.publish([AllBlocksCleared()])
+        wait_for(lambda: harness.relay.stats.published == 5)
+        time.sleep(0.3)
+        assert harness.relay.stats.published == 5
+        assert set(harness.relay.replica_ids) == {endpoint}
+        with harness.consumer() as consumer:
+            got = receive_until(consumer, 5)
+        second_topic = opaque_replica_id(K_KV, endpoint)
+        topics = [g.replica_id for g in got]
+        assert topics.count(harness.topic) == 2 and topics.count(second_topic) == 3
+        assert isinstance(got[-1].batch.events[0], AllBlocksCleared)
+    finally:
+        second.close()
 
 
 def test_both_vllm_encodings_are_accepted_and_junk_is_dropped() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,8 @@ import pytest
 import zmq
 from tests.gateway.stack import MODEL, long_prompt, run, stack
 
-from saltgate.config import load_master_key
+from saltgate.config import load_config, load_master_key
+from saltgate.gateway.run import start_gateway
 from saltgate.kvevents.relay import (
     CurveKeyPair,
     KvRelay,
@@ -246,6 +248,66 @@ def test_the_relay_runs_inside_serve_and_on_its_own(tmp_path: Path, command: str
         finally:
             proc.terminate()
             assert await asyncio.wait_for(proc.wait(), 15) == 0
+            for sim in sims:
+                await sim.close()
+
+    run(main)
+
+
+def test_a_gateway_reload_changes_the_relays_upstreams(tmp_path: Path) -> None:
+    """SIGHUP's reload of [[replicas]] reaches the relay: a replica added there is
+    followed, one removed is dropped."""
+
+    async def main() -> None:
+        sims = [await start_sim(KV_SIM) for _ in range(2)]
+        ups = [upstream_of(sim) for sim in sims]
+        allowed = CurveKeyPair(*(k.decode() for k in zmq.curve_keypair()))
+        state = tmp_path / "state"
+        state.mkdir(mode=0o700)
+        (state / "master.key").write_text("ab" * 32 + "\n")
+        (state / "master.key").chmod(0o600)
+        (tmp_path / "clients.txt").write_text(allowed.public + "\n")
+
+        def config_with(indexes: tuple[int, ...]) -> Path:
+            replicas = "".join(
+                f'[[replicas]]\nurl = "{sims[i].url}"\nkv_events_endpoint = "{ups[i].endpoint}"\n'
+                f'kv_events_replay_endpoint = "{ups[i].replay}"\n\n'
+                for i in indexes
+            )
+            path = tmp_path / "gateway.toml"
+            path.write_text(
+                '[gateway]\nport = 0\nstate_dir = "state"\n\n'
+                + replicas
+                + '[kv_relay]\npublish_endpoint = "tcp://127.0.0.1:*"\n'
+                'replay_endpoint = "tcp://127.0.0.1:*"\nclient_keys_file = "clients.txt"\n'
+            )
+            return path
+
+        async def wait_for_relay(predicate: Callable[[], bool]) -> None:
+            for _ in range(100):
+                if predicate():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("the relay did not follow the reload in time")
+
+        running = await start_gateway(load_config(config_with((0,))))
+        try:
+            relay = running.kv_relay
+            assert relay is not None
+            assert set(relay.replica_ids) == {ups[0].endpoint}
+            running.reload(load_config(config_with((0, 1))))
+            await wait_for_relay(lambda: set(relay.replica_ids) == {u.endpoint for u in ups})
+            before = relay.stats.published
+            async with httpx.AsyncClient(base_url=sims[1].url, timeout=30) as client:
+                r = await client.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": prompt("n"), "max_tokens": 2}
+                )
+                assert r.status_code == 200, r.text
+            await wait_for_relay(lambda: relay.stats.published > before)  # the new one's events
+            running.reload(load_config(config_with((1,))))
+            await wait_for_relay(lambda: set(relay.replica_ids) == {ups[1].endpoint})
+        finally:
+            await running.close()
             for sim in sims:
                 await sim.close()
 

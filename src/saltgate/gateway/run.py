@@ -23,7 +23,7 @@ from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.gateway.server import Gateway
 from saltgate.http import HttpServer, Request, Response
-from saltgate.kvevents.relay import KvRelay
+from saltgate.kvevents.relay import KvRelay, KvUpstream
 from saltgate.routing import Router
 from saltgate.runtime import run_service, until_stopped
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
@@ -48,11 +48,13 @@ class RunningGateway:
         return f"http://{self.gateway.config.host}:{self.port}"
 
     def reload(self, config: GatewayConfig) -> None:
-        """Apply a new [[replicas]] list without a restart (SIGHUP); other settings wait
-        for the next start."""
+        """Apply a new [[replicas]] list without a restart (SIGHUP), to the router and to
+        the KV-event relay's upstreams; other settings wait for the next start."""
         gateway = self.gateway
         gateway.replicas.reload(config.replicas)
         gateway.config = dataclasses.replace(gateway.config, replicas=config.replicas)
+        if self.kv_relay is not None:
+            self.kv_relay.set_upstreams(kv_upstreams(config))
 
     async def close(self) -> None:
         await self.gateway.http.close()
@@ -65,16 +67,19 @@ class RunningGateway:
             await asyncio.to_thread(self.kv_relay.close)
 
 
+def kv_upstreams(config: GatewayConfig) -> list[KvUpstream]:
+    """The replicas' KV-event endpoints, for the relay."""
+    return [u for r in config.replicas if (u := r.kv_upstream) is not None]
+
+
 def start_kv_relay(config: GatewayConfig, k_kv: bytes) -> KvRelay | None:
     """The KV-event relay of [kv_relay], started, or None when the section is absent.
 
-    Its upstreams are the replicas' event endpoints as configured at start (a SIGHUP
-    reload of [[replicas]] does not change them).
+    Its upstreams follow the replicas' event endpoints, at start and on each reload.
     """
     if config.kv_relay is None:
         return None
-    upstreams = [u for r in config.replicas if (u := r.kv_upstream) is not None]
-    relay = KvRelay(upstreams, k_kv, config.kv_relay)
+    relay = KvRelay(kv_upstreams(config), k_kv, config.kv_relay)
     relay.start()
     return relay
 

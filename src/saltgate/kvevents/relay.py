@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import queue
 import re
 import threading
 import time
@@ -344,7 +345,8 @@ class KvRelay:
     """Subscribes to replicas, republishes sanitised events; one thread owns every socket.
 
     ``start()`` binds and connects on the caller's thread (so a busy port raises there),
-    then hands the sockets to the relay thread. ``close()`` stops it.
+    then hands the sockets to the relay thread. ``set_upstreams`` changes the replicas it
+    follows while it runs (the gateway's SIGHUP reload). ``close()`` stops it.
     """
 
     def __init__(
@@ -368,6 +370,7 @@ class KvRelay:
         self._router: zmq.Socket[bytes] | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
+        self._new_specs: queue.SimpleQueue[tuple[KvUpstream, ...]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def wait_ready(self, timeout_s: float) -> bool:
@@ -432,19 +435,72 @@ class KvRelay:
         self._router = self._curve_server(zmq.ROUTER)
         self._router.setsockopt(zmq.SNDHWM, self.settings.replay_window + 2)
         self._router.bind(self.settings.replay_endpoint)
-        for spec, topic in zip(self._specs, self.replica_ids.values(), strict=True):
-            sub = self._upstream_ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, self.settings.hwm)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            upstream = _Upstream(spec, topic.encode("ascii"), sub)
-            self._upstreams.append(upstream)
+        for spec in self._specs:
+            self._upstreams.append(self._open_upstream(spec))
+
+    def _open_upstream(self, spec: KvUpstream) -> _Upstream:
+        topic = opaque_replica_id(self._k_kv, spec.name or spec.endpoint)
+        sub = self._upstream_ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.settings.hwm)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        upstream = _Upstream(spec, topic.encode("ascii"), sub)
+        try:
             if spec.bind:
                 sub.bind(spec.endpoint)
             else:
                 sub.connect(spec.endpoint)
             if spec.replay_endpoint is not None:
                 self._open_replay(upstream)
+        except BaseException:
+            self._close_upstream(upstream)
+            raise
+        return upstream
+
+    @staticmethod
+    def _close_upstream(upstream: _Upstream) -> None:
+        upstream.sub.close(linger=0)
+        if upstream.replay is not None:
+            upstream.replay.close(linger=0)
+
+    def set_upstreams(self, upstreams: Sequence[KvUpstream]) -> None:
+        """Follow these replicas from now on: new ones are subscribed (and asked for what
+        they already sent), removed ones dropped, the others keep their place in the
+        stream. Thread-safe; the relay thread applies it within one poll interval."""
+        specs = tuple(upstreams)
+        if self._thread is None:
+            self._specs = specs
+        else:
+            self._new_specs.put(specs)
+
+    def _apply_new_specs(self, poller: zmq.Poller) -> None:
+        """On the relay thread: switch to the newest list handed to `set_upstreams`."""
+        specs: tuple[KvUpstream, ...] | None = None
+        while not self._new_specs.empty():
+            specs = self._new_specs.get_nowait()
+        if specs is None:
+            return
+        kept: list[_Upstream] = []
+        for upstream in self._upstreams:
+            if upstream.spec in specs:
+                kept.append(upstream)
+            else:
+                poller.unregister(upstream.sub)
+                self._close_upstream(upstream)
+        have = {u.spec for u in kept}
+        for spec in specs:
+            if spec in have:
+                continue
+            try:
+                upstream = self._open_upstream(spec)
+            except zmq.ZMQError as exc:
+                log.warning("kv relay: cannot follow a new upstream (%s); skipped", exc.strerror)
+                continue
+            poller.register(upstream.sub, zmq.POLLIN)
+            kept.append(upstream)
+            self._fill(upstream)
+        self._upstreams = kept
+        self._specs = tuple(u.spec for u in kept)
 
     def _open_replay(self, upstream: _Upstream) -> None:
         assert upstream.spec.replay_endpoint is not None
@@ -468,6 +524,7 @@ class KvRelay:
         self._ready.set()
         while not self._stop.is_set():
             try:
+                self._apply_new_specs(poller)
                 ready = dict(poller.poll(_POLL_MS))
                 for upstream in self._upstreams:
                     if upstream.sub in ready:
@@ -567,9 +624,7 @@ class KvRelay:
 
     def _close_sockets(self) -> None:
         for upstream in self._upstreams:
-            upstream.sub.close(linger=0)
-            if upstream.replay is not None:
-                upstream.replay.close(linger=0)
+            self._close_upstream(upstream)
         self._upstreams.clear()
         for sock in (self._pub, self._router):
             if sock is not None:
