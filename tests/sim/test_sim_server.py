@@ -321,8 +321,12 @@ def test_queue_waits_at_the_concurrency_limit() -> None:
             tasks = [
                 asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(3)
             ]
-            await asyncio.sleep(0.05)
             engine = running.server.engine
+            # Wait for all three to arrive (a fixed 50 ms sleep flaked on a busy machine).
+            for _ in range(200):
+                if engine.num_running + engine.num_waiting == 3:
+                    break
+                await asyncio.sleep(0.005)
             assert (engine.num_running, engine.num_waiting) == (1, 2)
             start = time.perf_counter()
             await asyncio.gather(*tasks)
