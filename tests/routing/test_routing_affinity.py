@@ -13,9 +13,8 @@ from saltgate.routing.router import Plan, Router, RouterConfig
 from saltgate.spec.derive import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
+    NamespaceKeys,
     Prompt,
-    flat_prompt,
-    prefix_digests_of,
 )
 
 KEY = b"k" * 32
@@ -26,7 +25,7 @@ def prefix_digests(
     body: Mapping[str, Any], route: str, *, salt: str = "salt", key: bytes = KEY
 ) -> list[bytes]:
     """The router's digests of a prompt: shallow first depth (256) so short turns get some."""
-    return prefix_digests_of(flat_prompt(body, route), key, "m", salt, 256)
+    return NamespaceKeys(key, "m", salt).prefix_digests(Prompt(body, route).flat(), 256)
 
 
 def turns(n: int) -> list[dict[str, object]]:

@@ -3,7 +3,7 @@
 The window key (spec v1) ranks replicas the same way on every gateway, but it cannot
 follow a conversation that started short (no key, least-loaded) or a key whose traffic
 was spread. This table maps the keyed prefix digests of each routed request
-(spec.derive.prefix_digests_of) to the replica it went to; a later request that shares a
+(spec.derive.NamespaceKeys.prefix_digests) to the replica it went to; a later request that shares a
 deep prefix goes back there while that replica is within the load cap. Bounded memory
 (least recently used entries go first) and a time-to-live, since replicas evict too.
 """

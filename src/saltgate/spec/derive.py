@@ -468,11 +468,6 @@ def route_window(
     return Prompt(body, route).window(window_bytes, min_prompt_bytes)
 
 
-def flat_prompt(body: Mapping[str, Any], route: str, max_depth: int = MAX_PREFIX_DEPTH) -> bytes:
-    """`Prompt.flat` of a request body."""
-    return Prompt(body, route).flat(max_depth)
-
-
 def route_key(k_route: bytes, model: str, salt: str, window: bytes) -> bytes:
     """HMAC-SHA256(K_route, domain || lp(model) || lp(salt) || lp(window)): 32 bytes.
 
@@ -481,30 +476,7 @@ def route_key(k_route: bytes, model: str, salt: str, window: bytes) -> bytes:
     return NamespaceKeys(k_route, model, salt).route_key(window)
 
 
-# -- prefix digests (router-local affinity, docs/routing.md) ------------------------------
-
-
-def prefix_digests_of(
-    flat: bytes, k_route: bytes, model: str, salt: str, first_depth: int = DEFAULT_WINDOW_BYTES
-) -> list[bytes]:
-    """Keyed digests of ``flat[:d]`` for d = first_depth, 2x, 4x, ... <= len(flat), shallow first.
-
-    ``flat`` comes from `flat_prompt`. A later turn of a conversation extends the earlier
-    prompt, so they share the digests up to the earlier prompt's length (within a factor
-    2): the router remembers which replica served a digest and sends the next turn there.
-    Tenants never share a digest, and nothing outside the gateway can compute one. Local
-    to a gateway: not part of what gateways must agree on (the window key is).
-
-    SHA-256 over PREFIX_DOMAIN || lp(k_route) || lp(model) || lp(salt) || flat[:d], in one
-    pass finished on a copy at each depth. Keyed by prefixing the route sub-key: a digest
-    is only ever a key of the router's in-memory table, never shown to anyone, so the
-    length extension that HMAC guards against gives nothing away, and HMAC would double
-    the cost (its finish on a copy runs two hashes per depth).
-    """
-    return NamespaceKeys(k_route, model, salt).prefix_digests(flat, first_depth)
-
-
-# -- keyed states per namespace ---------------------------------------------------------
+# -- keyed states per namespace: route key and prefix digests (docs/routing.md) --------
 
 
 class NamespaceKeys:
@@ -529,7 +501,21 @@ class NamespaceKeys:
         return mac.digest()
 
     def prefix_digests(self, flat: bytes, first_depth: int = DEFAULT_WINDOW_BYTES) -> list[bytes]:
-        """`prefix_digests_of` ``flat`` in this namespace."""
+        """Keyed digests of ``flat[:d]`` for d = first_depth, 2x, 4x, ... <= len(flat),
+        shallow first; ``flat`` is `Prompt.flat`.
+
+        A later turn of a conversation extends the earlier prompt, so they share the
+        digests up to the earlier prompt's length (within a factor 2): the router
+        remembers which replica served a digest and sends the next turn there. Tenants
+        never share a digest, and nothing outside the gateway can compute one. Local to a
+        gateway: not part of what gateways must agree on (the window key is).
+
+        SHA-256 over PREFIX_DOMAIN || lp(k_route) || lp(model) || lp(salt) || flat[:d], in
+        one pass finished on a copy at each depth. Keyed by prefixing the route sub-key: a
+        digest is only ever a key of the router's in-memory table, never shown to anyone,
+        so the length extension that HMAC guards against gives nothing away, and HMAC
+        would double the cost (its finish on a copy runs two hashes per depth).
+        """
         if first_depth <= 0:
             raise ValueError("first_depth must be positive")
         running = self._prefix.copy()
