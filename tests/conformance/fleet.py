@@ -20,14 +20,16 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from saltgate.config import create_master_key, load_master_key
+from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
+from saltgate.gateway.run import start_gateway
 from saltgate.spec.derive import SubKeys, derive_subkeys
 from saltgate.store.tenants import TenantStore
 
@@ -203,3 +205,25 @@ def tenancy(tmp_path_factory: pytest.TempPathFactory) -> Tenancy:
             keys[name] = store.create_key(name)[1]
     subkeys = derive_subkeys(load_master_key(state / "master.key"))
     return Tenancy(state, keys, ids, subkeys)
+
+
+@asynccontextmanager
+async def gateway(
+    fleet: Fleet, tenancy: Tenancy, *, replicas: tuple[int, ...] = (0, 1), salting: bool = True
+) -> AsyncIterator[str]:
+    """saltgate in front of the chosen replicas, for the tenancy; yields its URL."""
+    config = GatewayConfig(
+        replicas=tuple(
+            ReplicaConfig(fleet.replicas[i].url, api_key=fleet.api_key) for i in replicas
+        ),
+        state_dir=tenancy.state_dir,
+        master_key_file=tenancy.state_dir / "master.key",
+        port=0,
+        admin_port=None,
+        salting=salting,
+    )
+    running = await start_gateway(config)
+    try:
+        yield running.url
+    finally:
+        await running.close()

@@ -10,19 +10,22 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
 import zmq
-from tests.conformance.fleet import BLOCK_SIZE, MODEL_NAME, Fleet, Tenancy, VllmReplica
+from tests.conformance.fleet import (
+    BLOCK_SIZE,
+    MODEL_NAME,
+    Fleet,
+    Tenancy,
+    VllmReplica,
+    gateway,
+)
 from tests.gateway.stack import long_prompt
-from tests.kvevents.test_relay_stack import assert_nothing_leaks, collect, raw_stream
+from tests.support.kv_relay import assert_nothing_leaks, collect, raw_stream
 
-from saltgate.config import GatewayConfig, ReplicaConfig
-from saltgate.gateway.run import start_gateway
 from saltgate.kvevents.relay import CurveKeyPair, KvRelay, KvRelaySettings, KvUpstream
 from saltgate.kvevents.wire import BlockStored, KVEvent, decode_batch
 from saltgate.policy.request import ALLOWED_POST_ROUTES
@@ -42,27 +45,6 @@ def text(tag: str, words: int = 80) -> str:
 
 def derived_salt(tenancy: Tenancy, tenant: str) -> str:
     return cache_salt(tenancy.subkeys.salt, tenancy.tenant_ids[tenant], "0", None)
-
-
-@asynccontextmanager
-async def gateway(
-    fleet: Fleet, tenancy: Tenancy, *, replicas: tuple[int, ...] = (0, 1), salting: bool = True
-) -> AsyncIterator[str]:
-    config = GatewayConfig(
-        replicas=tuple(
-            ReplicaConfig(fleet.replicas[i].url, api_key=fleet.api_key) for i in replicas
-        ),
-        state_dir=tenancy.state_dir,
-        master_key_file=tenancy.state_dir / "master.key",
-        port=0,
-        admin_port=None,
-        salting=salting,
-    )
-    running = await start_gateway(config)
-    try:
-        yield running.url
-    finally:
-        await running.close()
 
 
 def as_tenant(url: str, tenancy: Tenancy, tenant: str) -> httpx.AsyncClient:

@@ -6,8 +6,7 @@ import asyncio
 import json
 
 import pytest
-from tests.conformance.fleet import MODEL_NAME, Fleet, Tenancy
-from tests.conformance.test_vllm import gateway
+from tests.conformance.fleet import MODEL_NAME, Fleet, Tenancy, gateway
 
 from saltgate.audit.plan import Identity, TimingAuditConfig
 from saltgate.audit.stats import Verdict

@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
 import pytest
-from tests.gateway.stack import MODEL, Stack, long_prompt, run, stack
+from tests.gateway.stack import MODEL, Stack, cached, complete, long_prompt, run, stack
+from tests.support.waiting import eventually
 
 from saltgate.config import load_master_key
 from saltgate.spec.derive import cache_salt, derive_subkeys
 from saltgate.store.tenants import TenantStore
-
-
-async def complete(client: httpx.AsyncClient, prompt: str, **extra: Any) -> dict[str, Any]:
-    resp = await client.post(
-        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
-    )
-    assert resp.status_code == 200, resp.text
-    doc: dict[str, Any] = resp.json()
-    return doc
-
-
-def cached(doc: dict[str, Any]) -> int:
-    return int(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
 def ledger_rows(s: Stack) -> list[sqlite3.Row]:
@@ -66,17 +52,24 @@ def test_key_rotation_keeps_the_cache_and_salt_rotation_moves_it(tmp_path: Path)
                 old_id = store.list_keys("alice")[0].id
                 new_key = store.create_key("alice")[1]
                 store.revoke_key(old_id)
-            await asyncio.sleep(0.6)  # the gateway notices store changes within 0.5 s
             async with s.client("alice") as old:
-                resp = await old.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-                assert resp.status_code == 401
+
+                async def refused() -> bool:
+                    resp = await old.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+                    assert resp.status_code in (200, 401), resp.text
+                    return resp.status_code == 401
+
+                await eventually(refused, what="the revoked key is refused")
             s.keys["alice"] = new_key
             async with s.client("alice") as alice:
                 assert cached(await complete(alice, prompt)) > 0
                 with TenantStore.from_state_dir(s.state_dir) as store:
                     store.rotate_salt("alice")
-                await asyncio.sleep(0.6)
-                assert cached(await complete(alice, prompt)) == 0
+
+                async def cold() -> bool:  # a cache hit means the old namespace, still
+                    return cached(await complete(alice, prompt)) == 0
+
+                await eventually(cold, what="the new epoch's namespace is used")
 
     run(main)
 
@@ -260,17 +253,9 @@ def test_client_leaving_mid_stream_cancels_upstream_and_is_metered(tmp_path: Pat
                     if line.startswith("data: {"):
                         break
             engine = s.sims[0].server.engine
-            for _ in range(100):
-                if engine.num_running == 0:
-                    break
-                await asyncio.sleep(0.02)
-            assert engine.num_running == 0
-            for _ in range(100):
-                rows = ledger_rows(s)
-                if rows:
-                    break
-                await asyncio.sleep(0.02)
-            assert [r["status"] for r in rows] == [499]
+            await eventually(lambda: engine.num_running == 0, what="the replica stopped")
+            await eventually(lambda: bool(ledger_rows(s)), what="the usage is recorded")
+            assert [r["status"] for r in ledger_rows(s)] == [499]
 
     run(main)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 from tests.gateway.stack import new_state_dir
+from tests.support.waiting import eventually
 
 
 def _spawn(args: list[str], banner: str) -> tuple[subprocess.Popen[str], str]:
@@ -71,7 +72,7 @@ def test_sigkill_under_load_loses_no_delivered_record(tmp_path: Path) -> None:
             base_url=url, headers=headers, timeout=5, limits=limits
         ) as http:
             tasks = [asyncio.create_task(client(http)) for _ in range(32)]
-            await asyncio.sleep(2.0)
+            await eventually(lambda: acknowledged > 20, timeout_s=60, what="the load runs")
             os.kill(gateway.pid, signal.SIGKILL)  # mid-flight: requests are in every stage
             await asyncio.wait_for(asyncio.gather(*tasks), 20)
 

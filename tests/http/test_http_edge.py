@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from tests.support.waiting import eventually
 
 from saltgate.http import HttpServer, Request, Response, UpstreamError, UpstreamPool
 
@@ -146,7 +147,7 @@ def test_client_going_away_cancels_the_handler() -> None:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await eventually(lambda: any(c.busy for c in server.connections))
         writer.close()
         await asyncio.wait_for(cancelled.wait(), 5)
         await server.close()
@@ -173,7 +174,7 @@ def test_stale_pooled_connection_is_replaced_transparently() -> None:
         port = await server.start("127.0.0.1", 0)
         pool = UpstreamPool("127.0.0.1", port)
         await (await pool.request(b"GET", b"/a", [])).read()
-        await asyncio.sleep(0.2)  # the server closes the idle connection
+        await eventually(lambda: not server.connections)  # the server closed the idle one
         resp = await pool.request(b"GET", b"/b", [])
         assert await resp.read() == b"GET /b "
         await pool.close()
@@ -209,8 +210,7 @@ def test_upstream_timeouts_fail_clearly_and_close_the_connection() -> None:
         with pytest.raises(UpstreamError, match="read timed out") as info:
             await anext(chunks)
         assert not info.value.before_response
-        await asyncio.sleep(0.01)
-        assert pool.open_connections == 0  # timed-out exchanges are never reused
+        await eventually(lambda: pool.open_connections == 0)  # timed out: never reused
         await pool.close()
         await server.close()
 
@@ -228,8 +228,7 @@ def test_idle_connections_are_closed_but_busy_ones_are_not() -> None:
         pool = UpstreamPool("127.0.0.1", port)
         assert await (await pool.request(b"GET", b"/", [])).read() == b"done"
         assert pool.open_connections == 1
-        await asyncio.sleep(0.3)
-        assert pool.open_connections == 0  # closed once idle
+        await eventually(lambda: pool.open_connections == 0)  # closed once idle
         await pool.close()
         await server.close()
 
@@ -247,7 +246,7 @@ def test_close_lets_responses_in_progress_finish_within_the_grace(grace: float) 
         port = await server.start("127.0.0.1", 0)
         pool = UpstreamPool("127.0.0.1", port)
         pending = asyncio.create_task(pool.request(b"GET", b"/", []))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: any(c.busy for c in server.connections))
         await asyncio.wait_for(server.close(grace=grace), 5)
         if grace:
             assert await (await pending).read() == b"finished"

@@ -7,12 +7,14 @@ simulator and the gateway feed it in test_relay_stack.py, real vLLM in tests/con
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
+from tests.support.kv_relay import receive_until
+from tests.support.waiting import eventually_blocking
 
 from saltgate.config import ConfigError, parse_config
 from saltgate.kvevents.publisher import KvEventPublisher
@@ -21,7 +23,6 @@ from saltgate.kvevents.relay import (
     KvRelay,
     KvRelaySettings,
     KvUpstream,
-    RelayedBatch,
     RelaySubscriber,
     ReplayWindow,
     SeqCursor,
@@ -73,25 +74,6 @@ REMOVED = BlockRemoved(block_hashes=(0x5555_6666_7777_8888,), group_idx=0)
 def client_keys() -> CurveKeyPair:
     public, secret = zmq.curve_keypair()
     return CurveKeyPair(public.decode(), secret.decode())
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
-
-
-def receive_until(
-    consumer: RelaySubscriber, count: int, timeout_s: float = 10.0
-) -> list[RelayedBatch]:
-    """Catch up, then read live messages until ``count`` have arrived."""
-    got = consumer.catch_up()
-    deadline = time.monotonic() + timeout_s
-    while len(got) < count and time.monotonic() < deadline:
-        got.extend(consumer.receive(0.2))
-    return got
 
 
 # ---------------------------------------------------------------------------- pure
@@ -249,7 +231,7 @@ def harness() -> Iterator[Harness]:
 
 def test_relay_republishes_sanitised_events_to_an_allowed_consumer(harness: Harness) -> None:
     seqs = [harness.upstream.publish([STORED]), harness.upstream.publish([CHILD, REMOVED])]
-    wait_for(lambda: harness.relay.stats.published == 2)
+    eventually_blocking(lambda: harness.relay.stats.published == 2)
     with harness.consumer() as consumer:
         got = receive_until(consumer, 2)
     assert [g.seq for g in got] == [0, 1] and seqs == [0, 1]
@@ -258,29 +240,57 @@ def test_relay_republishes_sanitised_events_to_an_allowed_consumer(harness: Harn
     assert got[1].batch.events == tuple(sanitize_event(K_KV, e) for e in (CHILD, REMOVED))
 
 
+REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+def watched_client(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    kind: int,
+    endpoint: str,
+    curve: tuple[str, CurveKeyPair] | None,
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """A client socket (plain, or CURVE with (server key, own keys)) and a monitor that
+    reports a refused handshake; attached before connecting, so no refusal is missed."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        server_key, keys = curve
+        sock.curve_serverkey = server_key.encode()
+        sock.curve_publickey = keys.public.encode()
+        sock.curve_secretkey = keys.secret.encode()
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sock.get_monitor_socket(REFUSED)
+    sock.connect(endpoint)
+    if kind == zmq.DEALER:
+        sock.send_multipart([b"", replay_request(0)], zmq.NOBLOCK)
+    return sock, monitor
+
+
 def test_unauthenticated_subscribers_get_nothing(harness: Harness) -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    relay = harness.relay
     try:
-        plain_sub = ctx.socket(zmq.SUB)
-        plain_sub.setsockopt(zmq.SUBSCRIBE, b"")
-        plain_sub.connect(harness.relay.publish_endpoint)
-        plain_replay = ctx.socket(zmq.DEALER)
-        plain_replay.connect(harness.relay.replay_endpoint)
-        plain_replay.send_multipart([b"", replay_request(0)], zmq.NOBLOCK)
-        stranger = harness.consumer(client_keys())  # CURVE, but not on the allow-list
+        strangers = [
+            watched_client(ctx, kind, endpoint, curve)
+            # plain TCP, and CURVE with a key that is not on the allow-list
+            for curve in (None, (relay.server_keys.public, client_keys()))
+            for kind, endpoint in (
+                (zmq.SUB, relay.publish_endpoint),
+                (zmq.DEALER, relay.replay_endpoint),
+            )
+        ]
+        for _, monitor in strangers:  # refused, not merely not connected yet
+            assert monitor.poll(10_000), "the relay did not refuse a stranger's handshake"
         allowed = harness.consumer()
         allowed.catch_up()
-        time.sleep(0.3)  # let every handshake finish (or fail)
         for _ in range(5):
             harness.upstream.publish([STORED])
-        wait_for(lambda: harness.relay.stats.published == 5)
+        eventually_blocking(lambda: relay.stats.published == 5)
         got = receive_until(allowed, 5)
         assert len(got) == 5  # the same relay does deliver to an allowed key
-        assert stranger.catch_up(timeout_s=0.5) == []
-        assert stranger.receive(0.5) == []
-        assert not plain_sub.poll(300)
-        assert not plain_replay.poll(300)
-        stranger.close()
+        for sock, _ in strangers:
+            assert not sock.poll(300)
         allowed.close()
     finally:
         ctx.destroy(linger=0)
@@ -295,7 +305,7 @@ def test_a_consumer_that_reconnects_misses_nothing(harness: Harness) -> None:
     first.close()
     for _ in range(4):  # published while nobody listens
         harness.upstream.publish([REMOVED])
-    wait_for(lambda: harness.relay.stats.published == 7)
+    eventually_blocking(lambda: harness.relay.stats.published == 7)
     with harness.consumer(start_seq=got[-1].seq + 1) as second:
         rest = receive_until(second, 4)
         harness.upstream.publish([AllBlocksCleared()])
@@ -316,11 +326,11 @@ def test_a_late_relay_and_an_upstream_gap_are_filled_from_replay() -> None:
         settings = KvRelaySettings("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", (allowed.public,))
         with KvRelay([KvUpstream(endpoint, replay)], K_KV, settings) as relay:
             assert relay.wait_ready(10)
-            wait_for(lambda: relay.stats.published == 3)
+            eventually_blocking(lambda: relay.stats.published == 3)
             assert relay.stats.replayed_upstream == 3
             for _ in range(2):
                 upstream.publish([REMOVED])
-            wait_for(lambda: relay.stats.published == 5)
+            eventually_blocking(lambda: relay.stats.published == 5)
             assert relay.stats.missed_upstream == 0
     finally:
         upstream.close()
@@ -336,20 +346,18 @@ def test_upstreams_change_while_the_relay_runs(harness: Harness) -> None:
         second_spec = KvUpstream(endpoint, replay)
         harness.upstream.publish([STORED])
         second.publish([CHILD])  # before the relay follows it
-        wait_for(lambda: harness.relay.stats.published == 1)
+        eventually_blocking(lambda: harness.relay.stats.published == 1)
         harness.relay.set_upstreams([harness.spec, second_spec])
-        wait_for(lambda: harness.relay.stats.published == 2)  # fetched from its replay
+        eventually_blocking(lambda: harness.relay.stats.published == 2)  # fetched from its replay
         second.publish([REMOVED])
         harness.upstream.publish([REMOVED])
-        wait_for(lambda: harness.relay.stats.published == 4)
+        eventually_blocking(lambda: harness.relay.stats.published == 4)
         harness.relay.set_upstreams([second_spec])
-        time.sleep(0.5)  # more than one poll interval: the change has been applied
+        # Applied (the dropped replica's socket closed) once the relay names only the other.
+        eventually_blocking(lambda: set(harness.relay.replica_ids) == {endpoint})
         harness.upstream.publish([STORED])  # no longer followed
         second.publish([AllBlocksCleared()])
-        wait_for(lambda: harness.relay.stats.published == 5)
-        time.sleep(0.3)
-        assert harness.relay.stats.published == 5
-        assert set(harness.relay.replica_ids) == {endpoint}
+        eventually_blocking(lambda: harness.relay.stats.published == 5)
         with harness.consumer() as consumer:
             got = receive_until(consumer, 5)
         second_topic = opaque_replica_id(K_KV, endpoint)
@@ -376,14 +384,17 @@ def test_both_vllm_encodings_are_accepted_and_junk_is_dropped() -> None:
                 seq += 1
                 time.sleep(0.05)
                 assert seq < 200, "relay never joined"
-            time.sleep(0.2)  # probes still in flight land
+            # Every probe has landed: those sent before the SUB joined count as missed.
+            eventually_blocking(lambda: relay.stats.published + relay.stats.missed_upstream == seq)
             before = relay.stats.published
             pub.send_multipart(make_frames("kv", seq, encode_batch(EventBatch(1.0, (STORED,)))))
             old = EventBatch(2.0, (STORED, REMOVED))
             pub.send_multipart(make_frames("kv", seq + 1, encode_batch(old, form="array")))
             pub.send_multipart(make_frames("kv", seq + 2, b"\xc1 not msgpack"))
             pub.send_multipart([b"kv", b"short"])
-            wait_for(lambda: relay.stats.malformed == 2 and relay.stats.published == before + 2)
+            eventually_blocking(
+                lambda: relay.stats.malformed == 2 and relay.stats.published == before + 2
+            )
             with RelaySubscriber(
                 relay.publish_endpoint, relay.replay_endpoint, relay.server_keys.public, allowed
             ) as consumer:
@@ -399,7 +410,7 @@ def test_both_vllm_encodings_are_accepted_and_junk_is_dropped() -> None:
 def test_raw_upstream_frames_carry_what_the_relay_removes(harness: Harness) -> None:
     """Positive control at the byte level: the upstream replay holds salt, tokens, hashes."""
     harness.upstream.publish([STORED])
-    wait_for(lambda: harness.relay.stats.published == 1)
+    eventually_blocking(lambda: harness.relay.stats.published == 1)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         dealer = ctx.socket(zmq.DEALER)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import httpx
 import pytest
 import zmq
 from tests.gateway.stack import MODEL, long_prompt, run, stack
+from tests.support.kv_relay import assert_nothing_leaks, collect, raw_stream
+from tests.support.waiting import eventually
 
 from saltgate.config import load_config, load_master_key
 from saltgate.gateway.run import start_gateway
@@ -26,17 +27,6 @@ from saltgate.kvevents.relay import (
     KvRelay,
     KvRelaySettings,
     KvUpstream,
-    RelayedBatch,
-    RelaySubscriber,
-    keyed_block_hash,
-)
-from saltgate.kvevents.wire import (
-    BlockRemoved,
-    BlockStored,
-    decode_batch,
-    encode_batch,
-    parse_replay_frames,
-    replay_request,
 )
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.spec.derive import derive_subkeys
@@ -72,74 +62,6 @@ def upstream_of(sim: RunningSim) -> Upstream:
     endpoint, replay = sim.publisher.bound_endpoint, sim.publisher.bound_replay_endpoint
     assert endpoint is not None and replay is not None
     return Upstream(endpoint, replay)
-
-
-def raw_stream(replay_endpoint: str, start_seq: int = 0) -> list[tuple[int, bytes]]:
-    """(seq, payload) a replica published from ``start_seq`` on, from its replay socket."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(replay_endpoint)
-        dealer.send_multipart([b"", replay_request(start_seq)])
-        replies: list[tuple[int, bytes]] = []
-        while dealer.poll(5000):
-            reply = parse_replay_frames(dealer.recv_multipart())
-            if reply is None:
-                return replies
-            replies.append(reply[1:])
-        raise AssertionError("the replica's replay socket did not finish answering")
-    finally:
-        ctx.destroy(linger=0)
-
-
-def collect(
-    publish: str, replay: str, server_key: str, keys: CurveKeyPair, count: int
-) -> list[RelayedBatch]:
-    with RelaySubscriber(publish, replay, server_key, keys) as consumer:
-        got = consumer.catch_up()
-        for _ in range(50):
-            if len(got) >= count:
-                break
-            got.extend(consumer.receive(0.1))
-            got.extend(consumer.catch_up())
-    return got
-
-
-def assert_nothing_leaks(
-    raw: list[bytes], relayed: list[RelayedBatch], k_kv: bytes, *, evictions: bool = True
-) -> None:
-    """The positive control (raw holds salts, tokens, hashes) and the property itself."""
-    raw_events = [e for payload in raw for e in decode_batch(payload).events]
-    stored = [e for e in raw_events if isinstance(e, BlockStored)]
-    salts = set(re.findall(rb"sg1_[A-Za-z0-9_-]+", b"".join(raw)))
-    raw_hashes = {h for e in raw_events for h in _hashes(e)}
-    assert salts, "positive control: the raw stream carries the salts"
-    assert any(e.token_ids for e in stored), "positive control: the raw stream has token ids"
-    if evictions:
-        assert any(isinstance(e, BlockRemoved) for e in raw_events), "evictions were expected"
-    assert len(relayed) == len(raw)
-
-    out_hashes = {h for r in relayed for e in r.batch.events for h in _hashes(e)}
-    for event in (e for r in relayed for e in r.batch.events):
-        if isinstance(event, BlockStored):
-            assert event.token_ids == () and event.extra_keys is None
-            assert event.lora_name is None and event.lora_id is None
-    assert not out_hashes & raw_hashes
-    assert out_hashes == {keyed_block_hash(k_kv, h) for h in raw_hashes}
-    published = b"".join(encode_batch(r.batch) for r in relayed)  # what went on the wire
-    assert not [salt for salt in salts if salt in published]
-    assert b"sg1_" not in published
-
-
-def _hashes(event: object) -> list[int]:
-    out: list[int] = []
-    if isinstance(event, BlockStored):
-        out.extend(event.block_hashes)
-        if event.parent_block_hash is not None:
-            out.append(event.parent_block_hash)
-    elif isinstance(event, BlockRemoved):
-        out.extend(event.block_hashes)
-    return out
 
 
 def test_relay_in_front_of_simulated_replicas_leaks_nothing(tmp_path: Path) -> None:
@@ -283,29 +205,22 @@ def test_a_gateway_reload_changes_the_relays_upstreams(tmp_path: Path) -> None:
             )
             return path
 
-        async def wait_for_relay(predicate: Callable[[], bool]) -> None:
-            for _ in range(100):
-                if predicate():
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError("the relay did not follow the reload in time")
-
         running = await start_gateway(load_config(config_with((0,))))
         try:
             relay = running.kv_relay
             assert relay is not None
             assert set(relay.replica_ids) == {ups[0].endpoint}
             running.reload(load_config(config_with((0, 1))))
-            await wait_for_relay(lambda: set(relay.replica_ids) == {u.endpoint for u in ups})
+            await eventually(lambda: set(relay.replica_ids) == {u.endpoint for u in ups})
             before = relay.stats.published
             async with httpx.AsyncClient(base_url=sims[1].url, timeout=30) as client:
                 r = await client.post(
                     "/v1/completions", json={"model": MODEL, "prompt": prompt("n"), "max_tokens": 2}
                 )
                 assert r.status_code == 200, r.text
-            await wait_for_relay(lambda: relay.stats.published > before)  # the new one's events
+            await eventually(lambda: relay.stats.published > before)  # the new one's events
             running.reload(load_config(config_with((1,))))
-            await wait_for_relay(lambda: set(relay.replica_ids) == {ups[1].endpoint})
+            await eventually(lambda: set(relay.replica_ids) == {ups[1].endpoint})
         finally:
             await running.close()
             for sim in sims:

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from tests.gateway.stack import MODEL, Stack, Tap, long_prompt, run, stack
-from tests.gateway.test_gateway import cached, complete
+from tests.gateway.stack import MODEL, Stack, Tap, cached, complete, long_prompt, run, stack
+from tests.support.waiting import eventually
 
 from saltgate.config import ReplicaConfig
 from saltgate.gateway.run import start_gateway
@@ -40,21 +40,13 @@ def prompt(seed: str) -> str:
     return long_prompt(seed, words=800)  # over the 4096-byte floor: it gets a route key
 
 
-async def until(condition: Any, timeout: float = 3.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if condition():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached in time")
-
-
 async def kill(tap: Tap) -> None:
     """Stop a replica's front: no new connections, and kept-alive ones closed once idle
     (HttpServer.close leaves a connection that is mid-request, e.g. a probe, open)."""
     server = tap.server
     assert server is not None
     await server.close()
-    await until(lambda: _shut(server))
+    await eventually(lambda: _shut(server), what="the front is shut")
 
 
 def _shut(server: HttpServer) -> bool:
@@ -149,7 +141,7 @@ def test_a_killed_replica_is_skipped_before_the_first_byte_and_rejoins_after_its
                 assert resp.status_code == 200
                 lines = [line async for line in resp.aiter_lines() if line.startswith("data:")]
             assert lines[-1] == "data: [DONE]"
-            await until(lambda: not available(s, victim))
+            await eventually(lambda: not available(s, victim), what="the victim is out")
             for text, home in zip(texts, homes, strict=True):
                 now, hits = await send(s, alice, text)
                 if home != victim:
@@ -158,7 +150,7 @@ def test_a_killed_replica_is_skipped_before_the_first_byte_and_rejoins_after_its
                     assert now != victim
             assert tap.server is not None
             await tap.server.start("127.0.0.1", tap.port)
-            await until(lambda: available(s, victim))
+            await eventually(lambda: available(s, victim), what="the victim is back")
             # The moved conversation stays where its freshest cache is (prefix affinity) ...
             _, hits = await send(s, alice, texts[0])
             assert hits > 0
@@ -341,7 +333,9 @@ def test_every_prefill_estimate_is_handed_back(tmp_path: Path) -> None:
             await asyncio.gather(
                 *(complete(alice, prompt(f"whole {i}"), max_tokens=3) for i in range(4))
             )
-            await until(lambda: all(st.inflight == 0 for st in router.states))
+            await eventually(
+                lambda: all(st.inflight == 0 for st in router.states), what="nothing in flight"
+            )
             assert all(st.prefill == 0.0 for st in router.states)
 
     run(main)
