@@ -123,9 +123,14 @@ def test_secret_is_validated_and_hidden_from_repr() -> None:
     assert got.user_cache_secret == secret
     assert secret not in repr(got)
     assert inspect(CHAT, {"model": "m", "user_cache_secret": ""}).user_cache_secret is None
-    with pytest.raises(ApiError) as info:
-        inspect(CHAT, {"model": "m", "user_cache_secret": 7})
-    assert info.value.param == "user_cache_secret"
+    for bad in (7, "short-secret-15", "x" * 257):
+        with pytest.raises(ApiError) as info:
+            inspect(CHAT, {"model": "m", "user_cache_secret": bad})
+        err = info.value
+        assert (err.status, err.type) == (400, "invalid_request_error")
+        assert (err.param, err.code) == ("user_cache_secret", "invalid_user_cache_secret")
+        assert "16 to 256 characters" in err.message
+        assert not isinstance(bad, str) or bad not in err.body().decode()
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,7 @@
 """Request policy: pure, socket-free checks and rewrites on the request path.
 
-``saltgate.policy.request`` (routes, parsing, inspection, rewrite) is imported from its
-module, not re-exported here: ``saltgate.spec.derive`` raises the errors defined in this
-package and ``request`` uses ``spec``, so an eager import here would be a cycle.
+Routes, parsing, inspection and the rewrite live in ``saltgate.policy.request``; the
+errors they raise, in OpenAI's shape, in ``saltgate.policy.errors``.
 """
 
 from saltgate.policy.errors import ApiError

@@ -102,6 +102,11 @@ def missing_parameter(param: str, expected: str) -> ApiError:
     )
 
 
+def invalid_user_cache_secret(message: str) -> ApiError:
+    """400 for a ``user_cache_secret`` outside spec v1's rule (spec.InvalidSecretError)."""
+    return ApiError(400, message, param="user_cache_secret", code="invalid_user_cache_secret")
+
+
 def body_too_large(limit: int) -> ApiError:
     """413: the body exceeds the configured cap."""
     return ApiError(

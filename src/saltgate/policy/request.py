@@ -16,6 +16,7 @@ from saltgate.policy.errors import (
     body_too_large,
     invalid_request,
     invalid_type,
+    invalid_user_cache_secret,
     method_not_allowed,
     missing_parameter,
     not_found,
@@ -26,6 +27,7 @@ from saltgate.spec.derive import (
     ROUTE_MESSAGES,
     ROUTE_RESPONSES,
     SECRET_FIELD,
+    InvalidSecretError,
     validate_user_cache_secret,
 )
 
@@ -291,7 +293,10 @@ def inspect(route: str, body: Mapping[str, Any]) -> Inspected:
             stream_options, "include_usage", "stream_options.include_usage"
         )
 
-    secret = validate_user_cache_secret(body.get(SECRET_FIELD))
+    try:
+        secret = validate_user_cache_secret(body.get(SECRET_FIELD))
+    except InvalidSecretError as exc:
+        raise invalid_user_cache_secret(str(exc)) from None
 
     max_tokens: int | None = None
     for name in _TOKEN_LIMIT_PARAMS:

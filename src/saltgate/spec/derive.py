@@ -21,7 +21,6 @@ import orjson
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from saltgate.policy.errors import ApiError
 from saltgate.spec.encoding import b64url_nopad, lp, u32be
 
 # -- labels (ASCII; part of the spec) ----------------------------------------------------
@@ -129,24 +128,26 @@ def hmac_sha256(key: bytes, msg: bytes) -> bytes:
 # -- user_cache_secret and the cache salt ------------------------------------------------
 
 
+class InvalidSecretError(ValueError):
+    """A ``user_cache_secret`` outside spec v1's rule. The message states the rule and
+    never the value; the request policy answers it as a 400 naming the field."""
+
+
 def validate_user_cache_secret(value: object) -> str | None:
     """Apply spec v1's one rule for ``user_cache_secret`` (Tinfoil's SDKs drifted on it).
 
     None or "" mean "no secret" (tenant-wide namespace); a string of 16..256 characters
-    (code points) is the secret; anything else is a 400 that does not echo the value.
+    (code points) is the secret; anything else raises InvalidSecretError.
     """
     if value is None or value == "":
         return None
     if isinstance(value, str) and SECRET_MIN_CHARS <= len(value) <= SECRET_MAX_CHARS:
         return value
     what = "a string" if isinstance(value, str) else "a JSON string"
-    raise ApiError(
-        400,
+    raise InvalidSecretError(
         f"Invalid '{SECRET_FIELD}': expected {what} of {SECRET_MIN_CHARS} to "
         f"{SECRET_MAX_CHARS} characters (e.g. 64 hex digits of 32 random bytes), "
-        'or omit it / send "" to use the tenant-wide cache.',
-        param=SECRET_FIELD,
-        code="invalid_user_cache_secret",
+        'or omit it / send "" to use the tenant-wide cache.'
     )
 
 
