@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from saltgate.kvevents.relay import KvRelaySettings, KvUpstream
+    from saltgate.kvevents.settings import KvRelaySettings, KvUpstream
     from saltgate.store.tenants import TenantStore
 
 Command = Callable[[argparse.Namespace], int]
@@ -133,7 +133,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _run_up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from saltgate.gateway.run import up
+    from saltgate.demo import up
 
     if args.replicas < 1:
         print("saltgate up: --replicas must be at least 1", file=sys.stderr)
@@ -262,8 +262,8 @@ def _kv_relay_from_args(
     """
     from pathlib import Path
 
-    from saltgate.config import load_config
-    from saltgate.kvevents.relay import KvRelaySettings, KvUpstream
+    from saltgate.config import kv_relay_settings, load_config
+    from saltgate.kvevents.settings import KvUpstream
 
     if args.config:
         config = load_config(args.config)
@@ -291,7 +291,7 @@ def _kv_relay_from_args(
         table["client_keys_file"] = args.client_keys_file
     if args.replay_window is not None:
         table["replay_window"] = args.replay_window
-    return key_file, upstreams, KvRelaySettings.from_table(table, Path.cwd())
+    return key_file, upstreams, kv_relay_settings(table, Path.cwd())
 
 
 def _run_kv_relay(args: argparse.Namespace) -> int:

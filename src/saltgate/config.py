@@ -3,13 +3,16 @@
 Every mistake in the file is reported as a ConfigError naming the key and what is
 expected, so `saltgate serve --config FILE` fails with one clear line, not a traceback.
 Secrets (the master key, replica API keys) are referenced by file or environment
-variable; their values never appear in an error.
+variable; their values never appear in an error. A parser: the settings types live with
+what they configure (kvevents/settings.py, routing/router.py, prices.py), and loading a
+configuration loads no network or database library.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import secrets
 import stat
@@ -17,17 +20,71 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from saltgate.http.client import parse_authority
-from saltgate.kvevents.relay import KvRelaySettings, KvUpstream
+from saltgate.kvevents.settings import KvRelaySettings, KvUpstream, client_key_lines
+from saltgate.prices import Price, parse_prices
 from saltgate.routing.router import RouterConfig
-from saltgate.store.pricing import Price, parse_prices
+from saltgate.spec.derive import MASTER_KEY_MIN_BYTES
 
-MIN_MASTER_KEY_BYTES = 32
+SECRET_FILE_MAX_BYTES = 4096
 
 
 class ConfigError(ValueError):
     """A configuration problem a person can fix; the message says where and how."""
+
+
+def parse_authority(url: str) -> tuple[str, int, str]:
+    """Split http://host:port/prefix into (host, port, prefix); only plain http is pooled."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"upstream URL must look like http://host:port, got {url!r}")
+    return parts.hostname, parts.port or 80, parts.path.rstrip("/")
+
+
+# -- secret files ------------------------------------------------------------------------
+
+
+def read_secret_file(path: Path, what: str) -> bytes:
+    """The bytes of a secret file (master key, EHBP key, a replica's API key).
+
+    Refuses a symlink (O_NOFOLLOW: a link planted in a shared directory cannot redirect
+    the read), anything but a regular file, and a file others can read, checked with
+    fstat on the descriptor that is read, so the file cannot be swapped in between.
+    Errors name the file and the rule, never the content.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        reason = "it is a symlink (name the file itself)" if exc.errno == errno.ELOOP else None
+        raise ConfigError(f"cannot read {what} {path}: {reason or exc.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{what} {path} must be a regular file of mode 0600")
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(f"{what} {path} is readable by others: it must have mode 0600")
+        data = os.read(fd, SECRET_FILE_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > SECRET_FILE_MAX_BYTES:
+        raise ConfigError(f"{what} {path} is over {SECRET_FILE_MAX_BYTES} bytes")
+    return data
+
+
+def create_secret_file(path: Path, what: str, text: str) -> bool:
+    """Write ``text`` to a new file of mode 0600 (in a 0700 directory made if needed)
+    unless the file exists; True if it was created. Never writes through a symlink."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise ConfigError(f"cannot create {what} {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,21 +151,23 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def _secret_ref(table: dict[str, Any], prefix: str, where: str) -> str | None:
-    """A secret given as `<prefix>_file` or `<prefix>_env` (never inline in the file)."""
+def _secret_ref(table: dict[str, Any], prefix: str, where: str, base: Path) -> str | None:
+    """A secret given as `<prefix>_file` (relative to the config file) or `<prefix>_env`,
+    never inline in the file."""
     if prefix in table:
         raise ConfigError(
             f"{where}.{prefix}: do not put secrets in the config file; "
             f"use {prefix}_file or {prefix}_env"
         )
     if f"{prefix}_file" in table:
-        path = Path(_expect(table, f"{prefix}_file", str, where))
-        try:
-            return path.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"{where}.{prefix}_file: cannot read {path}: {exc.strerror}"
-            ) from None
+        path = _relative_to(base, _expect(table, f"{prefix}_file", str, where))
+        data = read_secret_file(path, f"{where}.{prefix}_file")
+        text = ""
+        with contextlib.suppress(UnicodeDecodeError):
+            text = data.decode("utf-8").strip()
+        if not text:
+            raise ConfigError(f"{where}.{prefix}_file: {path} holds no UTF-8 text")
+        return text
     if f"{prefix}_env" in table:
         name = _expect(table, f"{prefix}_env", str, where)
         value = os.environ.get(name)
@@ -118,7 +177,13 @@ def _secret_ref(table: dict[str, Any], prefix: str, where: str) -> str | None:
     return None
 
 
-def _replica(item: Any, index: int) -> ReplicaConfig:
+def _relative_to(base: Path, name: str) -> Path:
+    """A path from the file: absolute as given, relative ones from the file's directory."""
+    path = Path(name)
+    return path if path.is_absolute() else base / path
+
+
+def _replica(item: Any, index: int, base: Path) -> ReplicaConfig:
     where = f"replicas[{index}]"
     if not isinstance(item, dict):
         raise ConfigError(f'{where}: expected a table with url = "http://host:port"')
@@ -141,7 +206,7 @@ def _replica(item: Any, index: int) -> ReplicaConfig:
         kv[key] = _expect(item, key, bool if key == "kv_events_bind" else str, where)
     if kv and "kv_events_endpoint" not in kv:
         raise ConfigError(f"{where}.kv_events_endpoint: missing (the other kv_events_* need it)")
-    return ReplicaConfig(url, weight, _secret_ref(item, "api_key", where), **kv)
+    return ReplicaConfig(url, weight, _secret_ref(item, "api_key", where, base), **kv)
 
 
 def _prices(table: Any) -> dict[str, Price]:
@@ -165,15 +230,14 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
     replicas_doc = doc.get("replicas")
     if not isinstance(replicas_doc, list) or not replicas_doc:
         raise ConfigError('replicas: at least one [[replicas]] with url = "http://host:port"')
-    replicas = tuple(_replica(item, i) for i, item in enumerate(replicas_doc))
+    replicas = tuple(_replica(item, i, base) for i, item in enumerate(replicas_doc))
     urls = [r.url for r in replicas]
     for i, url in enumerate(urls):
         if url in urls[:i]:
             raise ConfigError(f"replicas[{i}].url: {url} is listed twice")
 
     def path(key: str, default: str) -> Path:
-        value = Path(_expect(gw, key, str, "gateway") if key in gw else default)
-        return value if value.is_absolute() else base / value
+        return _relative_to(base, _expect(gw, key, str, "gateway") if key in gw else default)
 
     state_dir = path("state_dir", ".state")
     kwargs: dict[str, Any] = {}
@@ -218,8 +282,7 @@ def _ehbp(table: Any, base: Path) -> dict[str, Any]:
     if "enabled" in table:
         out["ehbp"] = _expect(table, "enabled", bool, "ehbp")
     if "key_file" in table:
-        key_file = Path(_expect(table, "key_file", str, "ehbp"))
-        out["ehbp_key_file"] = key_file if key_file.is_absolute() else base / key_file
+        out["ehbp_key_file"] = _relative_to(base, _expect(table, "key_file", str, "ehbp"))
     if "require_encrypted_secret" in table:
         required = _expect(table, "require_encrypted_secret", bool, "ehbp")
         if required and not out.get("ehbp", True):
@@ -240,10 +303,26 @@ def _kv_relay(
         raise ConfigError("kv_relay: expected a table")
     if not any(r.kv_events_endpoint for r in replicas):
         raise ConfigError("kv_relay: no [[replicas]] has a kv_events_endpoint to subscribe to")
+    return kv_relay_settings(table, base, "kv_relay.")
+
+
+def kv_relay_settings(table: dict[str, Any], base: Path, where: str = "") -> KvRelaySettings:
+    """[kv_relay] (or `saltgate kv-relay`'s options as such a table): the settings, with
+    the consumers' keys from ``client_keys_file`` (public keys: any mode) read here."""
+    rest = {k: v for k, v in table.items() if k != "client_keys_file"}
+    file_keys: list[str] = []
+    if "client_keys_file" in table:
+        name = _expect(table, "client_keys_file", str, where.rstrip(".") or "kv_relay")
+        path = _relative_to(base, name)
+        try:
+            file_keys = client_key_lines(path.read_text())
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f"{where}client_keys_file: cannot read {path}: {reason}") from None
     try:
-        return KvRelaySettings.from_table(table, base)
+        return KvRelaySettings.from_table(rest, file_keys)
     except ValueError as exc:
-        raise ConfigError(f"kv_relay.{exc}") from None
+        raise ConfigError(f"{where}{exc}") from None
 
 
 def _router(table: Any) -> RouterConfig:
@@ -267,31 +346,17 @@ def load_config(path: str | Path) -> GatewayConfig:
 
 
 def load_master_key(path: Path) -> bytes:
-    """Read the cluster secret; refuse short keys and files others can read."""
-    try:
-        mode = path.stat().st_mode
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read master key file {path}: {exc.strerror}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"master key file {path} is readable by others; chmod 600 it")
-    key = data.strip()
+    """Read the cluster secret (raw or hex); refuse short keys and files others can read."""
+    key = read_secret_file(path, "master key file").strip()
     with contextlib.suppress(ValueError, UnicodeDecodeError):
         key = bytes.fromhex(key.decode())
-    if len(key) < MIN_MASTER_KEY_BYTES:
+    if len(key) < MASTER_KEY_MIN_BYTES:
         raise ConfigError(
-            f"master key in {path} is too short: need at least {MIN_MASTER_KEY_BYTES} bytes"
+            f"master key in {path} is too short: need at least {MASTER_KEY_MIN_BYTES} bytes"
         )
     return key
 
 
 def create_master_key(path: Path) -> bool:
     """Write a fresh 32-byte key (hex) with mode 0600 if none exists; True if created."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    return True
+    return create_secret_file(path, "master key file", secrets.token_hex(32) + "\n")

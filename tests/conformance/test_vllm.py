@@ -26,7 +26,8 @@ from tests.conformance.fleet import (
 from tests.gateway.stack import long_prompt
 from tests.support.kv_relay import assert_nothing_leaks, collect, raw_stream
 
-from saltgate.kvevents.relay import CurveKeyPair, KvRelay, KvRelaySettings, KvUpstream
+from saltgate.kvevents.relay import KvRelay
+from saltgate.kvevents.settings import CurveKeyPair, KvRelaySettings, KvUpstream
 from saltgate.kvevents.wire import BlockStored, KVEvent, decode_batch
 from saltgate.policy.request import ALLOWED_POST_ROUTES
 from saltgate.sim.hashing import block_hashes, event_hash

@@ -18,9 +18,9 @@ import httpx
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key
 from saltgate.gateway.run import RunningGateway, start_gateway
 from saltgate.http import HttpServer, Request, Response, UpstreamPool
+from saltgate.prices import Price
 from saltgate.routing import RouterConfig
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
-from saltgate.store.pricing import Price
 from saltgate.store.tenants import TenantStore
 
 MODEL = "sim-model"

@@ -84,3 +84,46 @@ def test_master_key_is_created_private_and_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="too short") as info:
         load_master_key(short)
     assert "abcd" not in str(info.value)
+
+
+def _private(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+def test_api_key_file_is_relative_to_the_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    _private(etc / "replica.key", "backend-secret\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # The same name in the working directory: what a path resolved from there would read.
+    _private(elsewhere / "replica.key", "the-wrong-key\n")
+    monkeypatch.chdir(elsewhere)
+    path = etc / "g.toml"
+    path.write_text('[[replicas]]\nurl = "http://h:1"\napi_key_file = "replica.key"\n')
+    assert load_config(path).replicas[0].api_key == "backend-secret"
+
+
+def test_secret_files_must_be_private_regular_files(tmp_path: Path) -> None:
+    """Master key and replica API key files alike: no symlink, no directory, not readable
+    by others; the error never shows the content."""
+    content = "ab" * 32
+    real = _private(tmp_path / "real.key", content)
+    link = tmp_path / "link.key"
+    link.symlink_to(real)
+    loose = _private(tmp_path / "loose.key", content)
+    loose.chmod(0o640)
+    config = tmp_path / "g.toml"
+    assert len(load_master_key(real)) == 32  # the same content, from a proper file, is fine
+    for path, needle in ((link, "symlink"), (loose, "readable by others"), (tmp_path, "regular")):
+        with pytest.raises(ConfigError, match=needle) as info:
+            load_master_key(path)
+        assert content not in str(info.value)
+        config.write_text(f'[[replicas]]\nurl = "http://h:1"\napi_key_file = "{path}"\n')
+        with pytest.raises(ConfigError, match=needle) as info:
+            load_config(config)
+        assert "replicas[0].api_key_file" in str(info.value) and content not in str(info.value)

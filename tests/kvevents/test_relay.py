@@ -16,24 +16,18 @@ import zmq
 from tests.support.kv_relay import receive_until
 from tests.support.waiting import eventually_blocking
 
-from saltgate.config import ConfigError, parse_config
+from saltgate.config import ConfigError, kv_relay_settings, parse_config
 from saltgate.kvevents.publisher import KvEventPublisher
-from saltgate.kvevents.relay import (
-    CurveKeyPair,
-    KvRelay,
-    KvRelaySettings,
-    KvUpstream,
-    RelaySubscriber,
-    ReplayWindow,
-    SeqCursor,
-    SeqVerdict,
+from saltgate.kvevents.relay import KvRelay, relay_server_keys
+from saltgate.kvevents.sanitize import (
     keyed_block_hash,
     opaque_replica_id,
-    parse_client_key,
-    relay_server_keys,
     sanitize_batch,
     sanitize_event,
 )
+from saltgate.kvevents.sequence import ReplayWindow, SeqCursor, SeqVerdict
+from saltgate.kvevents.settings import CurveKeyPair, KvRelaySettings, KvUpstream, parse_client_key
+from saltgate.kvevents.subscriber import RelaySubscriber
 from saltgate.kvevents.wire import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -168,7 +162,7 @@ def test_settings_from_table_validate_every_key(tmp_path: Path) -> None:
         "client_keys_file": "clients.txt",
         "replay_window": 50,
     }
-    settings = KvRelaySettings.from_table(table, tmp_path)
+    settings = kv_relay_settings(table, tmp_path)
     assert settings.client_keys == (good,) and settings.replay_window == 50
     for bad, message in (
         ({**table, "client_keys_file": "missing.txt"}, "client_keys_file: cannot read"),
@@ -179,7 +173,7 @@ def test_settings_from_table_validate_every_key(tmp_path: Path) -> None:
         ({k: v for k, v in table.items() if k != "client_keys_file"}, "at least one"),
     ):
         with pytest.raises(ValueError, match=message):
-            KvRelaySettings.from_table(bad, tmp_path)
+            kv_relay_settings(bad, tmp_path)
     assert parse_client_key(f"  {good}\n") == good
 
 

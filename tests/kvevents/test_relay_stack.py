@@ -22,12 +22,8 @@ from tests.support.waiting import eventually
 
 from saltgate.config import load_config, load_master_key
 from saltgate.gateway.run import start_gateway
-from saltgate.kvevents.relay import (
-    CurveKeyPair,
-    KvRelay,
-    KvRelaySettings,
-    KvUpstream,
-)
+from saltgate.kvevents.relay import KvRelay
+from saltgate.kvevents.settings import CurveKeyPair, KvRelaySettings, KvUpstream
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.spec.derive import derive_subkeys
 from saltgate.store.tenants import TenantStore

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from saltgate.prices import Price, parse_prices
 from saltgate.store.ledger import Ledger, UsageRecord
 from saltgate.store.pricing import (
-    Price,
     TenantUsage,
     format_usage,
-    parse_prices,
     parse_since,
     usage_report,
 )

@@ -8,7 +8,9 @@ import time
 
 import zmq
 
-from saltgate.kvevents.relay import CurveKeyPair, RelayedBatch, RelaySubscriber, keyed_block_hash
+from saltgate.kvevents.sanitize import keyed_block_hash
+from saltgate.kvevents.settings import CurveKeyPair
+from saltgate.kvevents.subscriber import RelayedBatch, RelaySubscriber
 from saltgate.kvevents.wire import (
     BlockRemoved,
     BlockStored,

@@ -56,7 +56,8 @@ from saltgate.audit.stats import (
     looks_needed,
     overall_verdict,
 )
-from saltgate.http import UpstreamError, UpstreamPool, parse_authority
+from saltgate.config import parse_authority
+from saltgate.http import UpstreamError, UpstreamPool
 
 __all__ = [
     "ConfigurationResult",

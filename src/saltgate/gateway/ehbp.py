@@ -12,16 +12,14 @@ Bodyless requests and requests without `Ehbp-Encapsulated-Key` pass through in p
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
-import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
 import orjson
 
-from saltgate.config import ConfigError
+from saltgate.config import ConfigError, create_secret_file, read_secret_file
 from saltgate.ehbp.frames import (
     ENCAPSULATED_KEY_HEADER,
     KEYS_MEDIA_TYPE,
@@ -151,28 +149,11 @@ async def _sealed(response: Response, sealer: ResponseSealer) -> AsyncIterator[b
 def load_or_create_server_key(path: Path) -> ServerKey:
     """The operator's HPKE key file (hex of 32 bytes, mode 0600); made if absent.
 
-    Never follows a symlink; refuses a file others can read. The key's bytes never appear
-    in an error.
+    Read like every secret file (config.read_secret_file: no symlink, no file others can
+    read). The key's bytes never appear in an error.
     """
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise ConfigError(f"cannot create EHBP key file {path}: {exc.strerror}") from None
-    else:
-        with os.fdopen(fd, "w") as f:
-            f.write(ServerKey.generate().private_bytes().hex() + "\n")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise ConfigError(f"cannot read EHBP key file {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        data = f.read(4096)
-    if not stat.S_ISREG(mode) or mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"EHBP key file {path} must be a regular file of mode 0600")
+    create_secret_file(path, "EHBP key file", ServerKey.generate().private_bytes().hex() + "\n")
+    data = read_secret_file(path, "EHBP key file")
     raw = b""
     with contextlib.suppress(ValueError, UnicodeDecodeError):
         raw = bytes.fromhex(data.decode().strip())

@@ -1,6 +1,6 @@
 """The HTTP edge shared by the gateway and the simulator: a lean server and upstream pool."""
 
-from saltgate.http.client import UpstreamError, UpstreamPool, UpstreamResponse, parse_authority
+from saltgate.http.client import UpstreamError, UpstreamPool, UpstreamResponse
 from saltgate.http.server import Handler, Headers, HttpServer, Request, Response
 
 __all__ = [
@@ -12,5 +12,4 @@ __all__ = [
     "UpstreamError",
     "UpstreamPool",
     "UpstreamResponse",
-    "parse_authority",
 ]

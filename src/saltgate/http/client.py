@@ -13,7 +13,6 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import cast
-from urllib.parse import urlsplit
 
 import httptools
 
@@ -381,11 +380,3 @@ class UpstreamPool:
             self._discard(conn)
         self._idle.clear()
         await asyncio.sleep(0)
-
-
-def parse_authority(url: str) -> tuple[str, int, str]:
-    """Split http://host:port/prefix into (host, port, prefix); only plain http is pooled."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"upstream URL must look like http://host:port, got {url!r}")
-    return parts.hostname, parts.port or 80, parts.path.rstrip("/")

@@ -3,9 +3,10 @@
 Every replica gets a score from a hash of (key, replica id); the ranking is the replicas
 by descending score. Removing a replica moves only the keys it ranked first (about 1/n of
 them), adding one takes about 1/(n+1), and every gateway computes the same ranking from
-the same members. Weights follow the logarithmic method: score = weight / -ln(u) with u
-uniform in (0, 1), so a replica ranks first for a share of keys equal to its share of the
-total weight. The key is the secret route key, so no client can aim at a replica.
+the same members (the score is spec v1: docs/spec.md, "Replica ranking"). Weights follow
+the logarithmic method: score = weight / -ln(u) with u uniform in (0, 1), so a replica
+ranks first for a share of keys equal to its share of the total weight. The key is the
+secret route key, so no client can aim at a replica.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from saltgate.spec.encoding import lp
+from saltgate.spec.labels import RENDEZVOUS_DOMAIN
 
-_DOMAIN = b"saltgate/v1/rendezvous"
 _U_BITS = 52  # (2x + 1) / 2**53 is exact in a double and strictly inside (0, 1)
 
 
@@ -35,7 +36,7 @@ class Member:
 
 def hrw_score(key: bytes, member: Member) -> float:
     """The member's weighted score for ``key``; higher ranks first."""
-    digest = hashlib.sha256(_DOMAIN + lp(key) + lp(member.id.encode("utf-8"))).digest()
+    digest = hashlib.sha256(RENDEZVOUS_DOMAIN + lp(key) + lp(member.id.encode("utf-8"))).digest()
     # The midpoint of one of 2**52 equal cells: u is never 0 or 1, so ln(u) is finite and < 0.
     x = int.from_bytes(digest[:8], "big") >> (64 - _U_BITS)
     u = (2 * x + 1) / 2.0 ** (_U_BITS + 1)

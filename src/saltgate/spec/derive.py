@@ -22,15 +22,16 @@ from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from saltgate.spec.encoding import b64url_nopad, lp, u32be
+from saltgate.spec.labels import (
+    CACHE_SALT_DOMAIN,
+    LABEL_KV_EVENTS_KEY,
+    LABEL_ROUTE_KEY,
+    LABEL_SALT_KEY,
+    PREFIX_DOMAIN,
+    ROUTE_DOMAIN,
+    SALT_PREFIX,
+)
 
-# -- labels (ASCII; part of the spec) ----------------------------------------------------
-LABEL_SALT_KEY: Final = b"saltgate/v1/salt"
-LABEL_ROUTE_KEY: Final = b"saltgate/v1/route"
-LABEL_KV_EVENTS_KEY: Final = b"saltgate/v1/kv-events"
-CACHE_SALT_DOMAIN: Final = b"saltgate/v1/cache-salt"
-ROUTE_DOMAIN: Final = b"saltgate/v1/route"
-PREFIX_DOMAIN: Final = b"saltgate/v1/prefix"
-SALT_PREFIX: Final = "sg1_"
 SALT_LENGTH: Final = 47  # "sg1_" + 43 base64url characters of a 32-byte MAC
 
 MASTER_KEY_MIN_BYTES: Final = 32

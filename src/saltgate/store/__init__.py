@@ -4,13 +4,12 @@ One SQLite file (``state_dir/saltgate.db``, WAL) holds all of it, so the CLI and
 gateway share it across processes without a server.
 """
 
+from saltgate.prices import Price, parse_prices
 from saltgate.store.ledger import Ledger, LedgerError, LedgerStats, UsageRecord
 from saltgate.store.pricing import (
-    Price,
     TenantUsage,
     UsageFormat,
     format_usage,
-    parse_prices,
     parse_since,
     usage_report,
 )
