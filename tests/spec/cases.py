@@ -94,3 +94,21 @@ ROUTE_BODIES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 WINDOWS: list[int] = [1024, 64, 4096]
+
+# Replica ranking: route keys (any 32 bytes) and replicas (id = URL, capacity weight).
+RANKING_KEYS: list[bytes] = [bytes(32), b"\xff" * 32, bytes(range(32)), bytes(range(32, 64))]
+RANKING_MEMBERS: list[tuple[str, float]] = [
+    ("http://10.0.0.1:8000", 1.0),
+    ("http://10.0.0.2:8000", 1.0),
+    ("http://10.0.0.3:8000", 2.5),
+    ("http://10.0.0.4:8000", 0.5),
+    ("http://réplica-ü.internal:8000", 1.0),
+]
+
+# Prefix digests: a flattened prompt (any bytes) cut at 1024, 2048, 4096, ... bytes.
+PREFIX_FLAT: bytes = ("S" + "You are terse. " * 300 + "U" + "Grüße " * 100).encode()
+PREFIX_FIRST_DEPTHS: list[int] = [1024, 100]
+
+# KV relay: vLLM block hashes (unsigned 64-bit) and upstream replica names.
+KV_BLOCK_HASHES: list[int] = [0, 1, 0x1111_2222_3333_4444, 0x8000_0000_0000_0000, 2**64 - 1]
+KV_REPLICA_NAMES: list[str] = ["tcp://10.0.0.5:5557", "ipc:///tmp/kv-0", "kv@réplica-0", ""]

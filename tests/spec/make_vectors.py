@@ -14,7 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from . import reference as ref
-from .cases import MASTER_KEYS, ROUTE_BODIES, SALT_INPUTS, WINDOWS
+from .cases import (
+    KV_BLOCK_HASHES,
+    KV_REPLICA_NAMES,
+    MASTER_KEYS,
+    PREFIX_FIRST_DEPTHS,
+    PREFIX_FLAT,
+    RANKING_KEYS,
+    RANKING_MEMBERS,
+    ROUTE_BODIES,
+    SALT_INPUTS,
+    WINDOWS,
+)
 
 OUT = Path(__file__).with_name("vectors_v1.json")
 
@@ -27,6 +38,9 @@ def build() -> dict[str, Any]:
         "subkeys": [],
         "salts": [],
         "routes": [],
+        "prefixes": [],
+        "rankings": [],
+        "kv": [],
     }
     master = MASTER_KEYS[0]
     for key in MASTER_KEYS:
@@ -62,6 +76,35 @@ def build() -> dict[str, Any]:
                 }
             )
         vectors["routes"].append(case)
+    for first in PREFIX_FIRST_DEPTHS:
+        digests = ref.prefix_digests(k["route"], "m", salt, PREFIX_FLAT, first)
+        hexes = [d.hex() for d in digests]
+        vectors["prefixes"].append(
+            {"model": "m", "salt": salt, "first_depth": first, "digests": hexes}
+        )
+    for key in RANKING_KEYS:
+        vectors["rankings"].append(
+            {
+                "route_key": key.hex(),
+                # scores as C99 hex floats: exact, and parsed by float.fromhex / strtod
+                "scores": {m: ref.rendezvous_score(key, m, w).hex() for m, w in RANKING_MEMBERS},
+                "ranking": ref.rank(key, RANKING_MEMBERS),
+            }
+        )
+    for key in MASTER_KEYS[:2]:
+        k_kv = ref.subkeys(key)["kv_events"]
+        vectors["kv"].append(
+            {
+                "master_key": key.hex(),
+                # u64 values as 16 hex digits: JSON numbers past 2**53 do not survive everywhere
+                "block_hashes": [
+                    {"hash": f"{h:016x}", "keyed": f"{ref.kv_block_hash(k_kv, h):016x}"}
+                    for h in KV_BLOCK_HASHES
+                ],
+                "replica_ids": {n: ref.kv_replica_id(k_kv, n) for n in KV_REPLICA_NAMES},
+                "relay_public_key": ref.kv_relay_public_key(k_kv),
+            }
+        )
     return vectors
 
 
@@ -72,7 +115,7 @@ def render(vectors: dict[str, Any]) -> str:
         return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
 
     lines = ["{", f' "note": {one(vectors["note"])},']
-    sections = ["subkeys", "salts", "routes"]
+    sections = ["subkeys", "salts", "routes", "prefixes", "rankings", "kv"]
     for i, name in enumerate(sections):
         rows = ",\n  ".join(one(v) for v in vectors[name])
         end = "," if i < len(sections) - 1 else ""

@@ -228,3 +228,90 @@ def prompt_size(body: dict[str, Any], route: str) -> int:
             n += len(data) if tag == "P" else 4 * (data.count(b",") + 1 if data else 0)
         return n
     return n + sum(len((_text(t) or "").encode()) for t in texts if t is not None)
+
+
+# -- prefix digests (docs/spec.md, "Prefix digests") --------------------------------------
+
+
+def prefix_digests(k_route: bytes, model: str, salt: str, flat: bytes, first: int) -> list[bytes]:
+    out = []
+    depth = first
+    while depth <= len(flat):
+        msg = b"saltgate/v1/prefix" + lp(k_route) + lp(model.encode()) + lp(salt.encode())
+        out.append(hashlib.sha256(msg + flat[:depth]).digest())
+        depth *= 2
+    return out
+
+
+# -- replica ranking (docs/spec.md, "Replica ranking") ------------------------------------
+
+
+def rendezvous_score(key: bytes, member_id: str, weight: float) -> float:
+    digest = hashlib.sha256(b"saltgate/v1/rendezvous" + lp(key) + lp(member_id.encode())).digest()
+    x = int.from_bytes(digest[:8], "big") >> 12  # the first 52 bits
+    u = (2 * x + 1) / 2**53
+    return weight / -math.log(u)
+
+
+def rank(key: bytes, members: list[tuple[str, float]]) -> list[str]:
+    scored = [(-rendezvous_score(key, mid, w), mid) for mid, w in members]
+    return [mid for _, mid in sorted(scored)]
+
+
+# -- KV relay (docs/spec.md, "KV relay") -------------------------------------------------
+
+P25519 = 2**255 - 19
+Z85_ALPHABET = (
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+)
+
+
+def kv_block_hash(k_kv: bytes, block_hash: int) -> int:
+    mac = hmac_sha256(k_kv, b"saltgate/v1/kv-block" + struct.pack(">Q", block_hash))
+    return int(struct.unpack(">Q", mac[:8])[0])
+
+
+def kv_replica_id(k_kv: bytes, name: str) -> str:
+    return "replica-" + hmac_sha256(k_kv, b"saltgate/v1/kv-replica" + lp(name.encode())).hex()[:16]
+
+
+def x25519(scalar: bytes, u: bytes) -> bytes:
+    """RFC 7748 section 5: the Montgomery ladder, as written there."""
+    k = bytearray(scalar)
+    k[0] &= 248
+    k[31] &= 127
+    k[31] |= 64
+    k_int = int.from_bytes(k, "little")
+    x1 = int.from_bytes(u, "little") & ((1 << 255) - 1)
+    x2, z2, x3, z3, swap = 1, 0, x1, 1, 0
+    for t in reversed(range(255)):
+        bit = (k_int >> t) & 1
+        if swap ^ bit:
+            x2, x3, z2, z3 = x3, x2, z3, z2
+        swap = bit
+        a, b = x2 + z2, x2 - z2
+        c, d = x3 + z3, x3 - z3
+        aa, bb = a * a % P25519, b * b % P25519
+        e = (aa - bb) % P25519
+        da, cb = d * a % P25519, c * b % P25519
+        x3 = (da + cb) ** 2 % P25519
+        z3 = x1 * (da - cb) ** 2 % P25519
+        x2 = aa * bb % P25519
+        z2 = e * (aa + 121665 * e) % P25519
+    if swap:
+        x2, z2 = x3, z3
+    return (x2 * pow(z2, P25519 - 2, P25519) % P25519).to_bytes(32, "little")
+
+
+def z85(data: bytes) -> str:
+    """ZeroMQ RFC 32: every 4 bytes (big-endian) as 5 base-85 digits, most significant first."""
+    out = []
+    for i in range(0, len(data), 4):
+        n = int.from_bytes(data[i : i + 4], "big")
+        out += [Z85_ALPHABET[n // 85**p % 85] for p in range(4, -1, -1)]
+    return "".join(out)
+
+
+def kv_relay_public_key(k_kv: bytes) -> str:
+    secret = hkdf_sha256(k_kv, b"saltgate/v1/kv-relay-curve", 32)
+    return z85(x25519(secret, (9).to_bytes(32, "little")))
