@@ -1,0 +1,220 @@
+"""The import graph of src/saltgate, read from the source (ast; nothing is imported).
+
+Arrows run one way: from tools and I/O shells down to the pure cores, never back. This
+test fails on a cycle between modules or between packages, and on a pure module whose
+imports (followed all the way down, package __init__ files included) reach an I/O or
+clock library or a module outside the pure set. The rules are the lists below; a change
+that needs a new entry should say why in its commit.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+ROOT = "saltgate"
+
+# The functional core: no sockets, no event loop, no database, no clock (DESIGN.md,
+# "Code style"), so every decision there is testable without I/O. config.py is a parser.
+PURE_PACKAGES = ("saltgate.spec", "saltgate.policy", "saltgate.routing", "saltgate.ehbp")
+PURE_MODULES = (
+    "saltgate",  # the package's own __init__
+    "saltgate.config",
+    "saltgate.prices",
+    "saltgate.kvevents",  # a docstring: the modules below are the pure ones of the package
+    "saltgate.kvevents.wire",
+    "saltgate.kvevents.sanitize",
+    "saltgate.kvevents.sequence",
+    "saltgate.kvevents.settings",
+)
+# What a pure module must never load, directly or through another module.
+IO_LIBRARIES = (
+    "asyncio",
+    "socket",
+    "selectors",
+    "ssl",
+    "http",  # the standard library's http.client / http.server (saltgate.http is ours)
+    "urllib.request",
+    "subprocess",
+    "multiprocessing",
+    "threading",
+    "signal",
+    "sqlite3",
+    "zmq",
+    "httptools",
+    "uvloop",
+    "httpx",
+    "openai",
+    "psycopg",
+    "psycopg_pool",
+    "redis",
+)
+CLOCK_LIBRARIES = ("time", "datetime")
+# The I/O side, named for the failure messages: a pure module importing one of these is
+# also outside the pure set.
+IO_PACKAGES = (
+    "saltgate.http",
+    "saltgate.gateway",
+    "saltgate.store",
+    "saltgate.sim",
+    "saltgate.client",
+    "saltgate.audit",
+    "saltgate.bench",
+    "saltgate.kvevents.publisher",
+    "saltgate.kvevents.relay",
+    "saltgate.kvevents.subscriber",
+    "saltgate.cli",
+    "saltgate.demo",
+    "saltgate.runtime",
+)
+
+
+@dataclass
+class Graph:
+    modules: dict[str, Path] = field(default_factory=dict)
+    edges: dict[str, set[str]] = field(default_factory=dict)  # module -> saltgate modules
+    libraries: dict[str, set[str]] = field(default_factory=dict)  # module -> other imports
+
+    def closure(self, start: str) -> set[str]:
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in self.edges[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+
+def _is_in(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(node: ast.AST, module: str, is_package: bool) -> Iterator[str]:
+    """Absolute names an import statement loads (``from a import b`` may load a.b)."""
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = module.split(".")[: len(module.split(".")) - node.level + is_package]
+            name = ".".join([*base, node.module] if node.module else base)
+        else:
+            name = node.module or ""
+        yield name
+        yield from (f"{name}.{alias.name}" for alias in node.names)
+
+
+def build_graph() -> Graph:
+    graph = Graph()
+    for path in sorted((SRC / ROOT).rglob("*.py")):
+        graph.modules[_module_name(path)] = path
+    for module, path in graph.modules.items():
+        edges: set[str] = set()
+        libraries: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            for name in _imported(node, module, path.name == "__init__.py"):
+                if name == ROOT or name.startswith(ROOT + "."):
+                    # Loading a.b.c runs a/__init__ and a/b/__init__ first, except the
+                    # packages that hold this module: they were loaded before it ran.
+                    parts = name.split(".")
+                    for i in range(1, len(parts) + 1):
+                        target = ".".join(parts[:i])
+                        if target in graph.modules and not _is_in(module, (target,)):
+                            edges.add(target)
+                elif name:
+                    libraries.add(name)
+        graph.edges[module] = edges
+        graph.libraries[module] = libraries
+    return graph
+
+
+GRAPH = build_graph()
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan), and self-loops."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in edges.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _package(module: str) -> str:
+    """saltgate.X for modules inside subpackage X; top-level modules stand for themselves."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_the_graph_is_read() -> None:
+    assert len(GRAPH.modules) > 50
+    assert "saltgate.spec.encoding" in GRAPH.edges["saltgate.spec.derive"]
+    assert "zmq" in GRAPH.libraries["saltgate.kvevents.relay"]
+    for name in (*PURE_PACKAGES, *PURE_MODULES, *IO_PACKAGES):
+        assert any(_is_in(m, (name,)) for m in GRAPH.modules), f"{name}: no such module"
+
+
+def test_no_import_cycle_between_modules() -> None:
+    assert _cycles(GRAPH.edges) == []
+
+
+def test_no_import_cycle_between_packages() -> None:
+    packages: dict[str, set[str]] = {}
+    for module, targets in GRAPH.edges.items():
+        src = _package(module)
+        deps = packages.setdefault(src, set())
+        deps.update(t for t in map(_package, targets) if t not in (src, ROOT))
+    assert _cycles(packages) == []
+
+
+def _pure(module: str) -> bool:
+    return module in PURE_MODULES or _is_in(module, PURE_PACKAGES)
+
+
+def test_pure_modules_reach_no_io_clock_or_impure_module() -> None:
+    problems = []
+    for module in sorted(m for m in GRAPH.modules if _pure(m)):
+        for dep in sorted(GRAPH.closure(module)):
+            if not _pure(dep):
+                kind = (
+                    "an I/O module" if _is_in(dep, IO_PACKAGES) else "a module outside the pure set"
+                )
+                problems.append(f"{module} loads {dep}, {kind}")
+            for lib in sorted(GRAPH.libraries[dep]):
+                if _is_in(lib, IO_LIBRARIES) or _is_in(lib, CLOCK_LIBRARIES):
+                    via = "" if dep == module else f" (via {dep})"
+                    problems.append(f"{module} loads {lib}{via}")
+    assert problems == []
