@@ -323,27 +323,23 @@ def _run_kv_relay(args: argparse.Namespace) -> int:
     return 0
 
 
+# `saltgate bench NAME`: each module gives HELP, add_arguments(parser) and run(args).
+BENCHMARKS = {
+    "replay": "saltgate.bench.replay",
+    "overhead": "saltgate.bench.overhead",
+    "sim-capacity": "saltgate.bench.sim_capacity",
+}
+
+
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`saltgate bench NAME`: one sub-command per benchmark (docs/benchmarks.md)."""
     bench = sub.add_parser("bench", help="benchmarks (docs/benchmarks.md)")
     bsub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-
-    from saltgate.bench import replay
-
-    p = bsub.add_parser("replay", help="replay a real trace through each routing policy")
-    replay.add_arguments(p)
-    p.set_defaults(func=replay.run)
-
-    for name, module in _OWN_PARSERS.items():
-        # Listed for --help; main() hands their arguments to the module's own parser.
-        bsub.add_parser(name, help=(importlib.import_module(module).__doc__ or "").split("\n")[0])
-
-
-# Benchmarks that parse their own options: `saltgate bench NAME ARGS` runs module.main(ARGS).
-_OWN_PARSERS = {
-    "overhead": "saltgate.bench.overhead",
-    "sim-capacity": "saltgate.bench.sim_capacity",
-}
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        p = bsub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
 
 
 PROXY_API_KEY_ENV = "SALTGATE_API_KEY"  # where `saltgate proxy` reads its key by default
@@ -408,10 +404,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in _OWN_PARSERS:
-        own_main: Callable[[list[str]], int] = importlib.import_module(_OWN_PARSERS[argv[1]]).main
-        return own_main(argv[2:])
     args = build_parser().parse_args(argv)
     func: Command = args.func
     try:

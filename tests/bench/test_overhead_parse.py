@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from saltgate.bench.overhead import (
+from saltgate.bench.cpu import CpuUse
+from saltgate.bench.overhead import fixed_completion, nginx_conf
+from saltgate.bench.overhead_report import (
+    Meta,
+    OverheadResult,
+    Pinning,
+    Sample,
     aggregate,
-    chat_body,
-    fixed_completion,
     markdown,
-    nginx_conf,
-    parse_time_ms,
-    parse_wrk_output,
     ratios,
     summarize_profile,
-    wrk_script,
 )
+from saltgate.bench.procs import Machine
+from saltgate.bench.wrk import WrkResult, chat_body, parse_time_ms, parse_wrk_output, wrk_script
 
 WRK_OK = """\
 Running 5s test @ http://127.0.0.1:40001/v1/chat/completions
@@ -114,22 +117,9 @@ def test_nginx_answer_is_openai_shaped_and_quoted() -> None:
     assert "$" not in conf
 
 
-def _sample(target: str, conc: int, rps: float, p50: float, p99: float) -> dict[str, object]:
-    return {
-        "scenario": "nginx",
-        "target": target,
-        "round": 0,
-        "concurrency": conc,
-        "requests": int(rps),
-        "duration_s": 1.0,
-        "rps": rps,
-        "p50_ms": p50,
-        "p75_ms": p50,
-        "p90_ms": p99,
-        "p99_ms": p99,
-        "non_2xx": 0,
-        "socket_errors": {},
-    }
+def _sample(target: str, conc: int, rps: float, p50: float, p99: float) -> Sample:
+    wrk = WrkResult(int(rps), 1.0, rps, p50, p50, p99, p99)
+    return Sample("nginx", target, 0, conc, wrk, CpuUse(wrk_cpu_pct=40.0, backend_cpu_pct=30.0))
 
 
 def test_added_latency_and_ratios() -> None:
@@ -142,35 +132,59 @@ def test_added_latency_and_ratios() -> None:
         _sample("smg", 32, 3200, 10.0, 14.0),
     ]
     points = aggregate(samples)
-    salt1 = next(p for p in points if p["target"] == "saltgate" and p["concurrency"] == 1)
-    assert salt1["added_p50_ms"] == pytest.approx(0.30)
-    assert salt1["added_p99_ms"] == pytest.approx(1.0)
+    salt1 = next(p for p in points if p.target == "saltgate" and p.concurrency == 1)
+    assert salt1.added_p50_ms == pytest.approx(0.30)
+    assert salt1.added_p99_ms == pytest.approx(1.0)
     rows = ratios(points)
-    r32 = next(r for r in rows if r["concurrency"] == 32)
-    assert r32["peer"] == "smg"
-    assert r32["rps_ratio"] == pytest.approx(1.25)
-    assert r32["added_p50_ratio"] == pytest.approx(7.0 / 9.0)
-    result = {
-        "meta": {
-            "started": "now",
-            "machine": {"cpu": "test", "cpus": 2},
-            "loadavg_before": (0.0, 0.0, 0.0),
-            "loadavg_after": (0.0, 0.0, 0.0),
-            "duration_s": 1,
-            "warmup_s": 0,
-            "rounds": 1,
-            "pinning": {"load_and_backend_cpu": 0, "router_cpu": 1},
-        },
-        "support": {"direct": {"nginx": "ok"}, "saltgate": {"nginx": "ok"}, "smg": {"nginx": "ok"}},
-        "points": points,
-        "ratios": rows,
-        "profiles": [],
-        "notes": [],
-    }
+    r32 = next(r for r in rows if r.concurrency == 32)
+    assert r32.peer == "smg"
+    assert r32.rps_ratio == pytest.approx(1.25)
+    assert r32.added_p50_ratio == pytest.approx(7.0 / 9.0)
+    meta = Meta(
+        started="now",
+        elapsed_s=1.0,
+        command="saltgate bench overhead",
+        machine=Machine("test", 2, "6.1", "3.11.7"),
+        loadavg_before=(0.0, 0.0, 0.0),
+        loadavg_after=(0.0, 0.0, 0.0),
+        pinning=Pinning(0, 1),
+        duration_s=1,
+        warmup_s=0,
+        rounds=1,
+        concurrency=[1, 32],
+        body_bytes={"nginx": 4400},
+        versions={},
+        saltgate_source="abc1234",
+    )
+    support = {"direct": {"nginx": "ok"}, "saltgate": {"nginx": "ok"}, "smg": {"nginx": "ok"}}
+    result = OverheadResult(meta, support, points, rows, [], [], samples)
     text = markdown(result)
     assert "| saltgate | 32 | 4,000 |" in text
     assert "1.25x, met" in text
     assert "300 us vs 400 us, met" in text
+    assert (
+        "| saltgate | 1 | 2,000 | 350 us | 1.10 ms | 300 us | 1.00 ms | 0 | - | - | - (40%/30%/-) |"
+        in text
+    )
+
+
+def test_the_json_document_keeps_its_shape() -> None:
+    """docs/benchmarks.md and saved results read these fields: the records write the same
+    keys, in the same order, that the dictionaries did."""
+    sample = Sample("nginx", "saltgate", 0, 32, parse_wrk_output(WRK_OK), CpuUse(wrk_cpu_pct=9.5))
+    assert list(sample.to_json()) == [
+        "scenario", "target", "round", "concurrency", "requests", "duration_s", "rps",
+        "p50_ms", "p75_ms", "p90_ms", "p99_ms", "non_2xx", "socket_errors", "cpu",
+    ]  # fmt: skip
+    assert sample.to_json()["cpu"] == {"wrk_cpu_pct": 9.5, "backend_cpu_pct": 0.0}
+    (point,) = aggregate([sample])
+    doc = json.loads(json.dumps(asdict(point)))
+    assert list(doc)[:9] == [
+        "scenario", "target", "concurrency", "rounds", "rps", "p50_ms", "p99_ms", "errors",
+        "requests",
+    ]  # fmt: skip
+    assert list(doc)[-3:] == ["added_p50_ms", "added_p99_ms", "backend_bound"]
+    assert doc["wrk_cpu_pct"] == 9.5 and doc["router_proc_cpu_pct"] is None
 
 
 def test_summarize_profile_own_and_total() -> None:
@@ -180,9 +194,9 @@ def test_summarize_profile_own_and_total() -> None:
         "<module> (saltgate/cli.py:1);run (asyncio/runners.py:10) 10\n"
     )
     summary = summarize_profile(raw)
-    assert summary["samples"] == 50
-    own = {row["frame"]: row["pct"] for row in summary["top_own"]}
+    assert summary.samples == 50
+    own = {row.frame: row.pct for row in summary.top_own}
     assert own["handle (gw/server.py:5)"] == 60.0
     assert own["run (asyncio/runners.py:10)"] == 20.0
-    total = {row["frame"]: row["pct"] for row in summary["top_total"]}
+    total = {row.frame: row.pct for row in summary.top_total}
     assert total["<module> (saltgate/cli.py:1)"] == 100.0

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from saltgate.bench.overhead import default_tools_venv, find_tools
+from saltgate.bench.procs import default_tools_venv, find_tools
 from saltgate.bench.replay import Bench, Options
 from saltgate.bench.replay_client import RequestShape
 from saltgate.bench.replay_procs import SimSettings

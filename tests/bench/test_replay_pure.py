@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from saltgate.bench.overhead import BenchError
+from saltgate.bench.gateway_setup import GatewayState, check_gateway_config, gateway_config
+from saltgate.bench.procs import BenchError
 from saltgate.bench.replay import DEFAULT_TRACE
 from saltgate.bench.replay_client import RequestShape, StreamReader, cached_tokens_of
 from saltgate.bench.replay_metrics import (
@@ -24,12 +25,7 @@ from saltgate.bench.replay_metrics import (
     percentile_ms,
     summarize,
 )
-from saltgate.bench.replay_procs import (
-    GatewayState,
-    check_gateway_config,
-    gateway_config,
-    metric_total,
-)
+from saltgate.bench.replay_procs import metric_total
 from saltgate.bench.trace_schedule import (
     ReplayRequest,
     TraceError,

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -134,21 +133,6 @@ async def stack(
             await tap.close()
         for s in sims:
             await s.close()
-
-
-async def complete(client: httpx.AsyncClient, prompt: str, **extra: Any) -> dict[str, Any]:
-    """A short completion through the gateway; it must succeed."""
-    resp = await client.post(
-        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
-    )
-    assert resp.status_code == 200, resp.text
-    doc: dict[str, Any] = resp.json()
-    return doc
-
-
-def cached(doc: dict[str, Any]) -> int:
-    """The cached prompt tokens a completion reports."""
-    return int(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:

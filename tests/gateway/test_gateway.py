@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from tests.gateway.stack import MODEL, Stack, cached, complete, long_prompt, run, stack
+from tests.gateway.stack import MODEL, Stack, long_prompt, run, stack
+from tests.support.completions import cached, complete
 from tests.support.waiting import eventually
 
 from saltgate.config import load_master_key

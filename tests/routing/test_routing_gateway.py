@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from tests.gateway.stack import MODEL, Stack, Tap, cached, complete, long_prompt, run, stack
+from tests.gateway.stack import MODEL, Stack, Tap, long_prompt, run, stack
+from tests.support.completions import cached, complete
 from tests.support.waiting import eventually
 
 from saltgate.config import ReplicaConfig

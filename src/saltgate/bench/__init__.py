@@ -1,1 +1,1 @@
-"""Benchmarks and load tools (e.g. `python -m saltgate.bench.overhead`: per-request overhead)."""
+"""Benchmarks (docs/benchmarks.md), each a `saltgate bench NAME` command."""

@@ -22,14 +22,21 @@ import contextlib
 import json
 import shlex
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from saltgate.bench.overhead import (
+from saltgate.bench.gateway_setup import (
+    GatewayState,
+    gateway_config,
+    peer_argv,
+    prepare_gateway_state,
+    serve_argv,
+    write_gateway_config,
+)
+from saltgate.bench.procs import (
     BenchError,
     Proc,
     Tools,
@@ -38,19 +45,16 @@ from saltgate.bench.overhead import (
     free_port,
     machine_info,
     tool_versions,
+    workdir,
 )
 from saltgate.bench.replay_client import RequestShape, replay
 from saltgate.bench.replay_metrics import check_targets, markdown_table, summarize
 from saltgate.bench.replay_procs import (
     GATEWAY_POLICIES,
+    PEER_POLICIES,
     POLICIES,
     Fleet,
-    GatewayState,
     SimSettings,
-    check_gateway_config,
-    gateway_config,
-    prepare_gateway_state,
-    router_argv,
 )
 from saltgate.bench.trace_schedule import (
     ReplayRequest,
@@ -108,7 +112,8 @@ class Bench:
     def shape(self, policy: str) -> RequestShape:
         if policy in GATEWAY_POLICIES:
             if self.state is None:
-                self.state = prepare_gateway_state(self.workdir / "gateway-state", self.o.tenants)
+                tenants = [f"tenant-{i}" for i in range(self.o.tenants)]
+                self.state = prepare_gateway_state(self.workdir / "gateway-state", tenants)
             return RequestShape(
                 MODEL, self.o.block_tokens, self.o.text_prompts, tenant_keys=self.state.api_keys
             )
@@ -170,7 +175,6 @@ class Bench:
         return result
 
     def start_router(self, policy: str, port: int, fleet: Fleet) -> Proc:
-        config = None
         tag = policy.replace(":", "-")
         if policy in GATEWAY_POLICIES:
             assert self.state is not None
@@ -182,10 +186,10 @@ class Bench:
                 policy=policy,
                 router_settings=self.o.router_settings,
             )
-            config = self.workdir / f"{tag}.toml"
-            config.write_text(text)
-            check_gateway_config(text, self.workdir)
-        argv = router_argv(policy, self.tools, port, fleet.urls, config)
+            argv = serve_argv(write_gateway_config(self.workdir / f"{tag}.toml", text))
+        else:
+            tool, peer_policy = PEER_POLICIES[policy]
+            argv = peer_argv(self.tools, tool, peer_policy, port, fleet.urls)
         return Proc(tag, argv, self.workdir / f"{tag}-router.log")
 
     async def wait_ready(self, router: Proc, port: int, shape: RequestShape) -> None:
@@ -334,6 +338,9 @@ def _positive(kind: type[int] | type[float]) -> Any:
     return parse
 
 
+HELP = "replay a real trace through each routing policy"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = SimSettings()
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (JSONL)")
@@ -432,16 +439,6 @@ def _options(args: argparse.Namespace) -> Options:
     )
 
 
-@contextlib.contextmanager
-def _workdir(path: Path | None) -> Iterator[Path]:
-    if path is not None:
-        path.mkdir(parents=True, exist_ok=True)
-        yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="saltgate-replay-") as tmp:
-        yield Path(tmp)
-
-
 def run(args: argparse.Namespace) -> int:
     """The `saltgate bench replay` command; 0 when every policy ran, 1 if one could not."""
     try:
@@ -477,8 +474,8 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.time()
-    with _workdir(args.workdir) as workdir:
-        bench = Bench(options, schedule, tools, workdir)
+    with workdir("saltgate-replay-", args.workdir) as work:
+        bench = Bench(options, schedule, tools, work)
         results = asyncio.run(bench.run())
         ttfts = bench.ttfts
     targets = check_targets(results)
@@ -508,7 +505,7 @@ def run(args: argparse.Namespace) -> int:
                 "router_settings": list(options.router_settings),
                 "fault": asdict(options.fault) if options.fault else None,
             },
-            "machine": machine_info(),
+            "machine": asdict(machine_info()),
             "tools": tool_versions(tools),
             "results": results,
             "targets": targets,

@@ -1,30 +1,24 @@
-"""The replay's processes: a fleet of `saltgate sim` replicas and the router under test.
+"""The replay's fleet of `saltgate sim` replicas, and which router each policy runs.
 
 Each policy gets fresh replicas (empty caches). Gateway policies run `saltgate serve`
 with `[router] policy = P`; the peers run as their own binaries from the bench venv
-(scripts/bench-setup.sh). Children run in their own process groups with their output in
-log files under the work directory, and listen on 127.0.0.1 only; processes and helpers
-are the overhead benchmark's (saltgate.bench.overhead), not copies.
+(scripts/bench-setup.sh), both started as bench/gateway_setup.py says. Children run in
+their own process groups (bench/procs.py) with their output in log files under the work
+directory, and listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
-import sys
-import tomllib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from saltgate.bench.overhead import BenchError, Proc, Tools, free_port
-from saltgate.config import ConfigError, create_master_key, parse_config
+from saltgate.bench.procs import BenchError, Proc, free_port
 from saltgate.http.client import UpstreamError, UpstreamPool
 from saltgate.sim.run import sim_command
-from saltgate.store.tenants import TenantStore
 
 GATEWAY_POLICIES = ("saltgate", "round_robin", "least_loaded", "consistent_hash")
 # policy name -> (tool, its --policy)
@@ -158,85 +152,3 @@ class Fleet:
             if proc is not None:
                 proc.stop()
         self.procs = [None] * len(self.ports)
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayState:
-    state_dir: Path
-    api_keys: tuple[str, ...]  # one per tenant, tenant i = "tenant-i"
-
-
-def prepare_gateway_state(state_dir: Path, tenants: int) -> GatewayState:
-    """A master key and T tenants with one API key each, in a fresh state directory."""
-    state_dir.mkdir(parents=True, mode=0o700)
-    create_master_key(state_dir / "master.key")
-    keys = []
-    with TenantStore.from_state_dir(state_dir) as store:
-        for i in range(tenants):
-            name = f"tenant-{i}"
-            store.create_tenant(name)
-            keys.append(store.create_key(name)[1])
-    return GatewayState(state_dir, tuple(keys))
-
-
-def gateway_config(
-    state: GatewayState,
-    replica_urls: Sequence[str],
-    *,
-    port: int,
-    admin_port: int,
-    policy: str,
-    router_settings: Sequence[str] = (),
-) -> str:
-    """`saltgate serve` TOML: the replicas, and [router] policy plus KEY = VALUE lines."""
-    router = "".join(f"{line}\n" for line in router_settings)
-    replicas = "".join(f"\n[[replicas]]\nurl = {json.dumps(u)}\n" for u in replica_urls)
-    return (
-        "[gateway]\n"
-        'host = "127.0.0.1"\n'
-        f"port = {port}\n"
-        'admin_host = "127.0.0.1"\n'
-        f"admin_port = {admin_port}\n"
-        f"state_dir = {json.dumps(str(state.state_dir))}\n"
-        f"master_key_file = {json.dumps(str(state.state_dir / 'master.key'))}\n"
-        "\n[router]\n"
-        f"policy = {json.dumps(policy)}\n"
-        f"{router}"
-        f"{replicas}"
-    )
-
-
-def check_gateway_config(text: str, base: Path) -> None:
-    """Refuse, with the gateway's own message, a config `saltgate serve` would refuse."""
-    try:
-        parse_config(tomllib.loads(text), base)
-    except tomllib.TOMLDecodeError as exc:
-        raise BenchError(f"gateway config is not valid TOML (check --router-set): {exc}") from None
-    except ConfigError as exc:
-        raise BenchError(f"saltgate serve refuses the config: {exc}") from None
-
-
-def router_argv(
-    policy: str, tools: Tools, port: int, replica_urls: Sequence[str], config: Path | None
-) -> list[str]:
-    if policy in GATEWAY_POLICIES:
-        assert config is not None
-        return [sys.executable, "-m", "saltgate.cli", "serve", "--config", str(config)]
-    tool, peer_policy = PEER_POLICIES[policy]
-    common = [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        *replica_urls,
-        "--policy",
-        peer_policy,
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(free_port()),
-    ]
-    if tool == "smg":
-        return [tools.need("smg"), "launch", *common, "--log-level", "warn"]
-    return [tools.need("vllm-router"), *common, "--log-level", "warning"]

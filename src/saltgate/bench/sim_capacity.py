@@ -1,7 +1,7 @@
 """How much one simulated replica sustains on one core, and how many fit on one machine.
 
     scripts/bench-setup.sh   # wrk and taskset
-    .venv/bin/python -m saltgate.bench.sim_capacity [--duration 5] [--replicas 64]
+    .venv/bin/saltgate bench sim-capacity [--duration 5] [--replicas 64]
 
 Throughput: one `saltgate sim` pinned to core 1 with a zero time model (so the CPU cost
 per request is all there is), wrk pinned to core 0 posting a ~4.4 KB chat request, whole
@@ -13,25 +13,23 @@ Results go to docs/benchmarks.md ("Replica simulator").
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
 import sys
-import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
-from saltgate.bench.overhead import (
+from saltgate.bench.cpu import proc_ticks
+from saltgate.bench.procs import (
     BenchError,
     Proc,
-    chat_body,
     default_tools_venv,
     find_tools,
     free_port,
     http_request,
-    parse_wrk_output,
     pinned,
-    wrk_script,
+    workdir,
 )
+from saltgate.bench.wrk import chat_body, run_wrk, wrk_script
 from saltgate.sim.run import sim_command
 
 CONCURRENCY = 32
@@ -63,57 +61,38 @@ def _rss_mb(pid: int) -> float:
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = int(fields[11]) + int(fields[12])  # utime + stime
-    return ticks / 100.0
+    return sum(proc_ticks(pid).values()) / os.sysconf("SC_CLK_TCK")
 
 
-def throughput(duration: int, workdir: Path) -> list[tuple[str, float, float, float]]:
+def throughput(duration: int, work: Path) -> list[tuple[str, float, float, float]]:
     """(mode, requests/s, p50 ms, p99 ms) for whole and streamed answers on one core."""
     tools = find_tools(default_tools_venv())
     port = free_port()
-    sim = Proc("sim", pinned(tools, 1, _sim_argv(port, zero_time=True)), workdir / "sim.log")
+    sim = Proc("sim", pinned(tools, 1, _sim_argv(port, zero_time=True)), work / "sim.log")
     rows = []
     try:
         _wait_ready(port)
         for mode, stream in (("whole", False), ("streamed", True)):
-            script = workdir / f"{mode}.lua"
+            script = work / f"{mode}.lua"
             script.write_text(wrk_script(chat_body(stream=stream), "unused"))
-            argv = [
-                tools.need("wrk"),
-                "-t1",
-                f"-c{CONCURRENCY}",
-                f"-d{duration}s",
-                "--latency",
-                "-s",
-                str(script),
-                f"http://127.0.0.1:{port}",
-            ]
-            run = subprocess.run(  # noqa: S603 - argv built here, no shell
-                pinned(tools, 0, argv),
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=duration + 30,
-            )
-            try:
-                result = parse_wrk_output(run.stdout)
-            except ValueError as exc:
-                raise BenchError(f"{mode}: {exc}\n{run.stdout}{run.stderr}") from None
+            result = run_wrk(tools, 0, port, script, concurrency=CONCURRENCY, duration_s=duration)
             if result.errors:
-                raise BenchError(f"{mode}: {result.errors} failed requests:\n{run.stdout}")
+                raise BenchError(
+                    f"{mode}: {result.errors} failed requests ({result.non_2xx} non-2xx, "
+                    f"socket errors {result.socket_errors})"
+                )
             rows.append((mode, result.rps, result.p50_ms, result.p99_ms))
     finally:
         sim.stop()
     return rows
 
 
-def footprint(replicas: int, workdir: Path) -> tuple[float, float, float]:
+def footprint(replicas: int, work: Path) -> tuple[float, float, float]:
     """(start seconds, mean RSS MB, idle CPU % of a core) per replica for `replicas` at once."""
     ports = [free_port() for _ in range(replicas)]
     start = time.monotonic()
     procs = [
-        Proc(f"sim{i}", _sim_argv(p, zero_time=False), workdir / f"sim{i}.log")
+        Proc(f"sim{i}", _sim_argv(p, zero_time=False), work / f"sim{i}.log")
         for i, p in enumerate(ports)
     ]
     try:
@@ -135,15 +114,20 @@ def footprint(replicas: int, workdir: Path) -> tuple[float, float, float]:
     return started / replicas, sum(rss) / len(rss), sum(idle) / len(idle)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m saltgate.bench.sim_capacity")
+HELP = "how much one simulated replica sustains on one core, and how many fit"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=int, default=5, help="seconds per wrk point")
     parser.add_argument("--replicas", type=int, default=64, help="replicas for the footprint")
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="sg-simcap-") as tmp:
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `saltgate bench sim-capacity` command."""
+    with workdir("sg-simcap-") as tmp:
         try:
-            rows = throughput(args.duration, Path(tmp))
-            per_start, rss, idle = footprint(args.replicas, Path(tmp))
+            rows = throughput(args.duration, tmp)
+            per_start, rss, idle = footprint(args.replicas, tmp)
         except BenchError as exc:
             print(f"sim_capacity: {exc}", file=sys.stderr)
             return 1
@@ -158,7 +142,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"24 GiB holds about {memory_bound} replicas (before their KV-cache maps fill)."
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
