@@ -41,7 +41,8 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    from saltgate.sim.run import SimConfig, serve_forever
+    from saltgate.sim.run import serve_forever
+    from saltgate.sim.server import SimConfig
 
     config = SimConfig(
         host=args.host,

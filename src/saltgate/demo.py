@@ -11,7 +11,8 @@ from pathlib import Path
 from saltgate.config import ConfigError, GatewayConfig, ReplicaConfig, create_master_key
 from saltgate.gateway.run import start_gateway
 from saltgate.runtime import run_service, until_stopped
-from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate.sim.run import RunningSim, start_sim
+from saltgate.sim.server import SimConfig
 from saltgate.store.tenants import TenantStore
 
 DEMO_TENANTS = ("demo-alice", "demo-bob")

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from saltgate.routing import Plan, Router, RouterConfig
 from saltgate.routing.affinity import PrefixAffinity
 from saltgate.routing.rendezvous import Member
-from saltgate.routing.router import Plan, Router, RouterConfig
 from saltgate.spec.derive import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,

@@ -1,6 +1,6 @@
 """`saltgate audit deployment --config FILE`: check a deployment from the operator's seat.
 
-Questions (docs/audit.md, research/attacks.md): can a replica be reached without the
+Questions (docs/audit.md, ../shared/research/attacks.md): can a replica be reached without the
 gateway's credentials; are its metrics or KV-event endpoints readable; which
 prefix-caching hash algorithm the replicas run; does a client-chosen cache_salt (or no
 salt at all) reach a replica through the gateway; do responses reveal the replica.

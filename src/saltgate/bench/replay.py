@@ -63,7 +63,7 @@ from saltgate.bench.trace_schedule import (
     load_trace,
     zipf_weights,
 )
-from saltgate.http.client import UpstreamError, UpstreamPool
+from saltgate.http import UpstreamError, UpstreamPool
 
 MODEL = "sim-model"
 DEFAULT_TRACE = (

@@ -22,7 +22,7 @@ import orjson
 
 from saltgate.bench.replay_metrics import Outcome, percentile_ms
 from saltgate.bench.trace_schedule import ReplayRequest, prompt_text, prompt_tokens
-from saltgate.http.client import UpstreamError, UpstreamPool
+from saltgate.http import UpstreamError, UpstreamPool
 
 COMPLETIONS_PATH = b"/v1/completions"
 SESSION_HEADER = b"x-session-id"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from saltgate.bench.procs import BenchError, Proc, free_port
-from saltgate.http.client import UpstreamError, UpstreamPool
+from saltgate.http import UpstreamError, UpstreamPool
 from saltgate.sim.run import sim_command
 
 GATEWAY_POLICIES = ("saltgate", "round_robin", "least_loaded", "consistent_hash")

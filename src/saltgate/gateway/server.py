@@ -25,7 +25,7 @@ from saltgate.http.client import UpstreamResponse
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import forward_request_headers, scrub_response_headers
 from saltgate.policy.request import Inspected, inspect, parse_json_object, prepare, resolve_route
-from saltgate.routing.router import Plan
+from saltgate.routing import Plan
 from saltgate.spec.derive import SubKeys, cache_salt
 from saltgate.store.ledger import Ledger, UsageRecord
 from saltgate.store.tenants import KeyIndex, Principal

@@ -78,7 +78,7 @@ def resolve_route(
 #
 # Measured (tests/policy/bench_parse.py: python 3.11, orjson 3.13, 2 shared vCPUs under
 # other load, minimum over 40 interleaved rounds; this box is ~2x slower than the one in
-# research/perf-calibration.md, where orjson.loads took 2.3 us / 48 us). Microseconds per
+# ../shared/research/perf-calibration.md, where orjson.loads took 2.3 us / 48 us). Microseconds per
 # request for realistic chat bodies; "+ fwd" adds the orjson.dumps that forwards the body
 # (orjson caches each str's UTF-8 on the first dumps, so whichever dumps runs first pays):
 #
