@@ -191,30 +191,56 @@ def test_no_import_cycle_between_modules() -> None:
     assert _cycles(GRAPH.edges) == []
 
 
-def test_no_import_cycle_between_packages() -> None:
+def package_edges(graph: Graph) -> dict[str, set[str]]:
     packages: dict[str, set[str]] = {}
-    for module, targets in GRAPH.edges.items():
+    for module, targets in graph.edges.items():
         src = _package(module)
         deps = packages.setdefault(src, set())
         deps.update(t for t in map(_package, targets) if t not in (src, ROOT))
-    assert _cycles(packages) == []
+    return packages
+
+
+def test_no_import_cycle_between_packages() -> None:
+    assert _cycles(package_edges(GRAPH)) == []
 
 
 def _pure(module: str) -> bool:
     return module in PURE_MODULES or _is_in(module, PURE_PACKAGES)
 
 
-def test_pure_modules_reach_no_io_clock_or_impure_module() -> None:
+def purity_problems(graph: Graph) -> list[str]:
     problems = []
-    for module in sorted(m for m in GRAPH.modules if _pure(m)):
-        for dep in sorted(GRAPH.closure(module)):
+    for module in sorted(m for m in graph.modules if _pure(m)):
+        for dep in sorted(graph.closure(module)):
             if not _pure(dep):
-                kind = (
-                    "an I/O module" if _is_in(dep, IO_PACKAGES) else "a module outside the pure set"
-                )
+                kind = "an I/O module" if _is_in(dep, IO_PACKAGES) else "not a pure module"
                 problems.append(f"{module} loads {dep}, {kind}")
-            for lib in sorted(GRAPH.libraries[dep]):
+            for lib in sorted(graph.libraries[dep]):
                 if _is_in(lib, IO_LIBRARIES) or _is_in(lib, CLOCK_LIBRARIES):
                     via = "" if dep == module else f" (via {dep})"
                     problems.append(f"{module} loads {lib}{via}")
-    assert problems == []
+    return problems
+
+
+def test_pure_modules_reach_no_io_clock_or_impure_module() -> None:
+    assert purity_problems(GRAPH) == []
+
+
+def _with(extra_edges: dict[str, set[str]], extra_libraries: dict[str, set[str]]) -> Graph:
+    """GRAPH with a few imports added: the positive controls below."""
+    edges = {m: set(t) | extra_edges.get(m, set()) for m, t in GRAPH.edges.items()}
+    libraries = {m: set(t) | extra_libraries.get(m, set()) for m, t in GRAPH.libraries.items()}
+    return Graph(dict(GRAPH.modules), edges, libraries)
+
+
+def test_the_checks_see_what_they_guard_against() -> None:
+    """Positive controls: the old spec -> policy arrow is a package cycle; config.py
+    importing the relay, or a pure module two hops away loading zmq or a clock, is found."""
+    back = _with({"saltgate.spec.derive": {"saltgate.policy.errors"}}, {})
+    assert ["saltgate.policy", "saltgate.spec"] in _cycles(package_edges(back))
+    relay = _with({"saltgate.config": {"saltgate.kvevents.relay"}}, {})
+    assert "saltgate.config loads saltgate.kvevents.relay, an I/O module" in purity_problems(relay)
+    deep = _with({}, {"saltgate.spec.encoding": {"zmq.utils"}, "saltgate.routing.health": {"time"}})
+    found = purity_problems(deep)
+    assert "saltgate.config loads zmq.utils (via saltgate.spec.encoding)" in found
+    assert "saltgate.routing.router loads time (via saltgate.routing.health)" in found

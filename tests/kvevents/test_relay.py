@@ -134,6 +134,36 @@ def test_seq_cursor_classifies_next_gap_duplicate_and_restart() -> None:
     assert ahead.live(7) is SeqVerdict.DUPLICATE and ahead.restarts == 0
 
 
+def test_admitting_messages_fills_gaps_first_and_counts_what_stays_missing() -> None:
+    """The one decision the relay (upstream) and a consumer (downstream) share."""
+    cursor = SeqCursor()
+    fills: list[int] = []
+    assert cursor.admit_live(0, lambda: fills.append(0)) == 0 and fills == []
+    cursor.advance(0)
+    assert cursor.admit_replayed(0) is None  # replay repeats what live delivered
+
+    # A gap whose replay delivers everything up to and including the live message:
+    def replay_all() -> None:
+        fills.append(cursor.next_seq)
+        for seq in (1, 2, 3):
+            assert cursor.admit_replayed(seq) == 0
+            cursor.advance(seq)
+
+    assert cursor.admit_live(3, replay_all) is None and fills == [1]
+    # A gap the replay cannot fill (nothing answered): 4 and 5 are lost, 6 is taken.
+    assert cursor.admit_live(6, lambda: fills.append(cursor.next_seq)) == 2
+    assert fills == [1, 4]
+    cursor.advance(6)
+    # A replay answer that starts past the expected seq: its window no longer reached back.
+    assert cursor.admit_replayed(10) == 3
+    assert cursor.admit_replayed(5) is None
+    ahead = SeqCursor()  # replay delivered 0..2 before the first live message arrived
+    for seq in range(3):
+        assert ahead.admit_replayed(seq) == 0
+        ahead.advance(seq)
+    assert ahead.admit_live(1, lambda: fills.append(-1)) is None and fills[-1] != -1
+
+
 def test_replay_window_keeps_the_last_n_in_order() -> None:
     window = ReplayWindow(3)
     for i in range(5):
@@ -307,6 +337,20 @@ def test_a_consumer_that_reconnects_misses_nothing(harness: Harness) -> None:
     seqs = [g.seq for g in got + rest]
     assert seqs == list(range(8))
     assert isinstance(rest[-1].batch.events[0], AllBlocksCleared)
+
+
+def test_a_consumer_behind_the_replay_window_counts_what_it_lost() -> None:
+    harness = Harness(window=3)
+    try:
+        for _ in range(5):
+            harness.upstream.publish([STORED])
+        eventually_blocking(lambda: harness.relay.stats.published == 5)
+        with harness.consumer() as late:  # wants seq 0; the window holds 2, 3, 4
+            got = late.catch_up()
+            assert [g.seq for g in got] == [2, 3, 4]
+            assert late.missed == 2
+    finally:
+        harness.close()
 
 
 def test_a_late_relay_and_an_upstream_gap_are_filled_from_replay() -> None:
