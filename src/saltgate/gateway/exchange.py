@@ -72,15 +72,6 @@ class Meter:
         metrics.describe("saltgate_tokens_total", "counter", "Tokens metered, by kind.")
         metrics.describe(_FAILURES, "counter", "Failed upstream exchanges.")
 
-    async def commit(self, record: UsageRecord, started: float) -> None:
-        """Return once ``record`` is durable in the ledger."""
-        await self.ledger.record(record)
-        tokens = self.metrics.series("saltgate_tokens_total")
-        tokens[_PROMPT] += record.prompt_tokens
-        tokens[_CACHED] += record.cached_tokens
-        tokens[_COMPLETION] += record.completion_tokens
-        self.metrics.observe_latency((), time.monotonic() - started)
-
 
 class Exchange:
     """See the module docstring; `forward` starts it, `_end` ends it, once."""
@@ -129,27 +120,30 @@ class Exchange:
         tried: list[str] = []
         try:
             while True:
-                attempt = replicas.acquire(plan, tried)
+                attempt = self._attempt = replicas.acquire(plan, tried)
                 if attempt is None:
                     if tried:
                         await self._end(NOT_SERVED)
                     raise no_replica()
-                self._attempt = attempt
+                replica = attempt.replica
                 try:
-                    upstream = await attempt.send(path, headers, payload)
+                    upstream = await replica.pool.request(
+                        b"POST", replica.prefix + path, headers + replica.auth, payload
+                    )
                     break
                 except UpstreamError as exc:
-                    self._meter.metrics.inc(_FAILURES)
+                    self._failed()
                     if not exc.before_response:
                         await self._end(REPLICA_FAILED)
                         raise replica_failed() from None
                     attempt.close()
-                    self._attempt = None
-                    tried.append(attempt.replica.id)
+                    tried.append(replica.id)
+            attempt.responded()
             self._upstream = upstream
             response_headers = scrub_response_headers(upstream.headers)
-            content_type = upstream.header(b"content-type") or b""
-            if upstream.status == 200 and content_type.startswith(_SSE):
+            if upstream.status == 200 and (upstream.header(b"content-type") or b"").startswith(
+                _SSE
+            ):
                 self._scanner = SseUsageScanner(drop_usage_event=not client_wants_usage)
                 return Response(200, response_headers, stream=self)
             try:
@@ -251,4 +245,10 @@ class Exchange:
             completion_tokens=used.completion_tokens,
             status=status,
         )
-        await self._meter.commit(record, self._started)
+        meter = self._meter
+        await meter.ledger.record(record)
+        tokens = meter.metrics.series("saltgate_tokens_total")
+        tokens[_PROMPT] += record.prompt_tokens
+        tokens[_CACHED] += record.cached_tokens
+        tokens[_COMPLETION] += record.completion_tokens
+        meter.metrics.observe_latency((), time.monotonic() - self._started)

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from saltgate.config import ReplicaConfig
-from saltgate.http.client import Headers, UpstreamError, UpstreamPool, UpstreamResponse
+from saltgate.http.client import UpstreamError, UpstreamPool
 from saltgate.routing import Member, Plan, ReplicaState, Router, parse_waiting
 from saltgate.spec.derive import Prompt
 
@@ -52,11 +52,11 @@ class Replica:
 class Attempt:
     """One exchange with one replica, from `ReplicaSet.acquire` to `close`.
 
-    It tells the router how the exchange went, each fact once: the response arrived
-    (`responded`, inside `send`), the first output came so the prompt is prefilled
-    (`first_output`), the exchange broke (`failed`), and the replica is free of it
-    (`close`, idempotent, handing back whatever prefill estimate is still counted). Every
-    ending closes it, so in-flight counts and prefill backlog return to zero.
+    It tells the router how the exchange went: the response arrived (`responded`), the
+    first output came so the prompt is prefilled (`first_output`), the exchange broke
+    (`failed`), and the replica is free of it (`close`, idempotent, handing back whatever
+    prefill estimate is still counted). Every ending closes it, so in-flight counts and
+    prefill backlog return to zero.
     """
 
     __slots__ = ("_closed", "_prefill", "_router", "replica")
@@ -67,19 +67,8 @@ class Attempt:
         self._prefill = prefill
         self._closed = False
 
-    async def send(self, path: bytes, headers: Headers, body: bytes) -> UpstreamResponse:
-        """POST to the replica; returns at its response headers. A broken exchange is
-        reported to the router and raised."""
-        replica = self.replica
-        try:
-            response = await replica.pool.request(
-                b"POST", replica.prefix + path, headers + replica.auth, body
-            )
-        except UpstreamError:
-            self.failed()
-            raise
-        self._router.responded(replica.id)
-        return response
+    def responded(self) -> None:
+        self._router.responded(self.replica.id)
 
     def first_output(self) -> None:
         if self._prefill:

@@ -72,8 +72,14 @@ def status_line(status: int) -> bytes:
     return line if line is not None else b"HTTP/1.1 %d Status\r\n" % status
 
 
-def _has_body(status: int) -> bool:
-    return status >= 200 and status not in (204, 304)
+_BODILESS: Final = frozenset({204, 304})
+# The connection header a response carries: (keep the connection open, HTTP/1.0 client).
+_CONNECTION: Final = {
+    (False, False): b"connection: close\r\n",
+    (False, True): b"connection: close\r\n",
+    (True, False): b"",
+    (True, True): b"connection: keep-alive\r\n",
+}
 
 
 @dataclass(slots=True, eq=False)
@@ -147,11 +153,8 @@ class _Refusal:
     head_only: bool = False
 
 
-@dataclass(slots=True)
-class _Queued:
-    request: Request
-    keep_alive: bool
-    http10: bool
+# A request waiting for its answer: (request, keep the connection open after it, HTTP/1.0).
+_Queued = tuple[Request, bool, bool]
 
 
 class _Connection(asyncio.Protocol):
@@ -163,6 +166,7 @@ class _Connection(asyncio.Protocol):
         "_client",
         "_closing",
         "_continue_owed",
+        "_head_fields",
         "_head_from",
         "_headers",
         "_headers_size",
@@ -191,6 +195,7 @@ class _Connection(asyncio.Protocol):
         self._headers: Headers = []
         self._headers_size = 0
         self._in_headers = False
+        self._head_fields = 0  # fields in the head; any after it are trailers
         self._received = 0  # bytes read on this connection
         self._head_from = 0  # _received when the request being read began
         self._body_parts: list[bytes] = []
@@ -229,8 +234,13 @@ class _Connection(asyncio.Protocol):
         self._queue.clear()  # requests not yet started never reached the handler
         self._writable.set()
         task = self._task
-        if task is not None and not task.done() and self._server.cancel_on_disconnect:
-            task.cancel()
+        if task is not None and not task.done():
+            if self._server.cancel_on_disconnect:
+                task.cancel()
+            else:  # it goes on without a connection; close() must still wait for it
+                orphans = self._server.orphans
+                orphans.add(task)
+                task.add_done_callback(orphans.discard)
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -282,26 +292,26 @@ class _Connection(asyncio.Protocol):
         self._headers_size += len(name) + len(value)
         if self._headers_size > _MAX_HEADER_BYTES:
             self._refuse(431, "request headers too large", stop=True)
-        if self._in_headers:  # fields after the body (chunked trailers) are dropped
-            self._headers.append((name.lower(), value))
+        self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
+        self._head_fields = len(self._headers)
         parser = self._parser
         version = parser.get_http_version()
         if version not in _VERSIONS:
             if version == "0.9":  # a request line without a version, or HTTP/0.9
                 self._refuse(400, "malformed HTTP request: HTTP/1.1 or 1.0 required", stop=True)
             self._refuse(505, "only HTTP/1.1 and HTTP/1.0 are supported", stop=True)
-        problem = _head_problem(self._headers, version, self._server.max_body_bytes)
-        if problem is not None:
-            status, message = problem
-            self._refuse(status, message, head_only=parser.get_method() == _HEAD, stop=True)
-        if version == "1.1" and _expects_continue(self._headers):
+        found = _read_head(self._headers, version, self._server.max_body_bytes)
+        if found is _EXPECTS_CONTINUE:
             if self._task is None and not self._queue and self._transport is not None:
                 self._transport.write(_CONTINUE)
             else:  # another response is ahead: the 100 waits for it (see _serve)
                 self._continue_owed = True
+        elif found is not None:
+            status, message = found
+            self._refuse(status, message, head_only=parser.get_method() == _HEAD, stop=True)
 
     def on_body(self, body: bytes) -> None:
         self._continue_owed = False  # the client is sending anyway
@@ -316,10 +326,12 @@ class _Connection(asyncio.Protocol):
         path, _, query = url.partition(b"?")
         parts = self._body_parts
         body = parts[0] if len(parts) == 1 else b"".join(parts)
+        headers = self._headers
+        if len(headers) > self._head_fields:  # chunked trailers: never read as headers
+            del headers[self._head_fields :]
         parser = self._parser
-        request = Request(parser.get_method(), path, query, self._headers, body, self._client)
-        queued = _Queued(request, parser.should_keep_alive(), parser.get_http_version() == "1.0")
-        self._enqueue(queued)
+        request = Request(parser.get_method(), path, query, headers, body, self._client)
+        self._enqueue((request, parser.should_keep_alive(), parser.get_http_version() == "1.0"))
         if len(self._queue) >= _MAX_QUEUED and self._transport is not None and not self._paused:
             self._paused = True
             self._transport.pause_reading()
@@ -328,10 +340,7 @@ class _Connection(asyncio.Protocol):
     def _enqueue(self, item: _Queued | _Refusal) -> None:
         self._queue.append(item)
         if self._task is None:
-            task = self._task = self._loop.create_task(self._serve())
-            tasks = self._server.tasks
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            self._task = self._loop.create_task(self._serve())
 
     def _refuse(
         self, status: int, message: str, *, head_only: bool = False, stop: bool = False
@@ -349,8 +358,8 @@ class _Connection(asyncio.Protocol):
         the connection then closes, since what follows it is not HTTP/1.1."""
         self._reading = False
         last = self._queue[-1] if self._queue else None
-        if isinstance(last, _Queued):
-            last.keep_alive = False
+        if isinstance(last, tuple):
+            self._queue[-1] = (last[0], False, last[2])
         else:
             self._enqueue(_Refusal(400, "protocol upgrades are not supported"))
 
@@ -382,7 +391,7 @@ class _Connection(asyncio.Protocol):
     async def _respond(self, item: _Queued) -> bool:
         """Answer one request; returns whether the connection stays open after it."""
         server = self._server
-        request = item.request
+        request, keep_alive, http10 = item
         try:
             response = await server.handler(request)
         except asyncio.CancelledError:
@@ -396,11 +405,15 @@ class _Connection(asyncio.Protocol):
             if transport is None or self._closing:
                 return False
             status = response.status
+            # HTTP/1.0 has no chunked coding: the close ends a streamed body.
+            keep_alive = keep_alive and (stream is None or not http10)
+            head = [status_line(status)]
+            for name, value in response.headers:
+                head.append(b"%s: %s\r\n" % (name, value))
+            head.append(_CONNECTION[keep_alive, http10])
             # A HEAD response and a 204 / 304 carry no body, whatever the handler gave.
-            has_body = _has_body(status)
+            has_body = status >= 200 and status not in _BODILESS
             send_body = has_body and request.method != _HEAD
-            keep_alive = item.keep_alive and not (stream is not None and item.http10)
-            head = _head(response, keep_alive, item.http10)
             if stream is None:
                 if has_body:
                     head.append(b"content-length: %d\r\n" % len(response.body))
@@ -408,13 +421,12 @@ class _Connection(asyncio.Protocol):
                 if send_body:
                     head.append(response.body)
                 transport.write(b"".join(head))
-            elif not send_body:
-                head.append(b"\r\n")
+            else:
+                chunked = send_body and not http10
+                head.append(b"transfer-encoding: chunked\r\n\r\n" if chunked else b"\r\n")
                 transport.write(b"".join(head))
-            else:  # chunked; HTTP/1.0 has no chunked coding: the close ends its body
-                head.append(b"\r\n" if item.http10 else b"transfer-encoding: chunked\r\n\r\n")
-                transport.write(b"".join(head))
-                await self._write_stream(transport, stream, chunked=not item.http10)
+                if send_body:
+                    await self._write_stream(transport, stream, chunked=chunked)
             return keep_alive and not self._closing
         finally:
             if stream is not None:
@@ -502,23 +514,15 @@ class _Connection(asyncio.Protocol):
             self._queue.clear()
             self._task.add_done_callback(lambda _: self._close())
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task
+
     def abort(self) -> None:
         """Cancel the response in progress and close."""
         if self._task is not None:
             self._task.cancel()
         self._close()
-
-
-def _head(response: Response, keep_alive: bool, http10: bool) -> list[bytes]:
-    """Status line and header lines, without the framing header and the blank line."""
-    head = [status_line(response.status)]
-    for name, value in response.headers:
-        head.append(b"%s: %s\r\n" % (name, value))
-    if not keep_alive:
-        head.append(b"connection: close\r\n")
-    elif http10:
-        head.append(b"connection: keep-alive\r\n")
-    return head
 
 
 async def _close_stream(stream: BodyStream) -> None:
@@ -530,11 +534,19 @@ async def _close_stream(stream: BodyStream) -> None:
         log.exception("closing a response stream failed")
 
 
-def _head_problem(headers: Headers, version: str, limit: int) -> tuple[int, str] | None:
-    """Why a request head must be refused before its body is read, if it must: framing a
-    proxy in front could read differently, a body over the limit, a missing Host."""
+_EXPECTS_CONTINUE: Final = (100, "")
+_HEAD_FIELDS: Final = frozenset({b"host", b"content-length", b"transfer-encoding", b"expect"})
+
+
+def _read_head(headers: Headers, version: str, limit: int) -> tuple[int, str] | None:
+    """Read a request head in one pass: why it must be refused before its body is read, if
+    it must (framing a proxy in front could read differently, a body over the limit, a
+    missing Host), else `_EXPECTS_CONTINUE` if an HTTP/1.1 client waits for 100 Continue."""
     hosts = 0
+    expects = False
     for name, value in headers:
+        if name not in _HEAD_FIELDS:
+            continue
         if name == b"host":
             hosts += 1
         elif name == b"content-length":
@@ -545,13 +557,11 @@ def _head_problem(headers: Headers, version: str, limit: int) -> tuple[int, str]
                 return 400, "Transfer-Encoding is not allowed in HTTP/1.0"
             if value.strip().lower() != b"chunked":
                 return 501, "only the chunked transfer coding is supported"
+        elif name == b"expect":
+            expects = value.lower() == b"100-continue" and version == "1.1"
     if hosts > 1 or (hosts == 0 and version == "1.1"):  # RFC 9112, section 3.2
         return 400, "an HTTP/1.1 request needs exactly one Host header"
-    return None
-
-
-def _expects_continue(headers: Headers) -> bool:
-    return any(n == b"expect" and v.lower() == b"100-continue" for n, v in headers)
+    return _EXPECTS_CONTINUE if expects else None
 
 
 def _too_large(limit: int) -> str:
@@ -582,9 +592,9 @@ class HttpServer:
         self.error_response = error_response
         self.cancel_on_disconnect = cancel_on_disconnect
         self.connections: set[_Connection] = set()
-        # Every connection's answering task, including those whose client has gone: the
-        # gateway's finish an exchange after the client left, and close() waits for them.
-        self.tasks: set[asyncio.Task[None]] = set()
+        # Answering tasks that go on after their client left (the gateway's finish an
+        # exchange to meter it); close() waits for them as for the connections' own.
+        self.orphans: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int, *, backlog: int = 1024) -> int:
@@ -604,8 +614,9 @@ class HttpServer:
         self._server.close()
         for conn in list(self.connections):
             conn.shutdown()
-        if self.tasks:
-            _, late = await asyncio.wait(set(self.tasks), timeout=grace)
+        tasks = {t for c in self.connections if (t := c.task) is not None} | self.orphans
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=grace)
             if late:
                 for conn in list(self.connections):
                     conn.abort()
