@@ -5,7 +5,8 @@ executes does not, so it shows whether a change to the hot path removed work. Ru
 gateway in this process against the overhead benchmark's nginx backend (scripts/
 bench-setup.sh), sends requests from a plain socket in another thread (not traced), and
 traces the event loop's thread with sys.settrace for N requests after a warm-up (the
-replica probes, once a second, are counted too: more requests dilute them).
+replica probes are held off while it counts: they run once a second, so on a slower or
+busier machine they would add more to every request).
 
     .venv/bin/python scripts/opcount.py [--requests 500] [--top 30]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import socket
 import sys
 import tempfile
@@ -27,6 +29,7 @@ from typing import Any
 import uvloop
 
 from saltgate.bench import overhead as bench
+from saltgate.bench.gateway_setup import gateway_config, write_gateway_config
 from saltgate.config import load_config
 from saltgate.gateway.run import start_gateway
 
@@ -128,7 +131,13 @@ def main() -> int:
         backends = runner.start_nginx()
         runner.prepare_saltgate()
         port = bench.free_port()
-        config = load_config(runner.saltgate_config(backends, port))
+        assert runner.gateway_state is not None
+        text = gateway_config(
+            runner.gateway_state, backends.urls, port=port, admin_port=bench.free_port()
+        )
+        config = load_config(write_gateway_config(runner.workdir / "opcount.toml", text))
+        quiet = dataclasses.replace(config.router, probe_interval_s=3600.0)
+        config = dataclasses.replace(config, router=quiet)
 
         async def serve() -> None:
             running = await start_gateway(config)

@@ -28,6 +28,7 @@ from saltgate.routing.router import RouterConfig
 from saltgate.spec.derive import MASTER_KEY_MIN_BYTES
 
 SECRET_FILE_MAX_BYTES = 4096
+CLIENT_GONE_MODES = ("finish", "abort")
 
 
 class ConfigError(ValueError):
@@ -131,6 +132,10 @@ class GatewayConfig:
     ehbp_key_file: Path | None = None
     require_encrypted_secret: bool = False
     kv_relay: KvRelaySettings | None = None  # [kv_relay]: run the KV-event relay in serve
+    # When a client leaves before its answer is complete: "finish" lets the replica finish
+    # and meters its exact usage; "abort" stops the replica's work at once and meters only
+    # the usage already seen (docs/config.md).
+    on_client_gone: str = "finish"
 
     @property
     def db_path(self) -> Path:
@@ -251,6 +256,14 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
     ):
         if key in gw:
             kwargs[key] = _expect(gw, key, kind, "gateway")
+    if "on_client_gone" in gw:
+        mode = _expect(gw, "on_client_gone", str, "gateway")
+        if mode not in CLIENT_GONE_MODES:
+            raise ConfigError(
+                f"gateway.on_client_gone: expected one of {', '.join(CLIENT_GONE_MODES)}, "
+                f"got {mode!r}"
+            )
+        kwargs["on_client_gone"] = mode
     unknown = set(gw) - {*kwargs, "state_dir", "master_key_file"}
     if unknown:
         raise ConfigError(f"gateway: unknown keys {sorted(unknown)}")

@@ -12,7 +12,8 @@ import ehbp
 import httpx
 import orjson
 import pytest
-from tests.gateway.stack import MODEL, Stack, long_prompt, run, stack
+from tests.gateway.stack import MODEL, Stack, ledger_rows, long_prompt, run, stack
+from tests.support.waiting import eventually
 
 from saltgate.config import load_master_key
 from saltgate.ehbp.frames import (
@@ -25,6 +26,7 @@ from saltgate.ehbp.frames import (
     frame,
     iter_frames,
 )
+from saltgate.sim.run import SimConfig
 from saltgate.spec.derive import cache_salt, derive_subkeys
 from saltgate.store.tenants import TenantStore
 
@@ -258,5 +260,32 @@ def test_an_oversized_encrypted_body_is_refused_by_the_size_cap(tmp_path: Path) 
             resp = await send(s, enc, b"".join(frames))
             assert resp.status_code == 413
             assert s.forwarded() == []
+
+    run(main)
+
+
+def test_an_encrypted_request_whose_client_left_is_still_metered(tmp_path: Path) -> None:
+    """The sealing wraps the exchange's stream; closing it unread must close the exchange,
+    which then meters the replica's usage (status 499)."""
+
+    async def main() -> None:
+        slow = SimConfig(port=0, prefill_ms_per_1k_tokens=100.0)
+        async with stack(tmp_path, replicas=1, sim=slow) as s:
+            doc = {"model": MODEL, "prompt": long_prompt("sealed", 2000), "max_tokens": 20}
+            enc, frames = sealed_request(s, orjson.dumps({**doc, "stream": True}))
+            with pytest.raises(httpx.ReadTimeout):
+                async with httpx.AsyncClient(base_url=s.url, timeout=0.05) as client:
+                    await client.post(
+                        "/v1/completions",
+                        content=b"".join(frames),
+                        headers={
+                            ENCAPSULATED_KEY_HEADER: enc,
+                            "authorization": f"Bearer {s.keys['alice']}",
+                        },
+                    )
+            await eventually(lambda: bool(ledger_rows(s)), what="the usage is recorded")
+            rows = ledger_rows(s)
+            assert [(r["status"], r["completion_tokens"]) for r in rows] == [(499, 20)]
+            assert rows[0]["prompt_tokens"] > 2000
 
     run(main)

@@ -7,6 +7,7 @@ and keeps the exact bytes the replica received, so tests can assert what reached
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -80,6 +81,16 @@ class Stack:
 
     def seen_bodies(self) -> list[bytes]:
         return [r.body for r in self.forwarded()]
+
+
+def ledger_rows(s: Stack) -> list[sqlite3.Row]:
+    """The usage ledger's records, oldest first."""
+    conn = sqlite3.connect(s.state_dir / "saltgate.db")
+    conn.row_factory = sqlite3.Row
+    try:
+        return list(conn.execute("SELECT * FROM usage ORDER BY rowid"))
+    finally:
+        conn.close()
 
 
 def new_state_dir(state: Path, tenants: tuple[str, ...]) -> dict[str, str]:

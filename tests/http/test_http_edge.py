@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import pytest
 from tests.support.waiting import eventually
@@ -14,7 +14,7 @@ from saltgate.http import HttpServer, Request, Response, UpstreamError, Upstream
 async def _echo(request: Request) -> Response:
     if request.path == b"/stream":
 
-        async def chunks() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncGenerator[bytes, None]:
             for i in range(3):
                 await asyncio.sleep(0)
                 yield b"part%d;" % i
@@ -87,10 +87,14 @@ def test_pipelined_requests_answer_in_order() -> None:
 @pytest.mark.parametrize(
     ("request_bytes", "status"),
     [
-        (b"POST /x HTTP/1.1\r\ncontent-length: 999999\r\n\r\n", b"413"),
-        (b"POST /x HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n800\r\n" + b"a" * 2048, b"413"),
+        (b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 999999\r\n\r\n", b"413"),
+        (
+            b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n800\r\n"
+            + b"a" * 2048,
+            b"413",
+        ),
         (b"NOT HTTP AT ALL\r\n\r\n", b"400"),
-        (b"GET /x HTTP/1.1\r\n" + b"x-big: " + b"a" * 70000 + b"\r\n\r\n", b"431"),
+        (b"GET /x HTTP/1.1\r\nhost: x\r\n" + b"x-big: " + b"a" * 70000 + b"\r\n\r\n", b"431"),
     ],
 )
 def test_bad_requests_get_a_status_and_the_server_keeps_serving(
@@ -147,7 +151,7 @@ def test_client_going_away_cancels_the_handler() -> None:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
         await writer.drain()
-        await eventually(lambda: any(c.busy for c in server.connections))
+        await eventually(lambda: any(c.task is not None for c in server.connections))
         writer.close()
         await asyncio.wait_for(cancelled.wait(), 5)
         await server.close()
@@ -188,7 +192,7 @@ async def _slow(request: Request) -> Response:
         await asyncio.sleep(5)
         return Response(200)
 
-    async def trickle() -> AsyncIterator[bytes]:
+    async def trickle() -> AsyncGenerator[bytes, None]:
         yield b"first;"
         await asyncio.sleep(5)
         yield b"never"
@@ -246,7 +250,7 @@ def test_close_lets_responses_in_progress_finish_within_the_grace(grace: float) 
         port = await server.start("127.0.0.1", 0)
         pool = UpstreamPool("127.0.0.1", port)
         pending = asyncio.create_task(pool.request(b"GET", b"/", []))
-        await eventually(lambda: any(c.busy for c in server.connections))
+        await eventually(lambda: any(c.task is not None for c in server.connections))
         await asyncio.wait_for(server.close(grace=grace), 5)
         if grace:
             assert await (await pending).read() == b"finished"

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from saltgate.policy.errors import ApiError
-from saltgate.policy.request import parse_json_object
+from saltgate.policy.request import MAX_JSON_DEPTH, parse_json_object
 
 CAP = 1 << 20
 
@@ -215,3 +215,26 @@ def test_random_duplicates_never_slip_through() -> None:
 def test_fast_path_answer_equals_orjson_on_valid_input() -> None:
     raw = json.dumps({"a": [1, 2.5, "x:y", {"b": None}], "c": "ü"}).encode()
     assert parse_json_object(raw, CAP) == orjson.loads(raw)
+
+
+def _nested(depth: int, shape: str) -> bytes:
+    """A body ``depth`` levels deep, counting the outermost object."""
+    inner = depth - 1
+    if shape == "arrays":
+        return b'{"model":"m","metadata":' + b"[" * inner + b"1" + b"]" * inner + b"}"
+    return b'{"model":"m","metadata":' + b'{"a":' * inner + b"1" + b"}" * inner + b"}"
+
+
+@pytest.mark.parametrize("shape", ["arrays", "objects"])
+def test_one_depth_limit_holds_at_every_depth(shape: str) -> None:
+    """Depths 1 to 20,000: up to MAX_JSON_DEPTH parses, deeper is one clear 400 (no other
+    error, at no depth: 255 to 1,024 used to raise from the re-serialisation, a 500)."""
+    for depth in range(1, 20_001):
+        raw = _nested(depth, shape)
+        if depth <= MAX_JSON_DEPTH:
+            assert parse_json_object(raw, CAP)["model"] == "m"
+            continue
+        with pytest.raises(ApiError) as info:
+            parse_json_object(raw, CAP)
+        assert (info.value.status, info.value.code) == (400, "json_too_deep"), depth
+        assert str(MAX_JSON_DEPTH) in info.value.message

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -99,7 +99,7 @@ class Proxy:
         await self.client.aclose()
 
 
-async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+async def _relay(upstream: httpx.Response) -> AsyncGenerator[bytes, None]:
     """An event stream as it arrives. A failure mid-stream (network, or a frame that does
     not authenticate) ends it with an error event, as the gateway does."""
     try:

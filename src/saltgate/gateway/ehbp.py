@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
@@ -116,34 +116,50 @@ class EhbpEdge:
             request.query,
             [(n, v) for n, v in request.headers if n not in _DROPPED_REQUEST_HEADERS],
             opened.plaintext,
-            request.peer,
+            request.client,
         )
         response = await self._handle(inner, True)
         nonce = secrets.token_bytes(RESPONSE_NONCE_BYTES)
         headers = [(n, v) for n, v in response.headers if n != b"content-length"]
         headers.append((_NONCE_HEADER, nonce.hex().encode()))
-        sealed = _sealed(response, opened.response_sealer(nonce))
+        sealed = _Sealed(response, opened.response_sealer(nonce))
         return Response(response.status, headers, stream=sealed)
 
     def _count(self, outcome: str) -> None:
         self.metrics.inc(_OUTCOMES, (("outcome", outcome),))
 
 
-async def _sealed(response: Response, sealer: ResponseSealer) -> AsyncIterator[bytes]:
-    """The response body as frames: one per chunk the gateway produces, as it produces it."""
-    if response.stream is None:
-        if response.body:
-            yield sealer.seal(response.body)
-        return
-    inner = response.stream
-    try:
-        async for chunk in inner:
-            if chunk:
-                yield sealer.seal(chunk)
-    finally:
-        aclose = getattr(inner, "aclose", None)
-        if aclose is not None:
-            await aclose()
+class _Sealed:
+    """The response body as frames: one per chunk the gateway produces, as it produces it.
+
+    Closing it closes the body it seals, even if no frame was asked for (the client left
+    before the answer): that body may be an exchange that must still meter itself.
+    """
+
+    __slots__ = ("_body", "_inner", "_sealer")
+
+    def __init__(self, response: Response, sealer: ResponseSealer) -> None:
+        self._inner = response.stream
+        self._body = response.body
+        self._sealer = sealer
+
+    def __aiter__(self) -> _Sealed:
+        return self
+
+    async def __anext__(self) -> bytes:
+        inner = self._inner
+        if inner is None:
+            body, self._body = self._body, b""
+            if not body:
+                raise StopAsyncIteration
+            return self._sealer.seal(body)
+        while not (chunk := await inner.__anext__()):
+            pass
+        return self._sealer.seal(chunk)
+
+    async def aclose(self) -> None:
+        if self._inner is not None:
+            await self._inner.aclose()
 
 
 def load_or_create_server_key(path: Path) -> ServerKey:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,42 @@ class Replica:
         self.config = config
         key = config.api_key
         self.auth = [(b"authorization", b"Bearer " + key.encode())] if key else []
+
+
+class Attempt:
+    """One exchange with one replica, from `ReplicaSet.acquire` to `close`.
+
+    It tells the router how the exchange went: the response arrived (`responded`), the
+    first output came so the prompt is prefilled (`first_output`), the exchange broke
+    (`failed`), and the replica is free of it (`close`, idempotent, handing back whatever
+    prefill estimate is still counted). Every ending closes it, so in-flight counts and
+    prefill backlog return to zero.
+    """
+
+    __slots__ = ("_closed", "_prefill", "_router", "replica")
+
+    def __init__(self, router: Router, replica: Replica, prefill: float) -> None:
+        self._router = router
+        self.replica = replica
+        self._prefill = prefill
+        self._closed = False
+
+    def responded(self) -> None:
+        self._router.responded(self.replica.id)
+
+    def first_output(self) -> None:
+        if self._prefill:
+            self._router.prefilled(self.replica.id, self._prefill)
+            self._prefill = 0.0
+
+    def failed(self) -> None:
+        self._router.failed(self.replica.id, time.monotonic())
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._router.finished(self.replica.id, self._prefill)
+            self._prefill = 0.0
 
 
 class ReplicaSet:
@@ -108,28 +144,17 @@ class ReplicaSet:
         key = router.request_key(prompt, keys)
         return router.plan(key, time.monotonic(), router.prefixes(prompt, keys))
 
-    def pick(self, plan: Plan, tried: set[str]) -> Replica | None:
-        replica_id = self.router.pick(plan, time.monotonic(), tried)
-        return None if replica_id is None else self._replicas[replica_id]
-
-    def started(self, replica: Replica, plan: Plan) -> float:
-        """Count the request on the replica; returns its prefill estimate there, which
-        `prefilled` (first output) or `finished` hands back."""
-        prefill = float(plan.uncached_bytes(replica.id))
-        self.router.started(replica.id, time.monotonic(), prefill)
-        return prefill
-
-    def responded(self, replica: Replica) -> None:
-        self.router.responded(replica.id)
-
-    def prefilled(self, replica: Replica, prefill: float) -> None:
-        self.router.prefilled(replica.id, prefill)
-
-    def failed(self, replica: Replica) -> None:
-        self.router.failed(replica.id, time.monotonic())
-
-    def finished(self, replica: Replica, prefill: float = 0.0) -> None:
-        self.router.finished(replica.id, prefill)
+    def acquire(self, plan: Plan, tried: Collection[str]) -> Attempt | None:
+        """The replica to try next for ``plan`` (skipping ``tried``), counted as busy with
+        the request until the attempt is closed; None when no replica is available."""
+        router = self.router
+        now = time.monotonic()
+        replica_id = router.pick(plan, now, tried)
+        if replica_id is None:
+            return None
+        prefill = float(plan.uncached_bytes(replica_id))
+        router.started(replica_id, now, prefill)
+        return Attempt(router, self._replicas[replica_id], prefill)
 
     def available(self) -> list[tuple[int, Replica, bool]]:
         """(index in the configuration, replica, may be picked now) for the metrics."""

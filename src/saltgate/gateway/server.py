@@ -8,34 +8,28 @@ is committed (for streams: the closing `data: [DONE]` waits for the commit).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import orjson
 
 from saltgate.config import GatewayConfig
 from saltgate.gateway.ehbp import plaintext_secret_refused
+from saltgate.gateway.exchange import Exchange, Meter
 from saltgate.gateway.metrics import Metrics
-from saltgate.gateway.replicas import Replica, ReplicaSet
-from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
-from saltgate.http import HttpServer, Request, Response, UpstreamError
-from saltgate.http.client import UpstreamResponse
+from saltgate.gateway.replicas import ReplicaSet
+from saltgate.http import HttpServer, Request, Response
 from saltgate.policy.errors import ApiError
-from saltgate.policy.headers import forward_request_headers, scrub_response_headers
-from saltgate.policy.request import Inspected, inspect, parse_json_object, prepare, resolve_route
-from saltgate.routing import Plan
+from saltgate.policy.headers import forward_request_headers
+from saltgate.policy.request import inspect, parse_json_object, prepare, resolve_route
 from saltgate.spec.derive import SubKeys, cache_salt
-from saltgate.store.ledger import Ledger, UsageRecord
+from saltgate.store.ledger import Ledger
 from saltgate.store.tenants import KeyIndex, Principal
 
 log = logging.getLogger(__name__)
 
 JSON = [(b"content-type", b"application/json")]
-DONE = b"data: [DONE]\n\n"
 TENANT_SALT_CACHE = 65_536  # tenants x epochs remembered; cleared when full
-CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
 
 
 def error_response(status: int, message: str) -> Response:
@@ -64,8 +58,14 @@ class Gateway:
         self.ledger = ledger
         self.replicas = replicas
         self.metrics = metrics or Metrics()
+        self.meter = Meter(ledger, self.metrics)
+        # on_client_gone: "finish" lets an exchange run to its end when the client leaves,
+        # so the replica's own usage is metered (gateway/exchange.py); "abort" cancels it.
         self.http = HttpServer(
-            self.handle, max_body_bytes=config.max_body_bytes, error_response=error_response
+            self.handle,
+            max_body_bytes=config.max_body_bytes,
+            error_response=error_response,
+            cancel_on_disconnect=config.on_client_gone == "abort",
         )
         self._tenant_salts: dict[tuple[str, int], str] = {}
         self._routes: dict[tuple[bytes, bytes], str] = {}
@@ -75,8 +75,6 @@ class Gateway:
     def _describe_metrics(self) -> None:
         m = self.metrics
         m.describe("saltgate_requests_total", "counter", "Requests by method and status.")
-        m.describe("saltgate_tokens_total", "counter", "Tokens metered, by kind.")
-        m.describe("saltgate_upstream_failures_total", "counter", "Failed upstream exchanges.")
         m.gauge(
             "saltgate_replica_inflight",
             "Requests in flight per replica (index in the configuration).",
@@ -131,7 +129,15 @@ class Gateway:
         plan = self.replicas.plan(
             route, body, inspected.model, salt, remember=inspected.user_cache_secret is None
         )
-        return await self._forward(request, principal, inspected, payload, started, plan=plan)
+        exchange = Exchange(self.meter, principal, inspected.model, request.client, started)
+        return await exchange.forward(
+            self.replicas,
+            plan,
+            request.path,
+            forward_request_headers(request.headers),
+            payload,
+            client_wants_usage=inspected.client_wants_usage,
+        )
 
     def _salt(self, principal: Principal, user_cache_secret: str | None) -> str:
         """The request's cache salt; tenant-wide salts are remembered (one HMAC per tenant
@@ -173,143 +179,3 @@ class Gateway:
                 code="invalid_api_key",
             )
         return principal
-
-    async def _forward(
-        self,
-        request: Request,
-        principal: Principal,
-        inspected: Inspected,
-        payload: bytes,
-        started: float,
-        *,
-        plan: Plan,
-    ) -> Response:
-        headers = forward_request_headers(request.headers)
-        tried: set[str] = set()  # a failure before the first byte moves on down the ranking
-        while True:
-            replica = self.replicas.pick(plan, tried)
-            if replica is None:
-                raise ApiError(
-                    503,
-                    "No replica is available to serve this request; try again shortly.",
-                    type="service_unavailable",
-                    code="no_replica",
-                )
-            prefill = self.replicas.started(replica, plan)
-            try:
-                upstream = await replica.pool.request(
-                    b"POST", replica.prefix + request.path, headers + replica.auth, payload
-                )
-                self.replicas.responded(replica)
-                break
-            except UpstreamError as exc:
-                self.replicas.failed(replica)
-                self.replicas.finished(replica, prefill)
-                self.metrics.inc("saltgate_upstream_failures_total")
-                tried.add(replica.id)
-                if not exc.before_response:
-                    raise ApiError(
-                        502, "The replica failed while answering; retry the request."
-                    ) from None
-            except BaseException:
-                self.replicas.finished(replica, prefill)
-                raise
-        record = _Metering(self, principal, inspected.model, started)
-        response_headers = scrub_response_headers(upstream.headers)
-        content_type = upstream.header(b"content-type") or b""
-        if upstream.status == 200 and content_type.startswith(b"text/event-stream"):
-            stream = self._relay_stream(
-                upstream, replica, prefill, record, inspected.client_wants_usage
-            )
-            return Response(200, response_headers, stream=stream)
-        try:
-            body = await upstream.read()
-        except UpstreamError:
-            self.replicas.failed(replica)
-            await record.commit(Usage(), 502)
-            raise ApiError(502, "The replica failed while answering; retry the request.") from None
-        finally:
-            self.replicas.finished(replica, prefill)
-        usage = usage_from_body(body) if upstream.status == 200 else None
-        await record.commit(usage or Usage(), upstream.status)
-        return Response(upstream.status, response_headers, body)
-
-    async def _relay_stream(
-        self,
-        upstream: UpstreamResponse,
-        replica: Replica,
-        prefill: float,
-        record: _Metering,
-        client_wants_usage: bool,
-    ) -> AsyncIterator[bytes]:
-        """Pass the stream through; its first chunk tells the router the prefill is done."""
-        scanner = SseUsageScanner(drop_usage_event=not client_wants_usage)
-        status = CLIENT_CLOSED
-        held = b""
-        try:
-            async for chunk in upstream.chunks():
-                if prefill:
-                    self.replicas.prefilled(replica, prefill)
-                    prefill = 0.0
-                out = scanner.feed(chunk)
-                if out.endswith(DONE):
-                    out, held = out[: -len(DONE)], DONE
-                if out:
-                    yield out
-            held += scanner.flush()
-            status = 200
-        except UpstreamError:
-            status = 502
-            self.replicas.failed(replica)
-            error = ApiError(502, "The replica failed during the stream; retry the request.")
-            held = b"data: " + error.body() + b"\n\n"
-        finally:
-            self.replicas.finished(replica, prefill)
-            upstream.release()
-            if status == CLIENT_CLOSED:
-                # The client is gone and this generator is being torn down: record what was
-                # used without awaiting here, so the record is not lost with the task.
-                asyncio.get_running_loop().create_task(
-                    record.commit(scanner.usage or Usage(), status)
-                )
-        await record.commit(scanner.usage or Usage(), status)
-        if held:
-            yield held
-
-
-_PROMPT = (("kind", "prompt"),)
-_CACHED = (("kind", "cached"),)
-_COMPLETION = (("kind", "completion"),)
-
-
-class _Metering:
-    """One request's usage record; `commit` returns once it is durable in the ledger."""
-
-    __slots__ = ("gateway", "model", "principal", "started")
-
-    def __init__(self, gateway: Gateway, principal: Principal, model: str, started: float) -> None:
-        self.gateway = gateway
-        self.principal = principal
-        self.model = model
-        self.started = started
-
-    async def commit(self, usage: Usage, status: int) -> None:
-        p = self.principal
-        await self.gateway.ledger.record(
-            UsageRecord(
-                ts=time.time(),
-                tenant_id=p.tenant_id,
-                key_id=p.key_id,
-                model=self.model,
-                prompt_tokens=usage.prompt_tokens,
-                cached_tokens=usage.cached_tokens,
-                completion_tokens=usage.completion_tokens,
-                status=status,
-            )
-        )
-        m = self.gateway.metrics
-        tokens = m.series("saltgate_tokens_total")
-        tokens[_PROMPT] += usage.prompt_tokens
-        tokens[_CACHED] += usage.cached_tokens
-        tokens[_COMPLETION] += usage.completion_tokens
-        m.observe_latency((), time.monotonic() - self.started)

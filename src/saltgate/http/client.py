@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import cast
 
 import httptools
@@ -244,16 +244,25 @@ class UpstreamResponse:
             body = conn.take_body()
             self.release()
             return body
-        parts = [chunk async for chunk in self.chunks()]
+        parts = []
+        while (chunk := await self.next_chunk()) is not None:
+            parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        conn = self._conn
+    async def next_chunk(self) -> bytes | None:
+        """The next piece of the body, or None at its end (the connection is then released)."""
         try:
-            while True:
-                chunk = await conn.next_chunk()
-                if chunk is None:
-                    return
+            chunk = await self._conn.next_chunk()
+        except BaseException:
+            self.release()
+            raise
+        if chunk is None:
+            self.release()
+        return chunk
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        try:
+            while (chunk := await self.next_chunk()) is not None:
                 yield chunk
         finally:
             self.release()

@@ -2,20 +2,26 @@
 
 Both the gateway and the replica simulator sit on it. A framework would cost a large share
 of the per-request budget (docs/benchmarks.md); what we need is small: keep-alive,
-pipelining in order, a body size cap enforced while reading, `Expect: 100-continue`,
-chunked streaming with write back-pressure, and cancelling the handler when the client
-goes away (so the gateway can cancel the upstream request).
+pipelining, a body size cap enforced while reading, `Expect: 100-continue`, chunked
+streaming with write back-pressure, and knowing when the client went away.
+
+One rule keeps a connection safe when a load balancer reuses it for many clients' requests:
+**responses leave in the order the requests arrived, one complete response per request.**
+So a request the server refuses (malformed, too large, an HTTP version it does not speak)
+is answered only after every earlier response is complete, and then the connection closes
+gracefully; `100 Continue` goes only to the request being read once nothing is ahead of it;
+a response to HEAD carries no body; chunked trailers never become headers. The test suite
+checks this against h11's state machine (tests/http/test_http_pipeline.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Final, Protocol, cast
 
 import httptools
 
@@ -27,6 +33,7 @@ _REASONS = {
     100: b"Continue",
     200: b"OK",
     204: b"No Content",
+    304: b"Not Modified",
     400: b"Bad Request",
     401: b"Unauthorized",
     403: b"Forbidden",
@@ -39,18 +46,49 @@ _REASONS = {
     422: b"Unprocessable Content",
     429: b"Too Many Requests",
     431: b"Request Header Fields Too Large",
+    499: b"Client Closed Request",
     500: b"Internal Server Error",
+    501: b"Not Implemented",
     502: b"Bad Gateway",
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
+    505: b"HTTP Version Not Supported",
 }
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in _REASONS.items()}
-_MAX_HEADER_BYTES = 64 * 1024
+_MAX_HEADER_BYTES: Final = 64 * 1024
+# Requests read ahead of the one being answered; beyond this the server stops reading.
+_MAX_QUEUED: Final = 32
+# After its last response, a closing connection half-closes and reads (and drops) what the
+# client still sends for this long, so that data in flight does not turn the close into a
+# reset that destroys the response before the client reads it.
+_LINGER_S: Final = 2.0
+_CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+_HEAD: Final = b"HEAD"
+_VERSIONS: Final = ("1.1", "1.0")
 
 
 def status_line(status: int) -> bytes:
     line = _STATUS_LINES.get(status)
     return line if line is not None else b"HTTP/1.1 %d Status\r\n" % status
+
+
+_BODILESS: Final = frozenset({204, 304})
+# The connection header a response carries: (keep the connection open, HTTP/1.0 client).
+_CONNECTION: Final = {
+    (False, False): b"connection: close\r\n",
+    (False, True): b"connection: close\r\n",
+    (True, False): b"",
+    (True, True): b"connection: keep-alive\r\n",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Client:
+    """The connection a request came on, as its handler may see it: ``gone`` turns True
+    when the client closed it or it broke, e.g. to record that an answer was not delivered."""
+
+    peer: str = ""
+    gone: bool = False
 
 
 @dataclass(slots=True)
@@ -62,7 +100,7 @@ class Request:
     query: bytes
     headers: Headers
     body: bytes
-    peer: str = ""
+    client: Client = field(default_factory=Client)
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -71,14 +109,26 @@ class Request:
         return None
 
 
+class BodyStream(Protocol):
+    """A streamed response body. The server always calls `aclose`, whether it sent the
+    whole body, part of it, or none (the client left first): the stream owns what its
+    body depends on (an upstream exchange, say) and must let go of it there."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    def __anext__(self) -> Awaitable[bytes]: ...
+
+    def aclose(self) -> Awaitable[object]: ...
+
+
 @dataclass(slots=True)
 class Response:
-    """A response: a whole body, or an async stream of chunks sent with chunked encoding."""
+    """A response: a whole body, or a stream of chunks sent with chunked encoding."""
 
     status: int
     headers: Headers = field(default_factory=list)
     body: bytes = b""
-    stream: AsyncIterator[bytes] | None = None
+    stream: BodyStream | None = None
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -89,23 +139,49 @@ def _plain_error(status: int, message: str) -> Response:
     return Response(status, [(b"content-type", b"text/plain")], message.encode() + b"\n")
 
 
+class _Refused(Exception):
+    """Raised inside a parser callback to stop parsing: the refusal is already queued."""
+
+
+@dataclass(slots=True)
+class _Refusal:
+    """The answer to a request the server will not read: sent after every earlier
+    response, then the connection closes."""
+
+    status: int
+    message: str
+    head_only: bool = False
+
+
+# A request waiting for its answer: (request, keep the connection open after it, HTTP/1.0).
+_Queued = tuple[Request, bool, bool]
+
+
 class _Connection(asyncio.Protocol):
-    """One client connection: parse requests, run the handler for each, in order."""
+    """One client connection: parse requests as they arrive; one task answers them in order."""
 
     __slots__ = (
         "_body_parts",
         "_body_size",
+        "_client",
         "_closing",
-        "_current",
+        "_continue_owed",
+        "_head_fields",
+        "_head_from",
         "_headers",
         "_headers_size",
         "_idle_handle",
+        "_in_headers",
         "_last_active",
+        "_linger_handle",
         "_loop",
         "_parser",
-        "_peer",
-        "_pending",
+        "_paused",
+        "_queue",
+        "_reading",
+        "_received",
         "_server",
+        "_task",
         "_transport",
         "_url",
         "_writable",
@@ -118,34 +194,53 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers: Headers = []
         self._headers_size = 0
+        self._in_headers = False
+        self._head_fields = 0  # fields in the head; any after it are trailers
+        self._received = 0  # bytes read on this connection
+        self._head_from = 0  # _received when the request being read began
         self._body_parts: list[bytes] = []
         self._body_size = 0
-        self._pending: deque[tuple[Request, bool]] = deque()
-        self._current: asyncio.Task[None] | None = None
+        self._continue_owed = False
+        self._queue: deque[_Queued | _Refusal] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._reading = True  # False once nothing more will be parsed (refusal, upgrade, close)
+        self._paused = False
         self._closing = False
         self._writable = asyncio.Event()
         self._writable.set()
         self._idle_handle: asyncio.TimerHandle | None = None
+        self._linger_handle: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
         self._last_active = self._loop.time()
-        self._peer = ""
+        self._client = Client()
 
     # -- transport callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         peer = transport.get_extra_info("peername")
-        self._peer = str(peer[0]) if isinstance(peer, tuple) else ""
+        self._client.peer = str(peer[0]) if isinstance(peer, tuple) else ""
         self._server.connections.add(self)
         self._arm_idle_timer(self._last_active)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self._client.gone = True
+        self._reading = False
         self._server.connections.discard(self)
         self._cancel_idle_timer()
-        if self._current is not None and not self._current.done():
-            self._current.cancel()
-        self._pending.clear()
+        if self._linger_handle is not None:
+            self._linger_handle.cancel()
+            self._linger_handle = None
+        self._queue.clear()  # requests not yet started never reached the handler
         self._writable.set()
+        task = self._task
+        if task is not None and not task.done():
+            if self._server.cancel_on_disconnect:
+                task.cancel()
+            else:  # it goes on without a connection; close() must still wait for it
+                orphans = self._server.orphans
+                orphans.add(task)
+                task.add_done_callback(orphans.discard)
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -155,85 +250,148 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last_active = self._loop.time()
+        if not self._reading:
+            return  # refused, upgraded or closing: what follows is dropped unread
+        self._received += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._reject(400, "protocol upgrades are not supported")
+            self._upgrade_requested()
         except httptools.HttpParserError:
-            if not self._closing:
-                self._reject(400, "malformed HTTP request")
+            if self._reading:  # not a refusal raised from a callback (_Refused)
+                self._refuse(400, "malformed HTTP request")
+            return
+        # llhttp reports a header only once its line ends, and buffers it until then: a
+        # line that never ends is refused here (counting from the read the head began in).
+        if self._in_headers and self._received - self._head_from > _MAX_HEADER_BYTES:
+            self._refuse(431, "request headers too large")
+
+    def eof_received(self) -> bool:
+        """The client closed its side: like nginx and vLLM's server, take that as the client
+        leaving (a half-close after a request is legal but rare, and indistinguishable from
+        a close); the transport then closes and `connection_lost` follows."""
+        return False
 
     # -- parser callbacks ----------------------------------------------------------------
     def on_message_begin(self) -> None:
+        self._head_from = self._received
         self._url = b""
         self._headers = []
         self._headers_size = 0
+        self._in_headers = True
         self._body_parts = []
         self._body_size = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
         self._headers_size += len(url)
+        if self._headers_size > _MAX_HEADER_BYTES:
+            self._refuse(431, "request headers too large", stop=True)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers_size += len(name) + len(value)
         if self._headers_size > _MAX_HEADER_BYTES:
-            self._reject(431, "request headers too large")
-            return
+            self._refuse(431, "request headers too large", stop=True)
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        if self._closing:
-            return
-        limit = self._server.max_body_bytes
-        for name, value in self._headers:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                self._reject(413, f"request body larger than the limit of {limit} bytes")
-                return
-            if name == b"expect" and value.lower() == b"100-continue" and self._transport:
-                self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self._in_headers = False
+        self._head_fields = len(self._headers)
+        parser = self._parser
+        version = parser.get_http_version()
+        if version not in _VERSIONS:
+            if version == "0.9":  # a request line without a version, or HTTP/0.9
+                self._refuse(400, "malformed HTTP request: HTTP/1.1 or 1.0 required", stop=True)
+            self._refuse(505, "only HTTP/1.1 and HTTP/1.0 are supported", stop=True)
+        found = _read_head(self._headers, version, self._server.max_body_bytes)
+        if found is _EXPECTS_CONTINUE:
+            if self._task is None and not self._queue and self._transport is not None:
+                self._transport.write(_CONTINUE)
+            else:  # another response is ahead: the 100 waits for it (see _serve)
+                self._continue_owed = True
+        elif found is not None:
+            status, message = found
+            self._refuse(status, message, head_only=parser.get_method() == _HEAD, stop=True)
 
     def on_body(self, body: bytes) -> None:
-        if self._closing:
-            return
+        self._continue_owed = False  # the client is sending anyway
         self._body_size += len(body)
         if self._body_size > self._server.max_body_bytes:
-            limit = self._server.max_body_bytes
-            self._reject(413, f"request body larger than the limit of {limit} bytes")
-            return
+            self._refuse(413, _too_large(self._server.max_body_bytes), stop=True)
         self._body_parts.append(body)
 
     def on_message_complete(self) -> None:
-        if self._closing:
-            return
+        self._continue_owed = False
         url = self._url
         path, _, query = url.partition(b"?")
         parts = self._body_parts
         body = parts[0] if len(parts) == 1 else b"".join(parts)
-        request = Request(self._parser.get_method(), path, query, self._headers, body, self._peer)
-        keep_alive = self._parser.should_keep_alive()
-        if self._current is None:
-            self._current = self._loop.create_task(self._serve(request, keep_alive))
+        headers = self._headers
+        if len(headers) > self._head_fields:  # chunked trailers: never read as headers
+            del headers[self._head_fields :]
+        parser = self._parser
+        request = Request(parser.get_method(), path, query, headers, body, self._client)
+        self._enqueue((request, parser.should_keep_alive(), parser.get_http_version() == "1.0"))
+        if len(self._queue) >= _MAX_QUEUED and self._transport is not None and not self._paused:
+            self._paused = True
+            self._transport.pause_reading()
+
+    # -- the queue -----------------------------------------------------------------------
+    def _enqueue(self, item: _Queued | _Refusal) -> None:
+        self._queue.append(item)
+        if self._task is None:
+            self._task = self._loop.create_task(self._serve())
+
+    def _refuse(
+        self, status: int, message: str, *, head_only: bool = False, stop: bool = False
+    ) -> None:
+        """Answer the request being read with an error, after every earlier response, and
+        read no further; ``stop`` (inside a parser callback) ends the parse at once."""
+        if self._reading:
+            self._reading = False
+            self._enqueue(_Refusal(status, message, head_only))
+        if stop:
+            raise _Refused
+
+    def _upgrade_requested(self) -> None:
+        """Upgrade and CONNECT are not served: the request is answered as any other, and
+        the connection then closes, since what follows it is not HTTP/1.1."""
+        self._reading = False
+        last = self._queue[-1] if self._queue else None
+        if isinstance(last, tuple):
+            self._queue[-1] = (last[0], False, last[2])
         else:
-            self._pending.append((request, keep_alive))
+            self._enqueue(_Refusal(400, "protocol upgrades are not supported"))
 
     # -- serving -------------------------------------------------------------------------
-    async def _serve(self, request: Request, keep_alive: bool) -> None:
+    async def _serve(self) -> None:
+        queue = self._queue
         try:
-            while True:
-                await self._respond(request, keep_alive)
-                if not keep_alive or self._closing:
-                    self._close()
+            while queue and not self._closing:
+                item = queue.popleft()
+                if self._paused and len(queue) < _MAX_QUEUED // 2:
+                    self._paused = False
+                    if self._transport is not None:
+                        self._transport.resume_reading()
+                if isinstance(item, _Refusal):
+                    self._write_refusal(item)
+                    self._finish()
                     return
-                if not self._pending:
-                    self._last_active = self._loop.time()
+                keep_alive = await self._respond(item)
+                if not keep_alive:
+                    self._finish()
                     return
-                request, keep_alive = self._pending.popleft()
+            if self._continue_owed and self._transport is not None and not self._closing:
+                self._continue_owed = False
+                self._transport.write(_CONTINUE)
+            self._last_active = self._loop.time()
         finally:
-            self._current = None
+            self._task = None
 
-    async def _respond(self, request: Request, keep_alive: bool) -> None:
+    async def _respond(self, item: _Queued) -> bool:
+        """Answer one request; returns whether the connection stays open after it."""
         server = self._server
+        request, keep_alive, http10 = item
         try:
             response = await server.handler(request)
         except asyncio.CancelledError:
@@ -241,60 +399,87 @@ class _Connection(asyncio.Protocol):
         except Exception:
             log.exception("handler failed")
             response = server.error_response(500, "internal error")
+        stream = response.stream
+        try:
+            transport = self._transport
+            if transport is None or self._closing:
+                return False
+            status = response.status
+            # HTTP/1.0 has no chunked coding: the close ends a streamed body.
+            keep_alive = keep_alive and (stream is None or not http10)
+            head = [status_line(status)]
+            for name, value in response.headers:
+                head.append(b"%s: %s\r\n" % (name, value))
+            head.append(_CONNECTION[keep_alive, http10])
+            # A HEAD response and a 204 / 304 carry no body, whatever the handler gave.
+            has_body = status >= 200 and status not in _BODILESS
+            send_body = has_body and request.method != _HEAD
+            if stream is None:
+                if has_body:
+                    head.append(b"content-length: %d\r\n" % len(response.body))
+                head.append(b"\r\n")
+                if send_body:
+                    head.append(response.body)
+                transport.write(b"".join(head))
+            else:
+                chunked = send_body and not http10
+                head.append(b"transfer-encoding: chunked\r\n\r\n" if chunked else b"\r\n")
+                transport.write(b"".join(head))
+                if send_body:
+                    await self._write_stream(transport, stream, chunked=chunked)
+            return keep_alive and not self._closing
+        finally:
+            if stream is not None:
+                await _close_stream(stream)
+
+    async def _write_stream(
+        self, transport: asyncio.Transport, stream: BodyStream, *, chunked: bool
+    ) -> None:
+        writable = self._writable
+        async for chunk in stream:
+            if self._closing:
+                return  # the client left: the caller closes the stream
+            if chunk:
+                transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+                if not writable.is_set():
+                    await writable.wait()
+        if chunked and not self._closing:
+            transport.write(b"0\r\n\r\n")
+
+    def _write_refusal(self, refusal: _Refusal) -> None:
         transport = self._transport
         if transport is None or self._closing:
             return
-        head = [status_line(response.status)]
-        for name, value in response.headers:
-            head.append(b"%s: %s\r\n" % (name, value))
-        if not keep_alive:
-            head.append(b"connection: close\r\n")
-        if response.stream is None:
-            head.append(b"content-length: %d\r\n\r\n" % len(response.body))
+        response = self._server.error_response(refusal.status, refusal.message)
+        head = [status_line(refusal.status)]
+        head.extend(b"%s: %s\r\n" % (n, v) for n, v in response.headers)
+        head.append(b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(response.body))
+        if not refusal.head_only:
             head.append(response.body)
-            transport.write(b"".join(head))
-            return
-        head.append(b"transfer-encoding: chunked\r\n\r\n")
         transport.write(b"".join(head))
-        await self._write_stream(transport, response.stream)
 
-    async def _write_stream(
-        self, transport: asyncio.Transport, stream: AsyncIterator[bytes]
-    ) -> None:
-        try:
-            async for chunk in stream:
-                if self._closing:
-                    return
-                if chunk:
-                    transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    if not self._writable.is_set():
-                        await self._writable.wait()
-            if not self._closing:
-                transport.write(b"0\r\n\r\n")
-        finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
-
-    # -- helpers -------------------------------------------------------------------------
-    def _reject(self, status: int, message: str) -> None:
-        """Answer a request we will not read to the end, then close the connection."""
-        if self._closing:
+    # -- closing -------------------------------------------------------------------------
+    def _finish(self) -> None:
+        """Close after the last response: half-close, then drop what the client still
+        sends until it closes too or `_LINGER_S` passes (a close with unread data would
+        reset the connection, and a reset can destroy the response before it is read)."""
+        self._reading = False
+        self._queue.clear()
+        transport = self._transport
+        if self._closing or transport is None:
             return
         self._closing = True
-        transport = self._transport
-        if transport is not None:
-            response = self._server.error_response(status, message)
-            head = [status_line(status)]
-            head.extend(b"%s: %s\r\n" % (n, v) for n, v in response.headers)
-            head.append(b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(response.body))
-            head.append(response.body)
-            transport.write(b"".join(head))
+        if not transport.can_write_eof():
             transport.close()
+            return
+        if self._paused:
+            transport.resume_reading()
+        transport.write_eof()
+        self._linger_handle = self._loop.call_later(_LINGER_S, transport.close)
 
     def _close(self) -> None:
         self._closing = True
+        self._reading = False
         if self._transport is not None:
             self._transport.close()
 
@@ -313,7 +498,7 @@ class _Connection(asyncio.Protocol):
         self._idle_handle = None
         if self._closing:
             return
-        if self._current is not None:  # busy answering: idle time starts when it ends
+        if self._task is not None:  # busy answering: idle time starts when it ends
             self._arm_idle_timer(self._loop.time())
         elif self._loop.time() >= self._last_active + self._server.idle_timeout:
             self._close()
@@ -321,26 +506,76 @@ class _Connection(asyncio.Protocol):
             self._arm_idle_timer(self._last_active)
 
     def shutdown(self) -> None:
-        """Close now if idle; otherwise close after the response in progress."""
-        if self._current is None:
+        """Close now if idle; otherwise once the response in progress is complete."""
+        self._reading = False
+        if self._task is None:
             self._close()
         else:
-            self._pending.clear()
-            self._current.add_done_callback(lambda _: self._close())
+            self._queue.clear()
+            self._task.add_done_callback(lambda _: self._close())
 
     @property
-    def busy(self) -> bool:
-        return self._current is not None
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task
 
     def abort(self) -> None:
         """Cancel the response in progress and close."""
-        if self._current is not None:
-            self._current.cancel()
+        if self._task is not None:
+            self._task.cancel()
         self._close()
 
 
+async def _close_stream(stream: BodyStream) -> None:
+    try:
+        await stream.aclose()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("closing a response stream failed")
+
+
+_EXPECTS_CONTINUE: Final = (100, "")
+_HEAD_FIELDS: Final = frozenset({b"host", b"content-length", b"transfer-encoding", b"expect"})
+
+
+def _read_head(headers: Headers, version: str, limit: int) -> tuple[int, str] | None:
+    """Read a request head in one pass: why it must be refused before its body is read, if
+    it must (framing a proxy in front could read differently, a body over the limit, a
+    missing Host), else `_EXPECTS_CONTINUE` if an HTTP/1.1 client waits for 100 Continue."""
+    hosts = 0
+    expects = False
+    for name, value in headers:
+        if name not in _HEAD_FIELDS:
+            continue
+        if name == b"host":
+            hosts += 1
+        elif name == b"content-length":
+            if value.isdigit() and int(value) > limit:
+                return 413, _too_large(limit)
+        elif name == b"transfer-encoding":
+            if version == "1.0":  # RFC 9112, section 6.1: faulty framing
+                return 400, "Transfer-Encoding is not allowed in HTTP/1.0"
+            if value.strip().lower() != b"chunked":
+                return 501, "only the chunked transfer coding is supported"
+        elif name == b"expect":
+            expects = value.lower() == b"100-continue" and version == "1.1"
+    if hosts > 1 or (hosts == 0 and version == "1.1"):  # RFC 9112, section 3.2
+        return 400, "an HTTP/1.1 request needs exactly one Host header"
+    return _EXPECTS_CONTINUE if expects else None
+
+
+def _too_large(limit: int) -> str:
+    return f"request body larger than the limit of {limit} bytes"
+
+
 class HttpServer:
-    """Serve `handler` on a TCP socket; `error_response` shapes the server's own errors."""
+    """Serve `handler` on a TCP socket; `error_response` shapes the server's own errors.
+
+    ``cancel_on_disconnect``: cancel a handler whose client went away (the simulator
+    stops generating, like vLLM). The gateway turns it off: an exchange it started with a
+    replica runs to its end, so it is metered exactly (`Client.gone` tells it the client
+    left).
+    """
 
     def __init__(
         self,
@@ -349,12 +584,17 @@ class HttpServer:
         max_body_bytes: int = 8 * 1024 * 1024,
         idle_timeout: float = 75.0,
         error_response: ErrorFactory = _plain_error,
+        cancel_on_disconnect: bool = True,
     ) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.idle_timeout = idle_timeout
         self.error_response = error_response
+        self.cancel_on_disconnect = cancel_on_disconnect
         self.connections: set[_Connection] = set()
+        # Answering tasks that go on after their client left (the gateway's finish an
+        # exchange to meter it); close() waits for them as for the connections' own.
+        self.orphans: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int, *, backlog: int = 1024) -> int:
@@ -367,18 +607,21 @@ class HttpServer:
         return int(sockets[0].getsockname()[1]) if sockets else port
 
     async def close(self, grace: float = 5.0) -> None:
-        """Stop accepting; let responses in progress finish for up to `grace` seconds."""
+        """Stop accepting; let responses in progress finish for up to `grace` seconds,
+        then cancel what is left and wait for it to unwind."""
         if self._server is None:
             return
         self._server.close()
         for conn in list(self.connections):
             conn.shutdown()
-        deadline = asyncio.get_running_loop().time() + grace
-        while any(c.busy for c in self.connections):
-            if asyncio.get_running_loop().time() >= deadline:
+        tasks = {t for c in self.connections if (t := c.task) is not None} | self.orphans
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=grace)
+            if late:
                 for conn in list(self.connections):
                     conn.abort()
-                break
-            await asyncio.sleep(0.01)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
         await self._server.wait_closed()
         self._server = None

@@ -13,6 +13,7 @@ from typing import Any, Final, NamedTuple
 import orjson
 
 from saltgate.policy.errors import (
+    ApiError,
     body_too_large,
     invalid_request,
     invalid_type,
@@ -105,6 +106,12 @@ def resolve_route(
 # ruled out cheaply the exact path runs too: the stdlib C scanner with a duplicate hook
 # and an integer range check. Correctness never depends on the fast path.
 
+# The deepest nesting accepted, counting the outermost object: what orjson writes back (it
+# reads up to 1,024 levels but serialises at most 254; the body is re-serialised to prove
+# it has no duplicate keys and to forward it). Deeper bodies are refused at parse, before
+# anything reads them. Real requests nest a few levels; JSON schemas in tools, a few dozen.
+MAX_JSON_DEPTH: Final = 254
+
 _INT_MIN: Final = -(2**63)
 _INT_MAX: Final = 2**64 - 1  # orjson reads and writes u64 as well as i64
 _MAX_PLUS_SCAN: Final = 32
@@ -179,22 +186,33 @@ def _exact_check(raw: bytes) -> None:
             "string or a float.",
             code="integer_out_of_range",
         ) from None
-    except RecursionError:
-        raise invalid_request("The JSON body is nested too deeply.", code="invalid_json") from None
+    except RecursionError:  # not reached: parse_json_object refuses deeper bodies first
+        raise _too_deep() from None
     except ValueError:  # orjson accepted it, so this is unexpected; refuse rather than guess
         raise invalid_request("The request body is not valid JSON.", code="invalid_json") from None
+
+
+def _too_deep() -> ApiError:
+    return invalid_request(
+        f"The JSON body is nested too deeply: at most {MAX_JSON_DEPTH} levels of objects "
+        "and arrays, counting the outermost object.",
+        code="json_too_deep",
+    )
 
 
 def parse_json_object(raw: bytes, max_bytes: int) -> dict[str, Any]:
     """Parse a request body into one JSON object, refusing anything two parsers could read
     differently: size over ``max_bytes`` (413), non-UTF-8, non-objects, trailing data,
-    duplicate keys at any depth, NaN/Infinity, lone surrogates, integers beyond 64 bits (400).
+    duplicate keys at any depth, NaN/Infinity, lone surrogates, integers beyond 64 bits, and
+    nesting deeper than `MAX_JSON_DEPTH` (400).
     """
     if len(raw) > max_bytes:
         raise body_too_large(max_bytes)
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if exc.msg.startswith("depth limit"):
+            raise _too_deep() from None
         raise invalid_request(
             f"The request body is not valid JSON ({exc.msg}; line {exc.lineno} column "
             f"{exc.colno}). Send one UTF-8 JSON object.",
@@ -204,7 +222,10 @@ def parse_json_object(raw: bytes, max_bytes: int) -> dict[str, Any]:
         raise invalid_request(
             "The request body must be a JSON object ({...}).", code="invalid_json"
         )
-    out = orjson.dumps(obj)
+    try:
+        out = orjson.dumps(obj)
+    except TypeError:  # orjson writes at most MAX_JSON_DEPTH levels: the only TypeError here
+        raise _too_deep() from None
     if (
         _colons(raw) != _colons(out)
         or (b"\\" in raw and b"\\u003" in raw)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -351,7 +351,7 @@ class _Shape:
 
     async def sse(
         self, tokens: AsyncIterator[str], gen: Generation, include_usage: bool
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         # vLLM sends a chat stream's role chunk with its first output, after the prefill:
         # a router that reads the first chunk as "prefilled" sees the same here.
         role_pending = self.chat

@@ -1,0 +1,254 @@
+"""One forwarded request, from its first attempt at a replica to its one usage record.
+
+An `Exchange` owns everything a forwarded request holds: the replica attempt (in-flight
+count and prefill estimate, `gateway/replicas.py`), the upstream response and the ledger
+record. It ends exactly once (`_end`), and every way a request can end goes through it:
+
+    ending                                    record status     usage recorded
+    the replica answered, client still there  the replica's     the replica's
+    the client left, before or during it      499               the replica's (see below)
+    the replica broke before answering        next replica; with none left: 503, none
+    the replica broke while answering         502               what the stream showed
+    cancelled (the gateway stops)             499 / 503         what the stream showed
+
+A replica reports usage once, at the end of its answer, so when the client leaves the
+exchange runs on to that end without relaying anything (the HTTP server does not cancel
+the gateway's handler, and a stream's `aclose` reads the rest). That keeps every request a
+replica served metered: leaving early is neither a way around billing nor a lost record.
+The cost: the replica finishes a request nobody reads, as it would for a client that
+stayed. For a stream, the exchange is the response body itself: the HTTP server always
+calls its `aclose`, whether the body was sent whole, in part or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Final
+
+from saltgate.gateway.metrics import Metrics
+from saltgate.gateway.replicas import Attempt, ReplicaSet
+from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
+from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
+from saltgate.policy.errors import ApiError
+from saltgate.policy.headers import scrub_response_headers
+from saltgate.routing import Plan
+from saltgate.store.ledger import Ledger, UsageRecord
+from saltgate.store.tenants import Principal
+
+DONE: Final = b"data: [DONE]\n\n"
+CLIENT_CLOSED: Final = 499  # nginx's convention: the client went away before the response ended
+NOT_SERVED: Final = 503
+REPLICA_FAILED: Final = 502
+_SSE: Final = b"text/event-stream"
+_NO_USAGE: Final = Usage()
+_PROMPT: Final = (("kind", "prompt"),)
+_CACHED: Final = (("kind", "cached"),)
+_COMPLETION: Final = (("kind", "completion"),)
+_FAILURES: Final = "saltgate_upstream_failures_total"
+
+
+def no_replica() -> ApiError:
+    return ApiError(
+        503,
+        "No replica is available to serve this request; try again shortly.",
+        type="service_unavailable",
+        code="no_replica",
+    )
+
+
+def replica_failed() -> ApiError:
+    return ApiError(502, "The replica failed while answering; retry the request.")
+
+
+class Meter:
+    """Where exchanges report: the usage ledger, and the token and latency metrics."""
+
+    __slots__ = ("ledger", "metrics")
+
+    def __init__(self, ledger: Ledger, metrics: Metrics) -> None:
+        self.ledger = ledger
+        self.metrics = metrics
+        metrics.describe("saltgate_tokens_total", "counter", "Tokens metered, by kind.")
+        metrics.describe(_FAILURES, "counter", "Failed upstream exchanges.")
+
+
+class Exchange:
+    """See the module docstring; `forward` starts it, `_end` ends it, once."""
+
+    __slots__ = (
+        "_attempt",
+        "_client",
+        "_ended",
+        "_finished",
+        "_held",
+        "_meter",
+        "_model",
+        "_principal",
+        "_scanner",
+        "_started",
+        "_upstream",
+    )
+
+    def __init__(
+        self, meter: Meter, principal: Principal, model: str, client: Client, started: float
+    ) -> None:
+        self._meter = meter
+        self._principal = principal
+        self._model = model
+        self._client = client
+        self._started = started
+        self._attempt: Attempt | None = None
+        self._upstream: UpstreamResponse | None = None
+        self._scanner: SseUsageScanner | None = None
+        self._held = b""
+        self._finished = False  # the stream has nothing more to give
+        self._ended = False
+
+    async def forward(
+        self,
+        replicas: ReplicaSet,
+        plan: Plan,
+        path: bytes,
+        headers: Headers,
+        payload: bytes,
+        *,
+        client_wants_usage: bool,
+    ) -> Response:
+        """Send the request down the plan's ranking until a replica answers; a failure
+        before any response moves on to the next replica."""
+        tried: list[str] = []
+        try:
+            while True:
+                attempt = self._attempt = replicas.acquire(plan, tried)
+                if attempt is None:
+                    if tried:
+                        await self._end(NOT_SERVED)
+                    raise no_replica()
+                replica = attempt.replica
+                try:
+                    upstream = await replica.pool.request(
+                        b"POST", replica.prefix + path, headers + replica.auth, payload
+                    )
+                    break
+                except UpstreamError as exc:
+                    self._failed()
+                    if not exc.before_response:
+                        await self._end(REPLICA_FAILED)
+                        raise replica_failed() from None
+                    attempt.close()
+                    tried.append(replica.id)
+            attempt.responded()
+            self._upstream = upstream
+            response_headers = scrub_response_headers(upstream.headers)
+            if upstream.status == 200 and (upstream.header(b"content-type") or b"").startswith(
+                _SSE
+            ):
+                self._scanner = SseUsageScanner(drop_usage_event=not client_wants_usage)
+                return Response(200, response_headers, stream=self)
+            try:
+                body = await upstream.read()
+            except UpstreamError:
+                self._failed()
+                await self._end(REPLICA_FAILED)
+                raise replica_failed() from None
+            usage = usage_from_body(body) if upstream.status == 200 else None
+            await self._end(upstream.status, usage)
+            return Response(upstream.status, response_headers, body)
+        except asyncio.CancelledError:
+            await self._end(NOT_SERVED)
+            raise
+
+    # -- the streamed body -------------------------------------------------------------
+    def __aiter__(self) -> Exchange:
+        return self
+
+    async def __anext__(self) -> bytes:
+        """The next events to relay. The closing `[DONE]` is held back until the usage
+        record is committed, so a client that saw the whole stream is always metered."""
+        upstream, scanner = self._upstream, self._scanner
+        assert upstream is not None and scanner is not None, "only a stream is iterated"
+        while not self._finished:
+            try:
+                chunk = await upstream.next_chunk()
+            except UpstreamError:
+                self._finished = True
+                self._failed()
+                await self._end(REPLICA_FAILED, scanner.usage)
+                error = ApiError(502, "The replica failed during the stream; retry the request.")
+                return b"data: " + error.body() + b"\n\n"
+            except asyncio.CancelledError:
+                self._finished = True
+                await self._end(NOT_SERVED, scanner.usage)
+                raise
+            if chunk is None:
+                self._finished = True
+                held = self._held + scanner.flush()
+                await self._end(200, scanner.usage)
+                if held:
+                    return held
+                break
+            if self._attempt is not None:
+                self._attempt.first_output()
+            out = scanner.feed(chunk)
+            if out.endswith(DONE):
+                out, self._held = out[: -len(DONE)], DONE
+            if out:
+                return out
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """The HTTP server is done with the body. Before its end that means the client
+        left: read the rest unrelayed, so the replica's usage is recorded (status 499).
+        If the gateway is being cancelled (shutting down), stop at once instead."""
+        if self._finished:
+            return
+        self._finished = True
+        upstream, scanner = self._upstream, self._scanner
+        assert upstream is not None and scanner is not None
+        task = asyncio.current_task()
+        try:
+            if task is None or not task.cancelling():
+                while (chunk := await upstream.next_chunk()) is not None:
+                    scanner.feed(chunk)
+        except UpstreamError:
+            self._failed()
+        finally:
+            await self._end(CLIENT_CLOSED, scanner.usage)
+
+    # -- the one ending ----------------------------------------------------------------
+    def _failed(self) -> None:
+        if self._attempt is not None:
+            self._attempt.failed()
+        self._meter.metrics.inc(_FAILURES)
+
+    async def _end(self, status: int, usage: Usage | None = None) -> None:
+        """Free the replica and the upstream connection, then commit the one record."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._attempt is not None:
+            self._attempt.close()
+        if self._upstream is not None:
+            self._upstream.release()
+        if self._client.gone:
+            status = CLIENT_CLOSED
+        used = usage or _NO_USAGE
+        p = self._principal
+        record = UsageRecord(
+            ts=time.time(),
+            tenant_id=p.tenant_id,
+            key_id=p.key_id,
+            model=self._model,
+            prompt_tokens=used.prompt_tokens,
+            cached_tokens=used.cached_tokens,
+            completion_tokens=used.completion_tokens,
+            status=status,
+        )
+        meter = self._meter
+        await meter.ledger.record(record)
+        tokens = meter.metrics.series("saltgate_tokens_total")
+        tokens[_PROMPT] += record.prompt_tokens
+        tokens[_CACHED] += record.cached_tokens
+        tokens[_COMPLETION] += record.completion_tokens
+        meter.metrics.observe_latency((), time.monotonic() - self._started)

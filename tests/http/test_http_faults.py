@@ -1,0 +1,223 @@
+"""One test per fault the adversarial run found in the edge (each failed on the old code).
+
+Responses are read with h11's client state machine, so a response cut, merged into
+another or carrying a body it must not have fails the parse, not just an assertion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+import h11
+
+from saltgate.http import HttpServer, Request, Response
+
+
+class Recorder:
+    """A handler that remembers what it finished, streams on /s and is slow on /slow."""
+
+    def __init__(self) -> None:
+        self.finished: list[bytes] = []
+
+    async def __call__(self, request: Request) -> Response:
+        auth = request.header(b"authorization") or b"-"
+        text = b"%s %s %s" % (request.method, request.path, auth)
+        if request.method == b"HEAD":
+            return Response(405, [(b"allow", b"POST")], b"method not allowed: " + text)
+        if request.path.startswith(b"/slow"):
+            await asyncio.sleep(0.05)
+        if request.path.startswith(b"/s"):
+
+            async def chunks() -> AsyncGenerator[bytes, None]:
+                for i in range(4):
+                    await asyncio.sleep(0.01)
+                    yield b"%s part %d;" % (text, i)
+                self.finished.append(request.path)
+
+            return Response(200, stream=chunks())
+        self.finished.append(request.path)
+        return Response(200, body=text)
+
+
+async def serve(handler: Recorder, **kw: int) -> tuple[HttpServer, int]:
+    server = HttpServer(handler, **kw)  # type: ignore[arg-type]
+    return server, await server.start("127.0.0.1", 0)
+
+
+async def exchange(port: int, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    out = await asyncio.wait_for(reader.read(-1), 10)
+    writer.close()
+    return out
+
+
+def responses(out: bytes, methods: list[str]) -> list[tuple[int, bytes, list[int]]]:
+    """(status, body, informational statuses) per request, read as h11's client would."""
+    client = h11.Connection(h11.CLIENT)
+    client.receive_data(out)
+    client.receive_data(b"")
+    got = []
+    for method in methods:
+        client.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
+        client.send(h11.EndOfMessage())
+        status, body, informational = 0, b"", []
+        while not isinstance(event := client.next_event(), h11.EndOfMessage):
+            assert event is not h11.NEED_DATA, f"incomplete response: {out!r}"
+            if isinstance(event, h11.InformationalResponse):
+                informational.append(event.status_code)
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                body += event.data
+        got.append((status, body, informational))
+        if client.their_state is h11.MUST_CLOSE:
+            break
+        client.start_next_cycle()
+    assert client.trailing_data == (b"", True), client.trailing_data
+    return got
+
+
+def test_a_malformed_request_is_answered_after_the_response_before_it() -> None:
+    async def main() -> None:
+        handler = Recorder()
+        server, port = await serve(handler)
+        for first in (b"/slow", b"/s"):  # a whole answer, and a streamed one
+            out = await exchange(
+                port,
+                b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhiGARBAGE\r\n\r\n"
+                % first,
+            )
+            (ok, body, _), (refused, _, _) = responses(out, ["POST", "GET"])
+            assert ok == 200 and body.startswith(b"POST " + first), out
+            assert refused == 400
+            assert handler.finished[-1] == first  # it ran to its end, not cancelled
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_continue_goes_only_to_the_request_being_read_after_the_one_ahead() -> None:
+    async def main() -> None:
+        server, port = await serve(Recorder())
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"GET /s HTTP/1.1\r\nhost: x\r\n\r\n"
+            b"POST /e HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 2\r\n"
+            b"connection: close\r\n\r\n"
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)  # the stream's end
+        assert b"100 Continue" not in head, head
+        writer.write(b"ok")
+        out = head + await asyncio.wait_for(reader.read(-1), 5)
+        writer.close()
+        (streamed, body, early), (last, echoed, informational) = responses(out, ["GET", "POST"])
+        assert (streamed, early) == (200, [])
+        assert body.count(b"part") == 4
+        assert (last, echoed, informational) == (200, b"POST /e -", [100])
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_response_to_head_has_no_body_whatever_its_status() -> None:
+    async def main() -> None:
+        server, port = await serve(Recorder())
+        out = await exchange(
+            port,
+            b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n"
+            b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        )
+        (head_status, head_body, _), (get_status, get_body, _) = responses(out, ["HEAD", "GET"])
+        assert (head_status, head_body) == (405, b"")
+        assert (get_status, get_body) == (200, b"GET /health -")
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_trailer_fields_never_become_request_headers() -> None:
+    async def main() -> None:
+        server, port = await serve(Recorder())
+        out = await exchange(
+            port,
+            b"POST /t HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nconnection: close\r\n"
+            b"\r\n2\r\nhi\r\n0\r\nauthorization: Bearer sk-from-trailer\r\n\r\n",
+        )
+        [(status, body, _)] = responses(out, ["POST"])
+        assert (status, body) == (200, b"POST /t -")
+        await server.close()
+
+    asyncio.run(main())
+
+
+async def upload_then_read(port: int, head: bytes, body_bytes: int) -> bytes:
+    """Send a head, keep sending body bytes as a client unaware of the refusal would,
+    then read the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    block = b"x" * 65536
+    try:
+        for _ in range(body_bytes // len(block)):
+            writer.write(block)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    try:
+        out = await asyncio.wait_for(reader.read(-1), 10)
+    except ConnectionError as exc:
+        out = b"reset: %r" % exc
+    writer.close()
+    return out
+
+
+def test_refusals_of_oversized_requests_arrive_whole() -> None:
+    async def main() -> None:
+        server, port = await serve(Recorder(), max_body_bytes=1024)
+        for _ in range(5):
+            out = await upload_then_read(
+                port, b"POST /big HTTP/1.1\r\nhost: x\r\ncontent-length: 4194304\r\n\r\n", 4194304
+            )
+            assert [s for s, _, _ in responses(out, ["POST"])] == [413], out[:200]
+            for end in (b"\r\n\r\n", b""):  # a huge header line, ended and never ended
+                out = await upload_then_read(
+                    port, b"GET /big HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 70_000 + end, 1048576
+                )
+                assert [s for s, _, _ in responses(out, ["GET"])] == [431], out[:200]
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_requests_without_http_1_x_are_refused_and_never_served() -> None:
+    async def main() -> None:
+        handler = Recorder()
+        server, port = await serve(handler)
+        for data, status in (
+            (b"GET /nover\r\n\r\n", 400),
+            (b"GET /nine HTTP/0.9\r\n\r\n", 400),
+            (b"GET /two HTTP/2.0\r\nhost: x\r\n\r\n", 505),
+        ):
+            out = await exchange(port, data)
+            assert out.startswith(b"HTTP/1.1 %d " % status), out
+        assert handler.finished == []
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_an_upgrade_request_is_answered_and_the_connection_closed() -> None:
+    async def main() -> None:
+        handler = Recorder()
+        server, port = await serve(handler)
+        out = await exchange(
+            port,
+            b"GET /up HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
+            b"\x81\x85not http at all",
+        )
+        [(status, body, _)] = responses(out, ["GET"])
+        assert (status, body) == (200, b"GET /up -")
+        await server.close()
+
+    asyncio.run(main())
