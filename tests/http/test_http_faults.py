@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 
 import h11
+from tests.support.http11 import Answer, h11_client, next_answer
 
 from saltgate.http import HttpServer, Request, Response
 
@@ -53,25 +54,14 @@ async def exchange(port: int, data: bytes) -> bytes:
     return out
 
 
-def responses(out: bytes, methods: list[str]) -> list[tuple[int, bytes, list[int]]]:
+def responses(out: bytes, methods: list[str]) -> list[Answer]:
     """(status, body, informational statuses) per request, read as h11's client would."""
-    client = h11.Connection(h11.CLIENT)
-    client.receive_data(out)
-    client.receive_data(b"")
+    client = h11_client(out)
     got = []
     for method in methods:
         client.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
         client.send(h11.EndOfMessage())
-        status, body, informational = 0, b"", []
-        while not isinstance(event := client.next_event(), h11.EndOfMessage):
-            assert event is not h11.NEED_DATA, f"incomplete response: {out!r}"
-            if isinstance(event, h11.InformationalResponse):
-                informational.append(event.status_code)
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                body += event.data
-        got.append((status, body, informational))
+        got.append(next_answer(client))
         if client.their_state is h11.MUST_CLOSE:
             break
         client.start_next_cycle()

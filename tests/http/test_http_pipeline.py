@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import h11
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.support.http11 import h11_client, next_answer
 
 from saltgate.http import HttpServer, Request, Response
 
@@ -252,9 +253,7 @@ async def converse(port: int, reqs: list[Req], malformed: str | None, cuts: list
 
 def read_responses(out: bytes, reqs: list[Req], error: int | None, extra_end: bool) -> None:
     """Parse the server's bytes as h11's client would, one response per request."""
-    client = h11.Connection(h11.CLIENT)
-    client.receive_data(out)
-    client.receive_data(b"")
+    client = h11_client(out)
     expected: list[tuple[Req | None, bytes | None]] = [(r, r.expected_body()) for r in reqs]
     if error is not None:
         expected.append((None, None))
@@ -267,18 +266,7 @@ def read_responses(out: bytes, reqs: list[Req], error: int | None, extra_end: bo
         if req is not None and req.body:
             client.send(h11.Data(data=req.body))
         client.send(h11.EndOfMessage())
-        status, got, informational = None, b"", []
-        while True:
-            event = client.next_event()
-            assert event is not h11.NEED_DATA, f"response {n} incomplete: {out!r}"
-            if isinstance(event, h11.InformationalResponse):
-                informational.append(event.status_code)
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                got += event.data
-            elif isinstance(event, h11.EndOfMessage):
-                break
+        status, got, informational = next_answer(client)
         if req is None and error is not None:
             assert status == error, (status, error, out)
         else:
