@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint typecheck pytest vllm-env bench-tools lock clean
+.PHONY: install up test lint typecheck pytest vllm-env bench-tools services lock clean
 
 install: $(STAMP)
 
@@ -35,7 +35,12 @@ vllm-env:
 bench-tools:
 	bash scripts/bench-setup.sh
 
-pytest: install vllm-env bench-tools
+# PostgreSQL 15, Redis 7 and HAProxy from apt, and the unprivileged user PostgreSQL runs as;
+# the tests start their own servers on loopback ports (docs/store.md). Idempotent.
+services:
+	bash scripts/services-setup.sh
+
+pytest: install vllm-env bench-tools services
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
