@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from saltgate.config import GatewayConfig
     from saltgate.kvevents.settings import KvRelaySettings, KvUpstream
+    from saltgate.store.settings import StoreSettings
     from saltgate.store.tenants import TenantStore
 
 Command = Callable[[argparse.Namespace], int]
@@ -76,7 +78,11 @@ def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _state_dir_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--state-dir", default=".state", help="directory holding saltgate.db")
+    """Where the store is: the gateway's config ([store]), or a state directory (SQLite)."""
+    p.add_argument("--config", help="the gateway's TOML file: its [store] (docs/store.md)")
+    p.add_argument(
+        "--state-dir", help="directory holding saltgate.db, without --config (default .state)"
+    )
 
 
 def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -109,10 +115,9 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _state_dir_arg(p)
     p.set_defaults(func=_keys_revoke)
 
-    p = sub.add_parser("usage", help="per-tenant usage and cost")
+    p = sub.add_parser("usage", help="per-tenant usage and cost (prices from --config)")
     _state_dir_arg(p)
     p.add_argument("--since", help="a duration back (24h, 7d) or an ISO date")
-    p.add_argument("--config", help="gateway config, for the prices")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_const", const="json", dest="fmt")
     fmt.add_argument("--csv", action="store_const", const="csv", dest="fmt")
@@ -142,13 +147,24 @@ def _run_up(args: argparse.Namespace) -> int:
     return up(args.port, args.replicas, Path(args.state_dir))
 
 
-def _store(args: argparse.Namespace) -> TenantStore:
+def _store_settings(args: argparse.Namespace) -> tuple[StoreSettings, GatewayConfig | None]:
+    """The store the admin commands work on, and the config file if one was given."""
     from pathlib import Path
 
-    from saltgate.store.tenants import TenantStore
+    from saltgate.config import ConfigError, load_config
+    from saltgate.store.settings import StoreSettings
 
-    Path(args.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
-    return TenantStore.from_state_dir(args.state_dir)
+    config = load_config(args.config) if args.config else None
+    if args.state_dir is None:
+        if config is not None:
+            return config.store_settings, config
+        return StoreSettings.in_state_dir(Path(".state")), None
+    if config is not None and config.store is not None:
+        raise ConfigError(
+            f"--state-dir: {args.config} names its store ({config.store.describe()}); "
+            "give --config or --state-dir, not both"
+        )
+    return StoreSettings.in_state_dir(Path(args.state_dir)), config
 
 
 def _tenants_create(args: argparse.Namespace) -> int:
@@ -195,12 +211,16 @@ def _keys_revoke(args: argparse.Namespace) -> int:
 
 def _with_store(args: argparse.Namespace, action: Callable[[TenantStore], str]) -> int:
     """Run a store action; a StoreError is one line on stderr and exit status 1."""
-    from saltgate.store.tenants import StoreError
+    from saltgate.config import ConfigError
+    from saltgate.store.backends import open_database
+    from saltgate.store.errors import StoreError
+    from saltgate.store.tenants import TenantStore
 
     try:
-        with _store(args) as store:
+        settings, _ = _store_settings(args)
+        with TenantStore(open_database(settings)) as store:
             out = action(store)
-    except StoreError as exc:
+    except (StoreError, ConfigError) as exc:
         print(f"saltgate {args.command}: {exc}", file=sys.stderr)
         return 1
     if out:
@@ -210,16 +230,20 @@ def _with_store(args: argparse.Namespace, action: Callable[[TenantStore], str]) 
 
 def _usage(args: argparse.Namespace) -> int:
     import time
-    from pathlib import Path
 
-    from saltgate.config import ConfigError, load_config
+    from saltgate.config import ConfigError
+    from saltgate.store.backends import open_database
+    from saltgate.store.errors import StoreError
     from saltgate.store.pricing import format_usage, parse_since, usage_report
-    from saltgate.store.tenants import StoreError, db_path
 
     try:
-        prices = load_config(args.config).prices if args.config else {}
+        settings, config = _store_settings(args)
         since = parse_since(args.since, time.time()) if args.since else None
-        rows = usage_report(db_path(Path(args.state_dir)), since, prices)
+        db = open_database(settings, create=False)
+        try:
+            rows = usage_report(db, since, config.prices if config is not None else {})
+        finally:
+            db.close()
     except (ConfigError, StoreError, ValueError) as exc:
         print(f"saltgate usage: {exc}", file=sys.stderr)
         return 1

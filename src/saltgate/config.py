@@ -4,8 +4,8 @@ Every mistake in the file is reported as a ConfigError naming the key and what i
 expected, so `saltgate serve --config FILE` fails with one clear line, not a traceback.
 Secrets (the master key, replica API keys) are referenced by file or environment
 variable; their values never appear in an error. A parser: the settings types live with
-what they configure (kvevents/settings.py, routing/router.py, prices.py), and loading a
-configuration loads no network or database library.
+what they configure (kvevents/settings.py, routing/router.py, prices.py,
+store/settings.py), and loading a configuration loads no network or database library.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from saltgate.kvevents.settings import KvRelaySettings, KvUpstream, client_key_l
 from saltgate.prices import Price, parse_prices
 from saltgate.routing.router import RouterConfig
 from saltgate.spec.derive import MASTER_KEY_MIN_BYTES
+from saltgate.store.settings import StoreSettings
 
 SECRET_FILE_MAX_BYTES = 4096
 CLIENT_GONE_MODES = ("finish", "abort")
@@ -136,10 +137,18 @@ class GatewayConfig:
     # and meters its exact usage; "abort" stops the replica's work at once and meters only
     # the usage already seen (docs/config.md).
     on_client_gone: str = "finish"
+    store: StoreSettings | None = None  # [store]; None: SQLite in state_dir (store_settings)
+    # PostgreSQL out of reach: authenticate from the keys known for this long, then 503.
+    store_outage_grace_s: float = 60.0
 
     @property
     def db_path(self) -> Path:
         return self.state_dir / "saltgate.db"
+
+    @property
+    def store_settings(self) -> StoreSettings:
+        """Where tenants, keys and usage live: [store], or the embedded default."""
+        return self.store or StoreSettings.in_state_dir(self.state_dir)
 
 
 def _expect(table: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -225,7 +234,7 @@ def _prices(table: Any) -> dict[str, Price]:
 
 def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
     """Build a GatewayConfig from a parsed TOML document; relative paths start at `base`."""
-    known = {"gateway", "replicas", "prices", "router", "testing", "ehbp", "kv_relay"}
+    known = {"gateway", "replicas", "prices", "router", "testing", "ehbp", "kv_relay", "store"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown sections {sorted(unknown)}; expected {sorted(known)}")
@@ -253,6 +262,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         ("admin_port", int),
         ("max_body_bytes", int),
         ("upstream_timeout_s", (int, float)),
+        ("store_outage_grace_s", (int, float)),
     ):
         if key in gw:
             kwargs[key] = _expect(gw, key, kind, "gateway")
@@ -264,6 +274,8 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
                 f"got {mode!r}"
             )
         kwargs["on_client_gone"] = mode
+    if kwargs.get("store_outage_grace_s", 1) <= 0:
+        raise ConfigError("gateway.store_outage_grace_s: must be positive")
     unknown = set(gw) - {*kwargs, "state_dir", "master_key_file"}
     if unknown:
         raise ConfigError(f"gateway: unknown keys {sorted(unknown)}")
@@ -279,6 +291,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         salting=salting,
         router=_router(doc.get("router", {})),
         kv_relay=_kv_relay(doc.get("kv_relay"), replicas, base),
+        store=_store(doc.get("store"), base, state_dir),
         **_ehbp(doc.get("ehbp", {}), base),
         **kwargs,
     )
@@ -336,6 +349,17 @@ def kv_relay_settings(table: dict[str, Any], base: Path, where: str = "") -> KvR
         return KvRelaySettings.from_table(rest, file_keys)
     except ValueError as exc:
         raise ConfigError(f"{where}{exc}") from None
+
+
+def _store(table: Any, base: Path, state_dir: Path) -> StoreSettings | None:
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ConfigError("store: expected a table")
+    try:
+        return StoreSettings.from_table(table, base, state_dir)
+    except ValueError as exc:
+        raise ConfigError(f"store.{exc}") from None
 
 
 def _router(table: Any) -> RouterConfig:

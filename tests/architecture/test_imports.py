@@ -29,6 +29,8 @@ PURE_MODULES = (
     "saltgate.kvevents.sanitize",
     "saltgate.kvevents.sequence",
     "saltgate.kvevents.settings",
+    "saltgate.store",  # a docstring, so config.py can read store.settings alone
+    "saltgate.store.settings",
 )
 # What a pure module must never load, directly or through another module.
 IO_LIBRARIES = (
@@ -58,7 +60,13 @@ CLOCK_LIBRARIES = ("time", "datetime")
 IO_PACKAGES = (
     "saltgate.http",
     "saltgate.gateway",
-    "saltgate.store",
+    "saltgate.store.backends",
+    "saltgate.store.ledger",
+    "saltgate.store.pg_ledger",
+    "saltgate.store.postgres",
+    "saltgate.store.spool",
+    "saltgate.store.sqlite",
+    "saltgate.store.tenants",
     "saltgate.sim",
     "saltgate.client",
     "saltgate.audit",

@@ -24,7 +24,8 @@ async def main(db: str, writers: int) -> None:
         seq = 0
         while True:
             rid = f"w{i}-{seq}"
-            await ledger.record(UsageRecord(time.time(), "tn_crash", rid, "m", 100, 50, 10, 200))
+            rec = UsageRecord(rid, time.time(), "tn_crash", rid, "m", 100, 50, 10, 200)
+            await ledger.record(rec)
             os.write(1, f"{rid}\n".encode())
             seq += 1
 

@@ -18,14 +18,16 @@ from saltgate.store.ledger import Ledger, LedgerError, UsageRecord
 
 
 def _rec(i: int, tenant: str = "tn_a", model: str = "m") -> UsageRecord:
-    return UsageRecord(1_700_000_000.0 + i, tenant, f"key_{i}", model, 100 + i, i, 7, 200)
+    return UsageRecord(
+        f"req-{i:08d}", 1_700_000_000.0 + i, tenant, f"key_{i}", model, 100 + i, i, 7, 200
+    )
 
 
 def _rows(path: Path) -> list[tuple[object, ...]]:
     conn = sqlite3.connect(path)
     try:
         return conn.execute(
-            "SELECT ts, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
+            "SELECT request_id, ts, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
             "completion_tokens, status FROM usage ORDER BY ts"
         ).fetchall()
     finally:
@@ -50,20 +52,23 @@ def test_records_committed_and_batched(tmp_path: Path) -> None:
     assert st.records == n
     assert st.transactions < n // 10, st  # concurrent records shared transactions
     assert st.max_batch_seen > 1
-    rows = _rows(path)
-    assert rows == [
-        (
-            r.ts,
-            r.tenant_id,
-            r.key_id,
-            r.model,
-            r.prompt_tokens,
-            r.cached_tokens,
-            r.completion_tokens,
-            r.status,
-        )
-        for r in records
-    ]
+    assert _rows(path) == [tuple(r) for r in records]
+
+
+def test_a_record_committed_twice_counts_once(tmp_path: Path) -> None:
+    """A retried commit (same request id) is dropped by the unique key, also when both
+    copies land in the same batch; the other records of the batch still commit."""
+    path = tmp_path / "saltgate.db"
+
+    async def run() -> None:
+        ledger = Ledger(path)
+        await ledger.record(_rec(0))
+        await ledger.record(_rec(0))
+        await asyncio.gather(ledger.record(_rec(1)), ledger.record(_rec(1)), ledger.record(_rec(2)))
+        await ledger.aclose()
+
+    asyncio.run(run())
+    assert _rows(path) == [tuple(_rec(i)) for i in range(3)]
 
 
 def test_max_batch_bounds_transactions(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Prices, the per-tenant usage report and its three renderings."""
+"""Prices, the per-tenant usage report (on both backends) and its three renderings."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ from pathlib import Path
 import pytest
 
 from saltgate.prices import Price, parse_prices
-from saltgate.store.ledger import Ledger, UsageRecord
+from saltgate.store.backends import open_database, open_gateway_store
+from saltgate.store.errors import StoreError
+from saltgate.store.ledger import UsageRecord, new_request_id
 from saltgate.store.pricing import (
     TenantUsage,
     format_usage,
     parse_since,
     usage_report,
 )
-from saltgate.store.tenants import StoreError, TenantStore
+from saltgate.store.settings import StoreSettings
+from saltgate.store.tenants import TenantStore
 
 LLAMA = Price(input_per_mtok=1.0, cached_input_per_mtok=0.1, output_per_mtok=2.0)
 
@@ -60,32 +63,42 @@ def test_parse_since() -> None:
         parse_since("yesterday", now)
 
 
-def _seed(path: Path) -> tuple[str, str, str]:
-    with TenantStore(path) as store:
+def _seed(settings: StoreSettings) -> tuple[str, str, str]:
+    with TenantStore(open_database(settings)) as store:
         acme = store.create_tenant("acme").id
         globex = store.create_tenant("globex").id
         idle = store.create_tenant("idle").id
     records = [
-        UsageRecord(100.0, acme, "key_a", "llama", 1000, 400, 100, 200),
-        UsageRecord(200.0, acme, "key_a", "llama", 2000, 2000, 50, 200),
-        UsageRecord(300.0, acme, "key_b", "mystery", 500, 0, 10, 200),
-        UsageRecord(150.0, globex, "key_g", "llama", 10, 0, 0, 429),
-        UsageRecord(250.0, "tn_gone", "key_x", "llama", 1_000_000, 0, 0, 200),
+        (100.0, acme, "key_a", "llama", 1000, 400, 100, 200),
+        (200.0, acme, "key_a", "llama", 2000, 2000, 50, 200),
+        (300.0, acme, "key_b", "mystery", 500, 0, 10, 200),
+        (150.0, globex, "key_g", "llama", 10, 0, 0, 429),
+        (250.0, "tn_gone", "key_x", "llama", 1_000_000, 0, 0, 200),
     ]
 
     async def write() -> None:
-        ledger = Ledger(path)
-        await asyncio.gather(*(ledger.record(r) for r in records))
-        await ledger.aclose()
+        store = await open_gateway_store(settings)  # the gateway's own ledger
+        ledger = store.ledger
+        await asyncio.gather(*(ledger.record(UsageRecord(new_request_id(), *r)) for r in records))
+        await store.aclose()
 
     asyncio.run(write())
     return acme, globex, idle
 
 
-def test_usage_report_totals(tmp_path: Path) -> None:
-    path = tmp_path / "saltgate.db"
-    acme, globex, idle = _seed(path)
-    rows = usage_report(path, None, {"llama": LLAMA})
+def _report(
+    settings: StoreSettings, since: float | None, prices: dict[str, Price]
+) -> list[TenantUsage]:
+    db = open_database(settings, create=False)
+    try:
+        return usage_report(db, since, prices)
+    finally:
+        db.close()
+
+
+def test_usage_report_totals(store_settings: StoreSettings) -> None:
+    acme, globex, idle = _seed(store_settings)
+    rows = _report(store_settings, None, {"llama": LLAMA})
     by_id = {r.tenant_id: r for r in rows}
     assert [r.tenant_name for r in rows] == ["acme", "globex", "idle", None]
 
@@ -102,7 +115,7 @@ def test_usage_report_totals(tmp_path: Path) -> None:
     assert by_id[idle] == TenantUsage(idle, "idle", 0, 0, 0, 0, 0, 0.0, ())
     assert by_id["tn_gone"].cost_usd == pytest.approx(1.0)
 
-    since = usage_report(path, 200.0, {"llama": LLAMA})
+    since = _report(store_settings, 200.0, {"llama": LLAMA})
     a2 = {r.tenant_id: r for r in since}[acme]
     assert (a2.requests, a2.prompt_tokens) == (2, 2500)  # ts >= 200 only
     assert {r.tenant_id: r.requests for r in since}[globex] == 0
@@ -110,14 +123,14 @@ def test_usage_report_totals(tmp_path: Path) -> None:
 
 def test_usage_report_needs_an_existing_db(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no saltgate database"):
-        usage_report(tmp_path / "nope" / "saltgate.db", None, {})
+        _report(StoreSettings.in_state_dir(tmp_path / "nope"), None, {})
     assert not (tmp_path / "nope").exists()  # a report never creates state
 
 
 def test_format_usage(tmp_path: Path) -> None:
-    path = tmp_path / "saltgate.db"
-    acme, _, _ = _seed(path)
-    rows = usage_report(path, None, {"llama": LLAMA})
+    settings = StoreSettings.in_state_dir(tmp_path)
+    acme, _, _ = _seed(settings)
+    rows = _report(settings, None, {"llama": LLAMA})
 
     data = json.loads(format_usage(rows, "json"))
     assert data[0]["tenant"] == "acme" and data[0]["tenant_id"] == acme

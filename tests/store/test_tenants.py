@@ -1,4 +1,9 @@
-"""Tenants, hashed keys, epochs and the gateway's KeyIndex, on real SQLite files."""
+"""Tenants, hashed keys, epochs (on both backends) and the gateway's SQLite KeyIndex.
+
+The admin operations run once per backend (`store_settings`: a real SQLite file, then a
+real PostgreSQL database); the KeyIndex tests are SQLite's (PostgreSQL's PgKeyIndex has
+tests/store/test_postgres.py).
+"""
 
 from __future__ import annotations
 
@@ -16,29 +21,24 @@ from pathlib import Path
 import pytest
 from tests.support.waiting import eventually_blocking
 
-from saltgate.store.ledger import Ledger, UsageRecord
-from saltgate.store.tenants import (
-    _MIGRATIONS,
-    SCHEMA_VERSION,
-    KeyIndex,
+from saltgate.store.backends import open_database
+from saltgate.store.errors import (
     KeyNotFoundError,
     KeyRevokedError,
     StoreError,
     TenantExistsError,
     TenantNotFoundError,
-    TenantStore,
-    db_path,
 )
+from saltgate.store.ledger import Ledger, UsageRecord, new_request_id
+from saltgate.store.schema import SCHEMA_VERSION, SQLITE_MIGRATIONS
+from saltgate.store.settings import StoreSettings
+from saltgate.store.tenants import KeyIndex, TenantStore, db_path
 
 KEY_RE = re.compile(r"sg_[A-Za-z0-9_-]{43}")
 
 
-def _store(tmp_path: Path) -> TenantStore:
-    return TenantStore.from_state_dir(tmp_path / "state")
-
-
-def test_create_tenant_ids_and_duplicate(tmp_path: Path) -> None:
-    with _store(tmp_path) as store:
+def test_create_tenant_ids_and_duplicate(store_settings: StoreSettings) -> None:
+    with TenantStore(open_database(store_settings)) as store:
         a = store.create_tenant("acme")
         b = store.create_tenant("globex")
         assert re.fullmatch(r"tn_[0-9a-f]{16}", a.id)
@@ -51,13 +51,16 @@ def test_create_tenant_ids_and_duplicate(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["", "-x", "a b", "x" * 65, "tn_0123456789abcdef", "sg_x", "é"])
-def test_invalid_tenant_names(tmp_path: Path, name: str) -> None:
-    with _store(tmp_path) as store, pytest.raises(StoreError, match="invalid tenant name"):
+def test_invalid_tenant_names(store_settings: StoreSettings, name: str) -> None:
+    with (
+        TenantStore(open_database(store_settings)) as store,
+        pytest.raises(StoreError, match="invalid tenant name"),
+    ):
         store.create_tenant(name)
 
 
 def test_db_file_private_and_versioned(tmp_path: Path) -> None:
-    with _store(tmp_path) as store:
+    with TenantStore.from_state_dir(tmp_path / "state") as store:
         store.create_tenant("acme")
     path = db_path(tmp_path / "state")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -65,27 +68,48 @@ def test_db_file_private_and_versioned(tmp_path: Path) -> None:
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    versions = conn.execute("SELECT version FROM schema_version ORDER BY version").fetchall()
+    assert versions == [(m.version,) for m in SQLITE_MIGRATIONS]
     conn.close()
     # Reopening keeps the data (no re-migration).
-    with _store(tmp_path) as store:
+    with TenantStore.from_state_dir(tmp_path / "state") as store:
         assert [t.name for t in store.list_tenants()] == ["acme"]
 
 
 def test_an_older_schema_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
-    """A version-1 database (usage indexed by ts) opens as the current version, rows kept."""
+    """A version-1 database (usage indexed by ts, no version table, no request ids) opens
+    as the current version, its rows kept, what it had recorded in the version table."""
     path = tmp_path / "saltgate.db"
     conn = sqlite3.connect(path, isolation_level=None)
-    for stmt in _MIGRATIONS[0]:
+    for stmt in SQLITE_MIGRATIONS[0].statements:
         conn.execute(stmt)
     conn.execute("PRAGMA user_version = 1")
     conn.execute("INSERT INTO usage VALUES (1, 1.0, 't', 'k', 'm', 10, 4, 2, 200)")
     conn.close()
     TenantStore(path).close()
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION > 1
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION > 2
     assert conn.execute("SELECT prompt_tokens, cached_tokens FROM usage").fetchall() == [(10, 4)]
     indexes = conn.execute("SELECT name FROM sqlite_master WHERE tbl_name = 'usage'").fetchall()
-    assert ("usage_ts",) not in indexes
+    assert ("usage_ts",) not in indexes and ("usage_request_id",) in indexes
+    recorded = conn.execute(
+        "SELECT version, applied_at IS NULL FROM schema_version ORDER BY version"
+    ).fetchall()
+    assert recorded == [(1, 1), (2, 0), (3, 0)]  # version 1 was applied before the table
+    conn.close()
+
+    # The old row has no request id; new ones do, and a second record with the same id is
+    # dropped rather than counted twice.
+    async def meter() -> None:
+        ledger = Ledger(path)
+        rec = UsageRecord(new_request_id(), 2.0, "t", "k", "m", 5, 0, 1, 200)
+        await ledger.record(rec)
+        await ledger.record(rec._replace(prompt_tokens=99))
+        await ledger.aclose()
+
+    asyncio.run(meter())
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT prompt_tokens FROM usage ORDER BY ts").fetchall() == [(10,), (5,)]
     conn.close()
 
 
@@ -99,22 +123,24 @@ def test_newer_schema_is_refused(tmp_path: Path) -> None:
         TenantStore(path)
 
 
-def test_keys_are_stored_only_as_sha256(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    with TenantStore.from_state_dir(state) as store:
+def test_keys_are_stored_only_as_sha256(store_settings: StoreSettings) -> None:
+    db = open_database(store_settings)
+    with TenantStore(db) as store:
         t = store.create_tenant("acme")
         key_id, key = store.create_key("acme")
         assert KEY_RE.fullmatch(key)
         assert re.fullmatch(r"key_[0-9a-f]{12}", key_id)
-        (stored,) = store._conn.execute("SELECT key_hash FROM api_keys").fetchone()
+        [(stored,)] = db.query("SELECT key_hash FROM api_keys")
         assert bytes(stored) == hashlib.sha256(key.encode()).digest()
         [info] = store.list_keys(t.id)
         assert (info.id, info.tenant_id, info.revoked_at) == (key_id, t.id, None)
         assert key not in repr(info)
-    # The clear key appears nowhere on disk (db, WAL, shm).
-    blobs = b"".join(p.read_bytes() for p in state.iterdir())
-    assert key.encode() not in blobs
-    assert hashlib.sha256(key.encode()).digest() in blobs
+    if store_settings.sqlite_path is not None:
+        # The clear key appears nowhere on disk (db, WAL, shm).
+        state = store_settings.sqlite_path.parent
+        blobs = b"".join(p.read_bytes() for p in state.iterdir())
+        assert key.encode() not in blobs
+        assert hashlib.sha256(key.encode()).digest() in blobs
 
 
 def test_authenticate(tmp_path: Path) -> None:
@@ -176,8 +202,24 @@ def test_rotate_salt_moves_epoch(tmp_path: Path) -> None:
     store.close()
 
 
-def test_errors_are_clear_and_never_echo_keys(tmp_path: Path) -> None:
-    with _store(tmp_path) as store:
+def test_rotation_and_keys_on_either_backend(store_settings: StoreSettings) -> None:
+    with TenantStore(open_database(store_settings)) as store:
+        t = store.create_tenant("acme")
+        old_id, _ = store.create_key("acme")
+        new_id, _ = store.create_key(t.id)
+        assert [k.id for k in store.list_keys("acme")] == [old_id, new_id]
+        assert store.rotate_salt("acme") == 1
+        assert store.rotate_salt(t.id) == 2
+        assert store.get_tenant("acme").epoch == 2
+        revoked = store.revoke_key(old_id)
+        assert revoked.revoked_at is not None
+        assert [k.revoked_at is None for k in store.list_keys()] == [False, True]
+        with pytest.raises(TenantNotFoundError, match="'nobody'"):
+            store.rotate_salt("nobody")
+
+
+def test_errors_are_clear_and_never_echo_keys(store_settings: StoreSettings) -> None:
+    with TenantStore(open_database(store_settings)) as store:
         store.create_tenant("acme")
         key_id, key = store.create_key("acme")
         with pytest.raises(KeyNotFoundError, match="key_000000000000") as e1:
@@ -209,7 +251,8 @@ def test_refresh_is_cheap_and_ignores_usage_writes(tmp_path: Path) -> None:
 
     async def meter() -> None:
         ledger = Ledger(path)
-        await ledger.record(UsageRecord(time.time(), "tn_x", "key_x", "m", 1, 0, 1, 200))
+        rec = UsageRecord(new_request_id(), time.time(), "tn_x", "key_x", "m", 1, 0, 1, 200)
+        await ledger.record(rec)
         await ledger.aclose()
 
     asyncio.run(meter())

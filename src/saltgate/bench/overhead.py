@@ -83,7 +83,7 @@ from saltgate.bench.wrk import (
 )
 from saltgate.config import ConfigError
 from saltgate.sim.run import sim_command
-from saltgate.store.tenants import StoreError
+from saltgate.store.errors import StoreError
 
 
 def fixed_completion() -> bytes:

@@ -33,7 +33,7 @@ from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResp
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import scrub_response_headers
 from saltgate.routing import Plan
-from saltgate.store.ledger import Ledger, UsageRecord
+from saltgate.store.ledger import UsageLedger, UsageRecord, new_request_id
 from saltgate.store.tenants import Principal
 
 DONE: Final = b"data: [DONE]\n\n"
@@ -66,7 +66,7 @@ class Meter:
 
     __slots__ = ("ledger", "metrics")
 
-    def __init__(self, ledger: Ledger, metrics: Metrics) -> None:
+    def __init__(self, ledger: UsageLedger, metrics: Metrics) -> None:
         self.ledger = ledger
         self.metrics = metrics
         metrics.describe("saltgate_tokens_total", "counter", "Tokens metered, by kind.")
@@ -236,6 +236,7 @@ class Exchange:
         used = usage or _NO_USAGE
         p = self._principal
         record = UsageRecord(
+            request_id=new_request_id(),  # this exchange's one record, however often committed
             ts=time.time(),
             tenant_id=p.tenant_id,
             key_id=p.key_id,

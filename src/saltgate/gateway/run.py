@@ -21,8 +21,8 @@ from saltgate.kvevents.settings import KvUpstream
 from saltgate.routing import Router
 from saltgate.runtime import run_service, until_stopped
 from saltgate.spec.derive import derive_subkeys
-from saltgate.store.ledger import Ledger
-from saltgate.store.tenants import KeyIndex
+from saltgate.store.backends import open_gateway_store
+from saltgate.store.errors import StoreError
 
 
 @dataclass
@@ -53,7 +53,7 @@ class RunningGateway:
             await self.admin.close()
         await self.gateway.replicas.close()
         await self.gateway.ledger.aclose()
-        self.gateway.keys.close()
+        await self.gateway.keys.aclose()
         if self.kv_relay is not None:
             await asyncio.to_thread(self.kv_relay.close)
 
@@ -78,18 +78,19 @@ def start_kv_relay(config: GatewayConfig, k_kv: bytes) -> KvRelay | None:
 async def start_gateway(config: GatewayConfig) -> RunningGateway:
     master_key = load_master_key(config.master_key_file)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    keys = KeyIndex(config.db_path)
     subkeys = derive_subkeys(master_key)
     router = Router(config.router, subkeys.route)
     # Under load, let one commit carry the records of requests about to finish.
-    ledger = Ledger(config.db_path, busy=router.busy)
+    store = await open_gateway_store(
+        config.store_settings, busy=router.busy, outage_grace_s=config.store_outage_grace_s
+    )
     replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s, router=router)
     metrics = Metrics()
     gateway = Gateway(
         config,
         subkeys=subkeys,
-        keys=keys,
-        ledger=ledger,
+        keys=store.keys,
+        ledger=store.ledger,
         replicas=replicas,
         metrics=metrics,
     )
@@ -163,5 +164,5 @@ def serve(config: GatewayConfig) -> int:
         lambda: _serve(config),
         "saltgate",
         cannot_run=f"cannot serve on {config.host}:{config.port}",
-        usage_errors=(ConfigError,),
+        usage_errors=(ConfigError, StoreError),
     )

@@ -23,8 +23,9 @@ from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import forward_request_headers
 from saltgate.policy.request import inspect, parse_json_object, prepare, resolve_route
 from saltgate.spec.derive import SubKeys, cache_salt
-from saltgate.store.ledger import Ledger
-from saltgate.store.tenants import KeyIndex, Principal
+from saltgate.store.errors import StoreUnavailableError
+from saltgate.store.ledger import UsageLedger
+from saltgate.store.tenants import KeySource, Principal
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ class Gateway:
         config: GatewayConfig,
         *,
         subkeys: SubKeys,
-        keys: KeyIndex,
-        ledger: Ledger,
+        keys: KeySource,
+        ledger: UsageLedger,
         replicas: ReplicaSet,
         metrics: Metrics | None = None,
     ) -> None:
@@ -171,6 +172,10 @@ class Gateway:
                 principal = self.keys.authenticate(token.strip().decode("ascii"))
             except UnicodeDecodeError:
                 principal = None
+            except StoreUnavailableError as exc:
+                raise ApiError(
+                    503, str(exc), type="service_unavailable", code="store_unavailable"
+                ) from None
         if principal is None:
             raise ApiError(
                 401,

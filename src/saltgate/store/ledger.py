@@ -1,5 +1,7 @@
 """Usage ledger: one row per completed request, group-committed to SQLite.
 
+(The PostgreSQL ledger, saltgate.store.pg_ledger, keeps the same promise over the network.)
+
 The gateway awaits `Ledger.record` before it completes a response, and `record` returns
 only after the row's transaction has committed — so a crash can lose no record of a
 response a client received. Under load, records that arrive close together share one
@@ -34,16 +36,19 @@ import contextlib
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
-from saltgate.store.tenants import open_db
+from saltgate.store.sqlite import open_db
 
+# A record already there (same request id: a retried commit, a replayed spool) is dropped.
 _INSERT = (
-    "INSERT INTO usage (ts, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
-    "completion_tokens, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO usage (request_id, ts, tenant_id, key_id, model, prompt_tokens, "
+    "cached_tokens, completion_tokens, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (request_id) DO NOTHING"
 )
 
 
@@ -52,8 +57,13 @@ class LedgerError(Exception):
 
 
 class UsageRecord(NamedTuple):
-    """One completed request, as metered; a tuple, so it is the row SQLite inserts."""
+    """One completed request, as metered; a tuple, so it is the row SQLite inserts.
 
+    `request_id` is unique per request (`new_request_id`): the ledger keeps one record per
+    id, so committing a record twice (a retry after an unknown outcome) counts it once.
+    """
+
+    request_id: str
     ts: float
     tenant_id: str
     key_id: str
@@ -62,6 +72,25 @@ class UsageRecord(NamedTuple):
     cached_tokens: int
     completion_tokens: int
     status: int
+
+
+def new_request_id() -> str:
+    """32 hex digits: the time in ms, then 80 random bits (unique across gateways).
+
+    Time first, so the unique index on request ids grows at its right edge like the table
+    instead of touching a random page per insert.
+    """
+    return f"{time.time_ns() // 1_000_000:012x}{os.urandom(10).hex()}"
+
+
+class UsageLedger(Protocol):
+    """Where the gateway meters: `Ledger` (SQLite) or PgLedger."""
+
+    async def record(self, rec: UsageRecord) -> None:
+        """Return once `rec` is durable; raise LedgerError if it could not be made so."""
+        ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

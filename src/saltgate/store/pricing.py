@@ -11,17 +11,14 @@ import csv
 import io
 import json
 import math
-import os
 import re
-import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Literal
 
 from saltgate.prices import Price
-from saltgate.store.tenants import StoreError, open_db
+from saltgate.store.db import Database
 
 UsageFormat = Literal["table", "json", "csv"]
 
@@ -62,29 +59,24 @@ class TenantUsage:
     unpriced_models: tuple[str, ...]
 
 
+# Portable SQL (SQLite and PostgreSQL): uncached input is floored at 0 per row, as cost()
+# does per request.
+_USAGE_SQL = (
+    "SELECT tenant_id, model, count(*), sum(CASE WHEN status >= 400 THEN 1 ELSE 0 END), "
+    "sum(prompt_tokens), sum(cached_tokens), "
+    "sum(CASE WHEN prompt_tokens > cached_tokens THEN prompt_tokens - cached_tokens ELSE 0 END), "
+    "sum(completion_tokens) FROM usage WHERE ts >= ? GROUP BY tenant_id, model"
+)
+
+
 def usage_report(
-    db_path: str | os.PathLike[str], since: float | None, prices: Mapping[str, Price]
+    db: Database, since: float | None, prices: Mapping[str, Price]
 ) -> list[TenantUsage]:
     """Per-tenant totals since `since` (unix time, inclusive; None = all time), every tenant
     listed even without usage, sorted by name."""
-    path = Path(db_path)
-    if not path.exists():
-        raise StoreError(f"no saltgate database at {path} (wrong --state-dir?)")
-    conn = open_db(path)
-    try:
-        conn.execute("BEGIN")  # one snapshot for both queries
-        tenants = dict(conn.execute("SELECT id, name FROM tenants").fetchall())
-        rows = conn.execute(
-            "SELECT tenant_id, model, count(*), sum(status >= 400), sum(prompt_tokens), "
-            "sum(cached_tokens), sum(max(prompt_tokens - cached_tokens, 0)), "
-            "sum(completion_tokens) FROM usage WHERE ts >= ? GROUP BY tenant_id, model",
-            (-math.inf if since is None else since,),
-        ).fetchall()
-        conn.execute("COMMIT")
-    except sqlite3.Error as exc:
-        raise StoreError(f"could not read usage from {path}: {exc}") from None
-    finally:
-        conn.close()
+    with db.read_snapshot():  # one snapshot for both queries
+        tenants: dict[str, str] = dict(db.query("SELECT id, name FROM tenants"))
+        rows = db.query(_USAGE_SQL, (-math.inf if since is None else since,))
 
     acc: dict[str, list[int]] = {tid: [0] * 5 for tid in tenants}
     cost: dict[str, float] = dict.fromkeys(tenants, 0.0)

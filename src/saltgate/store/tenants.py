@@ -1,8 +1,9 @@
-"""Tenants, hashed API keys and salt epochs in one SQLite file under the state directory.
+"""Tenants, hashed API keys and salt epochs, on either backend (docs/store.md).
 
-The CLI (another process) writes here; a running gateway reads a `KeyIndex` snapshot and
-refreshes it when the CLI changes something, so revocations and rotations take effect
-within about a second without a restart.
+The CLI (another process) writes here; a running gateway reads a snapshot of the live keys
+and refreshes it when something changes, so revocations and rotations take effect within
+a second on every gateway without a restart: `KeyIndex` polls the SQLite file, and
+saltgate.store.postgres.PgKeyIndex listens for PostgreSQL's notifications.
 
 Why SHA-256 and no slow KDF: a key is ``"sg_"`` + 32 random bytes (256 bits of entropy).
 Slow, salted KDFs exist to make guessing *low-entropy* passwords expensive; nobody can
@@ -18,49 +19,38 @@ stored, logged, or echoed in an error message.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import hmac
 import os
 import re
 import secrets
-import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
-DB_FILENAME = "saltgate.db"
+from saltgate.store.db import Database
+from saltgate.store.errors import (
+    ConflictError,
+    KeyNotFoundError,
+    KeyRevokedError,
+    StoreError,
+    TenantExistsError,
+    TenantNotFoundError,
+)
+from saltgate.store.settings import DB_FILENAME
+from saltgate.store.sqlite import SqliteDatabase, open_db
+
 KEY_PREFIX = "sg_"
 KEY_LENGTH = len(KEY_PREFIX) + 43  # 32 random bytes, base64url without padding
 TENANT_ID_PREFIX = "tn_"
 KEY_ID_PREFIX = "key_"
-BUSY_TIMEOUT_S = 10.0
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _TENANT_ID_RE = re.compile(r"tn_[0-9a-f]{16}")
 _KEY_ID_RE = re.compile(r"key_[0-9a-f]{12}")
-
-
-class StoreError(Exception):
-    """A store operation failed for a reason the operator can act on (message is safe)."""
-
-
-class TenantExistsError(StoreError):
-    """`create_tenant` was given a name that is already taken."""
-
-
-class TenantNotFoundError(StoreError):
-    """No tenant has the given name or id."""
-
-
-class KeyNotFoundError(StoreError):
-    """No API key has the given key id."""
-
-
-class KeyRevokedError(StoreError):
-    """The key id names a key that was already revoked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,128 +93,17 @@ class Principal:
         return str(self.epoch)
 
 
-# --------------------------------------------------------------------------- schema
-
-# One tuple of statements per schema version; user_version = number applied. Append only.
-# Statements run one by one inside a single transaction (executescript would commit early).
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (
-    (
-        # auth_generation changes on every tenant/key mutation (triggers below), so a gateway
-        # can tell "auth data changed" from "usage rows were appended" with one tiny read.
-        """CREATE TABLE meta (
-            id INTEGER PRIMARY KEY CHECK (id = 1),
-            auth_generation INTEGER NOT NULL
-        )""",
-        "INSERT INTO meta (id, auth_generation) VALUES (1, 0)",
-        """CREATE TABLE tenants (
-            id TEXT PRIMARY KEY,
-            name TEXT NOT NULL UNIQUE,
-            epoch INTEGER NOT NULL DEFAULT 0 CHECK (epoch >= 0),
-            created_at REAL NOT NULL
-        )""",
-        """CREATE TABLE api_keys (
-            id TEXT PRIMARY KEY,
-            tenant_id TEXT NOT NULL REFERENCES tenants(id),
-            key_hash BLOB NOT NULL UNIQUE CHECK (length(key_hash) = 32),
-            created_at REAL NOT NULL,
-            revoked_at REAL
-        )""",
-        "CREATE INDEX api_keys_tenant ON api_keys(tenant_id)",
-        "CREATE TRIGGER tenants_insert_bump AFTER INSERT ON tenants "
-        "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
-        "CREATE TRIGGER tenants_update_bump AFTER UPDATE ON tenants "
-        "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
-        "CREATE TRIGGER tenants_delete_bump AFTER DELETE ON tenants "
-        "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
-        "CREATE TRIGGER api_keys_insert_bump AFTER INSERT ON api_keys "
-        "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
-        "CREATE TRIGGER api_keys_update_bump AFTER UPDATE ON api_keys "
-        "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
-        "CREATE TRIGGER api_keys_delete_bump AFTER DELETE ON api_keys "
-        "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
-        # Usage rows (written by ledger.Ledger). No foreign key: metering must never fail
-        # because a tenant was edited, and the check would cost every insert.
-        """CREATE TABLE usage (
-            id INTEGER PRIMARY KEY,
-            ts REAL NOT NULL,
-            tenant_id TEXT NOT NULL,
-            key_id TEXT NOT NULL,
-            model TEXT NOT NULL,
-            prompt_tokens INTEGER NOT NULL,
-            cached_tokens INTEGER NOT NULL,
-            completion_tokens INTEGER NOT NULL,
-            status INTEGER NOT NULL
-        )""",
-        "CREATE INDEX usage_ts ON usage(ts)",
-    ),
-    (
-        # The ts index cost more than the row itself on every ledger commit (one more page
-        # per commit: 47 -> 20 us for a one-row commit, 135 -> 52 us for 13 rows, on this
-        # machine); usage reports aggregate by scanning instead (docs/benchmarks.md).
-        "DROP INDEX usage_ts",
-    ),
+# The live keys with what a request needs of their tenant: the gateway's snapshot.
+LIVE_KEYS_SQL = (
+    "SELECT k.key_hash, t.id, t.name, k.id, t.epoch "
+    "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
+    "WHERE k.revoked_at IS NULL"
 )
-SCHEMA_VERSION = len(_MIGRATIONS)
 
 
 def db_path(state_dir: str | os.PathLike[str]) -> Path:
     """The database file inside a state directory."""
     return Path(state_dir) / DB_FILENAME
-
-
-def open_db(path: str | os.PathLike[str], *, check_same_thread: bool = True) -> sqlite3.Connection:
-    """Open (creating if needed, mode 0600) and migrate the database; autocommit mode.
-
-    WAL lets the gateway's reader and ledger writer run alongside CLI writes;
-    synchronous=NORMAL is durable against process crashes (see ledger.py).
-    """
-    p = Path(path)
-    p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    # Create the file ourselves so it is never world-readable, whatever the umask.
-    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
-    os.close(fd)
-    conn = sqlite3.connect(
-        p, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=check_same_thread
-    )
-    try:
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA foreign_keys=ON")
-        _migrate(conn)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _migrate(conn: sqlite3.Connection) -> None:
-    """Apply missing migrations atomically; BEGIN IMMEDIATE serialises racing processes."""
-    (version,) = conn.execute("PRAGMA user_version").fetchone()
-    if version == SCHEMA_VERSION:
-        return
-    with _transaction(conn):
-        (version,) = conn.execute("PRAGMA user_version").fetchone()
-        if version > SCHEMA_VERSION:
-            raise StoreError(
-                f"database schema version {version} is newer than this saltgate "
-                f"supports ({SCHEMA_VERSION}); upgrade saltgate"
-            )
-        for statements in _MIGRATIONS[version:]:
-            for stmt in statements:
-                conn.execute(stmt)
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-
-
-@contextlib.contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """BEGIN IMMEDIATE .. COMMIT, rolled back on any error."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
 
 
 # --------------------------------------------------------------------------- keys
@@ -260,11 +139,16 @@ def _describe_ref(ref: str, pattern: re.Pattern[str], what: str) -> str:
 
 
 class TenantStore:
-    """Administrative operations (the CLI's): tenants, keys, salt rotation."""
+    """Administrative operations (the CLI's): tenants, keys, salt rotation, either backend.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self._conn = open_db(self.path)
+    Give it a database path (SQLite) or an open `Database`
+    (saltgate.store.backends.open_database builds one from `[store]` settings).
+    """
+
+    def __init__(self, target: str | os.PathLike[str] | Database) -> None:
+        self._db: Database = (
+            SqliteDatabase(target) if isinstance(target, str | os.PathLike) else target
+        )
 
     @classmethod
     def from_state_dir(cls, state_dir: str | os.PathLike[str]) -> TenantStore:
@@ -272,7 +156,7 @@ class TenantStore:
         return cls(db_path(state_dir))
 
     def close(self) -> None:
-        self._conn.close()
+        self._db.close()
 
     def __enter__(self) -> TenantStore:
         return self
@@ -299,12 +183,12 @@ class TenantStore:
             id=TENANT_ID_PREFIX + secrets.token_hex(8), name=name, epoch=0, created_at=time.time()
         )
         try:
-            with _transaction(self._conn):
-                self._conn.execute(
+            with self._db.transaction():
+                self._db.execute(
                     "INSERT INTO tenants (id, name, epoch, created_at) VALUES (?, ?, ?, ?)",
                     (tenant.id, tenant.name, tenant.epoch, tenant.created_at),
                 )
-        except sqlite3.IntegrityError as exc:
+        except ConflictError as exc:
             if self._find_tenant(name) is not None:
                 raise TenantExistsError(f"tenant {name!r} already exists") from None
             raise StoreError(f"could not create tenant {name!r}: {exc}") from None
@@ -312,9 +196,7 @@ class TenantStore:
 
     def list_tenants(self) -> list[Tenant]:
         """All tenants, by name."""
-        rows = self._conn.execute(
-            "SELECT id, name, epoch, created_at FROM tenants ORDER BY name"
-        ).fetchall()
+        rows = self._db.query("SELECT id, name, epoch, created_at FROM tenants ORDER BY name")
         return [Tenant(*row) for row in rows]
 
     def get_tenant(self, tenant: str) -> Tenant:
@@ -327,23 +209,21 @@ class TenantStore:
         return found
 
     def _find_tenant(self, ref: str) -> Tenant | None:
-        row = self._conn.execute(
+        rows = self._db.query(
             "SELECT id, name, epoch, created_at FROM tenants WHERE id = ? OR name = ?",
             (ref, ref),
-        ).fetchone()
-        return None if row is None else Tenant(*row)
+        )
+        return Tenant(*rows[0]) if rows else None
 
     def rotate_salt(self, tenant: str) -> int:
         """Move the tenant to a fresh cache namespace; returns the new epoch.
 
         Its old cache entries become unreachable (they age out of the replicas' LRU).
         """
-        with _transaction(self._conn):
+        with self._db.transaction():
             t = self.get_tenant(tenant)
-            self._conn.execute("UPDATE tenants SET epoch = epoch + 1 WHERE id = ?", (t.id,))
-            (epoch,) = self._conn.execute(
-                "SELECT epoch FROM tenants WHERE id = ?", (t.id,)
-            ).fetchone()
+            self._db.execute("UPDATE tenants SET epoch = epoch + 1 WHERE id = ?", (t.id,))
+            [(epoch,)] = self._db.query("SELECT epoch FROM tenants WHERE id = ?", (t.id,))
         return int(epoch)
 
     # keys
@@ -355,9 +235,9 @@ class TenantStore:
         """
         key = new_api_key()
         key_id = KEY_ID_PREFIX + secrets.token_hex(6)
-        with _transaction(self._conn):
+        with self._db.transaction():
             t = self.get_tenant(tenant)
-            self._conn.execute(
+            self._db.execute(
                 "INSERT INTO api_keys (id, tenant_id, key_hash, created_at) VALUES (?, ?, ?, ?)",
                 (key_id, t.id, hash_api_key(key), time.time()),
             )
@@ -366,40 +246,83 @@ class TenantStore:
     def list_keys(self, tenant: str | None = None) -> list[ApiKeyInfo]:
         """Key metadata (never the keys), optionally of one tenant, oldest first."""
         if tenant is None:
-            rows = self._conn.execute(
+            rows = self._db.query(
                 "SELECT id, tenant_id, created_at, revoked_at FROM api_keys ORDER BY created_at"
-            ).fetchall()
+            )
         else:
             t = self.get_tenant(tenant)
-            rows = self._conn.execute(
+            rows = self._db.query(
                 "SELECT id, tenant_id, created_at, revoked_at FROM api_keys "
                 "WHERE tenant_id = ? ORDER BY created_at",
                 (t.id,),
-            ).fetchall()
+            )
         return [ApiKeyInfo(*row) for row in rows]
 
     def revoke_key(self, key_id: str) -> ApiKeyInfo:
         """Revoke a key by its id; the tenant (and its warm cache) is untouched."""
-        with _transaction(self._conn):
-            row = self._conn.execute(
+        with self._db.transaction():
+            rows = self._db.query(
                 "SELECT id, tenant_id, created_at, revoked_at FROM api_keys WHERE id = ?",
                 (key_id,),
-            ).fetchone()
-            if row is None:
+            )
+            if not rows:
                 raise KeyNotFoundError(f"no such {_describe_ref(key_id, _KEY_ID_RE, 'key id')}")
-            info = ApiKeyInfo(*row)
+            info = ApiKeyInfo(*rows[0])
             if info.revoked_at is not None:
                 raise KeyRevokedError(f"key id {key_id!r} was already revoked")
             now = time.time()
-            self._conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ?", (now, key_id))
+            self._db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ?", (now, key_id))
         return ApiKeyInfo(info.id, info.tenant_id, info.created_at, now)
 
 
 # --------------------------------------------------------------------------- hot path
 
 
+class KeySource(Protocol):
+    """What the gateway authenticates against: `KeyIndex` (SQLite) or PgKeyIndex."""
+
+    def authenticate(self, presented: str) -> Principal | None:
+        """The principal of a live key, or None; StoreUnavailableError once the store has
+        been out of reach for longer than the gateway may authenticate without it."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class KeySnapshot:
+    """The live keys by SHA-256 digest: what `authenticate` consults, on either backend."""
+
+    __slots__ = ("_by_hash",)
+
+    def __init__(self, rows: Iterable[tuple[bytes, str, str, str, int]] = ()) -> None:
+        """`rows` as LIVE_KEYS_SQL returns them."""
+        self._by_hash: dict[bytes, tuple[bytes, Principal]] = {
+            bytes(h): (bytes(h), Principal(tid, tname, kid, int(epoch)))
+            for h, tid, tname, kid, epoch in rows
+        }
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def lookup(self, presented: str) -> Principal | None:
+        """The principal of a live key, or None.
+
+        The dict lookup compares SHA-256 digests, never the secret, so its timing tells an
+        attacker only about digests of their own guesses (useless without a preimage);
+        `hmac.compare_digest` then confirms the full digest in constant time.
+        """
+        if not _looks_like_key(presented):
+            return None
+        digest = hash_api_key(presented)
+        entry = self._by_hash.get(digest)
+        if entry is None:
+            return None
+        stored, principal = entry
+        return principal if hmac.compare_digest(stored, digest) else None
+
+
 class KeyIndex:
-    """In-memory snapshot of the live keys for the gateway's request path.
+    """The gateway's snapshot of the live keys in a SQLite store.
 
     `authenticate` is a hash plus a dict lookup; the snapshot is reloaded when the
     database's auth generation changes (checked at most every `max_staleness` seconds
@@ -410,7 +333,7 @@ class KeyIndex:
         self.path = Path(path)
         self.max_staleness = max_staleness
         self._conn = open_db(self.path)
-        self._by_hash: dict[bytes, tuple[bytes, Principal]] = {}
+        self._keys = KeySnapshot()
         self._data_version = -1
         self._generation = -1
         self._checked_at = 0.0
@@ -426,28 +349,19 @@ class KeyIndex:
     def close(self) -> None:
         self._conn.close()
 
+    async def aclose(self) -> None:
+        self.close()
+
     def __len__(self) -> int:
-        return len(self._by_hash)
+        return len(self._keys)
 
     def authenticate(self, presented: str) -> Principal | None:
-        """The principal of a live key, or None.
-
-        The dict lookup compares SHA-256 digests, never the secret, so its timing tells an
-        attacker only about digests of their own guesses (useless without a preimage);
-        `hmac.compare_digest` then confirms the full digest in constant time.
-        """
+        """The principal of a live key, or None (see `KeySnapshot.lookup`)."""
         if self.max_staleness is not None:
             now = time.monotonic()
             if now - self._checked_at >= self.max_staleness:
                 self.refresh_if_changed()
-        if not _looks_like_key(presented):
-            return None
-        digest = hash_api_key(presented)
-        entry = self._by_hash.get(digest)
-        if entry is None:
-            return None
-        stored, principal = entry
-        return principal if hmac.compare_digest(stored, digest) else None
+        return self._keys.lookup(presented)
 
     def refresh_if_changed(self) -> bool:
         """Reload if tenants or keys changed since the last load; True if reloaded.
@@ -476,16 +390,9 @@ class KeyIndex:
             (generation,) = self._conn.execute(
                 "SELECT auth_generation FROM meta WHERE id = 1"
             ).fetchone()
-            rows = self._conn.execute(
-                "SELECT k.key_hash, t.id, t.name, k.id, t.epoch "
-                "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
-                "WHERE k.revoked_at IS NULL"
-            ).fetchall()
+            rows = self._conn.execute(LIVE_KEYS_SQL).fetchall()
         finally:
             self._conn.execute("COMMIT")
-        self._by_hash = {
-            bytes(h): (bytes(h), Principal(tid, tname, kid, int(epoch)))
-            for h, tid, tname, kid, epoch in rows
-        }
+        self._keys = KeySnapshot(rows)
         self._generation = generation
         self.reloads += 1

@@ -1,0 +1,244 @@
+"""Throwaway local servers for tests and benchmarks: PostgreSQL, started by the project.
+
+Each server lives in a fresh temporary directory, listens on a free loopback port only,
+and is stopped (and its directory removed) by its owner. scripts/services-setup.sh
+installs the binaries; nothing here uses systemd or a system-wide cluster.
+
+PostgreSQL refuses to run as root, so as root its commands run through ``runuser`` as
+the unprivileged user the setup script creates (``$SALTGATE_PG_USER``, default
+saltgate-pg); as any other user they run as that user. Clients authenticate with a
+random password (scram-sha-256), handed to them in a 0600 file, as a deployment would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+import psycopg
+from psycopg import sql
+
+from saltgate.store.settings import StoreSettings
+
+SETUP_HINT = "run scripts/services-setup.sh (make test does)"
+PG_MAJOR = 15
+PG_USER_ENV = "SALTGATE_PG_USER"
+PG_BINDIR_ENV = "SALTGATE_PG_BINDIR"
+DEFAULT_PG_USER = "saltgate-pg"
+SUPERUSER = "saltgate"
+_TIMEOUT_S = 60
+
+
+class ServiceError(Exception):
+    """A server could not be found, started or stopped; the message says what is missing."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def postgres_bindir() -> Path:
+    """Where initdb, pg_ctl and postgres are (Debian keeps them off PATH)."""
+    candidates = []
+    if os.environ.get(PG_BINDIR_ENV):
+        candidates.append(Path(os.environ[PG_BINDIR_ENV]))
+    candidates.append(Path(f"/usr/lib/postgresql/{PG_MAJOR}/bin"))
+    on_path = shutil.which("pg_ctl")
+    if on_path:
+        candidates.append(Path(on_path).resolve().parent)
+    for bindir in candidates:
+        if all(os.access(bindir / tool, os.X_OK) for tool in ("initdb", "pg_ctl", "postgres")):
+            return bindir
+    raise ServiceError(
+        f"PostgreSQL {PG_MAJOR} is not installed (no initdb, pg_ctl and postgres in "
+        f"{', '.join(str(c) for c in candidates)}): {SETUP_HINT}"
+    )
+
+
+def _run_as() -> pwd.struct_passwd | None:
+    """The user PostgreSQL runs as: None means "this process's user" (not root)."""
+    if os.geteuid() != 0:
+        return None
+    name = os.environ.get(PG_USER_ENV, DEFAULT_PG_USER)
+    try:
+        user = pwd.getpwnam(name)
+    except KeyError:
+        raise ServiceError(
+            f"PostgreSQL refuses to run as root and the unprivileged user {name!r} does not "
+            f"exist: {SETUP_HINT}"
+        ) from None
+    if shutil.which("runuser") is None:
+        raise ServiceError(f"runuser (util-linux) is needed to run PostgreSQL as {name}")
+    return user
+
+
+class PostgresServer:
+    """One PostgreSQL cluster in a temporary directory; `start`, `stop`, `destroy`.
+
+    The port is chosen once, so a server stopped and started again (an outage test) comes
+    back where its clients look for it.
+    """
+
+    def __init__(self, *, fsync: bool = True, max_connections: int = 200) -> None:
+        self.bindir = postgres_bindir()
+        self._user = _run_as()
+        self.root = Path(tempfile.mkdtemp(prefix="saltgate-pg-"))
+        self.data = self.root / "data"
+        self.log = self.root / "postgres.log"
+        self.password_file = self.root / "client-password"
+        self.port = 0
+        self._fsync = fsync
+        self._max_connections = max_connections
+        self.running = False
+        try:
+            self._init()
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def _init(self) -> None:
+        password = secrets.token_urlsafe(24)
+        fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+        pwfile = self.root / "initdb-password"
+        pwfile.write_text(password + "\n")
+        pwfile.chmod(0o600)
+        if self._user is not None:
+            # The cluster's user owns the directory; the client password file stays ours.
+            for path in (self.root, pwfile):
+                os.chown(path, self._user.pw_uid, self._user.pw_gid)
+        self._pg(
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            SUPERUSER,
+            "--auth=scram-sha-256",
+            f"--pwfile={pwfile}",
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+            "--no-instructions",
+        )
+        pwfile.unlink()
+
+    def start(self) -> None:
+        """Start (first time: on a free port) and wait until it accepts connections."""
+        if self.running:
+            return
+        attempts = 1 if self.port else 3
+        for attempt in range(attempts):
+            if not self.port or attempt:
+                self.port = free_port()
+            self._configure()
+            try:
+                self._pg(
+                    "pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "30", "start"
+                )
+            except ServiceError:
+                if attempt + 1 == attempts:
+                    raise
+                continue
+            self.running = True
+            return
+
+    def stop(self, mode: str = "fast") -> None:
+        """pg_ctl stop -m `mode` ("fast", or "immediate" for a crash-like stop)."""
+        if not self.running:
+            return
+        self._pg("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "30", "stop")
+        self.running = False
+
+    def destroy(self) -> None:
+        try:
+            with contextlib.suppress(ServiceError):
+                self.stop("immediate")
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> PostgresServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.destroy()
+
+    # -- clients --------------------------------------------------------------------------
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{database}"
+
+    def settings(self, database: str, spool_dir: Path) -> StoreSettings:
+        """A `[store]` for `database`, with the password from this server's 0600 file."""
+        return StoreSettings(
+            "postgresql",
+            self.url(database),
+            password_file=self.password_file,
+            spool_dir=spool_dir,
+        )
+
+    def connect(self, database: str = "postgres") -> psycopg.Connection[tuple[object, ...]]:
+        return psycopg.connect(
+            self.url(database),
+            password=self.password_file.read_text().strip(),
+            autocommit=True,
+        )
+
+    def create_database(self, name: str) -> None:
+        with self.connect() as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _configure(self) -> None:
+        """Loopback only, our port, the socket in our directory, logs to our file."""
+        conf = self.data / "postgresql.auto.conf"
+        settings = {
+            "listen_addresses": "'127.0.0.1'",
+            "port": str(self.port),
+            "unix_socket_directories": f"'{self.root}'",
+            "max_connections": str(self._max_connections),
+            "fsync": "on" if self._fsync else "off",
+            "logging_collector": "off",
+        }
+        conf.write_text("".join(f"{k} = {v}\n" for k, v in settings.items()))
+        if self._user is not None:
+            os.chown(conf, self._user.pw_uid, self._user.pw_gid)
+
+    def _pg(self, tool: str, *args: str) -> None:
+        argv = [str(self.bindir / tool), *args]
+        if self._user is not None:
+            argv = ["runuser", "-u", self._user.pw_name, "--", *argv]
+        try:
+            done = subprocess.run(  # noqa: S603 - fixed tools, our own arguments
+                argv, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ServiceError(f"{tool} failed: {exc}") from None
+        if done.returncode != 0:
+            log = ""
+            with contextlib.suppress(OSError):
+                log = self.log.read_text()[-2000:]
+            raise ServiceError(
+                f"{tool} {' '.join(args[-1:])} failed ({done.returncode}): "
+                f"{(done.stderr or done.stdout).strip()[-2000:]}\n{log}".strip()
+            )

@@ -1,0 +1,37 @@
+"""What the admin operations need from a backend: a few statements in transactions.
+
+SQL is written once with ``?`` placeholders and portable types; the PostgreSQL wrapper
+turns the placeholders into ``%s``. Driver errors come out as StoreError (a safe
+message), constraint violations as ConflictError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from saltgate.store.settings import Backend
+
+
+class Database(Protocol):
+    backend: Backend
+
+    def describe(self) -> str:
+        """Where the data lives, for messages (never a password)."""
+        ...
+
+    def query(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]: ...
+
+    def execute(self, sql: str, params: Sequence[object] = ()) -> None: ...
+
+    def transaction(self) -> AbstractContextManager[None]:
+        """Statements inside commit together, or not at all."""
+        ...
+
+    def read_snapshot(self) -> AbstractContextManager[None]:
+        """Reads inside see one consistent state, and block no writer (a report must not
+        stall a gateway's ledger)."""
+        ...
+
+    def close(self) -> None: ...

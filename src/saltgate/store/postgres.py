@@ -1,0 +1,329 @@
+"""The PostgreSQL backend: connections, migrations, the CLI's database and the gateway's keys.
+
+Every gateway of a fleet shares one database. Changes to tenants and keys reach them all
+through LISTEN/NOTIFY: a statement trigger bumps ``meta.auth_generation`` and notifies
+channel ``saltgate_auth`` at commit (saltgate.store.schema); each gateway holds one
+listening connection and reloads its key snapshot when the generation moved. The same
+connection reads the generation every `check_interval_s` while idle, which catches a
+notification lost to a reconnect and tells the gateway the database still answers.
+
+When the database stops answering, a gateway keeps authenticating from the snapshot it
+has for `outage_grace_s`, then refuses with StoreUnavailableError (a 503) until the
+database is back (docs/store.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import IsolationLevel
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from saltgate.store.errors import ConflictError, StoreError, StoreUnavailableError
+from saltgate.store.schema import (
+    LISTEN_AUTH_SQL,
+    MIGRATION_LOCK_ID,
+    POSTGRES_MIGRATIONS,
+    POSTGRES_VERSION_TABLE,
+    SCHEMA_VERSION,
+    newer_schema_message,
+    pending,
+)
+from saltgate.store.settings import Backend, StoreSettings
+from saltgate.store.tenants import LIVE_KEYS_SQL, KeySnapshot, Principal
+
+log = logging.getLogger(__name__)
+
+# Used where the URL does not say otherwise: a dead server is noticed in seconds, and
+# the database's own view (pg_stat_activity) names the process.
+_CONNINFO_DEFAULTS = {
+    "application_name": "saltgate",
+    "connect_timeout": "3",
+    "keepalives": "1",
+    "keepalives_idle": "5",
+    "keepalives_interval": "2",
+    "keepalives_count": "3",
+}
+# The exceptions that mean "the database did not answer" (as opposed to a bug).
+UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, OSError, TimeoutError)
+
+
+def conninfo(settings: StoreSettings) -> str:
+    """The libpq connection string, with the password read now from its file or variable.
+
+    The result holds the password: pass it to the driver, never to a log or a message.
+    """
+    if settings.backend != "postgresql":
+        raise ValueError(f"not a PostgreSQL store: {settings.describe()}")
+    params: dict[str, Any] = {
+        k: v for k, v in _CONNINFO_DEFAULTS.items() if k not in conninfo_to_dict(settings.url)
+    }
+    if settings.password_file is not None:
+        try:
+            params["password"] = settings.password_file.read_text().strip()
+        except OSError as exc:
+            raise StoreError(
+                f"[store] password_file: cannot read {settings.password_file}: {exc.strerror}"
+            ) from None
+    elif settings.password_env is not None:
+        value = os.environ.get(settings.password_env)
+        if not value:
+            raise StoreError(
+                f"[store] password_env: environment variable {settings.password_env} is not set"
+            )
+        params["password"] = value
+    return make_conninfo(settings.url, **params)
+
+
+def describe_error(exc: BaseException) -> str:
+    """libpq's message on one line (it never contains the password)."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def unreachable(settings: StoreSettings, exc: BaseException) -> StoreError:
+    return StoreError(f"cannot reach the store {settings.describe()}: {describe_error(exc)}")
+
+
+def connect(settings: StoreSettings) -> psycopg.Connection[tuple[Any, ...]]:
+    """A migrated, autocommit connection (for the CLI and for startup)."""
+    try:
+        conn = psycopg.connect(conninfo(settings), autocommit=True)
+    except psycopg.Error as exc:
+        raise unreachable(settings, exc) from None
+    try:
+        migrate(conn)
+    except psycopg.Error as exc:
+        conn.close()
+        raise StoreError(f"store {settings.describe()}: {describe_error(exc)}") from None
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def migrate(conn: psycopg.Connection[tuple[Any, ...]]) -> None:
+    """Bring the schema to SCHEMA_VERSION in one transaction.
+
+    An advisory lock serialises gateways and CLIs that start together; the second one
+    finds the work done.
+    """
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_ID,))
+        conn.execute(POSTGRES_VERSION_TABLE)
+        row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+        version = int(row[0]) if row is not None and row[0] is not None else 0
+        if version > SCHEMA_VERSION:
+            raise StoreError(newer_schema_message(version))
+        for m in pending(POSTGRES_MIGRATIONS, version):
+            for stmt in m.statements:
+                conn.execute(stmt)
+            conn.execute(
+                "INSERT INTO schema_version (version, name, applied_at) VALUES (%s, %s, %s)",
+                (m.version, m.name, time.time()),
+            )
+
+
+class PostgresDatabase:
+    """The CLI's view of a PostgreSQL store (`saltgate.store.db.Database`)."""
+
+    backend: Backend = "postgresql"
+
+    def __init__(self, settings: StoreSettings) -> None:
+        self.settings = settings
+        self.conn = connect(settings)
+
+    def describe(self) -> str:
+        return self.settings.describe()
+
+    def query(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        try:
+            cur = self.conn.execute(sql.replace("?", "%s"), params)
+            return cur.fetchall() if cur.description is not None else []
+        except psycopg.errors.IntegrityError as exc:
+            raise ConflictError(describe_error(exc)) from None
+        except psycopg.Error as exc:
+            raise StoreError(f"store {self.describe()}: {describe_error(exc)}") from None
+
+    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
+        self.query(sql, params)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        try:
+            with self.conn.transaction():
+                yield
+        except psycopg.Error as exc:  # e.g. the commit itself failed
+            raise StoreError(f"store {self.describe()}: {describe_error(exc)}") from None
+
+    @contextlib.contextmanager
+    def read_snapshot(self) -> Iterator[None]:
+        self.conn.isolation_level = IsolationLevel.REPEATABLE_READ
+        self.conn.read_only = True
+        try:
+            with self.transaction():
+                yield
+        finally:
+            self.conn.isolation_level = None
+            self.conn.read_only = None
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class PgKeyIndex:
+    """The gateway's snapshot of the live keys in a PostgreSQL store, kept current by
+    LISTEN/NOTIFY on one dedicated connection (see the module docstring).
+
+    `authenticate` never waits for the database: a hash, a dict lookup, and while the
+    database is out of reach a clock read against the grace period.
+    """
+
+    def __init__(
+        self,
+        settings: StoreSettings,
+        *,
+        outage_grace_s: float = 60.0,
+        check_interval_s: float = 1.0,
+        retry_interval_s: float = 0.25,
+        query_timeout_s: float = 5.0,
+    ) -> None:
+        self.settings = settings
+        self.outage_grace_s = outage_grace_s
+        self.check_interval_s = check_interval_s
+        self.retry_interval_s = retry_interval_s
+        self.query_timeout_s = query_timeout_s
+        self._keys = KeySnapshot()
+        self._generation: int | None = None
+        self._last_ok = time.monotonic()
+        self._down_since: float | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.reloads = 0
+
+    async def start(self) -> None:
+        """Load the keys and start listening; StoreError if the database does not answer."""
+        try:
+            conn = await self._connect_and_load()
+        except UNREACHABLE as exc:
+            raise unreachable(self.settings, exc) from None
+        self._task = asyncio.get_running_loop().create_task(self._run(conn))
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def authenticate(self, presented: str) -> Principal | None:
+        if self._down_since is not None:
+            down_for = time.monotonic() - self._down_since
+            if down_for > self.outage_grace_s:
+                raise StoreUnavailableError(
+                    f"The gateway has not reached its key store for {down_for:.0f} s (it "
+                    f"authenticates from the keys it knows for at most "
+                    f"{self.outage_grace_s:g} s); try again shortly."
+                )
+        return self._keys.lookup(presented)
+
+    def down_for(self) -> float:
+        """Seconds since the database last answered, 0.0 while it answers."""
+        return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    async def _connect_and_load(self) -> psycopg.AsyncConnection[tuple[Any, ...]]:
+        conn = await asyncio.wait_for(
+            psycopg.AsyncConnection.connect(conninfo(self.settings), autocommit=True),
+            self.query_timeout_s,
+        )
+        try:
+            await conn.set_isolation_level(IsolationLevel.REPEATABLE_READ)
+            # LISTEN before the load: a change committed in between is then both in the
+            # snapshot or notified, never neither.
+            await conn.execute(LISTEN_AUTH_SQL)
+            await self._reload(conn)
+        except BaseException:
+            await conn.close()
+            raise
+        self._reachable()
+        return conn
+
+    async def _reload(self, conn: psycopg.AsyncConnection[tuple[Any, ...]]) -> None:
+        """Generation and live keys from one snapshot (REPEATABLE READ transaction)."""
+
+        async def read() -> tuple[int, list[tuple[Any, ...]]]:
+            async with conn.transaction():
+                cur = await conn.execute("SELECT auth_generation FROM meta WHERE id = 1")
+                row = await cur.fetchone()
+                rows = await (await conn.execute(LIVE_KEYS_SQL)).fetchall()
+            assert row is not None  # migration 3 inserts the one meta row
+            return int(row[0]), rows
+
+        generation, rows = await asyncio.wait_for(read(), self.query_timeout_s)
+        self._keys = KeySnapshot(rows)
+        self._generation = generation
+        self.reloads += 1
+
+    async def _run(self, conn: psycopg.AsyncConnection[tuple[Any, ...]] | None) -> None:
+        while True:
+            try:
+                if conn is None:
+                    conn = await self._connect_and_load()
+                await self._watch(conn)
+            except (*UNREACHABLE, psycopg.Error) as exc:
+                self._unreachable(exc)
+                if conn is not None:
+                    with contextlib.suppress(*UNREACHABLE, psycopg.Error):
+                        await conn.close()
+                    conn = None
+                await asyncio.sleep(self.retry_interval_s)
+            except asyncio.CancelledError:
+                if conn is not None:
+                    with contextlib.suppress(*UNREACHABLE, psycopg.Error):
+                        await conn.close()
+                raise
+
+    async def _watch(self, conn: psycopg.AsyncConnection[tuple[Any, ...]]) -> None:
+        """Wait for a notification (or the check interval), then compare generations."""
+        while True:
+            async for _ in conn.notifies(timeout=self.check_interval_s, stop_after=1):
+                pass
+            cur = await asyncio.wait_for(
+                conn.execute("SELECT auth_generation FROM meta WHERE id = 1"),
+                self.query_timeout_s,
+            )
+            row = await cur.fetchone()
+            if row is not None and int(row[0]) != self._generation:
+                await self._reload(conn)
+            self._reachable()
+
+    def _reachable(self) -> None:
+        self._last_ok = time.monotonic()
+        if self._down_since is not None:
+            log.warning(
+                "saltgate: key store %s reachable again after %.1f s",
+                self.settings.describe(),
+                self._last_ok - self._down_since,
+            )
+            self._down_since = None
+
+    def _unreachable(self, exc: BaseException) -> None:
+        if self._down_since is None:
+            self._down_since = self._last_ok
+            log.warning(
+                "saltgate: key store %s unreachable (%s); authenticating from the %d keys "
+                "known for at most %g s",
+                self.settings.describe(),
+                describe_error(exc),
+                len(self._keys),
+                self.outage_grace_s,
+            )

@@ -1,0 +1,181 @@
+"""The store's schema, versioned, for both backends (pure data: the SQL text only).
+
+One logical version number covers both: a database at version N has the same tables and
+meaning on SQLite and on PostgreSQL. Each backend has its own statements per version;
+PostgreSQL came at version 3 and starts from a baseline that creates version 3 at once.
+Append only: a released migration is never edited.
+
+Both record what was applied in one table, `schema_version` (version, name, applied_at).
+SQLite also keeps ``PRAGMA user_version`` equal to the version, because that is what
+saltgate releases before the table read, and how they refuse a newer database.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# PostgreSQL NOTIFY channel on which the trigger below says "tenants or keys changed".
+LISTEN_AUTH_SQL = "LISTEN saltgate_auth"
+# pg_advisory_xact_lock key: gateways and CLIs starting together migrate one at a time.
+MIGRATION_LOCK_ID = 0x5A17_6A7E
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    statements: tuple[str, ...]
+
+
+SQLITE_VERSION_TABLE = (
+    "CREATE TABLE IF NOT EXISTS schema_version ("
+    "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL)"
+)
+
+SQLITE_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "tenants, hashed API keys, epochs and the usage ledger",
+        (
+            """CREATE TABLE meta (
+                id INTEGER PRIMARY KEY CHECK (id = 1),
+                auth_generation INTEGER NOT NULL
+            )""",
+            "INSERT INTO meta (id, auth_generation) VALUES (1, 0)",
+            """CREATE TABLE tenants (
+                id TEXT PRIMARY KEY,
+                name TEXT NOT NULL UNIQUE,
+                epoch INTEGER NOT NULL DEFAULT 0 CHECK (epoch >= 0),
+                created_at REAL NOT NULL
+            )""",
+            """CREATE TABLE api_keys (
+                id TEXT PRIMARY KEY,
+                tenant_id TEXT NOT NULL REFERENCES tenants(id),
+                key_hash BLOB NOT NULL UNIQUE CHECK (length(key_hash) = 32),
+                created_at REAL NOT NULL,
+                revoked_at REAL
+            )""",
+            "CREATE INDEX api_keys_tenant ON api_keys(tenant_id)",
+            # auth_generation changes on every tenant/key mutation, so a gateway can tell
+            # "auth data changed" from "usage rows were appended" with one tiny read.
+            "CREATE TRIGGER tenants_insert_bump AFTER INSERT ON tenants "
+            "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
+            "CREATE TRIGGER tenants_update_bump AFTER UPDATE ON tenants "
+            "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
+            "CREATE TRIGGER tenants_delete_bump AFTER DELETE ON tenants "
+            "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
+            "CREATE TRIGGER api_keys_insert_bump AFTER INSERT ON api_keys "
+            "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
+            "CREATE TRIGGER api_keys_update_bump AFTER UPDATE ON api_keys "
+            "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
+            "CREATE TRIGGER api_keys_delete_bump AFTER DELETE ON api_keys "
+            "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END",
+            # No foreign key: metering must never fail because a tenant was edited, and
+            # the check would cost every insert.
+            """CREATE TABLE usage (
+                id INTEGER PRIMARY KEY,
+                ts REAL NOT NULL,
+                tenant_id TEXT NOT NULL,
+                key_id TEXT NOT NULL,
+                model TEXT NOT NULL,
+                prompt_tokens INTEGER NOT NULL,
+                cached_tokens INTEGER NOT NULL,
+                completion_tokens INTEGER NOT NULL,
+                status INTEGER NOT NULL
+            )""",
+            "CREATE INDEX usage_ts ON usage(ts)",
+        ),
+    ),
+    Migration(
+        2,
+        "usage: drop the ts index",
+        # The ts index cost more than the row itself on every ledger commit (one more page
+        # per commit: 47 -> 20 us for a one-row commit, 135 -> 52 us for 13 rows, on this
+        # machine); usage reports aggregate by scanning instead (docs/benchmarks.md).
+        ("DROP INDEX usage_ts",),
+    ),
+    Migration(
+        3,
+        "usage: a unique request id per record",
+        # A retried commit (or a replayed spool) must never count a request twice. Rows
+        # from before have no id (NULL, which UNIQUE lets repeat).
+        (
+            "ALTER TABLE usage ADD COLUMN request_id TEXT",
+            "CREATE UNIQUE INDEX usage_request_id ON usage(request_id)",
+        ),
+    ),
+)
+
+POSTGRES_VERSION_TABLE = (
+    "CREATE TABLE IF NOT EXISTS schema_version ("
+    "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at DOUBLE PRECISION)"
+)
+
+POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        3,
+        "baseline: tenants, hashed API keys, epochs, the usage ledger with request ids",
+        (
+            """CREATE TABLE meta (
+                id INTEGER PRIMARY KEY CHECK (id = 1),
+                auth_generation BIGINT NOT NULL
+            )""",
+            "INSERT INTO meta (id, auth_generation) VALUES (1, 0)",
+            """CREATE TABLE tenants (
+                id TEXT PRIMARY KEY,
+                name TEXT NOT NULL UNIQUE,
+                epoch INTEGER NOT NULL DEFAULT 0 CHECK (epoch >= 0),
+                created_at DOUBLE PRECISION NOT NULL
+            )""",
+            """CREATE TABLE api_keys (
+                id TEXT PRIMARY KEY,
+                tenant_id TEXT NOT NULL REFERENCES tenants(id),
+                key_hash BYTEA NOT NULL UNIQUE CHECK (length(key_hash) = 32),
+                created_at DOUBLE PRECISION NOT NULL,
+                revoked_at DOUBLE PRECISION
+            )""",
+            "CREATE INDEX api_keys_tenant ON api_keys(tenant_id)",
+            # One statement-level trigger per table bumps the generation and notifies every
+            # gateway listening; NOTIFY is delivered at commit, once per transaction.
+            """CREATE FUNCTION saltgate_auth_changed() RETURNS trigger
+                LANGUAGE plpgsql AS $$
+                BEGIN
+                    UPDATE meta SET auth_generation = auth_generation + 1 WHERE id = 1;
+                    PERFORM pg_notify('saltgate_auth', '');
+                    RETURN NULL;
+                END $$""",
+            "CREATE TRIGGER tenants_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE "
+            "ON tenants FOR EACH STATEMENT EXECUTE FUNCTION saltgate_auth_changed()",
+            "CREATE TRIGGER api_keys_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE "
+            "ON api_keys FOR EACH STATEMENT EXECUTE FUNCTION saltgate_auth_changed()",
+            # The request id is the key: a replayed or retried record is dropped by
+            # ON CONFLICT. No foreign key and no other index, as on SQLite.
+            """CREATE TABLE usage (
+                request_id TEXT PRIMARY KEY,
+                ts DOUBLE PRECISION NOT NULL,
+                tenant_id TEXT NOT NULL,
+                key_id TEXT NOT NULL,
+                model TEXT NOT NULL,
+                prompt_tokens INTEGER NOT NULL,
+                cached_tokens INTEGER NOT NULL,
+                completion_tokens INTEGER NOT NULL,
+                status INTEGER NOT NULL
+            )""",
+        ),
+    ),
+)
+
+SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version
+assert POSTGRES_MIGRATIONS[-1].version == SCHEMA_VERSION  # both move together
+
+
+def pending(migrations: tuple[Migration, ...], current: int) -> tuple[Migration, ...]:
+    """The migrations to apply to a database at version `current`, in order."""
+    return tuple(m for m in migrations if m.version > current)
+
+
+def newer_schema_message(found: int) -> str:
+    return (
+        f"database schema version {found} is newer than this saltgate supports "
+        f"({SCHEMA_VERSION}); upgrade saltgate"
+    )

@@ -1,0 +1,134 @@
+"""The embedded backend: one SQLite file (WAL), opened, migrated and wrapped for the CLI.
+
+The CLI and a running gateway share the file across processes without a server: WAL lets
+the gateway's reader and ledger writer run alongside CLI writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from saltgate.store.errors import ConflictError, StoreError
+from saltgate.store.schema import (
+    SCHEMA_VERSION,
+    SQLITE_MIGRATIONS,
+    SQLITE_VERSION_TABLE,
+    newer_schema_message,
+    pending,
+)
+from saltgate.store.settings import Backend
+
+BUSY_TIMEOUT_S = 10.0
+
+
+def open_db(path: str | os.PathLike[str], *, check_same_thread: bool = True) -> sqlite3.Connection:
+    """Open (creating if needed, mode 0600) and migrate the database; autocommit mode.
+
+    synchronous=NORMAL is durable against process crashes (see ledger.py).
+    """
+    p = Path(path)
+    p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Create the file ourselves so it is never world-readable, whatever the umask.
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(fd)
+    conn = sqlite3.connect(
+        p, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=check_same_thread
+    )
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        migrate(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Apply missing migrations atomically; BEGIN IMMEDIATE serialises racing processes.
+
+    The fast path is one pragma read: ``user_version`` always equals the version.
+    """
+    (version,) = conn.execute("PRAGMA user_version").fetchone()
+    if version == SCHEMA_VERSION:
+        return
+    with transaction(conn):
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        if version > SCHEMA_VERSION:
+            raise StoreError(newer_schema_message(version))
+        conn.execute(SQLITE_VERSION_TABLE)
+        recorded = {v for (v,) in conn.execute("SELECT version FROM schema_version")}
+        # Databases from before the version table: record what user_version says was done.
+        for m in SQLITE_MIGRATIONS:
+            if m.version <= version and m.version not in recorded:
+                conn.execute(
+                    "INSERT INTO schema_version (version, name, applied_at) VALUES (?, ?, NULL)",
+                    (m.version, m.name),
+                )
+        for m in pending(SQLITE_MIGRATIONS, version):
+            for stmt in m.statements:
+                conn.execute(stmt)
+            conn.execute(
+                "INSERT INTO schema_version (version, name, applied_at) VALUES (?, ?, ?)",
+                (m.version, m.name, time.time()),
+            )
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+@contextlib.contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE .. COMMIT, rolled back on any error."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+class SqliteDatabase:
+    """The CLI's view of the SQLite file (`saltgate.store.db.Database`)."""
+
+    backend: Backend = "sqlite"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.conn = open_db(self.path)
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    def query(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        try:
+            return self.conn.execute(sql, params).fetchall()
+        except sqlite3.IntegrityError as exc:
+            raise ConflictError(str(exc)) from None
+        except sqlite3.Error as exc:
+            raise StoreError(f"store {self.path}: {exc}") from None
+
+    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
+        self.query(sql, params)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        with transaction(self.conn):
+            yield
+
+    @contextlib.contextmanager
+    def read_snapshot(self) -> Iterator[None]:
+        self.conn.execute("BEGIN")  # deferred: a WAL reader takes no write lock
+        try:
+            yield
+        finally:
+            self.conn.execute("COMMIT")
+
+    def close(self) -> None:
+        self.conn.close()
