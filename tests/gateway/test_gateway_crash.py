@@ -6,41 +6,16 @@ import asyncio
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 from tests.gateway.stack import new_state_dir
+from tests.support.gateways import spawn
 from tests.support.waiting import eventually
 
 
-def _spawn(args: list[str], banner: str) -> tuple[subprocess.Popen[str], str]:
-    """Start `python -m saltgate.cli ARGS` and return it with the URL it announces."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "saltgate.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    seen = []
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        seen.append(line)
-        if banner in line:
-            url = next(word for word in line.split() if word.startswith("http://"))
-            return proc, url
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"{args[0]} did not start: {''.join(seen)[-2000:]}")
-
-
 def test_sigkill_under_load_loses_no_delivered_record(tmp_path: Path) -> None:
-    sim, sim_url = _spawn(
+    sim, sim_url = spawn(
         ["sim", "--port", "0", "--prefill-ms-per-1k-tokens", "0", "--decode-ms-per-token", "0"],
         "saltgate sim:",
     )
@@ -51,7 +26,7 @@ def test_sigkill_under_load_loses_no_delivered_record(tmp_path: Path) -> None:
         f'[gateway]\nport = 0\nadmin_port = 0\nstate_dir = "{state}"\n\n'
         f'[[replicas]]\nurl = "{sim_url}"\n'
     )
-    gateway, url = _spawn(["serve", "--config", str(config)], "serving on")
+    gateway, url = spawn(["serve", "--config", str(config)], "serving on")
     acknowledged = 0
 
     async def client(http: httpx.AsyncClient) -> None:

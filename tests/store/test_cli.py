@@ -1,0 +1,88 @@
+"""The admin commands (`saltgate tenants|keys|usage`) with --config, on either backend,
+and with --state-dir (SQLite) as before."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from tests.support.gateways import store_toml
+
+from saltgate.cli import main
+from saltgate.store.backends import open_gateway_store
+from saltgate.store.ledger import UsageRecord, new_request_id
+from saltgate.store.settings import StoreSettings
+
+
+def _saltgate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out.strip(), err.strip()
+
+
+def test_admin_commands_work_on_the_configured_store(
+    store_settings: StoreSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[gateway]\nstate_dir = "{tmp_path / "state"}"\n{store_toml(store_settings)}'
+        '[[replicas]]\nurl = "http://127.0.0.1:1"\n'
+        "[prices.m]\ninput = 1.0\ncached_input = 0.5\noutput = 2.0\n"
+    )
+    c = ("--config", str(config))
+    assert _saltgate(capsys, "tenants", "create", "acme", *c)[:2] == (0, "created tenant acme")
+    code, key, err = _saltgate(capsys, "keys", "create", "acme", *c)
+    assert code == 0 and key.startswith("sg_") and err.startswith("created key_")
+    code, listed, _ = _saltgate(capsys, "keys", "list", *c)
+    assert code == 0 and listed.endswith("\tactive") and key not in listed
+    code, tenants, _ = _saltgate(capsys, "tenants", "list", *c)
+    tenant_id = tenants.split("\t")[0]
+    assert _saltgate(capsys, "tenants", "rotate-salt", "acme", *c)[1].endswith("epoch 1")
+
+    async def meter() -> None:
+        store = await open_gateway_store(store_settings)
+        for prompt, status in ((1000, 200), (10, 429)):
+            rec = UsageRecord(new_request_id(), 5.0, tenant_id, "key_x", "m", prompt, 0, 10, status)
+            await store.ledger.record(rec)
+        await store.aclose()
+
+    asyncio.run(meter())
+    code, out, _ = _saltgate(capsys, "usage", "--json", *c)
+    assert code == 0
+    [row] = json.loads(out)
+    assert (row["tenant"], row["requests"], row["errors"], row["prompt_tokens"]) == (
+        "acme",
+        2,
+        1,
+        1010,
+    )
+    assert row["cost_usd"] == pytest.approx((1010 * 1.0 + 20 * 2.0) / 1e6)
+    code, _, err = _saltgate(capsys, "tenants", "create", "acme", *c)
+    assert code == 1 and "'acme' already exists" in err
+
+
+def test_state_dir_alone_is_the_sqlite_store_it_always_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = str(tmp_path / "state")
+    assert _saltgate(capsys, "tenants", "create", "acme", "--state-dir", state)[0] == 0
+    assert (tmp_path / "state" / "saltgate.db").exists()
+    code, _, err = _saltgate(capsys, "usage", "--state-dir", str(tmp_path / "nope"))
+    assert code == 1 and "no saltgate database at" in err
+    assert not (tmp_path / "nope").exists()
+
+
+def test_an_unreachable_store_is_one_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[store]\nurl = "postgresql://sg@127.0.0.1:1/x?connect_timeout=2"\n'
+        '[[replicas]]\nurl = "http://127.0.0.1:1"\n'
+    )
+    code, _, err = _saltgate(capsys, "keys", "list", "--config", str(config))
+    assert code == 1
+    assert err.startswith("saltgate keys: cannot reach the store postgresql://sg@127.0.0.1:1/x")
+    assert "\n" not in err and "Traceback" not in err

@@ -1,0 +1,253 @@
+"""The PostgreSQL ledger on a real server: commit before acknowledge, group commit, one
+record per request id, and a local spool through an outage, replayed exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import shutil
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from tests.support.postgres import new_database
+from tests.support.waiting import eventually
+
+from saltgate.bench.services import PostgresServer
+from saltgate.store.ledger import LedgerError, UsageRecord, new_request_id
+from saltgate.store.pg_ledger import PgLedger
+from saltgate.store.postgres import PostgresDatabase
+from saltgate.store.settings import StoreSettings
+from saltgate.store.spool import Spool, encode, read_records
+
+_COLUMNS = (
+    "request_id, ts, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
+    "completion_tokens, status"
+)
+
+
+def _rec(i: int, tenant: str = "tn_a") -> UsageRecord:
+    ts = 1_700_000_000.0 + i
+    return UsageRecord(f"req-{i:08d}", ts, tenant, f"key_{i}", "m", 100 + i, i, 7, 200)
+
+
+def _rows(settings: StoreSettings) -> list[tuple[object, ...]]:
+    db = PostgresDatabase(settings)
+    try:
+        return db.query(f"SELECT {_COLUMNS} FROM usage ORDER BY ts")
+    finally:
+        db.close()
+
+
+def _spooled(settings: StoreSettings) -> list[Path]:
+    assert settings.spool_dir is not None
+    return sorted(settings.spool_dir.glob("usage-*.spool"))
+
+
+def test_records_are_committed_before_acknowledged_and_batched(pg_store: StoreSettings) -> None:
+    PostgresDatabase(pg_store).close()  # migrate
+    records = [_rec(i) for i in range(500)]
+
+    async def run() -> PgLedger:
+        ledger = PgLedger(pg_store)
+        await ledger.start()
+        await ledger.record(records[0])
+        assert len(_rows(pg_store)) == 1  # acknowledged means visible to another connection
+        await asyncio.gather(*(ledger.record(r) for r in records[1:]))
+        assert len(_rows(pg_store)) == 500
+        await ledger.aclose()
+        return ledger
+
+    ledger = asyncio.run(run())
+    st = ledger.stats()
+    assert st.records == 500
+    assert st.transactions < 50, st  # concurrent records shared transactions
+    assert st.max_batch_seen > 1
+    assert _rows(pg_store) == [tuple(r) for r in records]
+    assert ledger.spooled == 0 and not _spooled(pg_store)
+
+
+def test_a_record_committed_twice_counts_once(pg_store: StoreSettings) -> None:
+    PostgresDatabase(pg_store).close()
+
+    async def run() -> None:
+        ledger = PgLedger(pg_store)
+        await ledger.start()
+        await ledger.record(_rec(0))
+        await ledger.record(_rec(0)._replace(prompt_tokens=999))
+        await asyncio.gather(ledger.record(_rec(1)), ledger.record(_rec(1)), ledger.record(_rec(2)))
+        await ledger.aclose()
+
+    asyncio.run(run())
+    assert _rows(pg_store) == [tuple(_rec(i)) for i in range(3)]
+
+
+def test_max_batch_bounds_a_transaction(pg_store: StoreSettings) -> None:
+    PostgresDatabase(pg_store).close()
+
+    async def run() -> PgLedger:
+        ledger = PgLedger(pg_store, max_batch=16)
+        await ledger.start()
+        await asyncio.gather(*(ledger.record(_rec(i)) for i in range(200)))
+        await ledger.aclose()
+        return ledger
+
+    st = asyncio.run(run()).stats()
+    assert st.records == 200 and st.max_batch_seen <= 16 and st.transactions >= 200 // 16
+
+
+def test_an_outage_spools_fsynced_records_and_replays_them_once(
+    private_postgres: PostgresServer, tmp_path: Path
+) -> None:
+    settings = new_database(private_postgres, tmp_path)
+    PostgresDatabase(settings).close()
+    before = [_rec(i) for i in range(0, 100)]
+    during = [_rec(i) for i in range(100, 400)]
+    after = [_rec(i) for i in range(400, 450)]
+    kept = tmp_path / "kept"
+
+    async def run() -> PgLedger:
+        ledger = PgLedger(settings, retry_interval_s=0.1)
+        await ledger.start()
+        await asyncio.gather(*(ledger.record(r) for r in before))
+        await asyncio.to_thread(private_postgres.stop, "immediate")
+        # Acknowledged during the outage: on local disk, one fsync'd write per batch.
+        await asyncio.gather(*(ledger.record(r) for r in during))
+        assert not ledger.healthy and ledger.spooled == len(during)
+        segments = _spooled(settings)
+        on_disk = [rec for seg in segments for rec in read_records(seg.read_bytes())[0]]
+        assert sorted(on_disk) == during
+        shutil.copytree(settings.spool_dir or Path(), kept)  # for the replay-twice check
+        await asyncio.to_thread(private_postgres.start)
+        await eventually(lambda: not _spooled(settings) and ledger.healthy, what="the replay")
+        await asyncio.gather(*(ledger.record(r) for r in after))
+        await ledger.aclose()
+        return ledger
+
+    ledger = asyncio.run(run())
+    assert ledger.replayed == len(during)
+    assert _rows(settings) == [tuple(r) for r in before + during + after]
+
+    # Replaying the same segments again (a crash between the replay's commit and the
+    # files' removal) adds nothing: the request id is the key.
+    async def replay_again() -> PgLedger:
+        again = PgLedger(
+            StoreSettings(
+                settings.backend, settings.url, password_file=settings.password_file, spool_dir=kept
+            )
+        )
+        await again.start()
+        await eventually(lambda: not list(kept.glob("usage-*.spool")), what="the replay")
+        await again.aclose()
+        return again
+
+    assert asyncio.run(replay_again()).replayed == len(during)
+    assert _rows(settings) == [tuple(r) for r in before + during + after]
+    # Positive control: without the key those rows would have been counted twice.
+    db = PostgresDatabase(settings)
+    try:
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            db.conn.execute(
+                f"INSERT INTO usage ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                tuple(during[0]),
+            )
+    finally:
+        db.close()
+
+
+def test_a_failed_commit_of_unknown_outcome_is_spooled_not_lost(
+    private_postgres: PostgresServer, tmp_path: Path
+) -> None:
+    """Records in flight when the server dies come back through the spool; records the
+    server had committed are not doubled by it."""
+    settings = new_database(private_postgres, tmp_path)
+    PostgresDatabase(settings).close()
+    records = [_rec(i) for i in range(3000)]
+
+    async def run() -> None:
+        ledger = PgLedger(settings, retry_interval_s=0.1, max_batch=64)
+        await ledger.start()
+        tasks = [asyncio.ensure_future(ledger.record(r)) for r in records]
+        await asyncio.sleep(0.02)  # some batches committed, some in flight
+        await asyncio.to_thread(private_postgres.stop, "immediate")
+        await asyncio.gather(*tasks)  # every record acknowledged: committed or spooled
+        await asyncio.to_thread(private_postgres.start)
+        await eventually(lambda: not _spooled(settings) and ledger.healthy, what="the replay")
+        assert ledger.spooled > 0, "the outage came too late to test anything"
+        await ledger.aclose()
+
+    asyncio.run(run())
+    assert _rows(settings) == [tuple(r) for r in records]
+
+
+def test_a_spool_left_by_an_earlier_process_is_replayed_at_start(pg_store: StoreSettings) -> None:
+    PostgresDatabase(pg_store).close()
+    assert pg_store.spool_dir is not None
+    pg_store.spool_dir.mkdir(mode=0o700)
+    leftover = [_rec(i) for i in range(10)]
+    # What a crash leaves: complete lines, then a torn one that was never acknowledged.
+    torn = encode([_rec(99)])[:-7]
+    (pg_store.spool_dir / "usage-00000000000000000001-1-aaaa.spool").write_bytes(
+        encode(leftover) + torn
+    )
+
+    async def run() -> None:
+        ledger = PgLedger(pg_store)
+        await ledger.start()
+        await eventually(lambda: not _spooled(pg_store), what="the leftover's replay")
+        await ledger.aclose()
+
+    asyncio.run(run())
+    assert _rows(pg_store) == [tuple(r) for r in leftover]
+
+
+def test_a_segment_locked_by_a_live_writer_is_not_replayed(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    asyncio.run(spool.append([_rec(1)]))
+    [path] = list((tmp_path / "spool").glob("usage-*.spool"))
+    other = Spool(tmp_path / "spool")  # another gateway sharing the directory
+    assert other.sealed() == [path]
+    assert other.claim(path) is None  # our segment is still open and locked
+    spool.close()
+    segment = other.claim(path)
+    assert segment is not None and segment.records == [_rec(1)] and segment.skipped == 0
+    fd = os.open(path, os.O_RDONLY)
+    try:  # while claimed, nobody else can take it
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    segment.release(remove=True)
+    assert not path.exists()
+
+
+def test_spool_lines_that_are_not_records_are_skipped() -> None:
+    good = encode([_rec(1), _rec(2)])
+    data = good + b'["x", "not a float"]\n' + b"[1,2]\n" + b"{}\n" + encode([_rec(3)])
+    records, skipped = read_records(data + b'["torn')
+    assert records == [_rec(1), _rec(2), _rec(3)] and skipped == 4
+
+
+def test_records_are_refused_when_neither_store_nor_spool_takes_them(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the spool directory should be")
+    settings = StoreSettings(
+        "postgresql",
+        "postgresql://saltgate@127.0.0.1:1/none?connect_timeout=1",
+        spool_dir=blocker / "spool",
+    )
+
+    async def run() -> None:
+        ledger = PgLedger(settings, retry_interval_s=5)
+        await ledger.start()  # unreachable: starts spooling
+        assert not ledger.healthy
+        rec = UsageRecord(new_request_id(), time.time(), "t", "k", "m", 1, 0, 1, 200)
+        with pytest.raises(LedgerError, match=r"neither reached .* nor could be spooled"):
+            await ledger.record(rec)
+        await ledger.aclose()
+        with pytest.raises(LedgerError, match="closed"):
+            await ledger.record(_rec(1))
+
+    asyncio.run(run())

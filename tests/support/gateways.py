@@ -1,0 +1,113 @@
+"""Real `saltgate serve` and `saltgate` CLI processes sharing one store, for fleet tests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from saltgate.store.settings import StoreSettings
+
+SALTGATE = Path(sys.executable).parent / "saltgate"
+
+
+def store_toml(settings: StoreSettings) -> str:
+    """The `[store]` table for `settings` (nothing for the SQLite default)."""
+    if settings.backend == "sqlite":
+        return f'[store]\nurl = "sqlite:///{settings.sqlite_path}"\n'
+    lines = [f'url = "{settings.url}"']
+    if settings.password_file is not None:
+        lines.append(f'password_file = "{settings.password_file}"')
+    if settings.spool_dir is not None:
+        lines.append(f'spool_dir = "{settings.spool_dir}"')
+    return "[store]\n" + "\n".join(lines) + "\n"
+
+
+def write_gateway_config(
+    path: Path,
+    *,
+    state_dir: Path,
+    master_key_file: Path,
+    replicas: list[str],
+    store: StoreSettings,
+    gateway_extra: str = "",
+) -> Path:
+    replica_tables = "".join(f'[[replicas]]\nurl = "{u}"\n' for u in replicas)
+    path.write_text(
+        f'[gateway]\nport = 0\nadmin_port = 0\nstate_dir = "{state_dir}"\n'
+        f'master_key_file = "{master_key_file}"\n{gateway_extra}'
+        f"{store_toml(store)}{replica_tables}"
+    )
+    return path
+
+
+def cli(*args: str) -> str:
+    """Run `saltgate ARGS` to completion; its stdout (a failure shows its stderr)."""
+    done = subprocess.run(
+        [str(SALTGATE), *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, f"saltgate {' '.join(args)}: {done.stderr.strip()}"
+    return done.stdout.strip()
+
+
+def spawn(args: list[str], banner: str) -> tuple[subprocess.Popen[str], str]:
+    """Start `python -m saltgate.cli ARGS` and return it with the URL it announces."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "saltgate.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    seen = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if banner in line:
+            url = next(word for word in line.split() if word.startswith("http://"))
+            return proc, url
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"{args[0]} did not start: {''.join(seen)[-2000:]}")
+
+
+@dataclass
+class GatewayProcess:
+    proc: asyncio.subprocess.Process
+    url: str
+    log: Path
+
+    @classmethod
+    async def start(cls, config: Path, log: Path) -> GatewayProcess:
+        """`saltgate serve --config FILE`, ready when it prints where it serves; its
+        stderr (warnings: store outages, replays) goes to `log`."""
+        assert SALTGATE.exists(), f"missing {SALTGATE}: run `make install`"
+        with log.open("wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                str(SALTGATE),
+                "serve",
+                "--config",
+                str(config),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        assert proc.stdout is not None
+        while True:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            if not line:
+                await proc.wait()
+                raise AssertionError(f"saltgate serve exited: {log.read_text()[-2000:]}")
+            if "serving on" in line:
+                return cls(proc, line.split()[3], log)
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            await asyncio.wait_for(self.proc.wait(), 30)
