@@ -151,6 +151,7 @@ def test_added_latency_and_ratios() -> None:
         duration_s=1,
         warmup_s=0,
         rounds=1,
+        store="postgres",
         concurrency=[1, 32],
         body_bytes={"nginx": 4400},
         versions={},
@@ -160,6 +161,7 @@ def test_added_latency_and_ratios() -> None:
     result = OverheadResult(meta, support, points, rows, [], [], samples)
     text = markdown(result)
     assert "| saltgate | 32 | 4,000 |" in text
+    assert "saltgate's store: postgres" in text
     assert "1.25x, met" in text
     assert "300 us vs 400 us, met" in text
     assert (

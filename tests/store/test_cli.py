@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.support.gateways import store_toml
 
 from saltgate.cli import main
 from saltgate.store.backends import open_gateway_store
@@ -27,7 +26,7 @@ def test_admin_commands_work_on_the_configured_store(
 ) -> None:
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'[gateway]\nstate_dir = "{tmp_path / "state"}"\n{store_toml(store_settings)}'
+        f'[gateway]\nstate_dir = "{tmp_path / "state"}"\n{store_settings.toml()}'
         '[[replicas]]\nurl = "http://127.0.0.1:1"\n'
         "[prices.m]\ninput = 1.0\ncached_input = 0.5\noutput = 2.0\n"
     )

@@ -105,3 +105,23 @@ def test_conninfo_reads_the_password_at_connect_time(
     missing = StoreSettings(base.backend, base.url, password_file=tmp_path / "nope")
     with pytest.raises(StoreError, match=r"password_file: cannot read .*nope"):
         conninfo(missing)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        StoreSettings.sqlite(Path("/var/lib/saltgate/sg.db")),
+        StoreSettings(
+            "postgresql",
+            "postgresql://sg@db:5432/x?sslmode=require",
+            password_file=Path("/run/secrets/pg"),
+            spool_dir=Path("/var/spool/saltgate"),
+        ),
+        StoreSettings(
+            "postgresql", "postgresql://sg@db/x", password_env="PGPASS", spool_dir=Path("/s")
+        ),
+    ],
+)
+def test_generated_store_tables_read_back_the_same(tmp_path: Path, settings: StoreSettings) -> None:
+    """Benchmarks and tests write `[store]` tables with `toml()`; they must mean the same."""
+    assert _load(tmp_path, settings.toml()) == settings

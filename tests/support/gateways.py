@@ -15,18 +15,6 @@ from saltgate.store.settings import StoreSettings
 SALTGATE = Path(sys.executable).parent / "saltgate"
 
 
-def store_toml(settings: StoreSettings) -> str:
-    """The `[store]` table for `settings` (nothing for the SQLite default)."""
-    if settings.backend == "sqlite":
-        return f'[store]\nurl = "sqlite:///{settings.sqlite_path}"\n'
-    lines = [f'url = "{settings.url}"']
-    if settings.password_file is not None:
-        lines.append(f'password_file = "{settings.password_file}"')
-    if settings.spool_dir is not None:
-        lines.append(f'spool_dir = "{settings.spool_dir}"')
-    return "[store]\n" + "\n".join(lines) + "\n"
-
-
 def write_gateway_config(
     path: Path,
     *,
@@ -40,7 +28,7 @@ def write_gateway_config(
     path.write_text(
         f'[gateway]\nport = 0\nadmin_port = 0\nstate_dir = "{state_dir}"\n'
         f'master_key_file = "{master_key_file}"\n{gateway_extra}'
-        f"{store_toml(store)}{replica_tables}"
+        f"{store.toml()}{replica_tables}"
     )
     return path
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from saltgate.bench.procs import BenchError, Tools, free_port
 from saltgate.config import ConfigError, create_master_key, parse_config
+from saltgate.store.backends import open_database
+from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore
 
 PEER_TOOLS = ("smg", "vllm-router")
@@ -23,18 +25,22 @@ PEER_TOOLS = ("smg", "vllm-router")
 class GatewayState:
     state_dir: Path
     api_keys: tuple[str, ...]  # one per tenant, in the order the tenants were given
+    store: StoreSettings | None = None  # [store] for the config; None: the state dir's SQLite
 
 
-def prepare_gateway_state(state_dir: Path, tenants: Sequence[str]) -> GatewayState:
-    """A fresh state directory: a master key, and each tenant with one API key."""
+def prepare_gateway_state(
+    state_dir: Path, tenants: Sequence[str], store: StoreSettings | None = None
+) -> GatewayState:
+    """A fresh state directory: a master key, and each tenant with one API key, in
+    `store` (an empty PostgreSQL database, say) or the state directory's SQLite file."""
     state_dir.mkdir(parents=True, mode=0o700)
     create_master_key(state_dir / "master.key")
     keys = []
-    with TenantStore.from_state_dir(state_dir) as store:
+    with TenantStore(open_database(store or StoreSettings.in_state_dir(state_dir))) as db:
         for name in tenants:
-            store.create_tenant(name)
-            keys.append(store.create_key(name)[1])
-    return GatewayState(state_dir, tuple(keys))
+            db.create_tenant(name)
+            keys.append(db.create_key(name)[1])
+    return GatewayState(state_dir, tuple(keys), store)
 
 
 def toml_string(value: str) -> str:
@@ -67,6 +73,7 @@ def gateway_config(
         f"admin_port = {admin_port}\n"
         f"state_dir = {toml_string(str(state.state_dir))}\n"
         f"master_key_file = {toml_string(str(state.state_dir / 'master.key'))}\n"
+        f"{state.store.toml() if state.store is not None else ''}"
         f"{router}"
         f"{replicas}"
     )

@@ -14,6 +14,11 @@ and the top functions by own time are summarised.
 
     saltgate bench overhead [--targets direct,saltgate,smg,vllm-router]
         [--scenarios nginx,sim-stream] [--concurrency 1,32] [--duration 5] [--json OUT]
+        [--store sqlite|postgres]
+
+`--store postgres` gives saltgate a PostgreSQL store (a cluster the benchmark starts on the
+load CPU, fsync on; scripts/services-setup.sh) instead of its SQLite file, so both stores'
+cost per request comes from the same command.
 
 This module runs the targets; wrk.py drives the load, procs.py and cpu.py the processes
 and their CPU windows, gateway_setup.py saltgate and the peers, overhead_report.py the
@@ -34,6 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+
+import psycopg
 
 from saltgate.bench.cpu import CpuWindow
 from saltgate.bench.gateway_setup import (
@@ -72,6 +79,7 @@ from saltgate.bench.procs import (
     tool_versions,
     workdir,
 )
+from saltgate.bench.services import PostgresServer, ServiceError
 from saltgate.bench.wrk import (
     CHAT_PATH,
     MODEL,
@@ -214,6 +222,7 @@ class Options:
     profile_dir: Path | None
     json_out: Path | None
     keep_tmp: bool
+    store: str = "sqlite"  # or "postgres"
 
 
 class Bench:
@@ -229,6 +238,7 @@ class Bench:
         self.notes: list[str] = []
         self._procs: list[Proc] = []
         self._backend_pids: tuple[int, ...] = ()
+        self._postgres: PostgresServer | None = None
 
     def log(self, message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
@@ -248,6 +258,9 @@ class Bench:
             with contextlib.suppress(Exception):
                 proc.stop()
         self._procs.clear()
+        if self._postgres is not None:
+            self._postgres.destroy()
+            self._postgres = None
 
     # backends
     def start_nginx(self) -> Backends:
@@ -297,8 +310,20 @@ class Bench:
 
     # routers
     def prepare_saltgate(self) -> None:
-        """A state dir with a master key, a tenant and an API key; the key goes in the load."""
-        self.gateway_state = prepare_gateway_state(self.workdir / "saltgate-state", ["bench"])
+        """A state dir with a master key, a tenant and an API key; the key goes in the load.
+        With --store postgres, also the PostgreSQL that holds them."""
+        state_dir = self.workdir / "saltgate-state"
+        store = None
+        if self.o.store == "postgres":
+            self.log("starting PostgreSQL for saltgate's store")
+            try:
+                self._postgres = PostgresServer(cpu=self.o.load_cpu)
+                self._postgres.start()
+                self._postgres.create_database("saltgate")
+            except (ServiceError, psycopg.Error) as exc:
+                raise BenchError(f"PostgreSQL store: {exc}") from None
+            store = self._postgres.settings("saltgate", state_dir / "spool")
+        self.gateway_state = prepare_gateway_state(state_dir, ["bench"], store)
         self.api_key = self.gateway_state.api_keys[0]
 
     def router_argv(self, target: str, backends: Backends, port: int) -> list[str]:
@@ -363,7 +388,7 @@ class Bench:
         if "saltgate" in self.o.targets:
             try:
                 self.prepare_saltgate()
-            except (ConfigError, StoreError, OSError) as exc:
+            except (BenchError, ConfigError, StoreError, OSError) as exc:
                 self.notes.append(f"saltgate setup failed: {exc}")
                 for scenario in self.o.scenarios:
                     self.support["saltgate"][scenario] = f"setup failed: {_one_line(exc)}"
@@ -529,6 +554,7 @@ class Bench:
             duration_s=self.o.duration_s,
             warmup_s=self.o.warmup_s,
             rounds=self.o.rounds,
+            store=self.o.store,
             concurrency=list(self.o.concurrency),
             body_bytes={s: len(chat_body(stream=s == "sim-stream")) for s in SCENARIOS},
             versions=tool_versions(self.tools),
@@ -590,6 +616,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, default=None, metavar="DIR", help="py-spy saltgate")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write results here")
     p.add_argument("--keep-tmp", action="store_true", help="keep configs and logs")
+    p.add_argument(
+        "--store",
+        choices=("sqlite", "postgres"),
+        default="sqlite",
+        help="saltgate's store: its SQLite file, or a PostgreSQL the benchmark starts",
+    )
 
 
 def _preflight(options: Options, tools: Tools) -> None:
@@ -631,6 +663,7 @@ def run(args: argparse.Namespace) -> int:
         profile_dir=args.profile.resolve() if args.profile else None,
         json_out=args.json,
         keep_tmp=args.keep_tmp,
+        store=args.store,
     )
     tools = find_tools(args.tools_venv or default_tools_venv())
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

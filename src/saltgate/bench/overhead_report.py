@@ -152,6 +152,7 @@ class Meta:
     duration_s: int
     warmup_s: int
     rounds: int
+    store: str  # saltgate's store: sqlite or postgres
     concurrency: list[int]
     body_bytes: dict[str, int]
     versions: dict[str, str]
@@ -284,7 +285,8 @@ def markdown(result: OverheadResult) -> str:
         f"{meta.loadavg_after[0]:.2f}; wrk -t1, {meta.duration_s} s per point after a "
         f"{meta.warmup_s} s warm-up, median of {meta.rounds} round(s); pinning: wrk and "
         f"backend on CPU {meta.pinning.load_and_backend_cpu}, router on CPU "
-        f"{meta.pinning.router_cpu}; saltgate source {meta.saltgate_source}.",
+        f"{meta.pinning.router_cpu}; saltgate's store: {meta.store}; "
+        f"saltgate source {meta.saltgate_source}.",
         "",
         "Scenario support (a target is run in every scenario; this is how it went):",
         "",

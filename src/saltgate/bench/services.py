@@ -89,8 +89,12 @@ class PostgresServer:
     back where its clients look for it.
     """
 
-    def __init__(self, *, fsync: bool = True, max_connections: int = 200) -> None:
+    def __init__(
+        self, *, fsync: bool = True, max_connections: int = 200, cpu: int | None = None
+    ) -> None:
+        """`cpu`: pin the server's processes there (taskset), away from what is measured."""
         self.bindir = postgres_bindir()
+        self._cpu = cpu
         self._user = _run_as()
         self.root = Path(tempfile.mkdtemp(prefix="saltgate-pg-"))
         self.data = self.root / "data"
@@ -224,10 +228,15 @@ class PostgresServer:
         if self._user is not None:
             os.chown(conf, self._user.pw_uid, self._user.pw_gid)
 
-    def _pg(self, tool: str, *args: str) -> None:
+    def _pg(self, tool: str, *args: str, cpu: int | None = None) -> None:
         argv = [str(self.bindir / tool), *args]
         if self._user is not None:
             argv = ["runuser", "-u", self._user.pw_name, "--", *argv]
+        if cpu is not None:  # the server's processes inherit the affinity
+            taskset = shutil.which("taskset")
+            if taskset is None:
+                raise ServiceError("taskset (util-linux) is needed to pin PostgreSQL")
+            argv = [taskset, "-c", str(cpu), *argv]
         try:
             done = subprocess.run(  # noqa: S603 - fixed tools, our own arguments
                 argv, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False

@@ -8,6 +8,7 @@ rotated password file is picked up at the next connection).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,24 @@ class StoreSettings:
     def describe(self) -> str:
         """The URL for messages and logs (it never holds a password)."""
         return self.url
+
+    def toml(self) -> str:
+        """These settings as a `[store]` table (paths absolute), for generated configs."""
+        url = f"sqlite:///{self.sqlite_path}" if self.backend == "sqlite" else self.url
+        lines = [f"url = {_toml_string(url)}"]
+        for key, value in (
+            ("password_file", self.password_file),
+            ("password_env", self.password_env),
+            ("spool_dir", self.spool_dir),
+        ):
+            if value is not None:
+                lines.append(f"{key} = {_toml_string(str(value))}")
+        return "[store]\n" + "\n".join(lines) + "\n"
+
+
+def _toml_string(value: str) -> str:
+    """A TOML basic string: JSON's escapes are all TOML's too."""
+    return json.dumps(value, ensure_ascii=True)
 
 
 def _sqlite_path(url: str, base: Path) -> Path:
