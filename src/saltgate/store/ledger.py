@@ -23,9 +23,10 @@ writer awaiting `record` in a closed loop for 3 s, commits on the event loop's t
     64         111,500          64  0.45 ms / 0.98 ms
     1           15,200           1  0.06 ms / 0.12 ms
 
-(With the usage table still indexed by ts: 64,300 and 12,400 records/s. An earlier design
-committed on a writer thread: 50,600 / 7,100 records/s at 64 / 1 writers, and through the
-GIL it stretched the gateway's tail.) WAL checkpoints, which fsync, run on a thread of
+(Before schema 3's unique request-id index; docs/benchmarks.md, "Store backends", has
+both backends with it. With the usage table still indexed by ts: 64,300 and 12,400
+records/s. An earlier design committed on a writer thread: 50,600 / 7,100 records/s at
+64 / 1 writers, and through the GIL it stretched the gateway's tail.) WAL checkpoints, which fsync, run on a thread of
 their own every second, so the loop never waits for one.
 """
 
