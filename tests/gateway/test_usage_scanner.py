@@ -59,6 +59,10 @@ def test_usage_shapes_of_the_three_apis() -> None:
     anthropic = {"input_tokens": 10, "cache_read_input_tokens": 30, "output_tokens": 2}
     assert usage_from_object(anthropic) == Usage(40, 30, 2)
     assert usage_from_object({"prompt_tokens": "many"}) == Usage(0, 0, 0)
+    # Counts no ledger column can hold are garbage, like negative ones.
+    assert usage_from_object({"prompt_tokens": 10**30, "completion_tokens": 2**31}) == Usage()
+    huge = {"input_tokens": 10**9, "cache_read_input_tokens": 10**9, "output_tokens": 1}
+    assert usage_from_object(huge) == Usage(2 * 10**9, 10**9, 1)  # still < 2**31
     assert usage_from_object(None) is None
     assert usage_from_body(orjson.dumps({"response": {"usage": responses}})) == Usage(50, 16, 5)
     assert usage_from_body(b"not json") is None

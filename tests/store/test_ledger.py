@@ -154,6 +154,20 @@ def test_commit_failure_reaches_the_caller(tmp_path: Path) -> None:
     asyncio.run(run())
 
 
+def test_a_count_sqlite_cannot_hold_fails_its_batch_not_the_ledger(tmp_path: Path) -> None:
+    path = tmp_path / "saltgate.db"
+
+    async def run() -> None:
+        ledger = Ledger(path)
+        with pytest.raises(LedgerError, match="not committed"):
+            await ledger.record(_rec(0)._replace(prompt_tokens=2**70))
+        await ledger.record(_rec(1))
+        await ledger.aclose()
+
+    asyncio.run(run())
+    assert _rows(path) == [tuple(_rec(1))]
+
+
 def test_cancelled_waiter_does_not_break_the_writer(tmp_path: Path) -> None:
     path = tmp_path / "saltgate.db"
 

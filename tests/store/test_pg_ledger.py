@@ -203,6 +203,34 @@ def test_a_spool_left_by_an_earlier_process_is_replayed_at_start(pg_store: Store
     assert _rows(pg_store) == [tuple(r) for r in leftover]
 
 
+def test_a_refused_record_is_set_aside_without_taking_good_ones_or_the_ledger_down(
+    pg_store: StoreSettings,
+) -> None:
+    """A record the database refuses (here: a count its int4 column cannot hold; the
+    gateway never sends one) fails its whole batch; the batch goes through the spool, its
+    good records reach the table one by one, and the bad one is kept beside the spool."""
+    PostgresDatabase(pg_store).close()
+    bad = _rec(1)._replace(prompt_tokens=2**40)
+
+    async def run() -> PgLedger:
+        ledger = PgLedger(pg_store, retry_interval_s=0.1)
+        await ledger.start()
+        await asyncio.gather(ledger.record(_rec(0)), ledger.record(bad), ledger.record(_rec(2)))
+        assert ledger.spooled == 3 and ledger.healthy
+        await eventually(lambda: not _spooled(pg_store), what="the replay")
+        await ledger.record(_rec(3))  # straight to the database again
+        await ledger.aclose()
+        return ledger
+
+    ledger = asyncio.run(run())
+    assert ledger.stats().transactions == 1
+    assert _rows(pg_store) == [tuple(_rec(i)) for i in (0, 2, 3)]
+    assert pg_store.spool_dir is not None
+    [kept] = list(pg_store.spool_dir.glob("rejected-*.jsonl"))
+    assert read_records(kept.read_bytes()) == ([bad], 0)
+    assert oct(kept.stat().st_mode & 0o777) == "0o600"
+
+
 def test_a_segment_locked_by_a_live_writer_is_not_replayed(tmp_path: Path) -> None:
     spool = Spool(tmp_path / "spool")
     asyncio.run(spool.append([_rec(1)]))

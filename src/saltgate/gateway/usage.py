@@ -20,8 +20,13 @@ class Usage(NamedTuple):
     completion_tokens: int = 0
 
 
+# No request has a billion tokens: a larger count is as much garbage as a negative one, and
+# two of them (Anthropic's input + cache reads) still fit the ledger's 32-bit columns.
+MAX_REPORTED_TOKENS = 1_000_000_000
+
+
 def _int(value: Any) -> int:
-    return value if type(value) is int and value >= 0 else 0
+    return value if type(value) is int and 0 <= value <= MAX_REPORTED_TOKENS else 0
 
 
 def usage_from_object(usage: Any) -> Usage | None:

@@ -230,7 +230,7 @@ class Ledger:
                 if self._conn.in_transaction:
                     self._conn.execute("ROLLBACK")
                 raise
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OverflowError) as exc:  # OverflowError: an int SQLite can't hold
             error = f"usage records not committed: {exc}"
         else:
             self._transactions += 1

@@ -11,6 +11,11 @@ arrive while that commit is in flight form the next batch, so the batch size fol
 load without a timer. Every record carries a unique request id and the insert skips ids
 already present, so a commit retried after an unknown outcome (the connection broke
 during COMMIT: was it applied?) is spooled and replayed without counting anything twice.
+
+A batch the database refuses (it answered, with an error about the data or the schema)
+is spooled too, without leaving direct mode; its replay inserts record by record and sets
+aside, in a file beside the spool, only the records still refused, so one bad record
+neither blocks the spool nor takes good records with it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from saltgate.store.errors import StoreError
 from saltgate.store.ledger import LedgerError, LedgerStats, UsageRecord
 from saltgate.store.postgres import UNREACHABLE, conninfo, describe_error
 from saltgate.store.settings import StoreSettings
@@ -39,7 +45,8 @@ _INSERT = (
     "%s::int4[], %s::int4[], %s::int4[], %s::int4[]) "
     "ON CONFLICT (request_id) DO NOTHING"
 )
-_FAILED = (*UNREACHABLE, psycopg.Error, PoolTimeout)
+# The database did not answer (or cannot be asked: StoreError from reading its password).
+_DOWN = (*UNREACHABLE, PoolTimeout, StoreError)
 
 _Item = tuple[UsageRecord, "asyncio.Future[None]"]
 
@@ -99,7 +106,7 @@ class PgLedger:
         try:
             self._pool = await self._open_pool()
             self._healthy = True
-        except _FAILED as exc:
+        except (*_DOWN, psycopg.Error) as exc:
             log.warning(
                 "saltgate: ledger store %s unreachable at start (%s); spooling usage to %s",
                 self.settings.describe(),
@@ -118,8 +125,8 @@ class PgLedger:
 
     async def record(self, rec: UsageRecord) -> None:
         """Return once `rec` is committed (or spooled); raise LedgerError if neither."""
-        if self._closed:
-            raise LedgerError("usage ledger is closed")
+        if self._closed or self._flusher is None:
+            raise LedgerError("usage ledger is closed" if self._closed else "ledger not started")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((rec, fut))
         self._wakeup.set()
@@ -164,8 +171,17 @@ class PgLedger:
         if self._healthy:
             try:
                 await asyncio.wait_for(self._insert(records), self.commit_timeout_s)
-            except _FAILED as exc:
+            except _DOWN as exc:
                 self._unreachable(exc)
+            except psycopg.Error as exc:
+                log.error(
+                    "saltgate: ledger store %s refused %d usage records (%s); spooled, to be "
+                    "replayed one by one",
+                    self.settings.describe(),
+                    len(records),
+                    describe_error(exc),
+                )
+                self._recovery_needed.set()
             else:
                 self._transactions += 1
                 self._records += len(records)
@@ -216,7 +232,7 @@ class PgLedger:
                 psycopg.AsyncConnection.connect(conninfo(self.settings), autocommit=True),
                 self.commit_timeout_s,
             )
-        except _FAILED:
+        except (*_DOWN, psycopg.Error):
             return False
         try:
             async with conn:
@@ -230,7 +246,7 @@ class PgLedger:
                         self.settings.describe(),
                     )
                 await self._replay(conn)
-        except _FAILED as exc:
+        except (*_DOWN, psycopg.Error) as exc:
             self._unreachable(exc)
             return False
         return True
@@ -249,10 +265,18 @@ class PgLedger:
             for segment in segments:
                 done = False
                 try:
+                    refused: list[UsageRecord] = []
                     for start in range(0, len(segment.records), self.max_batch):
                         chunk = segment.records[start : start + self.max_batch]
-                        await asyncio.wait_for(
-                            insert_records(conn, chunk), self.commit_timeout_s * 5
+                        refused += await self._insert_or_sort_out(conn, chunk)
+                    if refused:
+                        path = await asyncio.to_thread(self.spool.set_aside, segment, refused)
+                        log.error(
+                            "saltgate: ledger store %s refused %d spooled usage records; "
+                            "they are kept in %s",
+                            self.settings.describe(),
+                            len(refused),
+                            path,
                         )
                     done = True
                 finally:
@@ -266,6 +290,28 @@ class PgLedger:
                 self.settings.describe(),
                 time.monotonic() - started,
             )
+
+    async def _insert_or_sort_out(
+        self, conn: psycopg.AsyncConnection[tuple[Any, ...]], chunk: Sequence[UsageRecord]
+    ) -> list[UsageRecord]:
+        """Insert `chunk`; if the database refuses it, insert record by record and return
+        the records it still refuses. A database that stops answering raises."""
+        timeout = self.commit_timeout_s * 5
+        try:
+            await asyncio.wait_for(insert_records(conn, chunk), timeout)
+        except _DOWN:
+            raise
+        except psycopg.Error:
+            refused = []
+            for rec in chunk:
+                try:
+                    await asyncio.wait_for(insert_records(conn, [rec]), timeout)
+                except _DOWN:
+                    raise
+                except psycopg.Error:
+                    refused.append(rec)
+            return refused
+        return []
 
     async def _open_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[tuple[Any, ...]]]:
         pool: AsyncConnectionPool[psycopg.AsyncConnection[tuple[Any, ...]]] = AsyncConnectionPool(

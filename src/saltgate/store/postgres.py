@@ -279,7 +279,7 @@ class PgKeyIndex:
                 if conn is None:
                     conn = await self._connect_and_load()
                 await self._watch(conn)
-            except (*UNREACHABLE, psycopg.Error) as exc:
+            except (*UNREACHABLE, psycopg.Error, StoreError) as exc:  # StoreError: password
                 self._unreachable(exc)
                 if conn is not None:
                     with contextlib.suppress(*UNREACHABLE, psycopg.Error):

@@ -72,6 +72,11 @@ class Segment:
     skipped: int  # lines that were not records (a torn tail)
     _fd: int
 
+    @property
+    def rejected_path(self) -> Path:
+        """Where the records of this segment the database refused are kept."""
+        return self.path.with_name("rejected-" + self.path.stem + ".jsonl")
+
     def release(self, *, remove: bool) -> None:
         try:
             if remove:
@@ -134,6 +139,19 @@ class Spool:
             log.warning("saltgate: spool %s: %d line(s) that are no record skipped", path, skipped)
         return Segment(path, records, skipped, fd)
 
+    def set_aside(self, segment: Segment, records: Sequence[UsageRecord]) -> Path:
+        """Keep records the database refused (same format, never replayed by itself): an
+        operator can fix the cause and rename the file to ``usage-*.spool`` to retry."""
+        path = segment.rejected_path
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            _write_all(fd, encode(records))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(path.parent)
+        return path
+
     # -- on the spool's thread ------------------------------------------------------------
 
     def _append(self, data: bytes) -> None:
@@ -141,9 +159,7 @@ class Spool:
             self._open_segment()
         assert self._fd is not None
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view) :]
+            _write_all(self._fd, data)
             os.fsync(self._fd)
         except OSError:
             # The file may now end in a torn line: later records go to a new segment.
@@ -182,6 +198,12 @@ def read_records(data: bytes) -> tuple[list[UsageRecord], int]:
         else:
             records.append(rec)
     return records, skipped
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _read_all(fd: int) -> bytes:
