@@ -1,10 +1,12 @@
 """Crash-test subject: many writers record forever, printing each acknowledged record.
 
     python ledger_crash_child.py DB_PATH WRITERS
+    python ledger_crash_child.py --spool SPOOL_DIR WRITERS
 
 A line "w<writer>-<seq>\\n" goes to stdout (one unbuffered write) only after
-`Ledger.record` returned for that record; the test SIGKILLs this process and checks that
-every printed record is in the database.
+`record` returned for that record; the test SIGKILLs this process and checks that every
+printed record is in the database. With --spool the ledger is PostgreSQL's with its
+database out of reach, so every record is acknowledged from the spool.
 """
 
 from __future__ import annotations
@@ -13,12 +15,22 @@ import asyncio
 import os
 import sys
 import time
+from pathlib import Path
 
-from saltgate.store.ledger import Ledger, UsageRecord
+from saltgate.store.ledger import Ledger, UsageLedger, UsageRecord
+from saltgate.store.pg_ledger import PgLedger
+from saltgate.store.settings import StoreSettings
 
 
-async def main(db: str, writers: int) -> None:
-    ledger = Ledger(db)
+async def main(target: str, writers: int, spool: bool) -> None:
+    ledger: UsageLedger
+    if spool:
+        unreachable = "postgresql://saltgate@127.0.0.1:1/none?connect_timeout=1"
+        pg = PgLedger(StoreSettings("postgresql", unreachable, spool_dir=Path(target)))
+        await pg.start()
+        ledger = pg
+    else:
+        ledger = Ledger(target)
 
     async def writer(i: int) -> None:
         seq = 0
@@ -33,4 +45,6 @@ async def main(db: str, writers: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+    args = sys.argv[1:]
+    spool = args[0] == "--spool"
+    asyncio.run(main(args[-2], int(args[-1]), spool))

@@ -7,6 +7,10 @@ import asyncio
 import fcntl
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -249,6 +253,45 @@ def test_a_segment_locked_by_a_live_writer_is_not_replayed(tmp_path: Path) -> No
         os.close(fd)
     segment.release(remove=True)
     assert not path.exists()
+
+
+def test_sigkill_while_spooling_loses_no_acknowledged_record(tmp_path: Path) -> None:
+    """A record is acknowledged only once its batch is written to the spool: killing the
+    process at any moment leaves every acknowledged record in a segment."""
+    spool = tmp_path / "spool"
+    child = Path(__file__).with_name("ledger_crash_child.py")
+    proc = subprocess.Popen(
+        [sys.executable, str(child), "--spool", str(spool), "32"], stdout=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    out = bytearray()
+
+    def drain() -> None:
+        assert proc.stdout is not None
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            out.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    deadline = time.monotonic() + 60
+    try:
+        while out.count(b"\n") < 2000:
+            assert proc.poll() is None, f"child exited early with {proc.returncode}"
+            assert time.monotonic() < deadline, "child too slow"
+            time.sleep(0.005)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        reader.join(timeout=30)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    acked = {ln.decode() for ln in bytes(out).split(b"\n")[:-1]}
+    spooled = {
+        rec.request_id
+        for seg in spool.glob("usage-*.spool")
+        for rec in read_records(seg.read_bytes())[0]
+    }
+    assert len(acked) >= 2000 and len({a.split("-")[0] for a in acked}) == 32
+    missing = acked - spooled
+    assert not missing, f"{len(missing)} acknowledged, not spooled: {sorted(missing)[:3]}"
 
 
 def test_spool_lines_that_are_not_records_are_skipped() -> None:
