@@ -341,6 +341,7 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
                 # before the stop.
                 assert time.monotonic() - down_at >= 1.5 - 1.0
                 assert resp.status_code == 503
+                assert _gauge(await http.get(gateway.metrics_url), "unreachable") >= 1.5
                 error = resp.json()["error"]
                 assert error["code"] == "store_unavailable"
                 assert "key store" in error["message"] and "try again" in error["message"]
@@ -354,6 +355,9 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
                     return ok
 
                 await eventually(serving, what="serving again after the store is back")
+                metrics = await http.get(gateway.metrics_url)
+                assert _gauge(metrics, "unreachable") == 0.0
+                assert _gauge(metrics, "spooled") >= delivered - 2  # all but the first, last
             spool = settings.spool_dir
             assert spool is not None
             await eventually(lambda: not list(spool.glob("usage-*.spool")), what="the replay")
@@ -364,6 +368,15 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
         assert ledger[key_id][:2] == (delivered, 0)  # a 503 is refused before metering
 
     run(main)
+
+
+def _gauge(metrics: httpx.Response, which: str) -> float:
+    name = {
+        "unreachable": "saltgate_store_unreachable_seconds",
+        "spooled": "saltgate_ledger_spooled_records",
+    }[which]
+    [line] = [ln for ln in metrics.text.splitlines() if ln.startswith(name + " ")]
+    return float(line.split()[1])
 
 
 @pytest.mark.parametrize("conflict", ["postgresql", "sqlite"])

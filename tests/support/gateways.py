@@ -69,12 +69,13 @@ def spawn(args: list[str], banner: str) -> tuple[subprocess.Popen[str], str]:
 class GatewayProcess:
     proc: asyncio.subprocess.Process
     url: str
+    metrics_url: str
     log: Path
 
     @classmethod
     async def start(cls, config: Path, log: Path) -> GatewayProcess:
-        """`saltgate serve --config FILE`, ready when it prints where it serves; its
-        stderr (warnings: store outages, replays) goes to `log`."""
+        """`saltgate serve --config FILE` (with an admin port), ready when it prints where
+        it serves; its stderr (warnings: store outages, replays) goes to `log`."""
         assert SALTGATE.exists(), f"missing {SALTGATE}: run `make install`"
         with log.open("wb") as err:
             proc = await asyncio.create_subprocess_exec(
@@ -87,13 +88,16 @@ class GatewayProcess:
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         assert proc.stdout is not None
+        url = ""
         while True:
             line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
             if not line:
                 await proc.wait()
                 raise AssertionError(f"saltgate serve exited: {log.read_text()[-2000:]}")
             if "serving on" in line:
-                return cls(proc, line.split()[3], log)
+                url = line.split()[3]
+            if "metrics on" in line:
+                return cls(proc, url, line.split()[3], log)
 
     async def stop(self) -> None:
         if self.proc.returncode is None:

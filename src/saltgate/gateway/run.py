@@ -86,6 +86,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     )
     replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s, router=router)
     metrics = Metrics()
+    store.register_gauges(metrics.gauge)
     gateway = Gateway(
         config,
         subkeys=subkeys,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from saltgate.store.db import Database
 from saltgate.store.errors import StoreError
@@ -33,12 +33,32 @@ def open_database(settings: StoreSettings, *, create: bool = True) -> Database:
     return PostgresDatabase(settings)
 
 
+# What the gateway's metrics register a gauge with: name, help text, reader.
+GaugeReader = Callable[[], list[tuple[tuple[tuple[str, str], ...], float]]]
+
+
 @dataclass
 class GatewayStore:
     """What a running gateway holds of its store."""
 
     keys: KeySource
     ledger: UsageLedger
+    # PostgreSQL: seconds since the key store last answered, records spooled since start.
+    unreachable_for: Callable[[], float] = field(default=lambda: 0.0)
+    spooled: Callable[[], int] = field(default=lambda: 0)
+
+    def register_gauges(self, gauge: Callable[[str, str, GaugeReader], None]) -> None:
+        """Give the admin port's metrics the store's health (`Metrics.gauge`)."""
+        gauge(
+            "saltgate_store_unreachable_seconds",
+            "Seconds since the store last answered (0 while it answers).",
+            lambda: [((), self.unreachable_for())],
+        )
+        gauge(
+            "saltgate_ledger_spooled_records",
+            "Usage records spooled to local disk since start because the store was down.",
+            lambda: [((), float(self.spooled()))],
+        )
 
     async def aclose(self) -> None:
         """Commit what the ledger holds, then let go of the keys."""
@@ -71,4 +91,6 @@ async def open_gateway_store(
     await pg_keys.start()
     ledger = PgLedger(settings)
     await ledger.start()
-    return GatewayStore(pg_keys, ledger)
+    return GatewayStore(
+        pg_keys, ledger, unreachable_for=pg_keys.down_for, spooled=lambda: ledger.spooled
+    )
