@@ -22,7 +22,7 @@ from tests.support.waiting import eventually
 from saltgate.bench.services import PostgresServer
 from saltgate.store.ledger import LedgerError, UsageRecord, new_request_id
 from saltgate.store.pg_ledger import PgLedger
-from saltgate.store.postgres import PostgresDatabase
+from saltgate.store.postgres import PostgresDatabase, conninfo
 from saltgate.store.settings import StoreSettings
 from saltgate.store.spool import Spool, encode, read_records
 
@@ -233,6 +233,31 @@ def test_a_refused_record_is_set_aside_without_taking_good_ones_or_the_ledger_do
     [kept] = list(pg_store.spool_dir.glob("rejected-*.jsonl"))
     assert read_records(kept.read_bytes()) == ([bad], 0)
     assert oct(kept.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_replay_cut_short_leaves_every_segment_claimable(pg_store: StoreSettings) -> None:
+    """The database going away mid-replay must not leave a segment locked by this process
+    (a later replay would then skip it for the process's whole life)."""
+    PostgresDatabase(pg_store).close()
+    assert pg_store.spool_dir is not None
+    pg_store.spool_dir.mkdir(mode=0o700)
+    for n in range(3):
+        name = f"usage-0000000000000000000{n}-1-aaaa.spool"
+        (pg_store.spool_dir / name).write_bytes(encode([_rec(n)]))
+
+    async def run() -> None:
+        ledger = PgLedger(pg_store)
+        conn = await psycopg.AsyncConnection.connect(conninfo(pg_store), autocommit=True)
+        await conn.close()  # gone before the first insert
+        with pytest.raises(psycopg.OperationalError):
+            await ledger._replay(conn)
+        for path in _spooled(pg_store):
+            segment = ledger.spool.claim(path)
+            assert segment is not None, f"{path.name} still locked"
+            segment.release(remove=False)
+
+    asyncio.run(run())
+    assert len(_spooled(pg_store)) == 3 and _rows(pg_store) == []
 
 
 def test_a_segment_locked_by_a_live_writer_is_not_replayed(tmp_path: Path) -> None:

@@ -161,7 +161,11 @@ class PgLedger:
             while self._pending:
                 batch = self._pending[: self.max_batch]
                 del self._pending[: self.max_batch]
-                await self._commit(batch)
+                try:
+                    await self._commit(batch)
+                except Exception as exc:  # a bug must fail these records, not all later ones
+                    log.exception("saltgate: ledger commit failed")
+                    _release(batch, f"usage records not committed: {type(exc).__name__}")
             if self._closed:
                 return
 
@@ -222,8 +226,15 @@ class PgLedger:
         while True:
             await self._recovery_needed.wait()
             self._recovery_needed.clear()
-            while not await self._try_recover():
+            while not await self._try_recover_logged():
                 await asyncio.sleep(self.retry_interval_s)
+
+    async def _try_recover_logged(self) -> bool:
+        try:
+            return await self._try_recover()
+        except Exception:  # a bug here must not end recovery for the process's life
+            log.exception("saltgate: ledger recovery failed; retrying")
+            return False
 
     async def _try_recover(self) -> bool:
         """Reconnect and replay every claimable sealed segment; True when done."""
@@ -259,10 +270,12 @@ class PgLedger:
             # A batch that chose the spool just before recovery may have started a
             # segment after the last seal: seal again, and take it too.
             await self.spool.seal()
-            segments = [s for p in self.spool.sealed() if (s := self.spool.claim(p)) is not None]
-            if not segments:
-                break
-            for segment in segments:
+            claimed = 0
+            for path in self.spool.sealed():
+                segment = self.spool.claim(path)  # one at a time: a failure leaks no lock
+                if segment is None:
+                    continue
+                claimed += 1
                 done = False
                 try:
                     refused: list[UsageRecord] = []
@@ -270,18 +283,20 @@ class PgLedger:
                         chunk = segment.records[start : start + self.max_batch]
                         refused += await self._insert_or_sort_out(conn, chunk)
                     if refused:
-                        path = await asyncio.to_thread(self.spool.set_aside, segment, refused)
+                        kept = await asyncio.to_thread(self.spool.set_aside, segment, refused)
                         log.error(
                             "saltgate: ledger store %s refused %d spooled usage records; "
                             "they are kept in %s",
                             self.settings.describe(),
                             len(refused),
-                            path,
+                            kept,
                         )
                     done = True
                 finally:
                     segment.release(remove=done)
                 replayed += len(segment.records)
+            if not claimed:
+                break
         if replayed:
             self.replayed += replayed
             log.warning(
