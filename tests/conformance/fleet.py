@@ -8,6 +8,11 @@ Both replicas start at once (45-60 s each when idle, about 2.5 GiB) with prefix 
 cached-token details, block size 32, an API key, and KV events on ipc:// sockets that vLLM
 binds (so the tests' raw taps and the relay can all connect). They are stopped, by their
 process group, when the session ends.
+
+The pooling routes need a pooling model: ``pooling_fleet`` starts, only when a test asks
+for it, the same tiny Llama twice more, converted by vLLM into an embedding model
+(`--convert embed`: /v1/embeddings, /pooling, /score, /rerank) and a two-label classifier
+(`--convert classify`: /classify, /pooling).
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.support.kv_relay import raw_stream
 
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
 from saltgate.gateway.run import start_gateway
+from saltgate.kvevents.wire import BlockStored, KVEvent, decode_batch
 from saltgate.spec.derive import SubKeys, derive_subkeys
 from saltgate.store.tenants import TenantStore
 
@@ -94,7 +101,9 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def _start(index: int, workdir: Path, api_key: str) -> tuple[subprocess.Popen[bytes], VllmReplica]:
+def _start(
+    index: int, workdir: Path, api_key: str, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], VllmReplica]:
     port = _free_port()
     kv = f"ipc://{workdir}/kv{index}.sock"
     kv_replay = f"ipc://{workdir}/kv{index}-replay.sock"
@@ -123,7 +132,7 @@ def _start(index: int, workdir: Path, api_key: str) -> tuple[subprocess.Popen[by
         "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-        "--api-key", api_key, "--kv-events-config", json.dumps(events),
+        "--api-key", api_key, "--kv-events-config", json.dumps(events), *extra,
     ]  # fmt: skip
     log = workdir / f"vllm{index}.log"
     with log.open("wb") as out:
@@ -168,22 +177,21 @@ def _wait_healthy(procs: list[subprocess.Popen[bytes]], replicas: list[VllmRepli
         time.sleep(1)
 
 
-@pytest.fixture(scope="session")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def _start_all(
+    workdir: Path, api_key: str, extras: list[tuple[str, ...]], first_index: int = 0
+) -> Iterator[Fleet]:
     missing = _missing_env()
     if missing:
         pytest.fail(
             f"real vLLM is not built: {missing}. Run `make vllm-env` "
             "(python3 scripts/vllm_env.py); it builds .vllm/ or says why it cannot."
         )
-    workdir = tmp_path_factory.mktemp("vllm")
-    api_key = secrets.token_urlsafe(24)
     started = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
     replicas: list[VllmReplica] = []
     try:
-        for i in range(2):
-            proc, replica = _start(i, workdir, api_key)
+        for i, extra in enumerate(extras, start=first_index):
+            proc, replica = _start(i, workdir, api_key, extra)
             procs.append(proc)
             replicas.append(replica)
         _wait_healthy(procs, replicas)
@@ -191,6 +199,26 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     finally:
         for proc in procs:
             _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two generation replicas."""
+    workdir = tmp_path_factory.mktemp("vllm")
+    yield from _start_all(workdir, secrets.token_urlsafe(24), [(), ()])
+
+
+POOLING_CONVERSIONS = ("embed", "classify")
+
+
+@pytest.fixture(scope="session")
+def pooling_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """An embedding replica and a classifier replica (``POOLING_CONVERSIONS``, in order)."""
+    workdir = tmp_path_factory.mktemp("vllm-pooling")
+    extras: list[tuple[str, ...]] = [
+        ("--runner", "pooling", "--convert", c) for c in POOLING_CONVERSIONS
+    ]
+    yield from _start_all(workdir, secrets.token_urlsafe(24), extras, first_index=2)
 
 
 @pytest.fixture(scope="session")
@@ -227,3 +255,28 @@ async def gateway(
         yield running.url
     finally:
         await running.close()
+
+
+# ------------------------------------------------------------------ a replica's KV events
+
+
+def next_seq(replica: VllmReplica) -> int:
+    entries = raw_stream(replica.kv_replay_endpoint)
+    return entries[-1][0] + 1 if entries else 0
+
+
+def events_since(replica: VllmReplica, seq: int) -> list[KVEvent]:
+    """The replica's events from ``seq`` on, once its publisher has gone quiet."""
+    previous: list[tuple[int, bytes]] | None = None
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        entries = raw_stream(replica.kv_replay_endpoint, seq)
+        if entries == previous:
+            break
+        previous = entries
+        time.sleep(0.5)
+    return [e for _, payload in previous or [] for e in decode_batch(payload).events]
+
+
+def stored(events: list[KVEvent]) -> list[BlockStored]:
+    return [e for e in events if isinstance(e, BlockStored)]

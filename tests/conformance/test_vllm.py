@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from typing import Any
 
 import httpx
@@ -21,14 +20,17 @@ from tests.conformance.fleet import (
     Fleet,
     Tenancy,
     VllmReplica,
+    events_since,
     gateway,
+    next_seq,
+    stored,
 )
 from tests.gateway.stack import long_prompt
 from tests.support.kv_relay import assert_nothing_leaks, collect, raw_stream
 
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import CurveKeyPair, KvRelaySettings, KvUpstream
-from saltgate.kvevents.wire import BlockStored, KVEvent, decode_batch
+from saltgate.kvevents.wire import KVEvent, decode_batch
 from saltgate.policy.request import ALLOWED_POST_ROUTES
 from saltgate.sim.hashing import block_hashes, event_hash
 from saltgate.sim.run import SimConfig, start_sim
@@ -69,28 +71,6 @@ async def complete(client: httpx.AsyncClient, prompt: object, **extra: Any) -> d
 def cached(response: dict[str, Any]) -> int:
     value: int = response["usage"]["prompt_tokens_details"]["cached_tokens"]
     return value
-
-
-def next_seq(replica: VllmReplica) -> int:
-    entries = raw_stream(replica.kv_replay_endpoint)
-    return entries[-1][0] + 1 if entries else 0
-
-
-def events_since(replica: VllmReplica, seq: int) -> list[KVEvent]:
-    """The replica's events from ``seq`` on, once its publisher has gone quiet."""
-    previous: list[tuple[int, bytes]] | None = None
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        entries = raw_stream(replica.kv_replay_endpoint, seq)
-        if entries == previous:
-            break
-        previous = entries
-        time.sleep(0.5)
-    return [e for _, payload in previous or [] for e in decode_batch(payload).events]
-
-
-def stored(events: list[KVEvent]) -> list[BlockStored]:
-    return [e for e in events if isinstance(e, BlockStored)]
 
 
 def salts_of(events: list[KVEvent]) -> set[str]:

@@ -5,37 +5,23 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 import zmq
+from tests.support.completions import SIM_MODEL as MODEL
+from tests.support.sim import run, sim
 
 from saltgate.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from saltgate.sim import block_hashes, event_hash
 from saltgate.sim.engine import Generation
-from saltgate.sim.run import RunningSim, SimConfig, start_sim
-from saltgate.sim.server import _Shape
+from saltgate.sim.shapes import CompletionShape
 from saltgate.sim.tokenizer import tokenize
 
-MODEL = "sim-model"
-
-
-@asynccontextmanager
-async def sim(**kw: Any) -> AsyncIterator[tuple[RunningSim, httpx.AsyncClient]]:
-    running = await start_sim(SimConfig(port=0, **kw))
-    async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
-        try:
-            yield running, client
-        finally:
-            await running.close()
-
-
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(test())  # type: ignore[arg-type]
+JSON_TYPE = {"content-type": "application/json"}
 
 
 async def complete(client: httpx.AsyncClient, prompt: object, **extra: Any) -> dict[str, Any]:
@@ -106,7 +92,13 @@ def test_streaming_usage_only_when_asked(path: str) -> None:
             usage_chunk = orjson.loads(events[-2])
             assert usage_chunk["choices"] == []
             assert usage_chunk["usage"]["completion_tokens"] == 4
-            assert usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+            # vLLM's stream usage: set fields only; chat adds what the prefill cached
+            details = {"cached_tokens": 0}
+            if "chat" in path:
+                details["created_cache_tokens"] = 0  # a short prompt fills no block
+            assert usage_chunk["usage"]["prompt_tokens_details"] == details
+            finishing = orjson.loads(events[-3])["choices"][0]
+            assert finishing["finish_reason"] == "length"  # on the last token's chunk
 
     run(main)
 
@@ -193,17 +185,22 @@ def test_eviction_under_a_small_pool_publishes_vllm_events() -> None:
 
 
 BAD: list[tuple[str, bytes, int, str]] = [
-    ("/v1/completions", b"{nope", 400, "not valid JSON"),
-    ("/v1/completions", b"[1]", 400, "JSON object"),
-    ("/v1/completions", b'{"model":"other","prompt":"x"}', 404, "does not exist"),
-    ("/v1/completions", b'{"model":"sim-model","prompt":"x","max_tokens":"5"}', 400, "max_tokens"),
-    ("/v1/completions", b'{"model":"sim-model","prompt":5}', 400, "prompt"),
+    ("/v1/completions", b"{nope", 400, "'json_invalid', 'loc': 'body.1'"),
+    ("/v1/completions", b"[1]", 400, "valid dictionary or object"),
+    ("/v1/completions", b'{"model":"other","prompt":"x"}', 404, "Valid aliases: sim-model."),
+    (
+        "/v1/completions",
+        b'{"model":"sim-model","prompt":"x","max_tokens":"five"}',
+        400,
+        "'int_parsing', 'loc': 'body.max_tokens'",
+    ),
+    ("/v1/completions", b'{"model":"sim-model","prompt":5}', 400, "4 validation errors"),
     ("/v1/completions", b'{"model":"sim-model","prompt":[99999999]}', 400, "out of vocabulary"),
     (
         "/v1/completions",
         b'{"model":"sim-model","prompt":"x","max_tokens":99999}',
         400,
-        "maximum context length",
+        "cannot be greater than max_model_len=4096",
     ),
     (
         "/v1/chat/completions",
@@ -213,24 +210,33 @@ BAD: list[tuple[str, bytes, int, str]] = [
     ),
     (
         "/v1/completions",
-        b'{"model":"sim-model","prompt":"x","stream_options":{}}',
+        b'{"model":"sim-model","prompt":"x","stream_options":{"include_usage":true}}',
         400,
         "stream=True",
     ),
-    ("/v1/nothing", b"{}", 404, "Not Found"),
 ]
+
+
+def error_message(resp: httpx.Response) -> str:
+    error = resp.json()["error"]
+    assert error["code"] == resp.status_code
+    return str(error["message"])
 
 
 def test_bad_input_gets_vllm_shaped_errors_and_the_server_keeps_serving() -> None:
     async def main() -> None:
         async with sim(max_model_len=4096, max_body_bytes=10_000) as (_, client):
             for path, body, status, needle in BAD:
-                resp = await client.post(path, content=body)
+                resp = await client.post(path, content=body, headers=JSON_TYPE)
                 assert resp.status_code == status, (body, resp.text)
-                error = resp.json()["error"]
-                assert needle in error["message"], error
-                assert error["code"] == status
-            resp = await client.post("/v1/completions", content=b"x" * 20_000)
+                assert needle in error_message(resp), resp.text
+            unknown = await client.post("/v1/nothing", content=b"{}", headers=JSON_TYPE)
+            assert (unknown.status_code, unknown.json()) == (404, {"detail": "Not Found"})
+            wrong_method = await client.get("/v1/completions")
+            assert wrong_method.json() == {"detail": "Method Not Allowed"}
+            no_type = await client.post("/v1/completions", content=b'{"prompt":"x"}')
+            assert "Only 'application/json' is allowed" in error_message(no_type)
+            resp = await client.post("/v1/completions", content=b"x" * 20_000, headers=JSON_TYPE)
             assert resp.status_code == 413
             assert cached(await complete(client, "still fine")) == 0
 
@@ -239,15 +245,20 @@ def test_bad_input_gets_vllm_shaped_errors_and_the_server_keeps_serving() -> Non
 
 SALT_MESSAGE = (
     "Parameter 'cache_salt' must be at most 128 characters and must not contain "
-    "'@', '/', '\\\\', or NUL."
+    "'@', '/', '\\\\', or NUL. (parameter=cache_salt)"
+)
+
+
+EMPTY_SALT_MESSAGE = (
+    "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"
 )
 
 
 @pytest.mark.parametrize(
     ("salt", "message"),
     [
-        ("", "Parameter 'cache_salt' must be a non-empty string if provided."),
-        (5, "Parameter 'cache_salt' must be a non-empty string if provided."),
+        ("", EMPTY_SALT_MESSAGE),
+        (5, EMPTY_SALT_MESSAGE),
         ("a" * 129, SALT_MESSAGE),
         ("a@b", SALT_MESSAGE),
         ("a/b", SALT_MESSAGE),
@@ -262,7 +273,12 @@ def test_cache_salt_validation_matches_vllm(salt: object, message: str) -> None:
                 "/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": salt}
             )
             assert resp.status_code == 400
-            assert resp.json()["error"]["message"] == message
+            assert resp.json()["error"] == {
+                "message": message,
+                "type": "BadRequestError",
+                "param": "cache_salt",
+                "code": 400,
+            }
 
     run(main)
 
@@ -338,22 +354,29 @@ def test_queue_waits_at_the_concurrency_limit() -> None:
 def test_a_chat_streams_role_chunk_comes_with_its_first_token() -> None:
     """As in vLLM: nothing is streamed before the prefill produced the first token (a
     router may read the first chunk as "prefilled"); a stream without tokens still
-    names the role."""
+    names the role; closing the stream (the client left) ends the engine's request."""
 
     async def main() -> None:
         pulled: list[str] = []
+        ended: list[int] = []
 
-        async def tokens(n: int) -> AsyncIterator[str]:
-            for i in range(n):
-                pulled.append(f" t{i}")
-                yield f" t{i}"
+        async def tokens(n: int) -> AsyncGenerator[str, None]:
+            try:
+                for i in range(n):
+                    pulled.append(f" t{i}")
+                    yield f" t{i}"
+            finally:
+                ended.append(n)
 
-        shape = _Shape(chat=True, model=MODEL)
-        stream = shape.sse(tokens(2), Generation(prompt_tokens=3), include_usage=False)
+        shape = CompletionShape(chat=True, model=MODEL)
+        stream = shape.sse(tokens(2), Generation(prompt_tokens=3), 2, include_usage=False)
         first = await anext(stream)
         assert b'"role":"assistant"' in first and pulled == [" t0"]
         assert b" t0" in await anext(stream)
-        empty = [c async for c in shape.sse(tokens(0), Generation(3), include_usage=False)]
+        await stream.aclose()
+        assert ended == [2] and pulled == [" t0"]  # closed, not drained
+        empty = [c async for c in shape.sse(tokens(0), Generation(3), 2, include_usage=False)]
         assert b'"role":"assistant"' in empty[0]
+        assert b'"finish_reason":"length"' in empty[1]  # cut short: still says how it ended
 
     run(main)

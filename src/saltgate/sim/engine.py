@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from saltgate.kvevents.wire import KVEvent
 from saltgate.sim.blockpool import BlockPool, NotEnoughBlocks, RequestTooLarge
+from saltgate.sim.metrics import RequestTimes, SimMetrics
 from saltgate.sim.tokenizer import filler_pieces
 
 
@@ -40,6 +41,9 @@ class Generation:
 
     prompt_tokens: int
     cached_tokens: int = 0
+    created_cache_tokens: int = 0
+    """Prompt tokens this request's prefill wrote to the prefix cache (full blocks not hit),
+    as vLLM counts them when the first output is ready."""
     completion_tokens: int = 0
     finish_reason: str = "length"
     pieces: list[str] = field(default_factory=list)
@@ -50,7 +54,7 @@ class Generation:
 
 
 class ContextTooLong(ValueError):
-    """The prompt plus the requested output does not fit the model or the KV cache."""
+    """The prompt plus the requested output does not fit the KV cache."""
 
 
 async def sleep_until(deadline: float) -> None:
@@ -82,19 +86,20 @@ class ReplicaEngine:
         self._ids = itertools.count()
         self.num_running = 0
         self.num_waiting = 0
-        self.requests_finished = 0
+        self.metrics = SimMetrics()
+
+    @property
+    def requests_finished(self) -> int:
+        """Requests that ended, however they ended (vllm:request_success_total)."""
+        return sum(self.metrics.success.values())
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        """Refuse what vLLM would refuse: over the model length, or more blocks than exist."""
-        total = prompt_len + max_tokens
-        if total > self.max_model_len:
-            raise ContextTooLong(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {total} tokens ({prompt_len} in the prompt, "
-                f"{max_tokens} for the completion). Please reduce the length of the "
-                "prompt or completion."
-            )
-        needed = -(-total // self.pool.block_size)
+        """Refuse a request needing more blocks than the pool has: waiting would not help.
+
+        vLLM's context-length checks come first (saltgate.sim.protocol); this one is the
+        simulator's own, for a pool smaller than one request.
+        """
+        needed = -(-(prompt_len + max_tokens) // self.pool.block_size)
         if needed > self.pool.capacity:
             raise ContextTooLong(
                 f"The request needs {needed} KV-cache blocks but the replica has only "
@@ -108,18 +113,25 @@ class ReplicaEngine:
 
     async def generate(
         self, prompt: list[int], max_tokens: int, cache_salt: str | None, gen: Generation
-    ) -> AsyncIterator[str]:
-        """Run one request; yields each output token's text (the first is the first token)."""
+    ) -> AsyncGenerator[str, None]:
+        """Run one request; yields each output token's text (the first is the first token).
+
+        ``max_tokens=0`` is a pooling request: a prefill and no output, finished "stop".
+        """
         request_id = f"sim-{next(self._ids)}"
+        arrived = admitted = time.monotonic()
+        first_token: float | None = None
         self.num_waiting += 1
-        admitted = False
-        started = False
+        admitted_ok = started = completed = False
         try:
             await self._admission.acquire()
-            admitted = True
+            admitted_ok = True
+            admitted = time.monotonic()
             self.num_waiting -= 1
             self.num_running += 1
             gen.cached_tokens = await self._allocate(request_id, prompt, cache_salt)
+            full = len(prompt) // self.pool.block_size * self.pool.block_size
+            gen.created_cache_tokens = max(0, full - gen.cached_tokens)
             started = True
             async with self._prefill:
                 deadline = time.monotonic() + self.time_model.prefill_seconds(
@@ -128,35 +140,56 @@ class ReplicaEngine:
                 await sleep_until(deadline)
             self.pool.prompt_computed(request_id)
             self._flush_events()
+            first_token = time.monotonic()
             if max_tokens == 0:
-                return
-            tokens, pieces = filler_pieces(max_tokens, seed=len(prompt))
-            step = self.time_model.decode_seconds
-            t0 = time.monotonic()
-            caching_output = True
-            for i, piece in enumerate(pieces):
-                if i:
-                    await sleep_until(t0 + i * step)
-                    # The previous token's KV is computed now (the last one's never is).
-                    caching_output = caching_output and self._cache_output(
-                        request_id, tokens[i - 1]
-                    )
-                gen.completion_tokens = i + 1
-                gen.pieces.append(piece)
+                gen.finish_reason = "stop"
+            async for piece in self._decode(request_id, len(prompt), max_tokens, gen, first_token):
                 yield piece
-            self._flush_events()
+            completed = True
         finally:
             if started:
                 self.pool.finish(request_id)
                 self._flush_events()
                 async with self._blocks_freed:
                     self._blocks_freed.notify_all()
-            if admitted:
+            if admitted_ok:
                 self.num_running -= 1
                 self._admission.release()
-                self.requests_finished += 1
             else:
                 self.num_waiting -= 1
+            self.metrics.finished(
+                RequestTimes(
+                    arrived=arrived,
+                    admitted=admitted,
+                    first_token=first_token,
+                    finished=time.monotonic(),
+                    prompt_tokens=len(prompt) if started else 0,
+                    cached_tokens=gen.cached_tokens,
+                    completion_tokens=gen.completion_tokens,
+                    finished_reason=gen.finish_reason if completed else "abort",
+                )
+            )
+
+    async def _decode(
+        self, request_id: str, prompt_len: int, max_tokens: int, gen: Generation, t0: float
+    ) -> AsyncGenerator[str, None]:
+        """The output tokens, one per decode step from ``t0`` (the first token's time)."""
+        tokens, pieces = filler_pieces(max_tokens, seed=prompt_len)
+        step = self.time_model.decode_seconds
+        previous = t0
+        caching_output = True
+        for i, piece in enumerate(pieces):
+            if i:
+                await sleep_until(t0 + i * step)
+                # The previous token's KV is computed now (the last one's never is).
+                caching_output = caching_output and self._cache_output(request_id, tokens[i - 1])
+            now = time.monotonic()
+            self.metrics.token(now - previous if i else None)
+            previous = now
+            gen.completion_tokens = i + 1
+            gen.pieces.append(piece)
+            yield piece
+        self._flush_events()
 
     def _cache_output(self, request_id: str, token: int) -> bool:
         """Add a decoded token to the request's blocks; False once the pool is full.

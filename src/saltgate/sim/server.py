@@ -1,9 +1,14 @@
-"""`saltgate sim`: the replica simulator's OpenAI-compatible HTTP API, shaped like vLLM's.
+"""`saltgate sim`: the replica simulator's HTTP API, shaped like vLLM's.
 
-Routes, status codes, error bodies, SSE framing, usage (with
-`prompt_tokens_details.cached_tokens`), cache_salt validation and metric names follow what
-vLLM's OpenAI server does, so the gateway, the router and the audit meet here what they
-meet in production. Deliberately left out: sampling, logprobs, n > 1, tools, embeddings.
+Thin: routing, the API key, and running requests through the engine. What a request may
+say and how vLLM refuses it is saltgate.sim.protocol; the answers' shapes are
+saltgate.sim.shapes; vLLM's error bodies are saltgate.sim.errors; the metrics are
+saltgate.sim.metrics. docs/conformance.md records what real vLLM 0.32 answers on each route
+and tests/conformance proves the simulator answers the same.
+
+One simulated replica serves the generation routes and the pooling routes (embeddings,
+pooling, classify, score, rerank) at once, where a vLLM replica serves one set or the
+other depending on its model; it has no audio transcription.
 """
 
 from __future__ import annotations
@@ -11,21 +16,31 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from saltgate.http import HttpServer, Request, Response
+from saltgate.sim import protocol as p
+from saltgate.sim import shapes
 from saltgate.sim.blockpool import BlockPool
 from saltgate.sim.engine import ContextTooLong, Generation, ReplicaEngine, TimeModel
-from saltgate.sim.tokenizer import VOCAB_SIZE, apply_chat_template, tokenize
+from saltgate.sim.errors import (
+    SimError,
+    anthropic_error_body,
+    openai_error_body,
+    route_not_found,
+)
+from saltgate.sim.metrics import render
+from saltgate.sim.tokenizer import decode, pieces
 
 JSON = [(b"content-type", b"application/json")]
-SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-DEFAULT_MAX_TOKENS = 16
-SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
+SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+GUARDED_PREFIXES = (b"/v1", b"/v2", b"/inference", b"/cohere")
+"""The paths vLLM's --api-key guards; /tokenize, /pooling, /score, /rerank... stay open."""
+ANTHROPIC_ROUTES = (b"/v1/messages", b"/v1/messages/count_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,69 +62,12 @@ class SimConfig:
     max_body_bytes: int = 32 * 1024 * 1024
 
 
-class SimError(Exception):
-    """An error answered in vLLM's error shape."""
-
-    def __init__(self, status: int, message: str, err_type: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
+def error_response(status: int, message: str) -> Response:
+    """The HTTP layer's own refusals (body too large, bad framing) in vLLM's error shape."""
+    return Response(status, list(JSON), openai_error_body(SimError(status, message)))
 
 
-def error_response(status: int, message: str, err_type: str = "BadRequestError") -> Response:
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    return Response(status, list(JSON), orjson.dumps(body))
-
-
-def validate_cache_salt(body: dict[str, Any]) -> str | None:
-    """vLLM's checks, with vLLM's messages: non-empty string, <= 128 chars, no @ / \\ NUL."""
-    salt = body.get("cache_salt")
-    if salt is None:
-        return None
-    if not isinstance(salt, str) or not salt:
-        raise SimError(400, "Parameter 'cache_salt' must be a non-empty string if provided.")
-    if len(salt) > 128 or any(c in salt for c in SALT_FORBIDDEN):
-        raise SimError(
-            400,
-            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
-            "'@', '/', '\\\\', or NUL.",
-        )
-    return salt
-
-
-def _int_field(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SimError(400, f"'{name}' must be a non-negative integer.")
-    return value
-
-
-def prompt_tokens(route: bytes, body: dict[str, Any]) -> list[int]:
-    """The request's prompt as token ids: text, token ids, or chat messages."""
-    if route == b"/v1/chat/completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise SimError(400, "'messages' must be a non-empty list of message objects.")
-        try:
-            return apply_chat_template(messages)
-        except ValueError as exc:
-            raise SimError(400, str(exc)) from None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise SimError(400, "Either prompt or prompt_embeds must be provided and non-empty.")
-        return tokenize(prompt)
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        bad = next((t for t in prompt if not 0 <= t < VOCAB_SIZE), None)
-        if bad is not None:
-            raise SimError(400, f"Token id {bad} is out of vocabulary")
-        return list(prompt)
-    raise SimError(400, "'prompt' must be a non-empty string or a non-empty list of token ids.")
+Route = Callable[[Request], Awaitable[Response]]
 
 
 class SimServer:
@@ -117,6 +75,7 @@ class SimServer:
 
     def __init__(self, config: SimConfig, publish: Any = None) -> None:
         self.config = config
+        self.limits = p.Limits(config.model, config.max_model_len)
         self.engine = ReplicaEngine(
             pool=BlockPool(config.num_blocks, config.block_size, config.hash_algo),
             time_model=TimeModel(config.prefill_ms_per_1k_tokens, config.decode_ms_per_token),
@@ -144,6 +103,29 @@ class SimServer:
                 ],
             }
         )
+        self._post: dict[bytes, Route] = {
+            b"/v1/completions": self._generate,
+            b"/v1/chat/completions": self._generate,
+            b"/v1/responses": self._generate,
+            b"/v1/messages": self._generate,
+            b"/v1/messages/count_tokens": self._count_tokens,
+            b"/v1/embeddings": self._embeddings,
+            b"/pooling": self._embeddings,
+            b"/classify": self._classify,
+            b"/score": self._score,
+            b"/v1/score": self._score,
+            b"/rerank": self._score,
+            b"/v1/rerank": self._score,
+            b"/v2/rerank": self._score,
+            b"/tokenize": self._tokenize,
+            b"/detokenize": self._detokenize,
+            b"/reset_prefix_cache": self._reset_prefix_cache,
+        }
+        self._get: dict[bytes, Route] = {
+            b"/health": self._health,
+            b"/v1/models": self._models,
+            b"/metrics": self._metrics,
+        }
 
     async def start(self) -> int:
         return await self.http.start(self.config.host, self.config.port)
@@ -155,214 +137,176 @@ class SimServer:
     async def handle(self, request: Request) -> Response:
         path = request.path
         headers = [(b"server", b"saltgate-sim"), (b"x-request-id", uuid.uuid4().hex.encode())]
-        if path.startswith(b"/v1") and not self._authorized(request):
+        if path.startswith(GUARDED_PREFIXES) and not self._authorized(request):
             return Response(401, JSON + headers, b'{"error":"Unauthorized"}')
         try:
             response = await self._route(request)
         except SimError as exc:
-            response = error_response(exc.status, exc.message, exc.err_type)
+            shape = anthropic_error_body if path in ANTHROPIC_ROUTES else openai_error_body
+            response = Response(exc.status, list(JSON), shape(exc))
         response.headers.extend(headers)
         return response
 
     def _authorized(self, request: Request) -> bool:
+        """vLLM's check: `Authorization: Bearer KEY`, the scheme in any case."""
         if self._api_key is None:
             return True
-        presented = request.header(b"authorization") or b""
-        return hmac.compare_digest(presented, b"Bearer " + self._api_key)
+        scheme, _, presented = (request.header(b"authorization") or b"").partition(b" ")
+        ok = hmac.compare_digest(presented, self._api_key)
+        return ok and scheme.lower() == b"bearer"
 
     async def _route(self, request: Request) -> Response:
-        method, path = request.method, request.path
-        if method == b"GET":
-            if path == b"/health":
-                return Response(200)
-            if path == b"/v1/models":
-                return Response(200, list(JSON), self._models_body)
-            if path == b"/metrics":
-                return Response(
-                    200, [(b"content-type", b"text/plain; version=0.0.4")], self.metrics()
-                )
-        elif method == b"POST":
-            if path in (b"/v1/completions", b"/v1/chat/completions"):
-                return await self._generate(path, request.body)
-            if path == b"/reset_prefix_cache":
-                ok = self.engine.reset_prefix_cache()
-                return Response(200 if ok else 409)
-        raise SimError(404, "Not Found", "NotFoundError")
+        table = self._post if request.method == b"POST" else self._get
+        route = table.get(request.path) if request.method in (b"POST", b"GET") else None
+        if route is None:
+            known = request.path in self._post or request.path in self._get
+            raise route_not_found(405 if known else 404)
+        return await route(request)
+
+    def _body(self, request: Request) -> dict[str, Any]:
+        return p.read_json(request.body, request.header(b"content-type"))
 
     # -- generation ------------------------------------------------------------------------
-    async def _generate(self, route: bytes, raw: bytes) -> Response:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise SimError(400, f"The request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise SimError(400, "The request body must be a JSON object.")
-        model = body.get("model")
-        if model != self.config.model:
-            raise SimError(404, f"The model `{model}` does not exist.", "NotFoundError")
-        salt = validate_cache_salt(body)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool | None):
-            raise SimError(400, "'stream' must be a boolean.")
-        options = body.get("stream_options")
-        if options is not None and not stream:
-            raise SimError(400, "Stream options can only be defined when `stream=True`.")
-        if options is not None and not isinstance(options, dict):
-            raise SimError(400, "'stream_options' must be an object.")
-        max_tokens = _int_field(body, "max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = _int_field(body, "max_tokens")
-        if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS
-        prompt = prompt_tokens(route, body)
-        try:
-            self.engine.check_fits(len(prompt), max_tokens)
-        except ContextTooLong as exc:
-            raise SimError(400, str(exc)) from None
-        shape = _Shape(route == b"/v1/chat/completions", str(model))
-        gen = Generation(prompt_tokens=len(prompt))
-        tokens = self.engine.generate(prompt, max_tokens, salt, gen)
-        if stream:
-            include_usage = bool(options and options.get("include_usage"))
-            return Response(200, list(SSE), stream=shape.sse(tokens, gen, include_usage))
+    async def _generate(self, request: Request) -> Response:
+        route, body, model = request.path, self._body(request), self.config.model
+        if route == b"/v1/messages":
+            req = p.parse_messages(body, self.limits)
+        else:
+            p.validate_cache_salt(body)
+            parse = {
+                b"/v1/completions": p.parse_completion,
+                b"/v1/chat/completions": p.parse_chat,
+                b"/v1/responses": p.parse_responses,
+            }[route]
+            req = parse(body, self.limits)
+        self._check_fits(len(req.prompt), req.max_tokens)
+        gen = Generation(prompt_tokens=len(req.prompt))
+        tokens = self.engine.generate(req.prompt, req.max_tokens, req.cache_salt, gen)
+        if route == b"/v1/responses":
+            echo = req.requested_max_tokens or req.max_tokens
+            shape: Any = shapes.ResponsesShape(
+                model, instructions=req.instructions, max_output_tokens=echo, body=body
+            )
+            stream = shape.sse(tokens, gen) if req.stream else None
+        elif route == b"/v1/messages":
+            shape = shapes.MessagesShape(model)
+            stream = shape.sse(tokens, gen) if req.stream else None
+        else:
+            shape = shapes.CompletionShape(route == b"/v1/chat/completions", model)
+            stream = (
+                shape.sse(tokens, gen, req.max_tokens, req.include_usage) if req.stream else None
+            )
+        if stream is not None:
+            return Response(200, list(SSE), stream=stream)
         async for _ in tokens:
             pass
         return Response(200, list(JSON), shape.whole(gen))
 
-    # -- metrics ---------------------------------------------------------------------------
+    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        try:
+            self.engine.check_fits(prompt_len, max_tokens)
+        except ContextTooLong as exc:
+            raise SimError(400, str(exc)) from None
+
+    async def _count_tokens(self, request: Request) -> Response:
+        n = p.parse_count_tokens(self._body(request), self.limits)
+        body = {"input_tokens": n, "context_management": {"original_input_tokens": n}}
+        return Response(200, list(JSON), orjson.dumps(body))
+
+    # -- pooling ---------------------------------------------------------------------------
+    async def _prefill(self, prompts: list[list[int]], salt: str | None) -> int:
+        """Run each prompt through the engine as vLLM runs a pooling request: a prefill
+        through the prefix cache (salted like any other), no output. Returns the tokens."""
+        for prompt in prompts:
+            self._check_fits(len(prompt), 0)
+        for prompt in prompts:
+            async for _ in self.engine.generate(prompt, 0, salt, Generation(len(prompt))):
+                pass
+        return sum(len(prompt) for prompt in prompts)
+
+    async def _embeddings(self, request: Request) -> Response:
+        body = self._body(request)
+        p.validate_cache_salt(body)
+        req = p.parse_pooling(body, self.limits)
+        await self._prefill(req.inputs, req.cache_salt)
+        pooling = request.path == b"/pooling"
+        out = shapes.embeddings_body(
+            self.config.model, req.inputs, pooling=pooling, as_base64=req.base64
+        )
+        return Response(200, list(JSON), out)
+
+    async def _classify(self, request: Request) -> Response:
+        body = self._body(request)
+        p.validate_cache_salt(body)
+        req = p.parse_pooling(body, self.limits)
+        await self._prefill(req.inputs, req.cache_salt)
+        return Response(200, list(JSON), shapes.classify_body(self.config.model, req.inputs))
+
+    async def _score(self, request: Request) -> Response:
+        body = self._body(request)
+        p.validate_cache_salt(body)
+        rerank = request.path.endswith(b"/rerank")
+        req = p.parse_score(body, self.limits, rerank=rerank)
+        documents = [ids for _, ids in req.documents]
+        used = await self._prefill(req.queries + documents, req.cache_salt)
+        scores = shapes.cosine_scores(req.queries, documents)
+        model = self.config.model
+        if rerank:
+            texts = [text for text, _ in req.documents]
+            out = shapes.rerank_body(model, texts, scores, req.top_n, used)
+        else:
+            out = shapes.score_body(model, scores, used)
+        return Response(200, list(JSON), out)
+
+    # -- tokenizer, admin ------------------------------------------------------------------
+    async def _tokenize(self, request: Request) -> Response:
+        body = self._body(request)
+        req = p.parse_tokenize(body, self.limits)
+        strs = None
+        if req.return_token_strs:
+            prompt = body.get("prompt")
+            strs = pieces(prompt) if isinstance(prompt, str) else [decode([t]) for t in req.tokens]
+        out = {
+            "count": len(req.tokens),
+            "max_model_len": self.config.max_model_len,
+            "tokens": req.tokens,
+            "token_strs": strs,
+        }
+        return Response(200, list(JSON), orjson.dumps(out))
+
+    async def _detokenize(self, request: Request) -> Response:
+        tokens = p.parse_detokenize(self._body(request), self.limits)
+        return Response(200, list(JSON), orjson.dumps({"prompt": decode(tokens)}))
+
+    async def _reset_prefix_cache(self, request: Request) -> Response:
+        return Response(200 if self.engine.reset_prefix_cache() else 409)
+
+    async def _health(self, request: Request) -> Response:
+        return Response(200)
+
+    async def _models(self, request: Request) -> Response:
+        return Response(200, list(JSON), self._models_body)
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(200, [(b"content-type", b"text/plain; version=0.0.4")], self.metrics())
+
     def metrics(self) -> bytes:
         cfg, engine, pool = self.config, self.engine, self.engine.pool
-        labels = f'engine="0",model_name="{cfg.model}"'
-        info = (
-            f'block_size="{cfg.block_size}",enable_prefix_caching="True",'
-            f'num_gpu_blocks="{cfg.num_blocks}",prefix_caching_hash_algo="{cfg.hash_algo}"'
+        info = {
+            "block_size": str(cfg.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "True",
+            "kv_cache_size_tokens": str(cfg.num_blocks * cfg.block_size),
+            "num_gpu_blocks": str(cfg.num_blocks),
+            "prefix_caching_hash_algo": cfg.hash_algo,
+        }
+        return render(
+            engine.metrics,
+            model=cfg.model,
+            running=engine.num_running,
+            waiting=engine.num_waiting,
+            kv_usage=pool.usage,
+            queries_tokens=pool.queries_tokens,
+            hits_tokens=pool.hits_tokens,
+            cache_info=info,
         )
-        lines = [
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{labels}}} {float(engine.num_running)}",
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{labels}}} {float(engine.num_waiting)}",
-            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
-            "# TYPE vllm:kv_cache_usage_perc gauge",
-            f"vllm:kv_cache_usage_perc{{{labels}}} {pool.usage}",
-            "# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of tokens.",
-            "# TYPE vllm:prefix_cache_queries counter",
-            f"vllm:prefix_cache_queries_total{{{labels}}} {float(pool.queries_tokens)}",
-            "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of tokens.",
-            "# TYPE vllm:prefix_cache_hits counter",
-            f"vllm:prefix_cache_hits_total{{{labels}}} {float(pool.hits_tokens)}",
-            "# HELP vllm:request_success Count of successfully processed requests.",
-            "# TYPE vllm:request_success counter",
-            f"vllm:request_success_total{{{labels}}} {float(engine.requests_finished)}",
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
-            "# TYPE vllm:cache_config_info gauge",
-            f"vllm:cache_config_info{{{info}}} 1.0",
-        ]
-        return ("\n".join(lines) + "\n").encode()
-
-
-class _Shape:
-    """Builds vLLM-shaped completion / chat-completion bodies and SSE chunks."""
-
-    __slots__ = ("chat", "created", "id", "model", "object")
-
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat = chat
-        self.model = model
-        self.created = int(time.time())
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.object = "chat.completion" if chat else "text_completion"
-
-    def usage(self, gen: Generation) -> dict[str, Any]:
-        return {
-            "prompt_tokens": gen.prompt_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "completion_tokens": gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
-        }
-
-    def whole(self, gen: Generation) -> bytes:
-        text = gen.text
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": gen.finish_reason,
-                "stop_reason": None,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": gen.finish_reason,
-                "stop_reason": None,
-            }
-        return orjson.dumps(
-            {
-                "id": self.id,
-                "object": self.object,
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-                "usage": self.usage(gen),
-            }
-        )
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> bytes:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return b"data: " + orjson.dumps(body) + b"\n\n"
-
-    def _delta(self, text: str, finish: str | None) -> dict[str, Any]:
-        if self.chat:
-            return {
-                "index": 0,
-                "delta": {"content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        return {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish,
-            "stop_reason": None,
-        }
-
-    def _role_chunk(self) -> bytes:
-        role = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return self._chunk([role], None)
-
-    async def sse(
-        self, tokens: AsyncIterator[str], gen: Generation, include_usage: bool
-    ) -> AsyncGenerator[bytes, None]:
-        # vLLM sends a chat stream's role chunk with its first output, after the prefill:
-        # a router that reads the first chunk as "prefilled" sees the same here.
-        role_pending = self.chat
-        async for piece in tokens:
-            if role_pending:
-                role_pending = False
-                yield self._role_chunk()
-            yield self._chunk([self._delta(piece, None)], None)
-        if role_pending:
-            yield self._role_chunk()
-        yield self._chunk([self._delta("", gen.finish_reason)], None)
-        if include_usage:
-            yield self._chunk([], self.usage(gen))
-        yield b"data: [DONE]\n\n"

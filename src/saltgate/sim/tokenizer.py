@@ -45,6 +45,12 @@ i % 12 == 11; otherwise the word ``FILLER_WORDS[zlib.crc32(f"{seed}:{i}".encode(
 len(FILLER_WORDS)]``, capitalised when i == 0 or piece i-1 is ".", and prefixed by one
 space unless i == 0. Every word has 1-6 ASCII letters, so each piece is exactly one token
 and ``tokenize(text) == ids`` holds.
+
+Decoding (:func:`decode`, what /detokenize answers): the tokenizer is not invertible, so
+only ids with one known piece decode to text: each filler piece (any word of
+``FILLER_WORDS``, plain or capitalised, with or without its leading space, and ".") gives
+that piece, so generated text round-trips. Reserved ids decode to nothing (special tokens
+are skipped), as do ids outside the vocabulary; any other id gives U+FFFD.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ __all__ = [
     "USER",
     "VOCAB_SIZE",
     "apply_chat_template",
+    "decode",
     "filler",
     "filler_pieces",
     "pieces",
@@ -250,3 +257,19 @@ def filler(n: int, seed: int) -> tuple[list[int], str]:
     """``n`` filler tokens and their text; ``tokenize(text) == ids``."""
     ids, texts = filler_pieces(n, seed)
     return ids, "".join(texts)
+
+
+@lru_cache(maxsize=1)
+def _filler_table() -> dict[int, str]:
+    table: dict[int, str] = {_piece_id("."): "."}
+    for word in FILLER_WORDS:
+        for form in (word, word.capitalize()):
+            table[_piece_id(form)] = form
+            table[_piece_id(" " + form)] = " " + form
+    return table
+
+
+def decode(ids: Sequence[int]) -> str:
+    """The text of ``ids`` as the module docstring specifies (exact for filler output)."""
+    table = _filler_table()
+    return "".join(table.get(i, "\ufffd") for i in ids if RESERVED <= i < VOCAB_SIZE)
