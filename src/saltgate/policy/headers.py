@@ -49,6 +49,7 @@ FORWARDED_REQUEST_HEADERS: Final[frozenset[bytes]] = frozenset(
 TRACE_PARENT: Final = b"traceparent"
 TRACE_STATE: Final = b"tracestate"
 _TRACE_FIELDS: Final = frozenset({TRACE_PARENT, TRACE_STATE})
+_CREDENTIAL_FIELDS: Final = frozenset({b"authorization", b"x-api-key"})
 # version-trace_id-parent_id-flags in lower-case hex, as version 00 defines it (later
 # versions may append fields: not passed until understood); all-zero ids are invalid.
 _TRACE_PARENT: Final = re.compile(rb"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
@@ -95,12 +96,14 @@ def credential(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     """
     bearer = api_key = None
     for name, value in headers:
+        if name not in _CREDENTIAL_FIELDS:
+            continue
         if name == b"authorization":
             if bearer is not None:
                 raise _conflict("more than one Authorization header")
             scheme, _, token = value.partition(b" ")
             bearer = token.strip() if scheme.lower() == b"bearer" else b""
-        elif name == b"x-api-key":
+        else:
             if api_key is not None:
                 raise _conflict("more than one x-api-key header")
             api_key = value.strip()
