@@ -30,6 +30,7 @@ from saltgate.store.settings import StoreSettings
 
 SECRET_FILE_MAX_BYTES = 4096
 CLIENT_GONE_MODES = ("finish", "abort")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(ValueError):
@@ -140,6 +141,9 @@ class GatewayConfig:
     store: StoreSettings | None = None  # [store]; None: SQLite in state_dir (store_settings)
     # PostgreSQL out of reach: authenticate from the keys known for this long, then 503.
     store_outage_grace_s: float = 60.0
+    # The access log: one line per request ("stderr", "off" or a file), text or JSON.
+    access_log: str = "stderr"
+    log_format: str = "text"
 
     @property
     def db_path(self) -> Path:
@@ -254,31 +258,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         return _relative_to(base, _expect(gw, key, str, "gateway") if key in gw else default)
 
     state_dir = path("state_dir", ".state")
-    kwargs: dict[str, Any] = {}
-    for key, kind in (
-        ("host", str),
-        ("port", int),
-        ("admin_host", str),
-        ("admin_port", int),
-        ("max_body_bytes", int),
-        ("upstream_timeout_s", (int, float)),
-        ("store_outage_grace_s", (int, float)),
-    ):
-        if key in gw:
-            kwargs[key] = _expect(gw, key, kind, "gateway")
-    if "on_client_gone" in gw:
-        mode = _expect(gw, "on_client_gone", str, "gateway")
-        if mode not in CLIENT_GONE_MODES:
-            raise ConfigError(
-                f"gateway.on_client_gone: expected one of {', '.join(CLIENT_GONE_MODES)}, "
-                f"got {mode!r}"
-            )
-        kwargs["on_client_gone"] = mode
-    if kwargs.get("store_outage_grace_s", 1) <= 0:
-        raise ConfigError("gateway.store_outage_grace_s: must be positive")
-    unknown = set(gw) - {*kwargs, "state_dir", "master_key_file"}
-    if unknown:
-        raise ConfigError(f"gateway: unknown keys {sorted(unknown)}")
+    kwargs = _gateway_options(gw, base)
     testing = doc.get("testing", {})
     salting = True
     if isinstance(testing, dict) and "disable_salting" in testing:
@@ -295,6 +275,41 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         **_ehbp(doc.get("ehbp", {}), base),
         **kwargs,
     )
+
+
+def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """The [gateway] settings other than the state and master-key paths."""
+    kwargs: dict[str, Any] = {}
+    for key, kind in (
+        ("host", str),
+        ("port", int),
+        ("admin_host", str),
+        ("admin_port", int),
+        ("max_body_bytes", int),
+        ("upstream_timeout_s", (int, float)),
+        ("store_outage_grace_s", (int, float)),
+    ):
+        if key in gw:
+            kwargs[key] = _expect(gw, key, kind, "gateway")
+    if kwargs.get("store_outage_grace_s", 1) <= 0:
+        raise ConfigError("gateway.store_outage_grace_s: must be positive")
+    for key, choices in (("on_client_gone", CLIENT_GONE_MODES), ("log_format", LOG_FORMATS)):
+        if key in gw:
+            value = _expect(gw, key, str, "gateway")
+            if value not in choices:
+                raise ConfigError(
+                    f"gateway.{key}: expected one of {', '.join(choices)}, got {value!r}"
+                )
+            kwargs[key] = value
+    if "access_log" in gw:
+        target = _expect(gw, "access_log", str, "gateway")
+        kwargs["access_log"] = (
+            target if target in ("stderr", "off") else str(_relative_to(base, target))
+        )
+    unknown = set(gw) - {*kwargs, "state_dir", "master_key_file"}
+    if unknown:
+        raise ConfigError(f"gateway: unknown keys {sorted(unknown)}")
+    return kwargs
 
 
 def _ehbp(table: Any, base: Path) -> dict[str, Any]:

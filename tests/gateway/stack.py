@@ -116,6 +116,8 @@ async def stack(
     max_body_bytes: int = 1024 * 1024,
     router: RouterConfig | None = None,
     require_encrypted_secret: bool = False,
+    access_log: str = "off",
+    log_format: str = "text",
 ) -> AsyncIterator[Stack]:
     sims = [await start_sim(sim or SimConfig(port=0)) for _ in range(replicas)]
     taps = [Tap(s) for s in sims]
@@ -134,6 +136,8 @@ async def stack(
         salting=salting,
         router=router or RouterConfig(),
         require_encrypted_secret=require_encrypted_secret,
+        access_log=access_log,
+        log_format=log_format,
     )
     gateway = await start_gateway(config)
     try:

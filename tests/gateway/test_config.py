@@ -38,6 +38,13 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert config.replicas[0].api_key == "backend-secret"
     assert config.prices["sim-model"].cached_input_per_mtok == 0.1
     assert config.salting
+    assert (config.access_log, config.log_format, config.on_client_gone) == (
+        "stderr",
+        "text",
+        "finish",
+    )
+    path.write_text(GOOD.replace("[gateway]", '[gateway]\naccess_log = "logs/access.log"'))
+    assert load_config(path).access_log == str(tmp_path / "logs" / "access.log")
 
 
 @pytest.mark.parametrize(
@@ -53,6 +60,8 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         ('[gateway]\nprot = 80\n[[replicas]]\nurl = "http://h:1"\n', "unknown keys"),
         ('[[replicas]]\nurl = "http://h:1"\n[prices.m]\ninput = 1\n', "cached_input"),
         ('[[replicas]]\nurl = "http://h:1"\n[extra]\n', "unknown sections"),
+        ('[gateway]\nlog_format = "xml"\n[[replicas]]\nurl = "http://h:1"\n', "log_format"),
+        ('[gateway]\non_client_gone = "x"\n[[replicas]]\nurl = "http://h:1"\n', "finish, abort"),
     ],
 )
 def test_bad_configs_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:

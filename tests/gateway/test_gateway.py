@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -220,15 +221,18 @@ def test_chat_streams_pass_through_and_responses_hide_the_replica(tmp_path: Path
             }
             async with alice.stream("POST", "/v1/chat/completions", json=body) as resp:
                 assert resp.headers["content-type"].startswith("text/event-stream")
-                for name in ("server", "x-request-id"):
-                    assert name not in resp.headers
+                assert "server" not in resp.headers
+                streamed_id = resp.headers["x-request-id"]  # the gateway's, not the replica's
                 chunks = [line async for line in resp.aiter_lines() if line.startswith("data: {")]
             text = "".join(
                 orjson.loads(c[6:])["choices"][0]["delta"].get("content", "") for c in chunks
             )
             assert text
             resp = await alice.post("/v1/chat/completions", json={**body, "stream": False})
-            assert "server" not in resp.headers and "x-request-id" not in resp.headers
+            assert "server" not in resp.headers
+            ids = [streamed_id, resp.headers["x-request-id"]]
+            assert all(re.fullmatch("[0-9a-f]{32}", i) for i in ids) and ids[0] != ids[1]
+            assert {r.header(b"x-request-id") for r in s.forwarded()} == {i.encode() for i in ids}
             models = (await alice.get("/v1/models")).json()
             assert [m["id"] for m in models["data"]] == [MODEL]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from saltgate.policy.errors import (
     ApiError,
@@ -13,7 +14,7 @@ from saltgate.policy.errors import (
     not_found,
     unauthorized,
 )
-from saltgate.policy.headers import forward_request_headers, scrub_response_headers
+from saltgate.policy.headers import credential, forward_request_headers, scrub_response_headers
 
 
 def test_forwarded_request_headers_are_an_allow_list() -> None:
@@ -37,8 +38,9 @@ def test_forwarded_request_headers_are_an_allow_list() -> None:
         (b"transfer-encoding", b"chunked"),
         (b"ehbp-encapsulated-key", b"00"),
     ]
-    assert forward_request_headers(incoming) == [
+    assert forward_request_headers(incoming, "gw-id") == [
         (b"content-type", b"application/json"),
+        (b"x-request-id", b"gw-id"),
         (b"accept", b"text/event-stream"),
         (b"user-agent", b"OpenAI/Python 1.50"),
         (b"openai-beta", b"assistants=v2"),
@@ -46,7 +48,77 @@ def test_forwarded_request_headers_are_an_allow_list() -> None:
         (b"anthropic-beta", b"a"),
         (b"anthropic-beta", b"b"),
     ]
-    assert forward_request_headers([]) == [(b"content-type", b"application/json")]
+    assert forward_request_headers([], "gw-id") == [
+        (b"content-type", b"application/json"),
+        (b"x-request-id", b"gw-id"),
+    ]
+
+
+PARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.parametrize(
+    ("fields", "passed"),
+    [
+        ([(b"traceparent", PARENT)], [(b"traceparent", PARENT)]),
+        (
+            [(b"tracestate", b"congo=t61rcWkgMzE"), (b"traceparent", PARENT)],
+            [(b"traceparent", PARENT), (b"tracestate", b"congo=t61rcWkgMzE")],
+        ),
+        ([(b"traceparent", PARENT + b"-more")], []),  # version 00 has exactly four fields
+        ([(b"tracestate", b"congo=t61rcWkgMzE")], []),  # state without a parent
+        ([(b"traceparent", b"00-abc-def-01")], []),
+        ([(b"traceparent", PARENT.upper())], []),
+        ([(b"traceparent", b"00-" + b"0" * 32 + b"-00f067aa0ba902b7-01")], []),
+        ([(b"traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-" + b"0" * 16 + b"-01")], []),
+        ([(b"traceparent", b"ff" + PARENT[2:])], []),
+        ([(b"traceparent", PARENT), (b"traceparent", PARENT)], []),
+        ([(b"traceparent", PARENT + b"\r\nx-tenant-id: victim")], []),
+        (
+            [(b"traceparent", PARENT), (b"tracestate", b"a=" + b"x" * 600)],
+            [(b"traceparent", PARENT)],
+        ),
+    ],
+)
+def test_only_a_well_formed_trace_context_passes(
+    fields: list[tuple[bytes, bytes]], passed: list[tuple[bytes, bytes]]
+) -> None:
+    assert forward_request_headers(fields, "id")[2:] == passed
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ([(b"authorization", b"Bearer sk-1")], b"sk-1"),
+        ([(b"authorization", b"bearer  sk-1 ")], b"sk-1"),
+        ([(b"x-api-key", b"sk-1")], b"sk-1"),
+        ([(b"x-api-key", b"sk-1"), (b"authorization", b"Bearer sk-1")], b"sk-1"),
+        ([(b"authorization", b"Basic c2stMQ==")], None),
+        ([(b"authorization", b"Bearer")], None),
+    ],
+)
+def test_a_key_comes_as_a_bearer_token_or_as_x_api_key(
+    fields: list[tuple[bytes, bytes]], key: bytes | None
+) -> None:
+    assert credential(fields) == key
+
+
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [
+        ([], 401),
+        ([(b"x-api-key", b"sk-1"), (b"authorization", b"Bearer sk-2")], 400),
+        ([(b"authorization", b"Bearer sk-1"), (b"authorization", b"Bearer sk-1")], 400),
+        ([(b"x-api-key", b"sk-1"), (b"x-api-key", b"sk-2")], 400),
+    ],
+)
+def test_a_missing_or_ambiguous_key_is_refused_without_echoing_it(
+    fields: list[tuple[bytes, bytes]], status: int
+) -> None:
+    with pytest.raises(ApiError) as info:
+        credential(fields)
+    assert info.value.status == status
+    assert b"sk-" not in info.value.body()
 
 
 def test_response_headers_reveal_nothing_of_the_replica() -> None:

@@ -264,9 +264,9 @@ def judge_kv_endpoint(endpoint: str, mechanism: str | None, error: str | None) -
     )
 
 
-_REVEALING_HEADERS = frozenset(
-    {"server", "x-request-id", "via", "x-served-by", "x-powered-by", "set-cookie"}
-)
+# Not x-request-id: a random id per request names no replica (saltgate answers its own, the
+# one it sends the replica, so logs on both sides can be joined).
+_REVEALING_HEADERS = frozenset({"server", "via", "x-served-by", "x-powered-by", "set-cookie"})
 _REVEALING_PREFIXES = ("x-vllm", "x-upstream", "x-backend", "x-replica", "x-envoy-upstream")
 
 

@@ -26,6 +26,7 @@ import asyncio
 import time
 from typing import Final
 
+from saltgate.gateway.access_log import AccessLog, Entry
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import Attempt, ReplicaSet
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
@@ -33,7 +34,7 @@ from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResp
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import scrub_response_headers
 from saltgate.routing import Plan
-from saltgate.store.ledger import UsageLedger, UsageRecord, new_request_id
+from saltgate.store.ledger import UsageLedger, UsageRecord
 from saltgate.store.tenants import Principal
 
 DONE: Final = b"data: [DONE]\n\n"
@@ -62,13 +63,14 @@ def replica_failed() -> ApiError:
 
 
 class Meter:
-    """Where exchanges report: the usage ledger, and the token and latency metrics."""
+    """Where exchanges report: the usage ledger, the token and latency metrics, the log."""
 
-    __slots__ = ("ledger", "metrics")
+    __slots__ = ("access_log", "ledger", "metrics")
 
-    def __init__(self, ledger: UsageLedger, metrics: Metrics) -> None:
+    def __init__(self, ledger: UsageLedger, metrics: Metrics, access_log: AccessLog) -> None:
         self.ledger = ledger
         self.metrics = metrics
+        self.access_log = access_log
         metrics.describe("saltgate_tokens_total", "counter", "Tokens metered, by kind.")
         metrics.describe(_FAILURES, "counter", "Failed upstream exchanges.")
 
@@ -80,24 +82,20 @@ class Exchange:
         "_attempt",
         "_client",
         "_ended",
+        "_entry",
         "_finished",
         "_held",
         "_meter",
-        "_model",
         "_principal",
         "_scanner",
-        "_started",
         "_upstream",
     )
 
-    def __init__(
-        self, meter: Meter, principal: Principal, model: str, client: Client, started: float
-    ) -> None:
+    def __init__(self, meter: Meter, principal: Principal, entry: Entry, client: Client) -> None:
         self._meter = meter
         self._principal = principal
-        self._model = model
+        self._entry = entry
         self._client = client
-        self._started = started
         self._attempt: Attempt | None = None
         self._upstream: UpstreamResponse | None = None
         self._scanner: SseUsageScanner | None = None
@@ -188,8 +186,10 @@ class Exchange:
                 if held:
                     return held
                 break
-            if self._attempt is not None:
-                self._attempt.first_output()
+            if not self._entry.first_byte:
+                self._entry.first_byte = time.monotonic()
+                if self._attempt is not None:
+                    self._attempt.first_output()
             out = scanner.feed(chunk)
             if out.endswith(DONE):
                 out, self._held = out[: -len(DONE)], DONE
@@ -235,12 +235,13 @@ class Exchange:
             status = CLIENT_CLOSED
         used = usage or _NO_USAGE
         p = self._principal
+        entry = self._entry
         record = UsageRecord(
-            request_id=new_request_id(),  # this exchange's one record, however often committed
+            request_id=entry.request_id,  # this exchange's one record, however often committed
             ts=time.time(),
             tenant_id=p.tenant_id,
             key_id=p.key_id,
-            model=self._model,
+            model=entry.model,
             prompt_tokens=used.prompt_tokens,
             cached_tokens=used.cached_tokens,
             completion_tokens=used.completion_tokens,
@@ -252,4 +253,5 @@ class Exchange:
         tokens[_PROMPT] += record.prompt_tokens
         tokens[_CACHED] += record.cached_tokens
         tokens[_COMPLETION] += record.completion_tokens
-        meter.metrics.observe_latency((), time.monotonic() - self._started)
+        meter.metrics.observe_latency((), time.monotonic() - entry.started)
+        meter.access_log.write(entry, status, usage)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from saltgate.config import ConfigError, GatewayConfig, load_config, load_master_key
 from saltgate.ehbp.frames import KEYS_PATH, ServerKey
+from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
@@ -53,6 +54,7 @@ class RunningGateway:
             await self.admin.close()
         await self.gateway.replicas.close()
         await self.gateway.ledger.aclose()
+        self.gateway.meter.access_log.close()
         await self.gateway.keys.aclose()
         if self.kv_relay is not None:
             await asyncio.to_thread(self.kv_relay.close)
@@ -94,6 +96,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         ledger=store.ledger,
         replicas=replicas,
         metrics=metrics,
+        access_log=AccessLog.open(config.access_log, config.log_format),
     )
     ehbp = _ehbp_edge(config, gateway, metrics)
     await replicas.probe_all()

@@ -14,13 +14,14 @@ import time
 import orjson
 
 from saltgate.config import GatewayConfig
+from saltgate.gateway.access_log import AccessLog, Entry
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.http import HttpServer, Request, Response
 from saltgate.policy.errors import ApiError
-from saltgate.policy.headers import forward_request_headers
+from saltgate.policy.headers import credential, forward_request_headers
 from saltgate.policy.request import inspect, parse_json_object, prepare, resolve_route
 from saltgate.spec.derive import SubKeys, cache_salt
 from saltgate.store.errors import StoreUnavailableError
@@ -52,6 +53,7 @@ class Gateway:
         ledger: UsageLedger,
         replicas: ReplicaSet,
         metrics: Metrics | None = None,
+        access_log: AccessLog | None = None,
     ) -> None:
         self.config = config
         self.subkeys = subkeys
@@ -59,7 +61,7 @@ class Gateway:
         self.ledger = ledger
         self.replicas = replicas
         self.metrics = metrics or Metrics()
-        self.meter = Meter(ledger, self.metrics)
+        self.meter = Meter(ledger, self.metrics, access_log or AccessLog(None))
         # on_client_gone: "finish" lets an exchange run to its end when the client leaves,
         # so the replica's own usage is metered (gateway/exchange.py); "abort" cancels it.
         self.http = HttpServer(
@@ -92,11 +94,14 @@ class Gateway:
 
     # -- the request path ----------------------------------------------------------------
     async def handle(self, request: Request, body_encrypted: bool = False) -> Response:
-        started = time.monotonic()
+        entry = Entry(request.method, request.header(b"x-request-id"), time.monotonic())
         try:
-            response = await self._handle(request, started, body_encrypted)
+            response = await self._handle(request, entry, body_encrypted)
         except ApiError as error:
             response = api_error_response(error)
+        response.headers.append((b"x-request-id", entry.request_id.encode()))
+        if response.stream is None and not entry.logged:  # a stream's exchange logs its end
+            self.meter.access_log.write(entry, response.status)
         key = (request.method, response.status)
         labels = self._request_labels.get(key)
         if labels is None:  # bounded: llhttp knows a fixed set of methods
@@ -105,20 +110,23 @@ class Gateway:
         self.metrics.inc("saltgate_requests_total", labels)
         return response
 
-    async def _handle(self, request: Request, started: float, body_encrypted: bool) -> Response:
+    async def _handle(self, request: Request, entry: Entry, body_encrypted: bool) -> Response:
         route = self._routes.get((request.method, request.path))
         if route is None:
             route = resolve_route(request.method, request.path)
             self._routes[(request.method, request.path)] = route  # bounded: allowed routes only
+        entry.route = route
         if route == "/health":
             return Response(200, list(JSON), b'{"status":"ok"}')
         principal = self._authenticate(request)
+        entry.tenant_id = principal.tenant_id
         if route == "/v1/models":
             return Response(
                 200, list(JSON), orjson.dumps({"object": "list", "data": self.replicas.models()})
             )
         body = parse_json_object(request.body, self.config.max_body_bytes)
         inspected = inspect(route, body)
+        entry.model = inspected.model
         if (
             inspected.user_cache_secret
             and not body_encrypted
@@ -130,12 +138,12 @@ class Gateway:
         plan = self.replicas.plan(
             route, body, inspected.model, salt, remember=inspected.user_cache_secret is None
         )
-        exchange = Exchange(self.meter, principal, inspected.model, request.client, started)
+        exchange = Exchange(self.meter, principal, entry, request.client)
         return await exchange.forward(
             self.replicas,
             plan,
             request.path,
-            forward_request_headers(request.headers),
+            forward_request_headers(request.headers, entry.request_id),
             payload,
             client_wants_usage=inspected.client_wants_usage,
         )
@@ -157,19 +165,13 @@ class Gateway:
         return salt
 
     def _authenticate(self, request: Request) -> Principal:
-        header = request.header(b"authorization")
-        if header is None:
-            raise ApiError(
-                401,
-                "Missing API key: send it as 'Authorization: Bearer <key>'.",
-                type="authentication_error",
-                code="missing_api_key",
-            )
-        scheme, _, token = header.partition(b" ")
+        """The tenant of the request's API key, sent as `Authorization: Bearer <key>` (the
+        OpenAI clients) or `x-api-key: <key>` (the Anthropic ones): one key, once."""
+        token = credential(request.headers)
         principal = None
-        if scheme.lower() == b"bearer" and token:
+        if token is not None:
             try:
-                principal = self.keys.authenticate(token.strip().decode("ascii"))
+                principal = self.keys.authenticate(token.decode("ascii"))
             except UnicodeDecodeError:
                 principal = None
             except StoreUnavailableError as exc:

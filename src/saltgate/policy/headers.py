@@ -7,8 +7,12 @@ request id, ``accept-encoding``) cannot be smuggled through by a new spelling.
 
 from __future__ import annotations
 
+import hmac
+import re
 from collections.abc import Iterable
 from typing import Final
+
+from saltgate.policy.errors import ApiError
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -37,19 +41,89 @@ FORWARDED_REQUEST_HEADERS: Final[frozenset[bytes]] = frozenset(
 #                      by the forwarder for the body it actually sends
 #   accept-encoding  - the gateway parses the SSE stream (usage, errors); it must get
 #                      identity-encoded bytes
-#   x-tenant-id, x-request-id, traceparent, cookie, x-stainless-*, openai-organization,
-#   openai-project, x-forwarded-* - salt sources, engine request ids (collisions),
-#                      cross-boundary tracing and client fingerprints
+#   x-request-id     - replaced by the gateway's own request id (vLLM may use it as the
+#                      engine's request id: a client's choice could collide with another's)
+#   x-tenant-id, cookie, x-stainless-*, openai-organization, openai-project,
+#   x-forwarded-*    - salt sources and client fingerprints
+# Passed only when well-formed (W3C Trace Context), so traces cross the gateway:
+TRACE_PARENT: Final = b"traceparent"
+TRACE_STATE: Final = b"tracestate"
+_TRACE_FIELDS: Final = frozenset({TRACE_PARENT, TRACE_STATE})
+_CREDENTIAL_FIELDS: Final = frozenset({b"authorization", b"x-api-key"})
+# version-trace_id-parent_id-flags in lower-case hex, as version 00 defines it (later
+# versions may append fields: not passed until understood); all-zero ids are invalid.
+_TRACE_PARENT: Final = re.compile(rb"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACE_STATE: Final = re.compile(rb"[ -~]{0,512}")  # printable ASCII, the spec's size limit
 
 
-def forward_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
-    """The headers to send upstream: content-type fixed to JSON, then the allow-listed ones.
+def forward_request_headers(headers: Iterable[tuple[bytes, bytes]], request_id: str) -> Headers:
+    """The headers to send upstream: content-type fixed to JSON, the gateway's request id,
+    the allow-listed ones, and a well-formed trace context.
 
     Host, content-length and authorization are added by the forwarder.
     """
-    out: Headers = [JSON_CONTENT_TYPE]
-    out.extend((n, v) for n, v in headers if n in FORWARDED_REQUEST_HEADERS)
+    out: Headers = [JSON_CONTENT_TYPE, (b"x-request-id", request_id.encode())]
+    trace: Headers = []
+    for name, value in headers:
+        if name in FORWARDED_REQUEST_HEADERS:
+            out.append((name, value))
+        elif name in _TRACE_FIELDS:
+            trace.append((name, value))
+    if trace:
+        out.extend(trace_context(trace))
     return out
+
+
+def trace_context(fields: Headers) -> Headers:
+    """The `traceparent` and `tracestate` to pass on: only one well-formed traceparent, and
+    tracestate only beside it (the W3C rule: without a valid parent, state is dropped)."""
+    parents = [v for n, v in fields if n == TRACE_PARENT]
+    if len(parents) != 1 or _TRACE_PARENT.fullmatch(parents[0]) is None:
+        return []
+    states = [v for n, v in fields if n == TRACE_STATE]
+    out = [(TRACE_PARENT, parents[0])]
+    if len(states) == 1 and _TRACE_STATE.fullmatch(states[0]):
+        out.append((TRACE_STATE, states[0]))
+    return out
+
+
+def credential(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The API key a request carries: `Authorization: Bearer <key>` or `x-api-key: <key>`.
+
+    None when there is none (401). A second Authorization or x-api-key header, or both
+    kinds naming different keys, is refused (400): whichever one a proxy in front reads,
+    the gateway must not read another. Keys are compared in constant time.
+    """
+    bearer = api_key = None
+    for name, value in headers:
+        if name not in _CREDENTIAL_FIELDS:
+            continue
+        if name == b"authorization":
+            if bearer is not None:
+                raise _conflict("more than one Authorization header")
+            scheme, _, token = value.partition(b" ")
+            bearer = token.strip() if scheme.lower() == b"bearer" else b""
+        else:
+            if api_key is not None:
+                raise _conflict("more than one x-api-key header")
+            api_key = value.strip()
+    if bearer is not None and api_key is not None and not hmac.compare_digest(bearer, api_key):
+        raise _conflict("Authorization and x-api-key name different keys")
+    key = bearer if bearer is not None else api_key
+    if key is None:
+        raise ApiError(
+            401,
+            "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+            type="authentication_error",
+            code="missing_api_key",
+        )
+    return key or None
+
+
+def _conflict(what: str) -> ApiError:
+    return ApiError(
+        400, f"Conflicting credentials: {what}; send one API key, once.", code="ambiguous_api_key"
+    )
 
 
 # Response headers passed back to the client. Everything else can identify or

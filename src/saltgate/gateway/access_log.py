@@ -1,0 +1,160 @@
+"""The access log: one line per request, as text or JSON, written in batches.
+
+A line names the request (the gateway's own id, and the client's `x-request-id` as a
+separate field: a client chooses it, so it is never an identity), the tenant (its id,
+never a key), the route, model, status, tokens and timings. Nothing a request carries
+that could be secret or private reaches it: no key, salt, user secret or prompt text.
+Strings a client chose (model, its request id) are written JSON-quoted in both formats,
+so no client can forge a line or a field.
+
+Lines are buffered and written every `FLUSH_S` or once `FLUSH_BYTES` pile up: a busy
+gateway makes one write a batch, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from typing import Final
+
+import orjson
+
+from saltgate.gateway.usage import Usage
+from saltgate.store.ledger import new_request_id
+
+FLUSH_S: Final = 0.2
+FLUSH_BYTES: Final = 64 * 1024
+FORMATS: Final = ("text", "json")
+_CLIENT_ID: Final = re.compile(rb"[\x21-\x7e]{1,128}")
+_NO_USAGE: Final = Usage()
+
+
+class Entry:
+    """What the log says of one request, filled in as the gateway learns it; its
+    `request_id` is also the id of the request's one usage record."""
+
+    __slots__ = (
+        "client_request_id",
+        "first_byte",
+        "logged",
+        "method",
+        "model",
+        "request_id",
+        "route",
+        "started",
+        "tenant_id",
+    )
+
+    def __init__(self, method: bytes, client_request_id: bytes | None, started: float) -> None:
+        self.request_id = new_request_id()
+        self.method = method
+        self.client_request_id = client_request_id
+        self.started = started
+        self.route = ""
+        self.tenant_id = ""
+        self.model = ""
+        self.first_byte = 0.0
+        self.logged = False
+
+
+class AccessLog:
+    """Writes entries to a file descriptor (stderr, or a file opened for appending)."""
+
+    def __init__(self, fd: int | None, fmt: str = "text") -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"log format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+        self.fd = fd
+        self.json = fmt == "json"
+        self._buffer: list[bytes] = []
+        self._size = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._second = -1
+        self._stamp = ""
+
+    @classmethod
+    def open(cls, target: str, fmt: str) -> AccessLog:
+        """``target``: "stderr", "off", or a file path (appended to, created 0640)."""
+        if target == "off":
+            return cls(None, fmt)
+        if target == "stderr":
+            return cls(2, fmt)
+        return cls(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640), fmt)
+
+    def write(self, entry: Entry, status: int, usage: Usage | None = None) -> None:
+        entry.logged = True
+        if self.fd is None:
+            return
+        now = time.monotonic()
+        used = usage or _NO_USAGE
+        total_ms = round((now - entry.started) * 1000, 3)
+        first = entry.first_byte
+        ttfb_ms = round((first - entry.started) * 1000, 3) if first else total_ms
+        client_id = entry.client_request_id
+        client = client_id.decode() if client_id and _CLIENT_ID.fullmatch(client_id) else None
+        if self.json:
+            line = orjson.dumps(
+                {
+                    "time": self._time(),
+                    "request_id": entry.request_id,
+                    "client_request_id": client,
+                    "tenant_id": entry.tenant_id or None,
+                    "method": entry.method.decode("ascii", "replace"),
+                    "route": entry.route or None,
+                    "model": entry.model or None,
+                    "status": status,
+                    "prompt_tokens": used.prompt_tokens,
+                    "cached_tokens": used.cached_tokens,
+                    "completion_tokens": used.completion_tokens,
+                    "ttfb_ms": ttfb_ms,
+                    "total_ms": total_ms,
+                }
+            )
+        else:
+            line = (
+                f"{self._time()} {entry.request_id} tenant={entry.tenant_id or '-'} "
+                f"{entry.method.decode('ascii', 'replace')} {entry.route or '-'} "
+                f"model={_quoted(entry.model)} status={status} prompt={used.prompt_tokens} "
+                f"cached={used.cached_tokens} completion={used.completion_tokens} "
+                f"ttfb_ms={ttfb_ms} total_ms={total_ms} client_request_id={_quoted(client)}"
+            ).encode()
+        self._buffer.append(line + b"\n")
+        self._size += len(line) + 1
+        if self._size >= FLUSH_BYTES:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._buffer or self.fd is None:
+            return
+        data = b"".join(self._buffer)
+        self._buffer.clear()
+        self._size = 0
+        view = memoryview(data)
+        while view:  # a short write to a pipe or file: write the rest
+            written = os.write(self.fd, view)
+            view = view[written:]
+
+    def close(self) -> None:
+        self.flush()
+        if self.fd is not None and self.fd > 2:
+            os.close(self.fd)
+        self.fd = None
+
+    def _time(self) -> str:
+        """UTC with milliseconds; the part down to the second is formatted once a second."""
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return f"{self._stamp}.{int((now - second) * 1000):03d}Z"
+
+
+def _quoted(text: str | None) -> str:
+    return orjson.dumps(text).decode() if text else "-"

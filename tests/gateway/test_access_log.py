@@ -1,0 +1,103 @@
+"""The access log: one line per request, joined to the response by its request id, and no
+secret or prompt in it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import orjson
+import pytest
+from tests.gateway.stack import MODEL, ledger_rows, run, stack
+
+from saltgate.gateway.access_log import AccessLog, Entry
+from saltgate.gateway.usage import Usage
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_one_line_per_request_and_no_secret_in_it(tmp_path: Path, fmt: str) -> None:
+    log = tmp_path / "access.log"
+    marker = "PROMPTMARKER-7f3a"
+    secret = "user-secret-" + "x" * 20
+
+    async def main() -> None:
+        async with stack(tmp_path, replicas=1, access_log=str(log), log_format=fmt) as s:
+            async with s.client("alice") as alice:
+                ids = []
+                for body in (
+                    {"model": MODEL, "prompt": marker, "max_tokens": 2},
+                    {
+                        "model": MODEL,
+                        "prompt": marker,
+                        "max_tokens": 2,
+                        "user_cache_secret": secret,
+                    },
+                    {"model": MODEL, "prompt": marker, "max_tokens": 2, "stream": True},
+                ):
+                    resp = await alice.post(
+                        "/v1/completions", json=body, headers={"x-request-id": "client-chosen-1"}
+                    )
+                    assert resp.status_code == 200
+                    ids.append(resp.headers["x-request-id"])
+                refused = await alice.post("/v1/completions", content=b"{")
+                assert refused.status_code == 400
+                ids.append(refused.headers["x-request-id"])
+            async with s.client() as anonymous:
+                resp = await anonymous.get("/v1/models")
+                assert resp.status_code == 401
+                ids.append(resp.headers["x-request-id"])
+            bodies = s.seen_bodies()
+            salts = {orjson.loads(b)["cache_salt"] for b in bodies}
+            assert all(marker.encode() in b for b in bodies)  # the traffic carried the marker
+            tenant = ledger_rows(s)[0]["tenant_id"]
+        text = log.read_text()
+        lines = text.splitlines()
+        assert len(lines) == len(ids)
+        for line, request_id in zip(lines, ids, strict=True):
+            assert request_id in line
+        if fmt == "json":
+            docs = [orjson.loads(line) for line in lines]
+            assert [d["status"] for d in docs] == [200, 200, 200, 400, 401]
+            assert [d["tenant_id"] for d in docs] == [tenant] * 4 + [None]
+            assert docs[0]["prompt_tokens"] > 0 and docs[0]["completion_tokens"] == 2
+            assert docs[2]["ttfb_ms"] <= docs[2]["total_ms"]
+            assert {d["client_request_id"] for d in docs} == {"client-chosen-1", None}
+            assert docs[0]["route"] == "/v1/completions" and docs[0]["model"] == MODEL
+        else:
+            assert re.search(r"status=200 prompt=[1-9]\d* cached=\d+ completion=2 ", lines[0])
+            assert f"tenant={tenant}" in lines[0] and "tenant=- " in lines[4]
+        master = (tmp_path / "state" / "master.key").read_text().strip()
+        for leak in (marker, secret, master, s.keys["alice"], *salts):
+            assert leak not in text
+
+    run(main)
+
+
+def test_client_chosen_strings_cannot_forge_a_line(tmp_path: Path) -> None:
+    async def main() -> None:
+        out = tmp_path / "log"
+        log = AccessLog.open(str(out), "text")
+        entry = Entry(b"POST", b"id\nforged line", 0.0)
+        entry.model = 'm" status=200\nforged'
+        log.write(entry, 400, Usage(1, 0, 0))
+        log.close()
+        [line] = out.read_text().splitlines()
+        assert 'model="m\\" status=200\\nforged"' in line
+        assert "client_request_id=-" in line  # not printable ASCII: left out
+
+    asyncio.run(main())
+
+
+def test_lines_are_written_in_batches(tmp_path: Path) -> None:
+    async def main() -> None:
+        out = tmp_path / "log"
+        log = AccessLog.open(str(out), "json")
+        for _ in range(3):
+            log.write(Entry(b"GET", None, 0.0), 200)
+        assert out.read_text() == ""  # held until the flush timer
+        await asyncio.sleep(0.3)
+        assert len(out.read_text().splitlines()) == 3
+        log.close()
+
+    asyncio.run(main())
