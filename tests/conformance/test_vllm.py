@@ -97,12 +97,29 @@ ROUTE_BODIES: dict[str, dict[str, Any]] = {
     "/v1/responses": {"input": text("responses"), "max_output_tokens": 2},
     "/v1/messages": {"messages": [{"role": "user", "content": text("messages")}], "max_tokens": 2},
 }
+TOKENIZER_BODIES: dict[str, dict[str, Any]] = {
+    "/tokenize": {"prompt": text("tokenize")},
+    "/detokenize": {"tokens": [1, 2, 3]},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+}
+# (the pooling replica that serves it: 0 embedding, 1 classifier; body)
+POOLING_BODIES: dict[str, tuple[int, dict[str, Any]]] = {
+    "/v1/embeddings": (0, {"input": text("embeddings")}),
+    "/pooling": (0, {"input": text("pooling")}),
+    "/score": (0, {"text_1": text("score"), "text_2": "a dog"}),
+    "/v1/score": (0, {"text_1": text("v1score"), "text_2": "a dog"}),
+    "/rerank": (0, {"query": text("rerank"), "documents": ["a dog", "a fox"]}),
+    "/v1/rerank": (0, {"query": text("v1rerank"), "documents": ["a dog", "a fox"]}),
+    "/v2/rerank": (0, {"query": text("v2rerank"), "documents": ["a dog", "a fox"]}),
+    "/classify": (1, {"input": text("classify")}),
+}
 
 
 def test_1_derived_salts_are_accepted_on_every_allowed_route(
-    fleet: Fleet, tenancy: Tenancy
+    fleet: Fleet, pooling_fleet: Fleet, tenancy: Tenancy
 ) -> None:
-    assert set(ROUTE_BODIES) == set(ALLOWED_POST_ROUTES), "a body for every allowed route"
+    routes = {*ROUTE_BODIES, *TOKENIZER_BODIES, *POOLING_BODIES}
+    assert routes == set(ALLOWED_POST_ROUTES), "a body for every allowed route"
     salt = derived_salt(tenancy, "alice")
 
     async def main() -> None:
@@ -114,12 +131,33 @@ def test_1_derived_salts_are_accepted_on_every_allowed_route(
                         route, json={"model": MODEL_NAME, **body, "stream": stream}
                     )
                     assert r.status_code == 200, f"{route} stream={stream}: {r.text}"
+            for route, body in TOKENIZER_BODIES.items():
+                r = await client.post(route, json={"model": MODEL_NAME, **body})
+                assert r.status_code == 200, f"{route}: {r.text}"
         events = [
             e for r, s in zip(fleet.replicas, starts, strict=True) for e in events_since(r, s)
         ]
         firsts = [e for e in stored(events) if e.parent_block_hash is None]
         assert len(firsts) >= len(ROUTE_BODIES)  # each route's prompt started a new chain
         assert {e.extra_keys[0] if e.extra_keys else None for e in firsts} == {(salt,)}
+        # The pooling routes: salted too, since vLLM runs their prompts through the cache.
+        for index, replica in enumerate(pooling_fleet.replicas):
+            start = next_seq(replica)
+            bodies = {r: b for r, (i, b) in POOLING_BODIES.items() if i == index}
+            async with (
+                gateway(pooling_fleet, tenancy, replicas=(index,)) as url,
+                as_tenant(url, tenancy, "alice") as client,
+            ):
+                for route, body in bodies.items():
+                    r = await client.post(route, json={"model": MODEL_NAME, **body})
+                    assert r.status_code == 200, f"{route}: {r.text}"
+                    assert r.json()["usage"]["prompt_tokens"] > 0
+            firsts = [
+                e for e in stored(events_since(replica, start)) if e.parent_block_hash is None
+            ]
+            assert firsts and {e.extra_keys[0] if e.extra_keys else None for e in firsts} == {
+                (salt,)
+            }
 
     asyncio.run(main())
 

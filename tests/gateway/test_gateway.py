@@ -142,7 +142,7 @@ BAD_REQUESTS: list[tuple[str, str, bytes | None, dict[str, str], int]] = [
         {},
         413,
     ),
-    ("POST", "/v1/embeddings", b'{"model":"sim-model","input":"x"}', {}, 404),
+    ("POST", "/v1/audio/transcriptions", b"--b--", {}, 404),
     ("GET", "/admin/secrets", None, {}, 404),
     ("DELETE", "/v1/completions", None, {}, 405),
     ("POST", "/v1/completions", b'{"model":"no-such-model","prompt":"x"}', {}, 404),

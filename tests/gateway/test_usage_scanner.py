@@ -58,6 +58,11 @@ def test_usage_shapes_of_the_three_apis() -> None:
     assert usage_from_object(responses) == Usage(50, 16, 5)
     anthropic = {"input_tokens": 10, "cache_read_input_tokens": 30, "output_tokens": 2}
     assert usage_from_object(anthropic) == Usage(40, 30, 2)
+    # vLLM's first answer to a 434-token prompt: 18 uncached, 416 written to the cache.
+    written = {"input_tokens": 18, "cache_creation_input_tokens": 416, "output_tokens": 4}
+    assert usage_from_object(written) == Usage(434, 0, 4)
+    repeat = {**written, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 416}
+    assert usage_from_object(repeat) == Usage(434, 416, 4)
     assert usage_from_object({"prompt_tokens": "many"}) == Usage(0, 0, 0)
     # Counts no ledger column can hold are garbage, like negative ones.
     assert usage_from_object({"prompt_tokens": 10**30, "completion_tokens": 2**31}) == Usage()
@@ -75,3 +80,9 @@ def test_anthropic_stream_usage_is_merged_across_events() -> None:
     out, usage = _scan([stream], drop=True)
     assert out == stream  # only OpenAI usage-only chunks are ever removed
     assert usage == Usage(7, 0, 9)
+    # vLLM's shape: message_start has the whole prompt, message_delta the split usage.
+    split = {"input_tokens": 18, "cache_read_input_tokens": 416, "output_tokens": 9}
+    stream = _event(
+        {"type": "message_start", "message": {"usage": {"input_tokens": 434, "output_tokens": 0}}}
+    ) + _event({"type": "message_delta", "usage": split})
+    assert _scan([stream], drop=True)[1] == Usage(434, 416, 9)

@@ -10,6 +10,7 @@ import pytest
 from saltgate.policy.errors import ApiError
 from saltgate.policy.request import (
     ALLOWED_POST_ROUTES,
+    SALTED_ROUTES,
     STRIPPED_FIELDS,
     Inspected,
     inspect,
@@ -39,7 +40,8 @@ def test_local_get_routes() -> None:
 @pytest.mark.parametrize(
     "path",
     [
-        b"/v1/embeddings",
+        b"/invocations",
+        b"/v1/responses/resp_123",
         b"/admin/secrets",
         b"/v1/chat/completions/",
         b"//v1/chat/completions",
@@ -55,7 +57,32 @@ def test_unknown_paths_are_404(path: bytes) -> None:
         resolve_route(b"POST", path)
     assert info.value.status == 404 and info.value.type == "not_found_error"
     assert "/v1/chat/completions" in info.value.message  # says what is supported
-    assert len(info.value.message) < 400
+    assert len(info.value.message) < 500
+
+
+def test_every_route_vllm_serves_is_forwarded_or_closed_with_a_reason() -> None:
+    for route in ALLOWED_POST_ROUTES:
+        assert resolve_route(b"POST", route.encode()) == route
+    for path in (b"/v1/audio/transcriptions", b"/v1/audio/translations"):
+        with pytest.raises(ApiError) as info:
+            resolve_route(b"POST", path)
+        assert (info.value.status, info.value.code) == (404, "route_closed")
+        assert "multipart" in info.value.message
+
+
+@pytest.mark.parametrize("route", sorted(ALLOWED_POST_ROUTES))
+def test_a_client_salt_never_survives_and_cache_routes_get_the_derived_one(route: str) -> None:
+    body = {"model": "m", "input": "x", "prompt": "x", "cache_salt": "victim-salt"}
+    out = forwarded(route, body)
+    assert out.get("cache_salt") == (SALT if route in SALTED_ROUTES else None)
+    # positive control: without the policy, the client's salt is what the replica would get
+    assert orjson.loads(orjson.dumps(body))["cache_salt"] == "victim-salt"
+
+
+def test_the_tokenizer_routes_need_no_model() -> None:
+    assert inspect("/tokenize", {"prompt": "x"}).model == ""
+    with pytest.raises(ApiError):
+        inspect("/v1/embeddings", {"input": "x"})
 
 
 @pytest.mark.parametrize(
@@ -191,7 +218,14 @@ def test_prepare_strips_and_sets_the_salt() -> None:
     out = forwarded(COMPLETIONS, body)
     assert out == {"model": "m", "prompt": "P", "temperature": 0.5, "cache_salt": SALT}
     assert body["cache_salt"] == "victim-salt"  # the input is not modified
-    expected = {"cache_salt", "user_cache_secret", "vllm_xargs", "kv_transfer_params", "request_id"}
+    expected = {
+        "cache_salt",
+        "user_cache_secret",
+        "vllm_xargs",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "request_id",
+    }
     assert expected == STRIPPED_FIELDS
 
 

@@ -34,6 +34,7 @@ from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResp
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import scrub_response_headers
 from saltgate.routing import Plan
+from saltgate.spec.derive import ROUTE_RESPONSES
 from saltgate.store.ledger import UsageLedger, UsageRecord
 from saltgate.store.tenants import Principal
 
@@ -62,6 +63,17 @@ def replica_failed() -> ApiError:
     return ApiError(502, "The replica failed while answering; retry the request.")
 
 
+# vLLM opens a Responses stream (response.created, response.in_progress) before the prefill;
+# its first output item comes with the first token (docs/conformance.md).
+_RESPONSES_OUTPUT: Final = b'"response.output_'
+
+
+def _prefilled(route: str, chunk: bytes) -> bool:
+    """Whether a stream chunk shows the prompt prefilled: any chunk, but on /v1/responses
+    only one past the opening events."""
+    return route != ROUTE_RESPONSES or _RESPONSES_OUTPUT in chunk or b"response.completed" in chunk
+
+
 class Meter:
     """Where exchanges report: the usage ledger, the token and latency metrics, the log."""
 
@@ -86,6 +98,7 @@ class Exchange:
         "_finished",
         "_held",
         "_meter",
+        "_prefilling",
         "_principal",
         "_scanner",
         "_upstream",
@@ -100,6 +113,7 @@ class Exchange:
         self._upstream: UpstreamResponse | None = None
         self._scanner: SseUsageScanner | None = None
         self._held = b""
+        self._prefilling = True  # no output of the replica's yet: the prompt may be in prefill
         self._finished = False  # the stream has nothing more to give
         self._ended = False
 
@@ -188,6 +202,8 @@ class Exchange:
                 break
             if not self._entry.first_byte:
                 self._entry.first_byte = time.monotonic()
+            if self._prefilling and _prefilled(self._entry.route, chunk):
+                self._prefilling = False
                 if self._attempt is not None:
                     self._attempt.first_output()
             out = scanner.feed(chunk)

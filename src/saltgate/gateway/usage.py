@@ -44,9 +44,10 @@ def usage_from_object(usage: Any) -> Usage | None:
         if isinstance(details, dict):
             cached = _int(details.get("cached_tokens"))
             prompt = _int(usage.get("input_tokens"))
-        else:  # Anthropic counts cache reads apart from input_tokens
+        else:  # Anthropic: input_tokens is what neither read nor wrote the cache
             cached = _int(usage.get("cache_read_input_tokens"))
-            prompt = _int(usage.get("input_tokens")) + cached
+            written = _int(usage.get("cache_creation_input_tokens"))
+            prompt = _int(usage.get("input_tokens")) + cached + written
         return Usage(prompt, cached, _int(usage.get("output_tokens")))
     return None
 

@@ -128,8 +128,17 @@ def not_found(path: str) -> ApiError:
     return ApiError(
         404,
         f"Unknown endpoint {path!r}. Supported: POST /v1/chat/completions, /v1/completions, "
-        "/v1/responses, /v1/messages; GET /v1/models.",
+        "/v1/responses, /v1/messages, /v1/messages/count_tokens, /v1/embeddings, /pooling, "
+        "/classify, /score, /v1/score, /rerank, /v1/rerank, /v2/rerank, /tokenize, "
+        "/detokenize; GET /v1/models.",
         code="unknown_url",
+    )
+
+
+def route_closed(path: str, why: str) -> ApiError:
+    """404 for a route vLLM serves that this gateway keeps closed, saying why."""
+    return ApiError(
+        404, f"POST {path} is not served through this gateway: {why}.", code="route_closed"
     )
 
 

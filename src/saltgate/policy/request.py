@@ -21,6 +21,7 @@ from saltgate.policy.errors import (
     method_not_allowed,
     missing_parameter,
     not_found,
+    route_closed,
 )
 from saltgate.spec.derive import (
     ROUTE_CHAT,
@@ -34,9 +35,42 @@ from saltgate.spec.derive import (
 
 # -- routes ------------------------------------------------------------------------------
 
-ALLOWED_POST_ROUTES: Final[frozenset[str]] = frozenset(
+# What vLLM 0.32 answers on each route, probed on the real build: docs/conformance.md.
+# Generation: the prefix cache serves them, so they are salted; usage metered.
+GENERATION_ROUTES: Final[frozenset[str]] = frozenset(
     {ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_RESPONSES, ROUTE_MESSAGES}
 )
+# Pooling models' routes: vLLM validates cache_salt on them and their prompts go through the
+# prefix cache too, so unsalted they would leak across tenants like generation does.
+POOLING_ROUTES: Final[frozenset[str]] = frozenset(
+    {
+        "/v1/embeddings",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+    }
+)
+# Tokenizer routes: no prefill, no cache (vLLM ignores cache_salt there), so no salt is
+# added; client salts are still stripped. Recorded in the ledger with no tokens.
+TOKENIZER_ROUTES: Final[frozenset[str]] = frozenset(
+    {"/tokenize", "/detokenize", "/v1/messages/count_tokens"}
+)
+SALTED_ROUTES: Final[frozenset[str]] = GENERATION_ROUTES | POOLING_ROUTES
+ALLOWED_POST_ROUTES: Final[frozenset[str]] = SALTED_ROUTES | TOKENIZER_ROUTES
+# vLLM picks its default model on these when the body names none.
+MODEL_OPTIONAL_ROUTES: Final[frozenset[str]] = frozenset({"/tokenize", "/detokenize"})
+# Routes vLLM serves that stay closed here, and why (the client is told).
+CLOSED_ROUTES: Final[dict[str, str]] = {
+    path: (
+        "it takes a multipart upload, which the request policy does not read (so it could "
+        "neither strip nor check what reaches the replica)"
+    )
+    for path in ("/v1/audio/transcriptions", "/v1/audio/translations")
+}
 ROUTE_MODELS: Final = "/v1/models"
 ROUTE_HEALTH: Final = "/health"
 # Answered by the gateway itself, never forwarded.
@@ -70,6 +104,8 @@ def resolve_route(
         if m == "GET":
             return p
         raise method_not_allowed(m, p, ["GET"])
+    if p in CLOSED_ROUTES:
+        raise route_closed(p, CLOSED_ROUTES[p])
     if len(p) > _MAX_PATH_ECHO:
         p = p[:_MAX_PATH_ECHO] + "..."
     raise not_found(p)
@@ -296,10 +332,13 @@ def inspect(route: str, body: Mapping[str, Any]) -> Inspected:
     """Read and type-check the fields the gateway uses; 400 naming the parameter if wrong."""
     model = body.get("model")
     if model is None:
-        raise missing_parameter("model", "the model name as a string")
+        if route in MODEL_OPTIONAL_ROUTES:
+            model = ""
+        else:
+            raise missing_parameter("model", "the model name as a string")
     if not isinstance(model, str):
         raise invalid_type("model", "a string")
-    if not model:
+    if not model and route not in MODEL_OPTIONAL_ROUTES:
         raise invalid_request(
             "Invalid 'model': must be a non-empty string.", param="model", code="invalid_value"
         )
@@ -359,6 +398,8 @@ STRIPPED_FIELDS: Final[frozenset[str]] = frozenset(
         # Disaggregated-prefill transfer instructions: they let a request pull or push
         # KV blocks by id, i.e. reach cache contents outside its namespace.
         "kv_transfer_params",
+        # The same for the encoder cache (multimodal inputs), on responses and messages.
+        "ec_transfer_params",
         # vLLM takes a client-chosen request id from the body; ids are engine-wide, so
         # a chosen id could collide with (and abort or confuse) another tenant's request.
         "request_id",
@@ -367,8 +408,9 @@ STRIPPED_FIELDS: Final[frozenset[str]] = frozenset(
 
 
 def prepare(body: Mapping[str, Any], inspected: Inspected, salt: str | None) -> bytes:
-    """The body to forward: stripped fields removed, ``cache_salt`` set, usage forced on
-    streams that only carry it on request; serialised with orjson.
+    """The body to forward: stripped fields removed, ``cache_salt`` set on the routes that
+    use the cache (SALTED_ROUTES), usage forced on streams that only carry it on request;
+    serialised with orjson.
 
     ``salt`` None leaves the body unsalted (a test-only switch; client salts are still
     removed). ``body`` is not modified.
@@ -377,7 +419,7 @@ def prepare(body: Mapping[str, Any], inspected: Inspected, salt: str | None) -> 
         out = dict(body)
     else:
         out = {k: v for k, v in body.items() if k not in STRIPPED_FIELDS}
-    if salt is not None:
+    if salt is not None and inspected.route in SALTED_ROUTES:
         out["cache_salt"] = salt
     if inspected.forces_usage:
         options = body.get("stream_options")
