@@ -62,15 +62,22 @@ def test_the_key_file_is_made_once_private_and_kept(tmp_path: Path) -> None:
         load_or_create_server_key(link)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_port_pair() -> int:
+    """A port P with P + 1 free too: `saltgate up --port P` serves its metrics on P + 1."""
+    while True:
+        with socket.socket() as sock, socket.socket() as next_sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            try:
+                next_sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def test_saltgate_up_serves_ehbp_and_plaintext_alike(tmp_path: Path) -> None:
     async def main() -> None:
-        port = free_port()
+        port = free_port_pair()
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
