@@ -1,4 +1,4 @@
-"""parse_json_object: one JSON object, nothing two parsers could read differently."""
+"""parse_body: one JSON object, nothing two parsers could read differently."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import orjson
 import pytest
 
 from saltgate.policy.errors import ApiError
-from saltgate.policy.request import MAX_JSON_DEPTH, parse_json_object
+from saltgate.policy.request import MAX_JSON_DEPTH, parse_body
 
 CAP = 1 << 20
 
 
 def refused(raw: bytes, status: int = 400, cap: int = CAP) -> ApiError:
     with pytest.raises(ApiError) as info:
-        parse_json_object(raw, cap)
+        parse_body(raw, cap)
     assert info.value.status == status
     assert len(info.value.message) > 15
     return info.value
@@ -25,12 +25,12 @@ def refused(raw: bytes, status: int = 400, cap: int = CAP) -> ApiError:
 
 def test_accepts_an_object() -> None:
     raw = b' {"model":"m","messages":[{"role":"user","content":"a: b"}],"n":1} \n'
-    assert parse_json_object(raw, CAP) == json.loads(raw)
+    assert parse_body(raw, CAP).obj == json.loads(raw)
 
 
 def test_size_cap_is_413() -> None:
     raw = b'{"a":"' + b"x" * 100 + b'"}'
-    assert parse_json_object(raw, len(raw)) == {"a": "x" * 100}
+    assert parse_body(raw, len(raw)).obj == {"a": "x" * 100}
     err = refused(raw, 413, cap=len(raw) - 1)
     assert str(len(raw) - 1) in err.message
 
@@ -85,7 +85,7 @@ def test_refuses_integers_beyond_64_bits(raw: bytes) -> None:
 
 def test_accepts_64_bit_edges_and_big_floats() -> None:
     raw = b'{"a":18446744073709551615,"b":-9223372036854775808,"c":1e300,"d":1.5e+20}'
-    obj = parse_json_object(raw, CAP)
+    obj = parse_body(raw, CAP).obj
     assert obj["a"] == 2**64 - 1 and obj["b"] == -(2**63)
     assert obj["c"] == 1e300 and obj["d"] == 1.5e20
 
@@ -121,7 +121,7 @@ def test_duplicate_message_names_the_key_but_truncates_it() -> None:
 
 def test_escaped_colons_without_duplicates_are_fine() -> None:
     raw = b'{"a":"\\u003a\\u003A","b":{"c:d":"e\\u003af"}}'
-    assert parse_json_object(raw, CAP) == {"a": "::", "b": {"c:d": "e:f"}}
+    assert parse_body(raw, CAP).obj == {"a": "::", "b": {"c:d": "e:f"}}
 
 
 # -- property: random documents, random duplicates ----------------------------------------
@@ -193,7 +193,7 @@ def test_random_documents_parse_like_the_stdlib() -> None:
         gen = Gen(seed)
         doc = {gen.key() + str(i): gen.value(0) for i in range(gen.rng.randint(1, 6))}
         raw = gen.encode(doc, [0]).encode()
-        assert parse_json_object(raw, CAP) == json.loads(raw)
+        assert parse_body(raw, CAP).obj == json.loads(raw)
 
 
 def test_random_duplicates_never_slip_through() -> None:
@@ -206,7 +206,7 @@ def test_random_duplicates_never_slip_through() -> None:
         if dup[0] == 1:
             continue  # the generator placed no duplicate this time
         with pytest.raises(ApiError) as info:
-            parse_json_object(raw, CAP)
+            parse_body(raw, CAP)
         assert info.value.code == "duplicate_key", raw
         caught += 1
     assert caught > 500
@@ -214,7 +214,7 @@ def test_random_duplicates_never_slip_through() -> None:
 
 def test_fast_path_answer_equals_orjson_on_valid_input() -> None:
     raw = json.dumps({"a": [1, 2.5, "x:y", {"b": None}], "c": "ü"}).encode()
-    assert parse_json_object(raw, CAP) == orjson.loads(raw)
+    assert parse_body(raw, CAP).obj == orjson.loads(raw)
 
 
 def _nested(depth: int, shape: str) -> bytes:
@@ -232,9 +232,9 @@ def test_one_depth_limit_holds_at_every_depth(shape: str) -> None:
     for depth in range(1, 20_001):
         raw = _nested(depth, shape)
         if depth <= MAX_JSON_DEPTH:
-            assert parse_json_object(raw, CAP)["model"] == "m"
+            assert parse_body(raw, CAP).obj["model"] == "m"
             continue
         with pytest.raises(ApiError) as info:
-            parse_json_object(raw, CAP)
+            parse_body(raw, CAP)
         assert (info.value.status, info.value.code) == (400, "json_too_deep"), depth
         assert str(MAX_JSON_DEPTH) in info.value.message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import orjson
@@ -14,6 +15,7 @@ from saltgate.policy.request import (
     STRIPPED_FIELDS,
     Inspected,
     inspect,
+    parse_body,
     prepare,
     resolve_route,
 )
@@ -21,6 +23,7 @@ from saltgate.policy.request import (
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 SALT = "sg1_" + "A" * 43
+CAP = 1 << 20
 
 
 # -- routes -------------------------------------------------------------------------------
@@ -199,9 +202,39 @@ def test_max_tokens_zero_and_nulls_are_accepted() -> None:
 # -- prepare ------------------------------------------------------------------------------
 
 
+def sent(route: str, body: dict[str, Any], salt: str | None = SALT) -> bytes:
+    """The bytes `prepare` forwards for ``body`` (parsed as the gateway parses it)."""
+    return prepare(parse_body(orjson.dumps(body), CAP), inspect(route, body), salt)
+
+
 def forwarded(route: str, body: dict[str, Any], salt: str | None = SALT) -> dict[str, Any]:
-    out: dict[str, Any] = orjson.loads(prepare(body, inspect(route, body), salt))
+    out: dict[str, Any] = orjson.loads(sent(route, body, salt))
     return out
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT, "/v1/embeddings", "/tokenize"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_spliced_body_is_what_serialising_the_edited_object_writes(
+    route: str, stream: bool
+) -> None:
+    """The fast path splices the salt into the parse's serialisation; byte for byte it
+    must be what editing the object and serialising it would give, for any body."""
+    rng = random.Random(7)
+    for _ in range(200):
+        body: dict[str, Any] = {"model": "m", "prompt": "x", "stream": stream}
+        for i in range(rng.randrange(6)):
+            body[f"k{rng.randrange(99)}é{i}"] = rng.choice(
+                [1, -2.5, 'a"b\u00e9\n', None, True, [1, {"x": "}"}], {"y": [2, "]"]}]
+            )
+        if rng.random() < 0.3:
+            body[rng.choice(sorted(STRIPPED_FIELDS))] = "smuggled-" + "x" * 16
+        inspected = inspect(route, body)
+        edited = {k: v for k, v in body.items() if k not in STRIPPED_FIELDS}
+        if route in SALTED_ROUTES:
+            edited["cache_salt"] = SALT
+        if inspected.forces_usage:
+            edited["stream_options"] = {"include_usage": True}
+        assert sent(route, body) == orjson.dumps(edited)
 
 
 def test_prepare_strips_and_sets_the_salt() -> None:
@@ -243,13 +276,13 @@ def test_salting_disabled_leaves_no_salt() -> None:
 def test_usage_is_forced_on_streams_and_recorded() -> None:
     body = {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": True}}
     insp = inspect(CHAT, body)
-    out = orjson.loads(prepare(body, insp, SALT))
+    out = forwarded(CHAT, body)
     # usage on every chunk could not be removed again, so it is not asked for
     assert out["stream_options"] == {"include_usage": True}
     assert insp.client_wants_usage is False
     assert body["stream_options"] == {"continuous_usage_stats": True}
     both = {**body, "stream_options": {"continuous_usage_stats": True, "include_usage": True}}
-    out = orjson.loads(prepare(both, inspect(CHAT, both), SALT))
+    out = forwarded(CHAT, both)
     assert out["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
     plain = forwarded(COMPLETIONS, {"model": "m", "stream": True})
     assert plain["stream_options"] == {"include_usage": True}

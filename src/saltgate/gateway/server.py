@@ -22,7 +22,7 @@ from saltgate.gateway.replicas import ReplicaSet
 from saltgate.http import HttpServer, Request, Response
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import credential, forward_request_headers
-from saltgate.policy.request import inspect, parse_json_object, prepare, resolve_route
+from saltgate.policy.request import inspect, parse_body, prepare, resolve_route
 from saltgate.spec.derive import SubKeys, cache_salt
 from saltgate.store.errors import StoreUnavailableError
 from saltgate.store.ledger import UsageLedger
@@ -124,8 +124,8 @@ class Gateway:
             return Response(
                 200, list(JSON), orjson.dumps({"object": "list", "data": self.replicas.models()})
             )
-        body = parse_json_object(request.body, self.config.max_body_bytes)
-        inspected = inspect(route, body)
+        body = parse_body(request.body, self.config.max_body_bytes)
+        inspected = inspect(route, body.obj)
         entry.model = inspected.model
         if (
             inspected.user_cache_secret
@@ -136,7 +136,7 @@ class Gateway:
         salt = self._salt(principal, inspected.user_cache_secret) if self.config.salting else None
         payload = prepare(body, inspected, salt)
         plan = self.replicas.plan(
-            route, body, inspected.model, salt, remember=inspected.user_cache_secret is None
+            route, body.obj, inspected.model, salt, remember=inspected.user_cache_secret is None
         )
         exchange = Exchange(self.meter, principal, entry, request.client)
         return await exchange.forward(
