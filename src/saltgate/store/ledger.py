@@ -160,6 +160,7 @@ class Ledger:
         self._flush_scheduled = False
         self._flush_timer: asyncio.TimerHandle | None = None
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._transactions = 0
         self._records = 0
         self._max_batch_seen = 0
@@ -168,7 +169,9 @@ class Ledger:
         """Return once `rec` is committed; raise LedgerError if it could not be."""
         if self._closed:
             raise LedgerError("usage ledger is closed")
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:  # asked once: asyncio checks the process id (a system call) each time
+            loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._pending.append((rec, fut))
         if self._busy is None:
