@@ -67,7 +67,9 @@ def test_a_short_replay_of_two_policies_reports_sane_numbers(tmp_path: Path) -> 
         assert sum(r["replica_requests"]) == n
         assert 1.0 <= r["max_mean_load"] <= 2.0
         assert r["cross_tenant_hits"] == 0
-        assert r["loadgen"]["send_lag_p99_ms"] < 100
+        # how late the load generator sent: reported, not judged (it follows the machine's
+        # load; docs/benchmarks.md reads it beside the figures)
+        assert 0 <= r["loadgen"]["send_lag_p50_ms"] <= r["loadgen"]["send_lag_p99_ms"]
     assert report["targets"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
