@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import ehbp
 import httpx
 import pytest
 from tests.gateway.stack import MODEL
+from tests.support.up import saltgate_up
 
 from saltgate.config import ConfigError, parse_config
 from saltgate.ehbp.frames import KEYS_PATH, KeyConfig
@@ -62,59 +59,22 @@ def test_the_key_file_is_made_once_private_and_kept(tmp_path: Path) -> None:
         load_or_create_server_key(link)
 
 
-def free_port_pair() -> int:
-    """A port P with P + 1 free too: `saltgate up --port P` serves its metrics on P + 1."""
-    while True:
-        with socket.socket() as sock, socket.socket() as next_sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-            try:
-                next_sock.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-
-
 def test_saltgate_up_serves_ehbp_and_plaintext_alike(tmp_path: Path) -> None:
     async def main() -> None:
-        port = free_port_pair()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "saltgate.cli",
-            "up",
-            "--port",
-            str(port),
-            "--replicas",
-            "1",
-            "--state-dir",
-            str(tmp_path / "state"),
-            stdout=subprocess.PIPE,
-        )
-        try:
-            assert proc.stdout is not None
-            lines: list[str] = []
-            while not any(line.lstrip().startswith("try:") for line in lines):
-                line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-                assert line, f"saltgate up exited early: {lines}"
-                lines.append(line)
-            text = "".join(lines)
-            fingerprint = re.search(r"EHBP key: (sha256:[0-9a-f]{64})", text)
-            api_key = re.search(r"tenant demo-alice: API key (\S+)", text)
-            assert fingerprint and api_key
-            url = f"http://127.0.0.1:{port}"
-            async with httpx.AsyncClient(base_url=url, timeout=30) as plain:
+        async with saltgate_up(tmp_path / "state") as up:
+            fingerprint = re.search(r"EHBP key: (sha256:[0-9a-f]{64})", up.banner)
+            assert fingerprint
+            async with httpx.AsyncClient(base_url=up.url, timeout=30) as plain:
                 config = (await plain.get(KEYS_PATH)).content
                 assert KeyConfig.decode(config).fingerprint == fingerprint.group(1)
                 body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
-                auth = {"authorization": f"Bearer {api_key.group(1)}"}
+                auth = {"authorization": f"Bearer {up.api_key()}"}
                 assert (await plain.post("/v1/completions", json=body, headers=auth)).is_success
             transport = ehbp.AsyncEHBPTransport(ehbp.ServerIdentity.unmarshal_public_config(config))
-            async with httpx.AsyncClient(base_url=url, transport=transport, timeout=30) as sealed:
+            async with httpx.AsyncClient(
+                base_url=up.url, transport=transport, timeout=30
+            ) as sealed:
                 resp = await sealed.post("/v1/completions", json=body, headers=auth)
                 assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
-        finally:
-            proc.send_signal(signal.SIGINT)
-            await asyncio.wait_for(proc.wait(), 30)
 
     asyncio.run(main())

@@ -24,6 +24,7 @@ from tests.support.sdks import (
     anthropic_call,
     openai_call,
 )
+from tests.support.up import saltgate_up
 
 from saltgate.config import load_master_key
 from saltgate.spec.derive import cache_salt, derive_subkeys
@@ -112,5 +113,25 @@ def test_a_wrong_key_is_an_sdk_authentication_error(tmp_path: Path) -> None:
                 await anthropic_call(bad, MODEL, "hi", stream=False)
             await bad.close()
             assert s.forwarded() == []
+
+    run(main)
+
+
+def test_both_sdks_against_saltgate_up_as_a_user_starts_it(tmp_path: Path) -> None:
+    """`make up`'s command, in its own process, with the demo key it prints."""
+
+    async def main() -> None:
+        async with saltgate_up(tmp_path / "state") as up:
+            oai = openai.AsyncOpenAI(base_url=f"{up.url}/v1", api_key=up.api_key(), max_retries=0)
+            for api in ("chat", "completions", "responses"):
+                for stream in (False, True):
+                    call = await openai_call(oai, api, MODEL, "hello there", stream=stream)
+                    assert call.text and call.completion_tokens > 0, (api, stream)
+            await oai.close()
+            ant = anthropic.AsyncAnthropic(base_url=up.url, api_key=up.api_key(), max_retries=0)
+            for stream in (False, True):
+                reply = await anthropic_call(ant, MODEL, "hello there", stream=stream)
+                assert reply.text and reply.output_tokens > 0
+            await ant.close()
 
     run(main)

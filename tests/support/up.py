@@ -1,0 +1,60 @@
+"""`saltgate up` as a user starts it (the command, in its own process), for one test."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Up:
+    url: str
+    banner: str  # what it printed: the URL, the EHBP key's fingerprint, a key per demo tenant
+
+    def api_key(self, tenant: str = "demo-alice") -> str:
+        found = re.search(rf"tenant {re.escape(tenant)}: API key (\S+)", self.banner)
+        assert found, f"no key for {tenant} in: {self.banner}"
+        return found.group(1)
+
+
+def free_port_pair() -> int:
+    """A port P with P + 1 free too: `saltgate up --port P` serves its metrics on P + 1."""
+    while True:
+        with socket.socket() as sock, socket.socket() as next_sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            try:
+                next_sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+@asynccontextmanager
+async def saltgate_up(state_dir: Path, replicas: int = 1) -> AsyncIterator[Up]:
+    """Run `saltgate up`; yields once it printed its banner, stops it (SIGINT) after."""
+    port = free_port_pair()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "saltgate.cli", "up", "--port", str(port),
+        "--replicas", str(replicas), "--state-dir", str(state_dir),
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        while not any(line.lstrip().startswith("try:") for line in lines):
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            assert line, f"saltgate up exited early: {lines}"
+            lines.append(line)
+        yield Up(f"http://127.0.0.1:{port}", "".join(lines))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.wait(), 30)
