@@ -4,14 +4,18 @@ secret or prompt in it."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, ledger_rows, run, stack
 
-from saltgate.gateway.access_log import AccessLog, Entry
+from saltgate.gateway.access_log import AccessLog, Entry, _pieces
 from saltgate.gateway.usage import Usage
 
 
@@ -101,3 +105,67 @@ def test_lines_are_written_in_batches(tmp_path: Path) -> None:
         log.close()
 
     asyncio.run(main())
+
+
+_PIPE_WRITER = """
+import asyncio, sys
+from saltgate.gateway.access_log import AccessLog, Entry
+
+async def main() -> None:
+    log = AccessLog(int(sys.argv[1]), "json")
+    log._atomic = sys.argv[2] == "on"  # "off": the positive control
+    for _ in range(4000):
+        entry = Entry(b"POST", None, 0.0)
+        entry.model = sys.argv[3] * 150
+        log.write(entry, 200)  # 64 KiB batches, far over PIPE_BUF
+    log.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("atomic", ["on", "off"])
+def test_workers_sharing_a_pipe_never_split_a_line(atomic: str) -> None:
+    """Two processes log to one pipe (the stderr of `serve --workers 2` under a
+    supervisor) while the reader is slow, so the pipe is full and writes block part-way.
+    Writes of whole lines up to PIPE_BUF keep every line whole; the positive control
+    (one write per batch) shows lines of the two writers cut into each other."""
+    read_end, write_end = os.pipe()
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PIPE_WRITER, str(write_end), atomic, mark],
+            pass_fds=(write_end,),
+        )
+        for mark in "ab"
+    ]
+    os.close(write_end)
+    data = bytearray()
+    while chunk := os.read(read_end, 4096):
+        data += chunk
+        time.sleep(0.0005)
+    os.close(read_end)
+    assert [w.wait(timeout=60) for w in writers] == [0, 0]
+    lines = bytes(data).splitlines()
+    assert len(lines) == 8000
+
+    def whole(line: bytes) -> bool:
+        try:
+            return len(set(orjson.loads(line)["model"])) == 1
+        except (orjson.JSONDecodeError, KeyError, TypeError):  # a fragment, say "200}"
+            return False
+
+    broken = sum(not whole(line) for line in lines)
+    if atomic == "on":
+        assert broken == 0
+    else:
+        assert broken > 0
+
+
+def test_a_batch_is_cut_after_newlines_into_atomic_pieces() -> None:
+    lines = [b"x" * n + b"\n" for n in (10, 3000, 2000, 5000, 1)]
+    data = b"".join(lines)
+    pieces = _pieces(data, 4096)
+    assert b"".join(pieces) == data
+    assert pieces == [lines[0] + lines[1], lines[2], lines[3], lines[4]]
+    assert all(p.endswith(b"\n") for p in pieces)
+    assert _pieces(b"a\n", 4096) == [b"a\n"]

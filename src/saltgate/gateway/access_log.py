@@ -8,7 +8,10 @@ Strings a client chose (model, its request id) are written JSON-quoted in both f
 so no client can forge a line or a field.
 
 Lines are buffered and written every `FLUSH_S` or once `FLUSH_BYTES` pile up: a busy
-gateway makes one write a batch, not one per request.
+gateway makes one write a batch, not one per request. To a pipe or socket (stderr under
+a supervisor, say), which the worker processes of `serve --workers N` share, a write
+carries whole lines and at most PIPE_BUF bytes, the size the kernel writes atomically,
+so lines of different workers never interleave mid-line.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import select
+import stat
 import time
 from typing import Final
 
@@ -67,6 +72,7 @@ class AccessLog:
             raise ValueError(f"log format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
         self.fd = fd
         self.json = fmt == "json"
+        self._atomic = fd is not None and _is_pipe(fd)
         self._buffer: list[bytes] = []
         self._size = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -135,10 +141,11 @@ class AccessLog:
         data = b"".join(self._buffer)
         self._buffer.clear()
         self._size = 0
-        view = memoryview(data)
-        while view:  # a short write to a pipe or file: write the rest
-            written = os.write(self.fd, view)
-            view = view[written:]
+        if self._atomic:
+            for piece in _pieces(data, select.PIPE_BUF):
+                _write_all(self.fd, piece)
+        else:
+            _write_all(self.fd, data)
 
     def close(self) -> None:
         self.flush()
@@ -154,6 +161,36 @@ class AccessLog:
             self._second = second
             self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         return f"{self._stamp}.{int((now - second) * 1000):03d}Z"
+
+
+def _is_pipe(fd: int) -> bool:
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+def _pieces(data: bytes, limit: int) -> list[bytes]:
+    """`data` cut after newlines into pieces of at most `limit` bytes (a longer line is
+    a piece of its own)."""
+    pieces = []
+    start = 0
+    while len(data) - start > limit:
+        cut = data.rfind(b"\n", start, start + limit)
+        end = cut + 1 if cut >= start else data.index(b"\n", start + limit) + 1
+        pieces.append(data[start:end])
+        start = end
+    if start < len(data):
+        pieces.append(data[start:])
+    return pieces
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:  # a short write to a pipe or file: write the rest
+        written = os.write(fd, view)
+        view = view[written:]
 
 
 def _quoted(text: str | None) -> str:
