@@ -68,6 +68,12 @@ def _run_sim(args: argparse.Namespace) -> int:
 def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the gateway from a configuration file")
     p.add_argument("--config", required=True, help="TOML file (see docs/config.md)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes serving the one port (default 1: a single process; docs/workers.md)",
+    )
     p.set_defaults(func=_run_serve)
 
     p = sub.add_parser("up", help="run the gateway on its embedded default: simulated replicas")
@@ -126,13 +132,21 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _run_serve(args: argparse.Namespace) -> int:
     from saltgate.config import ConfigError, load_config
-    from saltgate.gateway.run import serve
 
+    if args.workers < 1:
+        print("saltgate serve: --workers must be at least 1", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         print(f"saltgate serve: {exc}", file=sys.stderr)
         return 2
+    if args.workers > 1:
+        from saltgate.gateway.supervisor import serve_workers
+
+        return serve_workers(config, args.workers)
+    from saltgate.gateway.run import serve
+
     return serve(config)
 
 

@@ -73,9 +73,10 @@ class GatewayProcess:
     log: Path
 
     @classmethod
-    async def start(cls, config: Path, log: Path) -> GatewayProcess:
-        """`saltgate serve --config FILE` (with an admin port), ready when it prints where
-        it serves; its stderr (warnings: store outages, replays) goes to `log`."""
+    async def start(cls, config: Path, log: Path, *, workers: int = 1) -> GatewayProcess:
+        """`saltgate serve --config FILE [--workers N]` (with an admin port), ready when it
+        prints where it serves; its stderr (warnings: store outages, replays, worker
+        restarts; the access log) goes to `log`."""
         assert SALTGATE.exists(), f"missing {SALTGATE}: run `make install`"
         with log.open("wb") as err:
             proc = await asyncio.create_subprocess_exec(
@@ -83,6 +84,8 @@ class GatewayProcess:
                 "serve",
                 "--config",
                 str(config),
+                "--workers",
+                str(workers),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=err,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},

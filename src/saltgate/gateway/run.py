@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.gateway.server import Gateway
 from saltgate.http import HttpServer, Request, Response
+from saltgate.http.server import AcceptGate
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
 from saltgate.routing import Router
@@ -24,6 +26,15 @@ from saltgate.runtime import run_service, until_stopped
 from saltgate.spec.derive import derive_subkeys
 from saltgate.store.backends import open_gateway_store
 from saltgate.store.errors import StoreError
+
+
+@dataclass(frozen=True, slots=True)
+class SharedListener:
+    """A listening socket the workers of `serve --workers N` share, and the gate that
+    shares its connections among them (gateway/balance.py)."""
+
+    sock: socket.socket
+    gate: AcceptGate
 
 
 @dataclass
@@ -77,7 +88,14 @@ def start_kv_relay(config: GatewayConfig, k_kv: bytes) -> KvRelay | None:
     return relay
 
 
-async def start_gateway(config: GatewayConfig) -> RunningGateway:
+async def start_gateway(
+    config: GatewayConfig,
+    *,
+    listener: SharedListener | None = None,
+    ehbp_key: ServerKey | None = None,
+) -> RunningGateway:
+    """Open the store, probe the replicas and serve: on `config`'s host and port, or (a
+    worker) on `listener` with the EHBP key its parent gave every worker."""
     master_key = load_master_key(config.master_key_file)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     subkeys = derive_subkeys(master_key)
@@ -98,10 +116,13 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         metrics=metrics,
         access_log=AccessLog.open(config.access_log, config.log_format),
     )
-    ehbp = _ehbp_edge(config, gateway, metrics)
+    ehbp = _ehbp_edge(config, gateway, metrics, ehbp_key)
     await replicas.probe_all()
     replicas.start_probing()
-    port = await gateway.http.start(config.host, config.port)
+    if listener is None:
+        port = await gateway.http.start(config.host, config.port)
+    else:
+        port = gateway.http.start_shared(listener.sock, listener.gate)
     admin = None
     admin_port = None
     if config.admin_port is not None:
@@ -124,24 +145,37 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     return running
 
 
-def _ehbp_edge(config: GatewayConfig, gateway: Gateway, metrics: Metrics) -> EhbpEdge | None:
-    """Serve EHBP beside plaintext: the operator's key file, else a key made now (memory only)."""
+def _ehbp_edge(
+    config: GatewayConfig, gateway: Gateway, metrics: Metrics, key: ServerKey | None
+) -> EhbpEdge | None:
+    """Serve EHBP beside plaintext with `key`, or `ehbp_key(config)`."""
     if not config.ehbp:
         return None
-    if config.ehbp_key_file is None:
-        key = ServerKey.generate()
-    else:
-        key = load_or_create_server_key(config.ehbp_key_file)
-    edge = EhbpEdge(gateway.handle, key, metrics)
+    edge = EhbpEdge(gateway.handle, key or ehbp_key(config), metrics)
     gateway.http.handler = edge.handle
     return edge
 
 
-def _reload_from(running: RunningGateway, path: Path) -> None:
+def ehbp_key(config: GatewayConfig) -> ServerKey:
+    """The operator's key file, else a key made now (memory only)."""
+    if config.ehbp_key_file is None:
+        return ServerKey.generate()
+    return load_or_create_server_key(config.ehbp_key_file)
+
+
+def reread_config(path: Path) -> GatewayConfig | None:
+    """The configuration file read again for a reload (SIGHUP); None, said on stderr, if
+    it is refused."""
     try:
-        config = load_config(path)
+        return load_config(path)
     except ConfigError as exc:
         print(f"saltgate: reload refused, keeping the current replicas: {exc}", file=sys.stderr)
+        return None
+
+
+def _reload_from(running: RunningGateway, path: Path) -> None:
+    config = reread_config(path)
+    if config is None:
         return
     running.reload(config)
     print(f"saltgate: reloaded {path}: {len(config.replicas)} replicas", flush=True)

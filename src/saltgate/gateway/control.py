@@ -1,0 +1,91 @@
+"""The channel between `saltgate serve --workers N` and each of its workers.
+
+A Unix socket pair per worker, made by the parent; the worker gets its end as an
+inherited file descriptor. Frames are a 4-byte big-endian length and a body.
+
+- Parent to worker: a pickled order (`Start`, `SendMetrics`, `Reload`). The parent is the
+  trusted side: it hands the worker its configuration, secrets included (a replica's API
+  key, the EHBP private key), as a single process would have read them itself.
+- Worker to parent: a tag byte and data (`READY`, `FAILED` + a UTF-8 message, `METRICS` +
+  a JSON snapshot, `RELOADED`). The parent parses it as data only: a worker faces the
+  network, and must not be able to run code in its parent.
+
+Every order but `Start` gets exactly one answer, in order, so the parent pairs answers
+with the orders it sent by position.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+from saltgate.config import GatewayConfig, ReplicaConfig
+
+_LENGTH: Final = struct.Struct(">I")
+MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
+
+READY: Final = b"R"  # started and accepting
+FAILED: Final = b"F"  # could not start: one line for the operator follows
+USAGE_FAILED: Final = b"U"  # could not start because of the configuration or the store
+METRICS: Final = b"M"  # a metrics snapshot (gateway/metrics.py Snapshot.to_json) follows
+RELOADED: Final = b"L"  # the new replicas are in use
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """What a worker runs: the parent's configuration (no admin port, no KV relay: the
+    parent keeps those) and the EHBP private key every worker must share."""
+
+    index: int
+    workers: int
+    config: GatewayConfig
+    ehbp_private_key: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class SendMetrics:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Reload:
+    replicas: tuple[ReplicaConfig, ...]
+
+
+Order = Start | SendMetrics | Reload
+
+
+def frame(body: bytes) -> bytes:
+    if len(body) > MAX_FRAME_BYTES:
+        raise ValueError(f"a control frame of {len(body)} bytes is over the limit")
+    return _LENGTH.pack(len(body)) + body
+
+
+def order_frame(order: Order) -> bytes:
+    return frame(pickle.dumps(order, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
+    """The next frame's body, or None when the other end closed the channel."""
+    try:
+        head = await reader.readexactly(_LENGTH.size)
+        (length,) = _LENGTH.unpack(head)
+        if length > MAX_FRAME_BYTES:
+            raise ValueError(f"a control frame of {length} bytes is over the limit")
+        return await reader.readexactly(length)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+async def read_order(reader: asyncio.StreamReader) -> Order | None:
+    """The parent's next order (worker side), or None when the parent is gone."""
+    body = await read_frame(reader)
+    if body is None:
+        return None
+    order = pickle.loads(body)  # noqa: S301 - from the parent, the trusted side (above)
+    if not isinstance(order, Start | SendMetrics | Reload):
+        raise TypeError(f"unknown order {type(order).__name__}")
+    return order

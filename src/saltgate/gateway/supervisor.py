@@ -1,0 +1,415 @@
+"""`saltgate serve --workers N`: one parent holding the port, N worker processes serving it.
+
+The parent binds the listening socket and every worker accepts from it (inherited, not
+SO_REUSEPORT): one accept queue, so connections queued when a worker dies wait for the
+others instead of being reset with its socket, and no other process of the same user
+can bind the port and take a share of the traffic. The workers share connections by
+"least connections" through a board in shared memory (gateway/balance.py).
+docs/workers.md measures both choices.
+
+The parent serves no request. It starts each worker as a fresh interpreter
+(gateway/worker.py), hands it its configuration over a control channel
+(gateway/control.py), restarts a worker that dies (with a backoff if it dies young),
+serves the one admin port (metrics merged from every worker), runs the KV-event relay
+if configured, and turns signals into orders: SIGHUP re-reads [[replicas]] for every
+worker, SIGTERM or SIGINT drains every worker and then exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Final
+
+from saltgate.config import ConfigError, GatewayConfig, load_master_key
+from saltgate.ehbp.frames import KEYS_PATH
+from saltgate.gateway import control
+from saltgate.gateway.balance import ConnectionBoard
+from saltgate.gateway.metrics import Counter, Gauge, Snapshot, merge_workers, render
+from saltgate.gateway.run import ehbp_key, kv_upstreams, reread_config, start_kv_relay
+from saltgate.http import HttpServer, Request, Response
+from saltgate.kvevents.relay import KvRelay
+from saltgate.runtime import run_service, until_stopped
+from saltgate.spec.derive import derive_subkeys
+from saltgate.store.errors import StoreError
+
+# A worker that dies sooner than this after it started is restarted after a backoff
+# (0.5 s, doubling up to BACKOFF_MAX_S), so a worker that cannot run does not spin.
+RESTART_QUICK_S: Final = 10.0
+BACKOFF_MAX_S: Final = 30.0
+METRICS_TIMEOUT_S: Final = 2.0  # a worker that does not answer counts with its last snapshot
+RELOAD_TIMEOUT_S: Final = 10.0
+# SIGTERM: workers drain (5 s of grace for responses in flight, then the store closes);
+# one still running after this is killed.
+STOP_TIMEOUT_S: Final = 30.0
+LISTEN_BACKLOG: Final = 1024
+
+
+class WorkerProcess:
+    """A running worker as the parent sees it: its process and its control channel."""
+
+    def __init__(
+        self,
+        index: int,
+        proc: asyncio.subprocess.Process,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        self.index = index
+        self.proc = proc
+        self.started = time.monotonic()
+        self.last = Snapshot()  # its metrics when it last answered
+        self._reader = reader
+        self._writer = writer
+        self._answers: deque[asyncio.Future[bytes | None]] = deque()
+        self._reading = asyncio.get_running_loop().create_task(self._read_answers())
+
+    async def ask(self, order: control.Order, timeout: float) -> bytes | None:
+        """The worker's answer to `order`, or None if it gave none in time."""
+        future = asyncio.get_running_loop().create_future()
+        self._answers.append(future)
+        try:
+            self._writer.write(control.order_frame(order))
+            await self._writer.drain()
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except (TimeoutError, ConnectionError):
+            return None
+
+    async def _read_answers(self) -> None:
+        """Pair answers with orders by position; a late answer still goes to its order."""
+        while (body := await control.read_frame(self._reader)) is not None:
+            if self._answers:
+                future = self._answers.popleft()
+                if not future.done():
+                    future.set_result(body)
+        for future in self._answers:
+            if not future.done():
+                future.set_result(None)
+        self._answers.clear()
+
+    def close(self) -> None:
+        self._reading.cancel()
+        self._writer.close()
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with status {returncode}"
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket every worker inherits (the first address `host` resolves to)."""
+    family, _, _, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    return socket.create_server(address[:2], family=family, backlog=LISTEN_BACKLOG)
+
+
+class Supervisor:
+    def __init__(self, config: GatewayConfig, workers: int) -> None:
+        if workers < 1:
+            raise ValueError("--workers must be at least 1")
+        self.config = config
+        self.workers = workers
+        self.alive: dict[int, WorkerProcess] = {}
+        self.restarts = [0] * workers
+        self.port = 0
+        self.admin_port: int | None = None
+        self.relay: KvRelay | None = None
+        self._sock: socket.socket | None = None
+        self._board: ConnectionBoard | None = None
+        self._admin: HttpServer | None = None
+        self._ehbp_private_key: bytes | None = None
+        self.ehbp_fingerprint: str | None = None
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._keepers: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._retired = Snapshot()  # what workers that died had counted
+        self._retired_requests = [0.0] * workers
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def worker_config(self) -> GatewayConfig:
+        """What a worker runs: the parent keeps the admin port and the relay."""
+        return dataclasses.replace(self.config, admin_port=None, kv_relay=None)
+
+    # -- start and stop ------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind, start every worker and wait until each accepts; ConfigError or OSError
+        (with the worker's own message) if one cannot start."""
+        config = self.config
+        if config.ehbp:
+            key = ehbp_key(config)
+            self._ehbp_private_key = key.private_bytes()
+            self.ehbp_fingerprint = key.config.fingerprint
+        self._sock = listen(config.host, config.port)
+        self.port = int(self._sock.getsockname()[1])
+        self._board = ConnectionBoard.create(self.workers)
+        try:
+            started = await asyncio.gather(
+                *(self._spawn(i) for i in range(self.workers)), return_exceptions=True
+            )
+            failed = [r for r in started if isinstance(r, BaseException)]
+            for result in started:
+                if isinstance(result, WorkerProcess):
+                    self._adopt(result)
+            if failed:
+                raise failed[0]
+            if config.admin_port is not None:
+                self._admin = HttpServer(self._admin_handler)
+                self.admin_port = await self._admin.start(config.admin_host, config.admin_port)
+            if config.kv_relay is not None:
+                k_kv = derive_subkeys(load_master_key(config.master_key_file)).kv_events
+                self.relay = start_kv_relay(config, k_kv)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _spawn(self, index: int) -> WorkerProcess:
+        assert self._sock is not None and self._board is not None
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = (self._sock.fileno(), child_end.fileno(), self._board.fd)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "saltgate.gateway.worker",
+                "--index",
+                str(index),
+                "--workers",
+                str(self.workers),
+                "--listen-fd",
+                str(fds[0]),
+                "--control-fd",
+                str(fds[1]),
+                "--board-fd",
+                str(fds[2]),
+                stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=fds,
+            )
+        except BaseException:
+            parent_end.close()
+            raise
+        finally:
+            child_end.close()
+        self._procs[index] = proc
+        reader, writer = await asyncio.open_unix_connection(sock=parent_end)
+        start = control.Start(index, self.workers, self.worker_config(), self._ehbp_private_key)
+        writer.write(control.order_frame(start))
+        await writer.drain()
+        first = await control.read_frame(reader)
+        if first != control.READY:
+            writer.close()
+            returncode = await proc.wait()
+            if first is not None and first[:1] == control.USAGE_FAILED:
+                raise ConfigError(first[1:].decode(errors="replace"))
+            if first is not None and first[:1] == control.FAILED:
+                raise OSError(first[1:].decode(errors="replace"))
+            raise OSError(f"worker {index} {describe_exit(returncode)} before it was ready")
+        return WorkerProcess(index, proc, reader, writer)
+
+    def _adopt(self, worker: WorkerProcess) -> None:
+        self.alive[worker.index] = worker
+        self._keepers.append(asyncio.get_running_loop().create_task(self._keep(worker)))
+
+    async def _keep(self, worker: WorkerProcess) -> None:
+        """Wait for the worker to exit; unless the parent is stopping, log it, count it
+        and start another in its slot (after a backoff if it died young)."""
+        index = worker.index
+        quick_deaths = 0
+        while True:
+            returncode = await worker.proc.wait()
+            self._retire(worker)
+            if self._stopping:
+                return
+            self.restarts[index] += 1
+            lived = time.monotonic() - worker.started
+            quick_deaths = quick_deaths + 1 if lived < RESTART_QUICK_S else 0
+            print(
+                f"saltgate: worker {index} (pid {worker.proc.pid}) {describe_exit(returncode)}"
+                f" after {lived:.1f} s; restarting it (restart {self.restarts[index]})",
+                file=sys.stderr,
+                flush=True,
+            )
+            while True:
+                if quick_deaths:
+                    await asyncio.sleep(min(BACKOFF_MAX_S, 0.5 * 2 ** (quick_deaths - 1)))
+                if self._stopping:
+                    return
+                try:
+                    worker = await self._spawn(index)
+                except (ConfigError, OSError) as exc:
+                    print(f"saltgate: worker {index} could not start: {exc}", file=sys.stderr)
+                    quick_deaths += 1
+                    continue
+                break
+            self.alive[index] = worker
+
+    def _retire(self, worker: WorkerProcess) -> None:
+        """A worker is gone: keep what it had counted, take it out of the share."""
+        if self.alive.get(worker.index) is worker:
+            del self.alive[worker.index]
+        assert self._board is not None
+        self._board.mark_down(worker.index)
+        self._retired.add_counts(worker.last)
+        self._retired_requests[worker.index] += worker.last.total("saltgate_requests_total")
+        worker.last = Snapshot()
+        worker.close()
+
+    async def stop(self) -> None:
+        """Drain every worker (SIGTERM: requests in flight finish), then let go of the
+        port, the admin port and the relay."""
+        self._stopping = True
+        if self._sock is not None:  # with the workers' copies closed, new connections are refused
+            self._sock.close()
+            self._sock = None
+        for proc in self._procs.values():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        waits = [asyncio.ensure_future(p.wait()) for p in self._procs.values()]
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=STOP_TIMEOUT_S)
+            for proc in self._procs.values():
+                if proc.returncode is None:
+                    print(
+                        f"saltgate: worker pid {proc.pid} did not stop; killing it", file=sys.stderr
+                    )
+                    proc.kill()
+            await asyncio.gather(*late)
+        for keeper in self._keepers:
+            keeper.cancel()
+        await asyncio.gather(*self._keepers, return_exceptions=True)
+        for worker in list(self.alive.values()):
+            self._retire(worker)
+        if self._admin is not None:
+            await self._admin.close()
+        if self.relay is not None:
+            await asyncio.to_thread(self.relay.close)
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+    # -- orders --------------------------------------------------------------------------
+    def request_reload(self, path: Path) -> None:
+        task = asyncio.get_running_loop().create_task(self.reload(path))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def reload(self, path: Path) -> None:
+        """SIGHUP: the file's [[replicas]] for every worker (and the ones started later)."""
+        config = reread_config(path)
+        if config is None:
+            return
+        self.config = dataclasses.replace(self.config, replicas=config.replicas)
+        if self.relay is not None:
+            self.relay.set_upstreams(kv_upstreams(config))
+        order = control.Reload(config.replicas)
+        answers = await asyncio.gather(
+            *(w.ask(order, RELOAD_TIMEOUT_S) for w in list(self.alive.values()))
+        )
+        done = sum(a == control.RELOADED for a in answers)
+        print(
+            f"saltgate: reloaded {path}: {len(config.replicas)} replicas in {done} of "
+            f"{self.workers} workers",
+            flush=True,
+        )
+
+    async def metrics(self) -> Snapshot:
+        """Every worker's metrics merged, with the workers' own."""
+        workers = list(self.alive.values())
+        answers = await asyncio.gather(
+            *(w.ask(control.SendMetrics(), METRICS_TIMEOUT_S) for w in workers)
+        )
+        for worker, answer in zip(workers, answers, strict=True):
+            if answer is not None and answer[:1] == control.METRICS:
+                try:
+                    worker.last = Snapshot.from_json(answer[1:])
+                except ValueError as exc:
+                    print(f"saltgate: worker {worker.index}: {exc}", file=sys.stderr)
+        live = {str(i): w.last for i, w in self.alive.items()}
+        merged = merge_workers(live, self._retired)
+        slots = range(self.workers)
+        merged.gauges["saltgate_workers_alive"] = Gauge(
+            f"Worker processes running (of {self.workers}).", [((), float(len(self.alive)))]
+        )
+        assert self._board is not None
+        merged.gauges["saltgate_worker_connections"] = Gauge(
+            "Client connections open, per worker.",
+            [
+                ((("worker", str(i)),), float(n))
+                for i in slots
+                if (n := self._board.connections(i)) is not None
+            ],
+        )
+        merged.counters["saltgate_worker_restarts_total"] = Counter(
+            "counter",
+            "Workers that died and were restarted, per worker slot.",
+            {(("worker", str(i)),): float(self.restarts[i]) for i in slots},
+        )
+        merged.counters["saltgate_worker_requests_total"] = Counter(
+            "counter",
+            "Requests answered, per worker slot (a restarted worker continues its slot).",
+            {(("worker", str(i)),): self._slot_requests(i) for i in slots},
+        )
+        return merged
+
+    def _slot_requests(self, index: int) -> float:
+        worker = self.alive.get(index)
+        now = worker.last.total("saltgate_requests_total") if worker is not None else 0.0
+        return self._retired_requests[index] + now
+
+    async def _admin_handler(self, request: Request) -> Response:
+        if request.method == b"GET" and request.path == b"/metrics":
+            body = render(await self.metrics())
+            return Response(200, [(b"content-type", b"text/plain; version=0.0.4")], body)
+        return Response(404)
+
+
+def serve_workers(config: GatewayConfig, workers: int) -> int:
+    """`saltgate serve --workers N`; the exit status, as `saltgate.gateway.run.serve`."""
+    return run_service(
+        lambda: _serve_workers(config, workers),
+        "saltgate",
+        cannot_run=f"cannot serve on {config.host}:{config.port}",
+        usage_errors=(ConfigError, StoreError),
+    )
+
+
+async def _serve_workers(config: GatewayConfig, workers: int) -> None:
+    """Run until SIGTERM or SIGINT, then drain every worker."""
+    supervisor = Supervisor(config, workers)
+    await supervisor.start()
+    print(
+        f"saltgate: serving on {supervisor.url} ({len(config.replicas)} replicas, "
+        f"{workers} workers)",
+        flush=True,
+    )
+    if supervisor.admin_port is not None:
+        print(f"saltgate: metrics on http://{config.admin_host}:{supervisor.admin_port}/metrics")
+    if supervisor.ehbp_fingerprint is not None:
+        print(f"saltgate: EHBP key {supervisor.ehbp_fingerprint} at {KEYS_PATH}")
+    if supervisor.relay is not None:
+        print(f"saltgate: {supervisor.relay.describe()}", flush=True)
+    if config.config_file is not None:
+        path = config.config_file
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGHUP, supervisor.request_reload, path
+        )
+    try:
+        await until_stopped()
+    finally:
+        await supervisor.stop()

@@ -1,0 +1,98 @@
+"""One worker process of `saltgate serve --workers N` (gateway/supervisor.py starts it).
+
+A fresh interpreter, not a fork: it inherits three file descriptors (the shared
+listening socket, its end of the control channel, the connection board) and nothing
+else, so no thread, lock, event loop or database connection of the parent can be copied
+into it half-way. It opens its own store (its own SQLite connections, or its own
+PostgreSQL listening connection, ledger pool and spool segment), probes the replicas
+itself, and serves until the parent tells it to stop.
+
+Signals: SIGTERM drains (requests in flight finish, within the HTTP server's grace),
+like a single `saltgate serve`; SIGINT and SIGHUP are ignored, because a terminal sends
+them to the whole process group and the parent decides (it drains or reloads every
+worker). When the parent's end of the channel closes (the parent died), the worker
+drains and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+from saltgate.config import ConfigError
+from saltgate.ehbp.frames import ServerKey
+from saltgate.gateway import control
+from saltgate.gateway.balance import ConnectionBoard
+from saltgate.gateway.run import RunningGateway, SharedListener, start_gateway
+from saltgate.runtime import install_uvloop
+from saltgate.store.errors import StoreError
+
+
+async def _serve_orders(
+    running: RunningGateway, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """Answer the parent's orders until it closes the channel."""
+    while (order := await control.read_order(reader)) is not None:
+        if isinstance(order, control.SendMetrics):
+            writer.write(
+                control.frame(control.METRICS + running.gateway.metrics.snapshot().to_json())
+            )
+        elif isinstance(order, control.Reload):
+            gateway = running.gateway
+            running.reload(dataclasses.replace(gateway.config, replicas=order.replicas))
+            writer.write(control.frame(control.RELOADED))
+        await writer.drain()
+
+
+async def work(index: int, workers: int, listen_fd: int, control_fd: int, board_fd: int) -> int:
+    reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=control_fd))
+    start = await control.read_order(reader)
+    if not isinstance(start, control.Start):
+        return 1  # the parent went away before giving an order
+    board = ConnectionBoard(board_fd, workers)
+    key = start.ehbp_private_key
+    try:
+        running = await start_gateway(
+            start.config,
+            listener=SharedListener(socket.socket(fileno=listen_fd), board.gate(index)),
+            ehbp_key=ServerKey(key) if key is not None else None,
+        )
+    except (ConfigError, StoreError, OSError) as exc:
+        tag = control.FAILED if isinstance(exc, OSError) else control.USAGE_FAILED
+        writer.write(control.frame(tag + str(exc).encode()))
+        await writer.drain()
+        return 1 if isinstance(exc, OSError) else 2
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    writer.write(control.frame(control.READY))
+    await writer.drain()
+    orders = asyncio.create_task(_serve_orders(running, reader, writer))
+    orders.add_done_callback(lambda _: stop.set())
+    await stop.wait()
+    await running.close()
+    orders.cancel()
+    writer.close()
+    board.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="saltgate-worker", description=__doc__)
+    for name in ("--index", "--workers", "--listen-fd", "--control-fd", "--board-fd"):
+        parser.add_argument(name, type=int, required=True)
+    args = parser.parse_args(argv)
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    install_uvloop()
+    return asyncio.run(
+        work(args.index, args.workers, args.listen_fd, args.control_fd, args.board_fd)
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,465 @@
+"""`saltgate serve --workers 2` as real processes, against simulated replicas (docs/workers.md).
+
+- Requests spread over both workers, and the one admin port's /metrics sums them.
+- A worker killed with SIGKILL is restarted, counted and logged in one line; requests go
+  on succeeding (only those in flight on the dead worker may fail); on SQLite and on
+  PostgreSQL the ledger holds exactly one record per delivered 200, matched one by one
+  by request id (the response's x-request-id).
+- Connections queued in the listening socket when a worker dies are served by the others.
+- SIGHUP changes the replicas of every worker; SIGTERM lets a long stream finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+from tests.gateway.stack import MODEL, Tap, run
+from tests.support.gateways import SALTGATE, GatewayProcess, write_gateway_config
+from tests.support.waiting import eventually
+
+from saltgate.config import create_master_key
+from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate.store.backends import open_database
+from saltgate.store.settings import StoreSettings
+from saltgate.store.tenants import TenantStore
+
+WORKERS = 2
+
+
+def worker_pids(parent: int) -> dict[int, int]:
+    """Worker index -> pid of the parent's running workers (from /proc; zombies left out)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == parent and state != "Z" and b"saltgate.gateway.worker" in argv:
+            found[int(argv[argv.index(b"--index") + 1])] = int(entry.name)
+    return found
+
+
+def gone(pid: int) -> bool:
+    """The process exited (a zombie has closed every socket it had)."""
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) == "Z"
+    except OSError:
+        return True
+
+
+def series(text: str) -> dict[str, float]:
+    """`name{labels}` -> value, from the Prometheus text."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def per_worker(values: dict[str, float], name: str) -> dict[int, float]:
+    pattern = re.compile(re.escape(name) + r'\{worker="(\d+)"\}')
+    return {int(m[1]): v for k, v in values.items() if (m := pattern.fullmatch(k))}
+
+
+@dataclass
+class Fleet:
+    gateway: GatewayProcess
+    sims: list[RunningSim]
+    taps: list[Tap]
+    key: str
+    config: Path
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.gateway.proc.pid
+
+    def client(self, **kw: object) -> httpx.AsyncClient:
+        headers = {"authorization": f"Bearer {self.key}"}
+        return httpx.AsyncClient(base_url=self.gateway.url, headers=headers, timeout=30, **kw)  # type: ignore[arg-type]
+
+    async def metrics(self) -> dict[str, float]:
+        async with httpx.AsyncClient(timeout=10) as http:
+            return series((await http.get(self.gateway.metrics_url)).text)
+
+    def posts(self, tap: int) -> int:
+        return sum(r.method == b"POST" for r in self.taps[tap].seen)
+
+
+@asynccontextmanager
+async def fleet(
+    tmp_path: Path,
+    store: StoreSettings,
+    *,
+    sims: int = 1,
+    configured: int | None = None,
+    sim: SimConfig | None = None,
+) -> AsyncIterator[Fleet]:
+    """`saltgate serve --workers 2` on `store`, in front of `sims` simulated replicas (the
+    first `configured` of them in its config file), with one tenant and its key."""
+    master = tmp_path / "master.key"
+    create_master_key(master)
+    with TenantStore(open_database(store)) as tenants:
+        tenants.create_tenant("acme")
+        _, key = tenants.create_key("acme")
+    running = [await start_sim(sim or SimConfig(port=0)) for _ in range(sims)]
+    taps = [Tap(s) for s in running]
+    for tap in taps:
+        await tap.start()
+    config = write_gateway_config(
+        tmp_path / "gw.toml",
+        state_dir=tmp_path / "state",
+        master_key_file=master,
+        replicas=[f"http://127.0.0.1:{t.port}" for t in taps[:configured]],
+        store=store,
+    )
+    log = tmp_path / "gw.log"
+    gateway = await GatewayProcess.start(config, log, workers=WORKERS)
+    try:
+        assert sorted(worker_pids(gateway.proc.pid)) == list(range(WORKERS))
+        yield Fleet(gateway, running, taps, key, config, log)
+    finally:
+        await gateway.stop()
+        for tap in taps:
+            await tap.close()
+        for s in running:
+            await s.close()
+
+
+def _body(stream: bool, max_tokens: int = 4) -> dict[str, object]:
+    body: dict[str, object] = {
+        "model": MODEL,
+        "prompt": f"w {random.random()}",
+        "max_tokens": max_tokens,
+    }
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+def _usage(resp: httpx.Response, stream: bool) -> dict[str, int]:
+    """The answer's usage; for a stream, only if it ended with [DONE] (delivered whole)."""
+    if not stream:
+        return dict(resp.json()["usage"])
+    lines = resp.text.splitlines()
+    assert "data: [DONE]" in lines, resp.text[-300:]
+    [usage] = [
+        doc["usage"]
+        for ln in lines
+        if ln.startswith("data: {") and (doc := orjson.loads(ln[6:])).get("usage")
+    ]
+    return dict(usage)
+
+
+def test_requests_spread_over_both_workers_and_metrics_sum_them(tmp_path: Path) -> None:
+    store = StoreSettings.in_state_dir(tmp_path / "state")
+
+    async def main() -> None:
+        async with fleet(tmp_path, store) as f:
+            sent: Counter[str] = Counter()
+
+            async def user(n: int) -> None:
+                for session in range(5):  # a new connection per session, 3 requests on each
+                    async with f.client() as http:
+                        for i in range(3):
+                            stream = (n + session + i) % 2 == 0
+                            resp = await http.post("/v1/completions", json=_body(stream))
+                            assert resp.status_code == 200, resp.text
+                            usage = _usage(resp, stream)
+                            sent["requests"] += 1
+                            sent["prompt"] += usage["prompt_tokens"]
+                            sent["completion"] += usage["completion_tokens"]
+
+            await asyncio.gather(*(user(n) for n in range(8)))
+            values = await f.metrics()
+        assert sent["requests"] == 120
+        assert values['saltgate_requests_total{method="POST",status="200"}'] == 120
+        assert values['saltgate_tokens_total{kind="prompt"}'] == sent["prompt"]
+        assert values['saltgate_tokens_total{kind="completion"}'] == sent["completion"]
+        assert values["saltgate_request_duration_seconds_count"] == 120
+        served = per_worker(values, "saltgate_worker_requests_total")
+        assert sum(served.values()) == 120 and all(served[i] > 0 for i in range(WORKERS)), served
+        assert values["saltgate_workers_alive"] == WORKERS
+        assert per_worker(values, "saltgate_worker_restarts_total") == {0: 0.0, 1: 0.0}
+        for i in range(WORKERS):  # a gauge is each worker's own view
+            assert values[f'saltgate_replica_healthy{{replica="0",worker="{i}"}}'] == 1.0
+            assert f'saltgate_store_unreachable_seconds{{worker="{i}"}}' in values
+
+    run(main)
+
+
+@dataclass
+class Outcome:
+    start: float
+    end: float = 0.0
+    request_id: str | None = None  # a 200 delivered whole
+    error: str | None = None
+
+
+@dataclass
+class Load:
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def delivered(self) -> int:
+        return sum(o.request_id is not None for o in self.outcomes)
+
+
+async def _load(f: Fleet, load: Load, stop: asyncio.Event, users: int = 6) -> None:
+    """Keep-alive clients, each on a new connection every 10 requests (so a restarted
+    worker gets some), half of the requests streamed, until `stop`."""
+
+    async def user(n: int) -> None:
+        rng = random.Random(n)
+        while not stop.is_set():
+            async with f.client() as http:
+                for _ in range(10):
+                    if stop.is_set():
+                        break
+                    await _request(http, load, rng)
+
+    await asyncio.gather(*(user(n) for n in range(users)))
+
+
+async def _request(http: httpx.AsyncClient, load: Load, rng: random.Random) -> None:
+    stream = rng.random() < 0.5
+    outcome = Outcome(time.monotonic())
+    load.outcomes.append(outcome)
+    try:
+        resp = await http.post("/v1/completions", json=_body(stream, rng.randint(1, 8)))
+        if resp.status_code == 200:
+            _usage(resp, stream)
+            outcome.request_id = resp.headers["x-request-id"]
+        else:
+            outcome.error = f"{resp.status_code}: {resp.text[:200]}"
+    except (httpx.HTTPError, AssertionError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    outcome.end = time.monotonic()
+
+
+def _ledger(store: StoreSettings) -> Counter[tuple[str, int]]:
+    db = open_database(store, create=False)
+    try:
+        return Counter(
+            (str(rid), int(status))
+            for rid, status in db.query("SELECT request_id, status FROM usage")
+        )
+    finally:
+        db.close()
+
+
+def test_a_killed_worker_is_restarted_and_each_delivered_200_has_one_record(
+    store_settings: StoreSettings, tmp_path: Path
+) -> None:
+    load = Load()
+    times: dict[str, float] = {}
+
+    async def main() -> None:
+        sim = SimConfig(port=0, prefill_ms_per_1k_tokens=0, decode_ms_per_token=2)
+        async with fleet(tmp_path, store_settings, sim=sim) as f:
+            stop = asyncio.Event()
+            running = asyncio.create_task(_load(f, load, stop))
+            await eventually(lambda: load.delivered() >= 100, timeout_s=60, what="the load runs")
+            victim = worker_pids(f.pid)[1]
+            times["kill"] = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            await eventually(lambda: gone(victim), what="the killed worker exits")
+            times["dead"] = time.monotonic()
+
+            async def restarted() -> bool:
+                values = await f.metrics()
+                restarts = per_worker(values, "saltgate_worker_restarts_total")
+                return restarts == {0: 0.0, 1: 1.0} and values["saltgate_workers_alive"] == 2
+
+            await eventually(restarted, timeout_s=30, what="worker 1 restarted")
+            assert set(worker_pids(f.pid)) == {0, 1} and worker_pids(f.pid)[1] != victim
+            before = per_worker(await f.metrics(), "saltgate_worker_requests_total")[1]
+            after = load.delivered() + 100
+
+            async def new_worker_serves() -> bool:
+                served = per_worker(await f.metrics(), "saltgate_worker_requests_total")[1]
+                return load.delivered() >= after and served > before
+
+            await eventually(new_worker_serves, timeout_s=60, what="the new worker 1 serves")
+            stop.set()
+            await asyncio.wait_for(running, 60)
+            await f.gateway.stop()
+            assert f.gateway.proc.returncode == 0
+            log = f.log.read_text()
+            lines = [ln for ln in log.splitlines() if "worker 1" in ln]
+            assert lines == [
+                ln
+                for ln in lines
+                if ln.startswith(f"saltgate: worker 1 (pid {victim}) was killed by SIGKILL after ")
+            ]
+            assert len(lines) == 1 and lines[0].endswith("restarting it (restart 1)"), lines
+            assert f.key not in log
+
+    run(main)
+    failed = [o for o in load.outcomes if o.error is not None]
+    in_flight = [o for o in load.outcomes if o.start < times["kill"] < (o.end or times["kill"] + 1)]
+    assert all(o.start < times["dead"] for o in failed), [
+        o for o in failed if o.start >= times["dead"]
+    ][:3]
+    assert len(failed) <= len(in_flight), (len(failed), len(in_flight), failed[:3])
+    delivered = [o.request_id for o in load.outcomes if o.request_id is not None]
+    assert len(delivered) == len(set(delivered))
+    records = _ledger(store_settings)
+    for request_id in delivered:  # one record per delivered 200, matched by request id
+        assert records[(request_id, 200)] == 1, request_id
+    assert all(n == 1 for n in records.values())
+    undelivered = set(records) - {(rid, 200) for rid in delivered}
+    # Committed, then the kill took the answer with it: at most one per failed request.
+    assert len(undelivered) <= len(failed), (undelivered, failed)
+    print(
+        f"{store_settings.backend}: {len(delivered)} delivered, {len(failed)} failed of "
+        f"{len(in_flight)} in flight at the kill; {len(records)} records"
+    )
+
+
+def test_connections_queued_when_a_worker_dies_are_served_by_the_other(tmp_path: Path) -> None:
+    """Both workers stopped (SIGSTOP), so requests wait in the accept queue; then one is
+    killed and the other continues: every queued request is answered. (With a listening
+    socket per worker, SO_REUSEPORT, the dead worker's share would be reset.)"""
+    store = StoreSettings.in_state_dir(tmp_path / "state")
+
+    async def main() -> None:
+        async with fleet(tmp_path, store) as f:
+            pids = worker_pids(f.pid)
+            for pid in pids.values():
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                async with f.client(limits=httpx.Limits(max_keepalive_connections=0)) as http:
+                    queued = [
+                        asyncio.create_task(http.post("/v1/completions", json=_body(False)))
+                        for _ in range(16)
+                    ]
+                    await asyncio.sleep(0.5)  # every connection is made, none accepted
+                    assert not any(t.done() for t in queued)
+                    os.kill(pids[0], signal.SIGKILL)
+                    await eventually(lambda: gone(pids[0]), what="worker 0 exits")
+                    os.kill(pids[1], signal.SIGCONT)
+                    answers = await asyncio.gather(*queued)
+            finally:
+                os.kill(pids[1], signal.SIGCONT)
+            assert [r.status_code for r in answers] == [200] * 16
+
+    run(main)
+
+
+def test_sighup_changes_the_replicas_of_every_worker(tmp_path: Path) -> None:
+    store = StoreSettings.in_state_dir(tmp_path / "state")
+
+    async def main() -> None:
+        async with fleet(tmp_path, store, sims=2, configured=1) as f:
+
+            async def requests(n: int) -> None:
+                async def one() -> None:
+                    async with f.client() as http:  # a connection each: both workers serve
+                        resp = await http.post("/v1/completions", json=_body(False))
+                        assert resp.status_code == 200, resp.text
+
+                await asyncio.gather(*(one() for _ in range(n)))
+
+            await requests(20)
+            assert (f.posts(0), f.posts(1)) == (20, 0)
+            text = f.config.read_text()
+            f.config.write_text(
+                text.replace(f"127.0.0.1:{f.taps[0].port}", f"127.0.0.1:{f.taps[1].port}")
+            )
+            before = per_worker(await f.metrics(), "saltgate_worker_requests_total")
+            os.kill(f.pid, signal.SIGHUP)
+            assert f.gateway.proc.stdout is not None
+            line = ""
+            while "reloaded" not in line:  # after the banner lines
+                line = (await asyncio.wait_for(f.gateway.proc.stdout.readline(), 30)).decode()
+                assert line, "the gateway exited"
+            assert line == f"saltgate: reloaded {f.config}: 1 replicas in 2 of 2 workers\n"
+            await requests(40)
+            after = per_worker(await f.metrics(), "saltgate_worker_requests_total")
+            assert all(after[i] > before[i] for i in range(WORKERS)), (before, after)
+            assert (f.posts(0), f.posts(1)) == (20, 40)  # every worker sends to the new one
+
+    run(main)
+
+
+def test_sigterm_lets_a_long_stream_finish_and_refuses_new_connections(tmp_path: Path) -> None:
+    store = StoreSettings.in_state_dir(tmp_path / "state")
+
+    async def main() -> None:
+        sim = SimConfig(port=0, decode_ms_per_token=100)  # 20 tokens: a 2 s stream
+        async with fleet(tmp_path, store, sim=sim) as f, f.client() as http:
+            body = _body(True, max_tokens=20)
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                lines = resp.aiter_lines()
+                first = await anext(lines)
+                assert first.startswith("data: {")
+                started = time.monotonic()
+                os.kill(f.pid, signal.SIGTERM)
+
+                async def refused() -> bool:
+                    try:
+                        _, writer = await asyncio.open_connection(
+                            "127.0.0.1", int(f.gateway.url.rsplit(":", 1)[1])
+                        )
+                    except ConnectionRefusedError:
+                        return True
+                    writer.close()
+                    return False
+
+                await eventually(refused, what="new connections refused while draining")
+                rest = [line async for line in lines]
+                assert rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
+                took = time.monotonic() - started
+                request_id = resp.headers["x-request-id"]
+            assert took > 1.0, "the stream ended early"
+            assert await asyncio.wait_for(f.gateway.proc.wait(), 30) == 0
+            assert worker_pids(f.pid) == {}
+        assert _ledger(store) == Counter({(request_id, 200): 1})
+
+    run(main)
+
+
+def _serve_exits(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SALTGATE), "serve", "--config", str(config), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_a_worker_that_cannot_start_fails_the_serve_with_its_reason(tmp_path: Path) -> None:
+    """Every worker reads the master key itself: a missing one gives the single
+    process's message and exit status 2."""
+    config = write_gateway_config(
+        tmp_path / "gw.toml",
+        state_dir=tmp_path / "state",
+        master_key_file=tmp_path / "missing.key",
+        replicas=["http://127.0.0.1:9"],
+        store=StoreSettings.in_state_dir(tmp_path / "state"),
+    )
+    single, done = _serve_exits(config), _serve_exits(config, "--workers", "2")
+    assert (done.returncode, single.returncode) == (2, 2)
+    assert done.stderr.strip() == single.stderr.strip()
+    assert "missing.key" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    bad = _serve_exits(config, "--workers", "0")
+    assert bad.returncode == 2 and "--workers must be at least 1" in bad.stderr
