@@ -42,6 +42,7 @@ from saltgate.store.errors import StoreError
 # A worker that dies sooner than this after it started is restarted after a backoff
 # (0.5 s, doubling up to BACKOFF_MAX_S), so a worker that cannot run does not spin.
 RESTART_QUICK_S: Final = 10.0
+RESTART_PAUSE_S: Final = 0.1
 BACKOFF_MAX_S: Final = 30.0
 METRICS_TIMEOUT_S: Final = 2.0  # a worker that does not answer counts with its last snapshot
 RELOAD_TIMEOUT_S: Final = 10.0
@@ -234,6 +235,10 @@ class Supervisor:
         while True:
             returncode = await worker.proc.wait()
             self._retire(worker)
+            # A SIGTERM sent to the whole process group (systemd, a supervisor's killpg)
+            # reaches the workers and the parent together: give the parent's own handler
+            # time to run, so a worker that drained on it is not restarted.
+            await asyncio.sleep(RESTART_PAUSE_S)
             if self._stopping:
                 return
             self.restarts[index] += 1
