@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from saltgate.bench.cpu import CpuUse
-from saltgate.bench.overhead import fixed_completion, nginx_conf
+from saltgate.bench.cpu import CpuUse, proc_ticks, process_tree, tree_ticks
+from saltgate.bench.overhead import Options, fixed_completion, nginx_conf
 from saltgate.bench.overhead_report import (
     Meta,
     OverheadResult,
@@ -20,7 +24,7 @@ from saltgate.bench.overhead_report import (
     ratios,
     summarize_profile,
 )
-from saltgate.bench.procs import Machine
+from saltgate.bench.procs import Machine, Tools, pinned
 from saltgate.bench.wrk import WrkResult, chat_body, parse_time_ms, parse_wrk_output, wrk_script
 
 WRK_OK = """\
@@ -147,11 +151,12 @@ def test_added_latency_and_ratios() -> None:
         machine=Machine("test", 2, "6.1", "3.11.7"),
         loadavg_before=(0.0, 0.0, 0.0),
         loadavg_after=(0.0, 0.0, 0.0),
-        pinning=Pinning(0, 1),
+        pinning=Pinning(0, [0, 1]),
         duration_s=1,
         warmup_s=0,
         rounds=1,
         store="postgres",
+        saltgate_workers=2,
         concurrency=[1, 32],
         body_bytes={"nginx": 4400},
         versions={},
@@ -162,6 +167,7 @@ def test_added_latency_and_ratios() -> None:
     text = markdown(result)
     assert "| saltgate | 32 | 4,000 |" in text
     assert "saltgate's store: postgres" in text
+    assert "routers on CPU 0,1; saltgate's store: postgres; saltgate workers: 2;" in text
     assert "1.25x, met" in text
     assert "300 us vs 400 us, met" in text
     assert (
@@ -202,3 +208,71 @@ def test_summarize_profile_own_and_total() -> None:
     assert own["run (asyncio/runners.py:10)"] == 20.0
     total = {row.frame: row.pct for row in summary.top_total}
     assert total["<module> (saltgate/cli.py:1)"] == 100.0
+
+
+def test_summarize_profile_of_worker_processes_leaves_out_the_process_frames() -> None:
+    raw = (
+        'process 10:"python -m saltgate.cli serve";process 11:"python -m saltgate.gateway'
+        '.worker --index 0";run (asyncio/runners.py:10);handle (gw/server.py:5) 30\n'
+        'process 10:"python -m saltgate.cli serve";process 12:"python -m saltgate.gateway'
+        '.worker --index 1";run (asyncio/runners.py:10);handle (gw/server.py:5) 10\n'
+    )
+    summary = summarize_profile(raw)
+    assert summary.samples == 40
+    assert [row.frame for row in summary.top_own] == ["handle (gw/server.py:5)"]
+    assert {row.frame for row in summary.top_total} == {
+        "run (asyncio/runners.py:10)",
+        "handle (gw/server.py:5)",
+    }
+
+
+def test_saltgate_workers_give_every_router_every_cpu() -> None:
+    """One core per router, as in the one-core figures; with saltgate workers, every CPU
+    for every router (the peers too: smg sizes its threads to them), wrk and the backend
+    staying on the load CPU."""
+
+    def options(router_cpu: int | None, workers: int) -> Options:
+        return Options(
+            ("saltgate",), ("nginx",), (1,), 1, 0, 1, 0, router_cpu, 1.0, None, None, False,
+            saltgate_workers=workers,
+        )  # fmt: skip
+
+    one = options(1, 1)
+    assert (one.router_cpus, one.router_core) == ((1,), 1)
+    two = options(1, 2)
+    everything = tuple(sorted(os.sched_getaffinity(0)))
+    assert two.router_cpus == everything
+    assert two.router_core == (everything[0] if len(everything) == 1 else None)
+    assert options(None, 2).router_cpus is None
+    tools = Tools(None, None, "/usr/bin/taskset", None, None, None, None)
+    assert pinned(tools, (0, 1), ["x"]) == ["/usr/bin/taskset", "-c", "0,1", "x"]
+    assert pinned(tools, 1, ["x"]) == ["/usr/bin/taskset", "-c", "1", "x"]
+
+
+_PARENT_OF_ONE = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+try:
+    time.sleep(60)
+finally:
+    child.kill()
+"""
+
+
+def test_a_routers_cpu_counts_its_worker_processes() -> None:
+    """`saltgate serve --workers N` is a parent and N children: the router's CPU
+    accounting (CpuWindow) reads the threads of the whole process tree."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT_OF_ONE], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert {parent.pid, child} <= set(process_tree(os.getpid()))
+        assert process_tree(parent.pid) == [parent.pid, child]
+        threads = tree_ticks(parent.pid)
+        assert set(proc_ticks(parent.pid)) | set(proc_ticks(child)) == set(threads)
+    finally:
+        parent.send_signal(signal.SIGINT)  # its finally kills the child
+        parent.wait(timeout=30)

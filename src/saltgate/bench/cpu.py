@@ -36,6 +36,31 @@ def proc_ticks(pid: int) -> dict[str, int]:
     return out
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a gateway's worker processes), from /proc."""
+    parents: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    parents.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [pid], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        tree += children
+        todo += children
+    return tree
+
+
+def tree_ticks(pid: int) -> dict[str, int]:
+    """`proc_ticks` of a process and its descendants (thread ids are unique machine-wide)."""
+    out: dict[str, int] = {}
+    for member in process_tree(pid):
+        out.update(proc_ticks(member))
+    return out
+
+
 def _children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -53,7 +78,7 @@ class CpuUse:
     wrk_cpu_pct: float = 0.0
     backend_cpu_pct: float = 0.0
     other_on_load_cpu_pct: float | None = None
-    router_proc_cpu_pct: float | None = None
+    router_proc_cpu_pct: float | None = None  # all of its processes (workers too)
     router_threads_cpu_pct: dict[str, float] | None = None
     other_on_router_cpu_pct: float | None = None
 
@@ -63,10 +88,11 @@ class CpuUse:
 
 @dataclass(slots=True)
 class CpuWindow:
-    """CPU use over one measured interval: the router process, its core, the load core."""
+    """CPU use over one measured interval: the router process (with its worker processes),
+    its core, the load core."""
 
     pid: int | None
-    cpus: tuple[int | None, int | None]  # (load core, router core)
+    cpus: tuple[int | None, int | None]  # (load core, router core: None if not one core)
     backend_pids: tuple[int, ...] = ()
     started: float = 0.0
     cpu_before: dict[int, list[int]] = field(default_factory=dict)
@@ -77,7 +103,7 @@ class CpuWindow:
     def start(self) -> None:
         self.started = time.monotonic()
         self.cpu_before = cpu_ticks()
-        self.proc_before = proc_ticks(self.pid) if self.pid else {}
+        self.proc_before = tree_ticks(self.pid) if self.pid else {}
         self.backend_before = self._backend_ticks()
         self.children_before = _children_cpu_s()
 
@@ -115,7 +141,7 @@ class CpuWindow:
         if self.pid:
             threads = {
                 name: round(100.0 * (t - self.proc_before.get(name, 0)) / hz / elapsed, 1)
-                for name, t in proc_ticks(self.pid).items()
+                for name, t in tree_ticks(self.pid).items()
             }
             use["router_proc_cpu_pct"] = round(sum(threads.values()), 1)
             use["router_threads_cpu_pct"] = {k: v for k, v in threads.items() if v >= 0.5}

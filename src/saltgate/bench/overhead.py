@@ -20,6 +20,13 @@ and the top functions by own time are summarised.
 load CPU, fsync on; scripts/services-setup.sh) instead of its SQLite file, so both stores'
 cost per request comes from the same command.
 
+`--saltgate-workers N` runs `saltgate serve --workers N`. Then every router, saltgate and
+the peers alike, may use every CPU of the machine (smg sizes its threads to them), while
+wrk and the backend stay on the load CPU: on a 2-core machine the routers get both cores
+and share the load core with wrk and the backend, which is what a gateway using "every
+core of a node" meets. The router's CPU is then summed over its processes and no single
+router core is accounted.
+
 This module runs the targets; wrk.py drives the load, procs.py and cpu.py the processes
 and their CPU windows, gateway_setup.py saltgate and the peers, overhead_report.py the
 results. Everything listens on 127.0.0.1 only, and every child and wrk run is time-bounded.
@@ -223,6 +230,22 @@ class Options:
     json_out: Path | None
     keep_tmp: bool
     store: str = "sqlite"  # or "postgres"
+    saltgate_workers: int = 1
+
+    @property
+    def router_cpus(self) -> tuple[int, ...] | None:
+        """Where the routers run: `router_cpu`, or with saltgate workers every CPU."""
+        if self.router_cpu is None:
+            return None
+        if self.saltgate_workers > 1:
+            return tuple(sorted(os.sched_getaffinity(0)))
+        return (self.router_cpu,)
+
+    @property
+    def router_core(self) -> int | None:
+        """The one core the routers run on, if they run on one (for its accounting)."""
+        cpus = self.router_cpus
+        return cpus[0] if cpus is not None and len(cpus) == 1 else None
 
 
 class Bench:
@@ -332,7 +355,9 @@ class Bench:
             text = gateway_config(
                 self.gateway_state, backends.urls, port=port, admin_port=free_port()
             )
-            return serve_argv(write_gateway_config(self.workdir / f"saltgate-{port}.toml", text))
+            argv = serve_argv(write_gateway_config(self.workdir / f"saltgate-{port}.toml", text))
+            workers = self.o.saltgate_workers
+            return [*argv, "--workers", str(workers)] if workers > 1 else argv
         if target in PEERS:
             return peer_argv(self.tools, target, "cache_aware", port, backends.urls)
         raise BenchError(f"unknown target {target}")
@@ -342,7 +367,7 @@ class Bench:
             running = Running(target, backends.ports[0], None)
         else:
             port = free_port()
-            argv = pinned(self.tools, self.o.router_cpu, self.router_argv(target, backends, port))
+            argv = pinned(self.tools, self.o.router_cpus, self.router_argv(target, backends, port))
             running = Running(target, port, self.spawn(target, argv))
         self._wait_ready(running, stream)
         return running
@@ -443,7 +468,7 @@ class Bench:
             for conc in self.o.concurrency:
                 window = CpuWindow(
                     running.proc.pid if running.proc else None,
-                    (self.o.load_cpu, self.o.router_cpu),
+                    (self.o.load_cpu, self.o.router_core),
                     tuple(p.pid for p in backends.procs),
                 )
                 window.start()
@@ -499,6 +524,7 @@ class Bench:
                     "250",
                     "--function",
                     "--gil",
+                    *(["--subprocesses"] if self.o.saltgate_workers > 1 else []),
                     "--format",
                     fmt,
                     "--output",
@@ -512,7 +538,7 @@ class Bench:
             try:
                 time.sleep(0.5)
                 window = CpuWindow(
-                    running.proc.pid, (self.o.load_cpu, self.o.router_cpu), self._backend_pids
+                    running.proc.pid, (self.o.load_cpu, self.o.router_core), self._backend_pids
                 )
                 window.start()
                 result = self.wrk(running.port, script, conc, self.o.duration_s)
@@ -550,7 +576,10 @@ class Bench:
             machine=machine_info(),
             loadavg_before=load_before,
             loadavg_after=os.getloadavg(),
-            pinning=Pinning(self.o.load_cpu, self.o.router_cpu),
+            pinning=Pinning(
+                self.o.load_cpu, list(cpus) if (cpus := self.o.router_cpus) is not None else None
+            ),
+            saltgate_workers=self.o.saltgate_workers,
             duration_s=self.o.duration_s,
             warmup_s=self.o.warmup_s,
             rounds=self.o.rounds,
@@ -622,6 +651,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="sqlite",
         help="saltgate's store: its SQLite file, or a PostgreSQL the benchmark starts",
     )
+    p.add_argument(
+        "--saltgate-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run `saltgate serve --workers N`; with N > 1 every router may use every CPU "
+        "(wrk and the backend stay on --load-cpu)",
+    )
 
 
 def _preflight(options: Options, tools: Tools) -> None:
@@ -647,8 +684,8 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The `saltgate bench overhead` command: 0 when the run completed."""
-    if args.duration < 1 or args.rounds < 1 or args.warmup < 0:
-        print("overhead: --duration and --rounds must be >= 1", file=sys.stderr)
+    if args.duration < 1 or args.rounds < 1 or args.warmup < 0 or args.saltgate_workers < 1:
+        print("overhead: --duration, --rounds and --saltgate-workers must be >= 1", file=sys.stderr)
         return 2
     options = Options(
         targets=args.targets,
@@ -664,6 +701,7 @@ def run(args: argparse.Namespace) -> int:
         json_out=args.json,
         keep_tmp=args.keep_tmp,
         store=args.store,
+        saltgate_workers=args.saltgate_workers,
     )
     tools = find_tools(args.tools_venv or default_tools_venv())
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -135,7 +135,7 @@ class Profile:
 @dataclass(frozen=True, slots=True)
 class Pinning:
     load_and_backend_cpu: int | None
-    router_cpu: int | None
+    router_cpus: list[int] | None  # one core, or every core with saltgate workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +153,7 @@ class Meta:
     warmup_s: int
     rounds: int
     store: str  # saltgate's store: sqlite or postgres
+    saltgate_workers: int  # `saltgate serve --workers N`
     concurrency: list[int]
     body_bytes: dict[str, int]
     versions: dict[str, str]
@@ -271,6 +272,10 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}%"
 
 
+def _cpus(cpus: list[int] | None) -> str:
+    return "unpinned" if cpus is None else ",".join(str(c) for c in cpus)
+
+
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -284,8 +289,9 @@ def markdown(result: OverheadResult) -> str:
         f"load average before {meta.loadavg_before[0]:.2f}, after "
         f"{meta.loadavg_after[0]:.2f}; wrk -t1, {meta.duration_s} s per point after a "
         f"{meta.warmup_s} s warm-up, median of {meta.rounds} round(s); pinning: wrk and "
-        f"backend on CPU {meta.pinning.load_and_backend_cpu}, router on CPU "
-        f"{meta.pinning.router_cpu}; saltgate's store: {meta.store}; "
+        f"backend on CPU {meta.pinning.load_and_backend_cpu}, routers on CPU "
+        f"{_cpus(meta.pinning.router_cpus)}; saltgate's store: {meta.store}; "
+        f"saltgate workers: {meta.saltgate_workers}; "
         f"saltgate source {meta.saltgate_source}.",
         "",
         "Scenario support (a target is run in every scenario; this is how it went):",
@@ -375,7 +381,8 @@ def summarize_profile(raw: str, top: int = 20) -> ProfileSummary:
         if not stack or not count_text.isdigit():
             continue
         count = int(count_text)
-        frames = [f for f in stack.split(";") if f]
+        # --subprocesses (saltgate's workers) puts 'process PID:"argv"' frames on top.
+        frames = [f for f in stack.split(";") if f and not f.startswith("process ")]
         if not frames:
             continue
         samples += count

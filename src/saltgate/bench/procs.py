@@ -139,10 +139,12 @@ class Proc:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def pinned(tools: Tools, cpu: int | None, argv: Sequence[str]) -> list[str]:
+def pinned(tools: Tools, cpu: int | Sequence[int] | None, argv: Sequence[str]) -> list[str]:
+    """`argv` run on one CPU, or on a set of CPUs (taskset's list), or as it is (None)."""
     if cpu is None:
         return list(argv)
-    return [tools.need("taskset"), "-c", str(cpu), *argv]
+    cpus = str(cpu) if isinstance(cpu, int) else ",".join(str(c) for c in cpu)
+    return [tools.need("taskset"), "-c", cpus, *argv]
 
 
 def http_request(
