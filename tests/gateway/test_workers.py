@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import re
@@ -363,38 +364,72 @@ def test_connections_queued_when_a_worker_dies_are_served_by_the_other(tmp_path:
     run(main)
 
 
+async def _fresh_requests(f: Fleet, n: int) -> None:
+    """`n` requests at once, each on a connection of its own (so both workers serve)."""
+
+    async def one() -> None:
+        async with f.client() as http:
+            resp = await http.post("/v1/completions", json=_body(False))
+            assert resp.status_code == 200, resp.text
+
+    await asyncio.gather(*(one() for _ in range(n)))
+
+
+async def _reload_to_second_replica(f: Fleet) -> str:
+    """Point the config file at the second replica, SIGHUP, and return the parent's line."""
+    text = f.config.read_text()
+    old, new = (f"127.0.0.1:{t.port}" for t in f.taps[:2])
+    f.config.write_text(text.replace(old, new))
+    os.kill(f.pid, signal.SIGHUP)
+    assert f.gateway.proc.stdout is not None
+    line = ""
+    while "reloaded" not in line:  # after the banner lines
+        line = (await asyncio.wait_for(f.gateway.proc.stdout.readline(), 30)).decode()
+        assert line, "the gateway exited"
+    return line
+
+
 def test_sighup_changes_the_replicas_of_every_worker(tmp_path: Path) -> None:
     store = StoreSettings.in_state_dir(tmp_path / "state")
 
     async def main() -> None:
         async with fleet(tmp_path, store, sims=2, configured=1) as f:
-
-            async def requests(n: int) -> None:
-                async def one() -> None:
-                    async with f.client() as http:  # a connection each: both workers serve
-                        resp = await http.post("/v1/completions", json=_body(False))
-                        assert resp.status_code == 200, resp.text
-
-                await asyncio.gather(*(one() for _ in range(n)))
-
-            await requests(20)
+            await _fresh_requests(f, 20)
             assert (f.posts(0), f.posts(1)) == (20, 0)
-            text = f.config.read_text()
-            f.config.write_text(
-                text.replace(f"127.0.0.1:{f.taps[0].port}", f"127.0.0.1:{f.taps[1].port}")
-            )
             before = per_worker(await f.metrics(), "saltgate_worker_requests_total")
-            os.kill(f.pid, signal.SIGHUP)
-            assert f.gateway.proc.stdout is not None
-            line = ""
-            while "reloaded" not in line:  # after the banner lines
-                line = (await asyncio.wait_for(f.gateway.proc.stdout.readline(), 30)).decode()
-                assert line, "the gateway exited"
+            line = await _reload_to_second_replica(f)
             assert line == f"saltgate: reloaded {f.config}: 1 replicas in 2 of 2 workers\n"
-            await requests(40)
+            await _fresh_requests(f, 40)
             after = per_worker(await f.metrics(), "saltgate_worker_requests_total")
             assert all(after[i] > before[i] for i in range(WORKERS)), (before, after)
             assert (f.posts(0), f.posts(1)) == (20, 40)  # every worker sends to the new one
+
+    run(main)
+
+
+def test_a_reload_while_a_worker_restarts_reaches_it_too(tmp_path: Path) -> None:
+    """SIGHUP while a killed worker is being replaced (its backoff, then its start): the
+    new worker, whichever configuration it started with, ends up on the new replicas."""
+    store = StoreSettings.in_state_dir(tmp_path / "state")
+
+    async def main() -> None:
+        async with fleet(tmp_path, store, sims=2, configured=1) as f:
+            victim = worker_pids(f.pid)[1]
+            os.kill(victim, signal.SIGKILL)
+            await eventually(lambda: gone(victim), what="the killed worker exits")
+            await asyncio.sleep(0.7)  # past the restart's pause and backoff: it is starting
+            line = await _reload_to_second_replica(f)
+            assert line.endswith(" workers\n") and "1 replicas in " in line, line
+
+            async def both_alive() -> bool:
+                return (await f.metrics())["saltgate_workers_alive"] == 2
+
+            await eventually(both_alive, timeout_s=30, what="worker 1 back")
+            before = per_worker(await f.metrics(), "saltgate_worker_requests_total")
+            await _fresh_requests(f, 40)
+            after = per_worker(await f.metrics(), "saltgate_worker_requests_total")
+            assert all(after[i] > before[i] for i in range(WORKERS)), (before, after)
+            assert (f.posts(0), f.posts(1)) == (0, 40)
 
     run(main)
 
@@ -463,3 +498,26 @@ def test_a_worker_that_cannot_start_fails_the_serve_with_its_reason(tmp_path: Pa
     assert "missing.key" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     bad = _serve_exits(config, "--workers", "0")
     assert bad.returncode == 2 and "--workers must be at least 1" in bad.stderr
+
+
+def test_workers_do_not_outlive_a_killed_parent(tmp_path: Path) -> None:
+    """SIGKILL leaves the parent no time to stop anything: its workers see their control
+    channel close, drain and exit, and the port closes with them."""
+    store = StoreSettings.in_state_dir(tmp_path / "state")
+
+    async def main() -> None:
+        async with fleet(tmp_path, store) as f:
+            pids = worker_pids(f.pid)
+            f.gateway.proc.kill()
+            await f.gateway.proc.wait()
+            for pid in pids.values():
+                await eventually(functools.partial(gone, pid), what=f"worker pid {pid} exits")
+            port = int(f.gateway.url.rsplit(":", 1)[1])
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except ConnectionRefusedError:
+                return
+            writer.close()
+            raise AssertionError("the port still accepts connections")
+
+    run(main)

@@ -221,7 +221,10 @@ class Supervisor:
             if first is not None and first[:1] == control.FAILED:
                 raise OSError(first[1:].decode(errors="replace"))
             raise OSError(f"worker {index} {describe_exit(returncode)} before it was ready")
-        return WorkerProcess(index, proc, reader, writer)
+        worker = WorkerProcess(index, proc, reader, writer)
+        if start.config.replicas != self.config.replicas:  # a reload came while it started
+            await worker.ask(control.Reload(self.config.replicas), RELOAD_TIMEOUT_S)
+        return worker
 
     def _adopt(self, worker: WorkerProcess) -> None:
         self.alive[worker.index] = worker
