@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ehbp
 import httpx
 import orjson
 from tests.gateway.stack import MODEL, Tap, run
@@ -32,6 +33,7 @@ from tests.support.gateways import SALTGATE, GatewayProcess, write_gateway_confi
 from tests.support.waiting import eventually
 
 from saltgate.config import create_master_key
+from saltgate.ehbp.frames import KEYS_PATH, RESPONSE_NONCE_HEADER
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
@@ -519,5 +521,38 @@ def test_workers_do_not_outlive_a_killed_parent(tmp_path: Path) -> None:
                 return
             writer.close()
             raise AssertionError("the port still accepts connections")
+
+    run(main)
+
+
+def test_every_worker_opens_ehbp_with_the_one_key_clients_fetched(tmp_path: Path) -> None:
+    """A client fetches the HPKE key config once and then reaches any worker: each must
+    hold the same private key (a key per worker would answer 422, key config mismatch)."""
+    store = StoreSettings.in_state_dir(tmp_path / "state")
+
+    async def main() -> None:
+        async with fleet(tmp_path, store) as f:
+            async with httpx.AsyncClient() as plain:
+                config = (await plain.get(f.gateway.url + KEYS_PATH)).content
+            identity = ehbp.ServerIdentity.unmarshal_public_config(config)
+            before = per_worker(await f.metrics(), "saltgate_worker_requests_total")
+
+            async def sealed() -> None:
+                async with httpx.AsyncClient(
+                    base_url=f.gateway.url,
+                    transport=ehbp.AsyncEHBPTransport(identity),  # a connection of its own
+                    headers={"authorization": f"Bearer {f.key}"},
+                    timeout=30,
+                ) as client:
+                    resp = await client.post("/v1/completions", json=_body(False))
+                    assert resp.status_code == 200, resp.text
+                    assert RESPONSE_NONCE_HEADER in resp.headers
+
+            await asyncio.gather(*(sealed() for _ in range(24)))
+            after = per_worker(await f.metrics(), "saltgate_worker_requests_total")
+            assert all(after[i] > before[i] for i in range(WORKERS)), (before, after)
+            values = await f.metrics()
+            assert values['saltgate_ehbp_requests_total{outcome="opened"}'] == 24
+            assert 'saltgate_ehbp_requests_total{outcome="rejected"}' not in values
 
     run(main)
