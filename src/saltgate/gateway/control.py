@@ -37,10 +37,9 @@ RELOADED: Final = b"L"  # the new replicas are in use
 @dataclass(frozen=True, slots=True)
 class Start:
     """What a worker runs: the parent's configuration (no admin port, no KV relay: the
-    parent keeps those) and the EHBP private key every worker must share."""
+    parent keeps those) and the EHBP private key every worker must share. (Its index and
+    the number of workers come on its command line, with its file descriptors.)"""
 
-    index: int
-    workers: int
     config: GatewayConfig
     ehbp_private_key: bytes | None
 

@@ -209,7 +209,7 @@ class Supervisor:
             child_end.close()
         self._procs[index] = proc
         reader, writer = await asyncio.open_unix_connection(sock=parent_end)
-        start = control.Start(index, self.workers, self.worker_config(), self._ehbp_private_key)
+        start = control.Start(self.worker_config(), self._ehbp_private_key)
         writer.write(control.order_frame(start))
         await writer.drain()
         first = await control.read_frame(reader)
