@@ -6,5 +6,6 @@ from tests.support.postgres import (
     private_postgres,
     store_settings,
 )
+from tests.support.redis import redis_server
 
-__all__ = ["pg_store", "postgres_server", "private_postgres", "store_settings"]
+__all__ = ["pg_store", "postgres_server", "private_postgres", "redis_server", "store_settings"]

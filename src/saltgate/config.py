@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from saltgate.kvevents.settings import KvRelaySettings, KvUpstream, client_key_lines
 from saltgate.prices import Price, parse_prices
+from saltgate.routing.cluster import ClusterSettings
 from saltgate.routing.router import RouterConfig
 from saltgate.spec.derive import MASTER_KEY_MIN_BYTES
 from saltgate.store.settings import StoreSettings
@@ -144,6 +145,9 @@ class GatewayConfig:
     # The access log: one line per request ("stderr", "off" or a file), text or JSON.
     access_log: str = "stderr"
     log_format: str = "text"
+    # [cluster]: share routing state with the other gateways over a bus (docs/deployment.md);
+    # None: this gateway routes on what it sees alone.
+    cluster: ClusterSettings | None = None
 
     @property
     def db_path(self) -> Path:
@@ -238,7 +242,17 @@ def _prices(table: Any) -> dict[str, Price]:
 
 def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
     """Build a GatewayConfig from a parsed TOML document; relative paths start at `base`."""
-    known = {"gateway", "replicas", "prices", "router", "testing", "ehbp", "kv_relay", "store"}
+    known = {
+        "gateway",
+        "replicas",
+        "prices",
+        "router",
+        "testing",
+        "ehbp",
+        "kv_relay",
+        "store",
+        "cluster",
+    }
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown sections {sorted(unknown)}; expected {sorted(known)}")
@@ -272,6 +286,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         router=_router(doc.get("router", {})),
         kv_relay=_kv_relay(doc.get("kv_relay"), replicas, base),
         store=_store(doc.get("store"), base, state_dir),
+        cluster=_cluster(doc.get("cluster"), base),
         **_ehbp(doc.get("ehbp", {}), base),
         **kwargs,
     )
@@ -375,6 +390,17 @@ def _store(table: Any, base: Path, state_dir: Path) -> StoreSettings | None:
         return StoreSettings.from_table(table, base, state_dir)
     except ValueError as exc:
         raise ConfigError(f"store.{exc}") from None
+
+
+def _cluster(table: Any, base: Path) -> ClusterSettings | None:
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ConfigError("cluster: expected a table")
+    try:
+        return ClusterSettings.from_table(table, base)
+    except ValueError as exc:
+        raise ConfigError(f"cluster.{exc}") from None
 
 
 def _router(table: Any) -> RouterConfig:

@@ -45,6 +45,14 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     )
     path.write_text(GOOD.replace("[gateway]", '[gateway]\naccess_log = "logs/access.log"'))
     assert load_config(path).access_log == str(tmp_path / "logs" / "access.log")
+    assert config.cluster is None  # no [cluster]: the gateway routes on its own state
+    path.write_text(
+        GOOD + '[cluster]\nurl = "redis://bus@10.0.0.7:6379/0"\ngateway_id = "node-a"\n'
+        'password_file = "secrets/bus"\n'
+    )
+    cluster = load_config(path).cluster
+    assert cluster is not None and cluster.gateway_id == "node-a"
+    assert cluster.password_file == tmp_path / "secrets" / "bus"
 
 
 @pytest.mark.parametrize(
@@ -62,6 +70,11 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         ('[[replicas]]\nurl = "http://h:1"\n[extra]\n', "unknown sections"),
         ('[gateway]\nlog_format = "xml"\n[[replicas]]\nurl = "http://h:1"\n', "log_format"),
         ('[gateway]\non_client_gone = "x"\n[[replicas]]\nurl = "http://h:1"\n', "finish, abort"),
+        (
+            '[[replicas]]\nurl = "http://h:1"\n[cluster]\nurl = "redis://h:1"\n',
+            "cluster.gateway_id",
+        ),
+        ('[[replicas]]\nurl = "http://h:1"\n[cluster]\npassword = "inline"\n', "cluster.password"),
     ],
 )
 def test_bad_configs_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:

@@ -112,3 +112,5 @@ PREFIX_FIRST_DEPTHS: list[int] = [1024, 100]
 # KV relay: vLLM block hashes (unsigned 64-bit) and upstream replica names.
 KV_BLOCK_HASHES: list[int] = [0, 1, 0x1111_2222_3333_4444, 0x8000_0000_0000_0000, 2**64 - 1]
 KV_REPLICA_NAMES: list[str] = ["tcp://10.0.0.5:5557", "ipc:///tmp/kv-0", "kv@réplica-0", ""]
+# Cluster-bus batch payloads to tag (any bytes: the tag does not parse them).
+CLUSTER_PAYLOADS: list[bytes] = [b"", b"\x00", bytes(range(256))]

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import reference as ref
 from .cases import (
+    CLUSTER_PAYLOADS,
     KV_BLOCK_HASHES,
     KV_REPLICA_NAMES,
     MASTER_KEYS,
@@ -41,6 +42,7 @@ def build() -> dict[str, Any]:
         "prefixes": [],
         "rankings": [],
         "kv": [],
+        "cluster": [],
     }
     master = MASTER_KEYS[0]
     for key in MASTER_KEYS:
@@ -105,6 +107,16 @@ def build() -> dict[str, Any]:
                 "relay_public_key": ref.kv_relay_public_key(k_kv),
             }
         )
+    for key in MASTER_KEYS[:2]:
+        bus, stream = ref.cluster_bus(ref.subkeys(key)["route"])
+        vectors["cluster"].append(
+            {
+                "master_key": key.hex(),
+                "bus_key": bus.hex(),
+                "stream": stream,
+                "tags": {p.hex(): ref.cluster_tag(bus, p).hex() for p in CLUSTER_PAYLOADS},
+            }
+        )
     return vectors
 
 
@@ -115,7 +127,7 @@ def render(vectors: dict[str, Any]) -> str:
         return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
 
     lines = ["{", f' "note": {one(vectors["note"])},']
-    sections = ["subkeys", "salts", "routes", "prefixes", "rankings", "kv"]
+    sections = ["subkeys", "salts", "routes", "prefixes", "rankings", "kv", "cluster"]
     for i, name in enumerate(sections):
         rows = ",\n  ".join(one(v) for v in vectors[name])
         end = "," if i < len(sections) - 1 else ""

@@ -315,3 +315,13 @@ def z85(data: bytes) -> str:
 def kv_relay_public_key(k_kv: bytes) -> str:
     secret = hkdf_sha256(k_kv, b"saltgate/v1/kv-relay-curve", 32)
     return z85(x25519(secret, (9).to_bytes(32, "little")))
+
+
+def cluster_bus(k_route: bytes) -> tuple[bytes, str]:
+    """K_bus and the stream's name (section 11)."""
+    bus = hkdf_sha256(k_route, b"saltgate/v1/cluster-bus", 32)
+    return bus, "saltgate-cluster-" + hmac_sha256(bus, b"saltgate/v1/cluster-stream")[:8].hex()
+
+
+def cluster_tag(k_bus: bytes, payload: bytes) -> bytes:
+    return hmac_sha256(k_bus, b"saltgate/v1/cluster-batch" + payload)[:16]

@@ -1,7 +1,7 @@
-"""Spec v1 beyond salts and route keys: prefix digests, the replica ranking, and the KV
-relay's keyed hashes, replica ids and CURVE key. Pinned like the rest: against the
-independent implementation (reference.py) and against the stored vectors, so a changed
-label or step fails here."""
+"""Spec v1 beyond salts and route keys: prefix digests, the replica ranking, the KV
+relay's keyed hashes, replica ids and CURVE key, and the cluster bus's key, stream name
+and tag. Pinned like the rest: against the independent implementation (reference.py) and
+against the stored vectors, so a changed label or step fails here."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from saltgate.kvevents.relay import relay_server_keys
 from saltgate.kvevents.sanitize import keyed_block_hash, opaque_replica_id
 from saltgate.routing.rendezvous import Member, hrw_score, rank
 from saltgate.spec import derive_subkeys
-from saltgate.spec.derive import NamespaceKeys
+from saltgate.spec.derive import NamespaceKeys, cluster_keys
 
 from . import reference as ref
-from .cases import MASTER_KEYS, PREFIX_FLAT, RANKING_MEMBERS
+from .cases import CLUSTER_PAYLOADS, MASTER_KEYS, PREFIX_FLAT, RANKING_MEMBERS
 
 VECTORS: dict[str, Any] = json.loads(
     Path(__file__).with_name("vectors_v1.json").read_text(encoding="utf-8")
@@ -116,3 +116,22 @@ def test_stored_kv_relay_vectors(index: int) -> None:
     for name, rid in v["replica_ids"].items():
         assert opaque_replica_id(k_kv, name) == rid
     assert relay_server_keys(k_kv).public == v["relay_public_key"]
+
+
+def test_cluster_bus_derivations_match_reference() -> None:
+    for master in MASTER_KEYS:
+        keys = cluster_keys(derive_subkeys(master).route)
+        bus, stream = ref.cluster_bus(derive_subkeys(master).route)
+        assert (keys.bus, keys.stream) == (bus, stream)
+        for payload in CLUSTER_PAYLOADS:
+            assert keys.tag(payload) == ref.cluster_tag(bus, payload)
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_stored_cluster_vectors(index: int) -> None:
+    v = VECTORS["cluster"][index]
+    keys = cluster_keys(derive_subkeys(bytes.fromhex(v["master_key"])).route)
+    assert keys.bus.hex() == v["bus_key"] and keys.stream == v["stream"]
+    for payload, tag in v["tags"].items():
+        assert keys.tag(bytes.fromhex(payload)).hex() == tag
+    assert "bus" not in repr(keys) or keys.bus.hex() not in repr(keys)

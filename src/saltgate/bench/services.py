@@ -1,4 +1,5 @@
-"""Throwaway local servers for tests and benchmarks: PostgreSQL, started by the project.
+"""Throwaway local servers for tests and benchmarks: PostgreSQL, Redis and HAProxy,
+started by the project.
 
 Each server lives in a fresh temporary directory, listens on a free loopback port only,
 and is stopped (and its directory removed) by its owner. scripts/services-setup.sh
@@ -8,6 +9,8 @@ PostgreSQL refuses to run as root, so as root its commands run through ``runuser
 the unprivileged user the setup script creates (``$SALTGATE_PG_USER``, default
 saltgate-pg); as any other user they run as that user. Clients authenticate with a
 random password (scram-sha-256), handed to them in a 0600 file, as a deployment would.
+Redis (the cluster bus) likewise requires a random password from a 0600 file and keeps
+nothing on disk; HAProxy balances HTTP over a list of loopback servers.
 """
 
 from __future__ import annotations
@@ -17,15 +20,20 @@ import os
 import pwd
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 import psycopg
 from psycopg import sql
 
+from saltgate.routing.cluster import ClusterSettings
 from saltgate.store.settings import StoreSettings
 
 SETUP_HINT = "run scripts/services-setup.sh (make test does)"
@@ -251,3 +259,216 @@ class PostgresServer:
                 f"{tool} {' '.join(args[-1:])} failed ({done.returncode}): "
                 f"{(done.stderr or done.stdout).strip()[-2000:]}\n{log}".strip()
             )
+
+
+# -- Redis and HAProxy: plain children in a temporary directory -------------------------
+
+
+def _binary(name: str, package: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin")
+    if found is None:
+        raise ServiceError(f"{package} is not installed (no {name} on PATH): {SETUP_HINT}")
+    return found
+
+
+class _Child:
+    """One server process in its own process group, its output in a log file."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        self.name = name
+        self.root = root
+        self.log = root / f"{name}.log"
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def spawn(self, argv: Sequence[str]) -> None:
+        self._log_file = self.log.open("ab")
+        self._popen = subprocess.Popen(  # noqa: S603 - our binary, our arguments
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_port(self, port: int, timeout: float = _TIMEOUT_S) -> None:
+        """Until something accepts on 127.0.0.1:port; ServiceError (with the log) if the
+        process exits or the time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise ServiceError(f"{self.name} exited at start:\n{self.tail()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+                return
+            time.sleep(0.05)
+        raise ServiceError(f"{self.name} not accepting on port {port} after {timeout} s")
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """SIGTERM (or SIGKILL: a crash) to the process group, and wait."""
+        popen = self._popen
+        if popen is not None and popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, sig)
+            try:
+                popen.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait(10)
+        self._popen = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+class RedisServer:
+    """One redis-server in a temporary directory: loopback only, a random password (the
+    client's copy in a 0600 file), nothing saved to disk. The port is kept across a
+    stop and a start, so an outage test's clients find it again."""
+
+    def __init__(self) -> None:
+        self.binary = _binary("redis-server", "Redis 7")
+        self.root = Path(tempfile.mkdtemp(prefix="saltgate-redis-"))
+        self.root.chmod(0o700)
+        self.password_file = self.root / "password"
+        fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24) + "\n")
+        self.port = 0
+        self._child = _Child("redis", self.root)
+
+    @property
+    def running(self) -> bool:
+        return self._child.running
+
+    def start(self) -> None:
+        if self.running:
+            return
+        attempts = 1 if self.port else 3
+        for attempt in range(attempts):
+            if not self.port or attempt:
+                self.port = free_port()
+            conf = self.root / "redis.conf"
+            password = self.password_file.read_text().strip()
+            conf.write_text(
+                f"bind 127.0.0.1\nport {self.port}\nprotected-mode yes\n"
+                f'dir "{self.root}"\nsave ""\nappendonly no\ndaemonize no\n'
+                f"requirepass {password}\n"
+            )
+            conf.chmod(0o600)
+            self._child.spawn([self.binary, str(conf)])
+            try:
+                self._child.wait_port(self.port)
+                return
+            except ServiceError:
+                self._child.stop(signal.SIGKILL)
+                if attempt + 1 == attempts:
+                    raise
+
+    def stop(self, *, crash: bool = False) -> None:
+        """Stop the server (``crash``: SIGKILL, as a lost node would)."""
+        self._child.stop(signal.SIGKILL if crash else signal.SIGTERM)
+
+    def destroy(self) -> None:
+        try:
+            self.stop(crash=True)
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def settings(self, gateway_id: str, *, publish_interval_s: float = 0.02) -> ClusterSettings:
+        """A `[cluster]` for a gateway named ``gateway_id``, with this server's password."""
+        return ClusterSettings(
+            self.url(),
+            gateway_id,
+            password_file=self.password_file,
+            publish_interval_s=publish_interval_s,
+        )
+
+
+class HaproxyServer:
+    """HAProxy in front of HTTP servers on loopback: round robin per request.
+
+    HAProxy balances every request of a kept-alive client connection on its own (its
+    default http-keep-alive mode; `option prefer-last-server` would stick, and is off).
+    `option http-server-close` closes the server side after each response, so no request
+    is ever written to an idle connection of a server that has just died: one killed
+    behind it fails only the requests it was serving, and the next ones meet a refused
+    connect, which `retries` + `option redispatch` send to another server. Health checks
+    (GET /health every 0.5 s, down after 2 failures) take a dead server out.
+    """
+
+    def __init__(self, servers: Sequence[int], *, check_interval_ms: int = 500) -> None:
+        self.binary = _binary("haproxy", "HAProxy")
+        self.root = Path(tempfile.mkdtemp(prefix="saltgate-haproxy-"))
+        self.servers = list(servers)
+        self.check_interval_ms = check_interval_ms
+        self.port = 0
+        self._child = _Child("haproxy", self.root)
+
+    def config(self) -> str:
+        lines = [
+            "global",
+            "    maxconn 4096",
+            "defaults",
+            "    mode http",
+            "    option http-server-close",
+            "    option redispatch 1",
+            "    retries 3",
+            "    timeout connect 1s",
+            "    timeout client 600s",
+            "    timeout server 600s",
+            "    timeout http-keep-alive 60s",
+            "frontend gateways",
+            f"    bind 127.0.0.1:{self.port}",
+            "    default_backend fleet",
+            "backend fleet",
+            "    balance roundrobin",
+            "    option httpchk GET /health",
+            "    http-check expect status 200",
+        ]
+        inter = self.check_interval_ms
+        lines += [
+            f"    server g{i} 127.0.0.1:{port} check inter {inter}ms fall 2 rise 2"
+            for i, port in enumerate(self.servers)
+        ]
+        return "\n".join(lines) + "\n"
+
+    def start(self) -> None:
+        attempts = 3
+        for attempt in range(attempts):
+            self.port = free_port()
+            cfg = self.root / "haproxy.cfg"
+            cfg.write_text(self.config())
+            self._child.spawn([self.binary, "-db", "-f", str(cfg)])
+            try:
+                self._child.wait_port(self.port)
+                return
+            except ServiceError:
+                self._child.stop(signal.SIGKILL)
+                if attempt + 1 == attempts:
+                    raise
+
+    def stop(self) -> None:
+        self._child.stop()
+
+    def destroy(self) -> None:
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def tail(self) -> str:
+        return self._child.tail()

@@ -13,6 +13,7 @@ from pathlib import Path
 from saltgate.config import ConfigError, GatewayConfig, load_config, load_master_key
 from saltgate.ehbp.frames import KEYS_PATH, ServerKey
 from saltgate.gateway.access_log import AccessLog
+from saltgate.gateway.cluster import ClusterBus, start_cluster_bus
 from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
@@ -45,6 +46,7 @@ class RunningGateway:
     admin_port: int | None
     ehbp: EhbpEdge | None = None
     kv_relay: KvRelay | None = None
+    cluster: ClusterBus | None = None  # [cluster]: routing state shared over the bus
 
     @property
     def url(self) -> str:
@@ -61,6 +63,8 @@ class RunningGateway:
 
     async def close(self) -> None:
         await self.gateway.http.close()
+        if self.cluster is not None:
+            await self.cluster.close()
         if self.admin is not None:
             await self.admin.close()
         await self.gateway.replicas.close()
@@ -138,6 +142,7 @@ async def start_gateway(
         admin_port = await admin.start(config.admin_host, config.admin_port)
     running = RunningGateway(gateway, port, admin, admin_port, ehbp)
     try:
+        running.cluster = start_cluster_bus(config.cluster, router, subkeys.route, metrics)
         running.kv_relay = start_kv_relay(config, subkeys.kv_events)
     except BaseException:
         await running.close()
@@ -190,6 +195,8 @@ async def _serve(config: GatewayConfig) -> None:
         print(f"saltgate: EHBP key {running.ehbp.key.config.fingerprint} at {KEYS_PATH}")
     if running.kv_relay is not None:
         print(f"saltgate: {running.kv_relay.describe()}", flush=True)
+    if running.cluster is not None:
+        print(f"saltgate: {running.cluster.describe()}", flush=True)
     if config.config_file is not None:
         path = config.config_file
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_from, running, path)

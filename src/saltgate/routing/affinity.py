@@ -57,3 +57,18 @@ class PrefixAffinity:
             owner.move_to_end(digest)
         while len(owner) > self.max_entries:
             owner.popitem(last=False)
+
+    def learn(
+        self, digests: Sequence[bytes], replica_id: str, at: float, prompt_bytes: int
+    ) -> None:
+        """Another gateway's placement made at ``at``: it replaces only older entries, so
+        two gateways that placed one prefix at nearly the same time both end up keeping
+        the later placement."""
+        owner = self._owner
+        for digest in digests:
+            entry = owner.get(digest)
+            if entry is None or entry[1] <= at:
+                owner[digest] = (replica_id, at, prompt_bytes)
+                owner.move_to_end(digest)
+        while len(owner) > self.max_entries:
+            owner.popitem(last=False)

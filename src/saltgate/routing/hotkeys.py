@@ -54,6 +54,13 @@ class HotKeys:
             self._counts.popitem(last=False)
         return count / self.tau
 
+    def add(self, key: bytes, now: float, count: float) -> None:
+        """Count ``count`` requests that another gateway saw (routing/cluster.py)."""
+        self._counts[key] = (self._decayed(key, now) + count, now)
+        self._counts.move_to_end(key)
+        if len(self._counts) > self.max_keys:
+            self._counts.popitem(last=False)
+
     def rate(self, key: bytes, now: float) -> float:
         """Requests per second for ``key``, as of ``now``, without counting a request."""
         return self._decayed(key, now) / self.tau

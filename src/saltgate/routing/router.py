@@ -133,32 +133,50 @@ class ReplicaState:
     """What the router knows about one replica. ``load`` is an attribute kept current as
     requests start and finish: every decision reads it several times per replica."""
 
-    __slots__ = ("_inflight", "health", "id", "load", "member", "prefill")
+    __slots__ = (
+        "_inflight",
+        "_remote_inflight",
+        "health",
+        "id",
+        "load",
+        "member",
+        "prefill",
+        "remote_prefill",
+    )
 
     def __init__(self, member: Member, health: ReplicaHealth) -> None:
         self.id = member.id
         self.member = member
         self.health = health
         self._inflight = 0
-        self.load = 0.0  # in-flight requests per unit of capacity weight
+        self._remote_inflight = 0  # the other gateways' (cluster bus), 0 without one
+        self.load = 0.0  # in-flight requests (all gateways') per unit of capacity weight
         self.prefill = 0.0  # prompt bytes sent here and not yet prefilled (estimated uncached)
+        self.remote_prefill = 0.0  # ... by the other gateways of the cluster
 
     def __repr__(self) -> str:
         return f"ReplicaState({self.id!r}, inflight={self._inflight}, prefill={self.prefill:.0f})"
 
     @property
     def inflight(self) -> int:
+        """This gateway's requests in flight on the replica."""
         return self._inflight
 
     @inflight.setter
     def inflight(self, value: int) -> None:
         self._inflight = value
-        self.load = value / self.member.weight
+        self.load = (value + self._remote_inflight) / self.member.weight
+
+    def set_remote(self, inflight: int, prefill: float) -> None:
+        """The other gateways' load on this replica, as the cluster bus last told it."""
+        self._remote_inflight = inflight
+        self.remote_prefill = prefill
+        self.load = (self._inflight + inflight) / self.member.weight
 
     def set_member(self, member: Member) -> None:
         """The same replica with a (possibly) new weight."""
         self.member = member
-        self.load = self._inflight / member.weight
+        self.load = (self._inflight + self._remote_inflight) / member.weight
 
 
 class Prefixes(NamedTuple):
@@ -217,6 +235,10 @@ class Router:
         self._retired: dict[str, ReplicaState] = {}
         self._turn = 0
         self._inflight_total = 0
+        # Shared with the other gateways when a cluster bus runs (routing/cluster.py): the
+        # placements made and the route keys seen since the bus last took them. None: alone.
+        self.shared_placements: list[tuple[tuple[bytes, ...], str, int, float]] | None = None
+        self.shared_keys: dict[bytes, int] = {}
         self.set_members(members)
 
     def __repr__(self) -> str:
@@ -259,6 +281,10 @@ class Router:
     def busy(self) -> bool:
         """Whether any request is in flight on any replica."""
         return self._inflight_total > 0
+
+    def remembered_prefixes(self) -> int:
+        """Prefix digests in the affinity table (this gateway's and those learnt)."""
+        return len(self._affinity) if self._affinity is not None else 0
 
     def inflight(self, replica_id: str) -> int:
         state = self._states.get(replica_id) or self._retired.get(replica_id)
@@ -331,7 +357,11 @@ class Router:
         """Fix a request's routing input; counts it toward its key's rate (saltgate)."""
         if self.config.policy != "saltgate":
             return Plan(key)
-        rate = self._hot.observe(key, now) if key is not None else 0.0
+        rate = 0.0
+        if key is not None:
+            rate = self._hot.observe(key, now)
+            if self.shared_placements is not None:
+                self.shared_keys[key] = self.shared_keys.get(key, 0) + 1
         owners: dict[str, int] = {}
         if prefixes.digests and self._affinity is not None:
             first = self.config.affinity_first_depth
@@ -363,6 +393,8 @@ class Router:
             chosen = self._prefill_guard(chosen, plan, fresh)
         if plan.prefixes and self._affinity is not None:
             self._affinity.record(plan.prefixes, chosen.id, now, plan.prompt_bytes)
+            if self.shared_placements is not None:
+                self.shared_placements.append((plan.prefixes, chosen.id, plan.prompt_bytes, now))
         return chosen.id
 
     def _baseline(self, policy: str, plan: Plan, usable: dict[str, ReplicaState]) -> ReplicaState:
@@ -443,10 +475,10 @@ class Router:
             return chosen
         uncached = plan.uncached_bytes(chosen.id)
         delta = c.max_prefill_delta_cached if uncached < plan.prompt_bytes else c.max_prefill_delta
-        cost = chosen.prefill + uncached
+        cost = chosen.prefill + chosen.remote_prefill + uncached
         best, best_cost = chosen, cost
         for state in candidates:
-            other = state.prefill + plan.uncached_bytes(state.id)
+            other = state.prefill + state.remote_prefill + plan.uncached_bytes(state.id)
             if other < best_cost:
                 best, best_cost = state, other
         return chosen if cost <= best_cost + delta else best
@@ -503,6 +535,47 @@ class Router:
         state = self._states.get(replica_id)
         if state is not None:
             state.health.probed(ok)
+
+    # -- the cluster bus (routing/cluster.py) --------------------------------------------------
+    def start_sharing(self) -> list[tuple[tuple[bytes, ...], str, int, float]]:
+        """Keep what the other gateways should learn: returns `shared_placements`, the
+        (digests, replica, prompt bytes, time) of each pick from now on; `shared_keys`
+        counts the route keys seen."""
+        if self.shared_placements is None:
+            self.shared_placements = []
+        return self.shared_placements
+
+    def local_backlog(self) -> list[tuple[str, int, float]]:
+        """(replica, requests in flight, prefill bytes) of this gateway's own traffic."""
+        return [(s.id, s.inflight, s.prefill) for s in self._states.values()]
+
+    def learn_placement(
+        self,
+        digests: tuple[bytes, ...],
+        replica_id: str,
+        prompt_bytes: int,
+        now: float,
+        ttl_s: float,
+    ) -> None:
+        """Another gateway sent a prompt with these prefixes to ``replica_id``, still valid
+        for ``ttl_s``; a placement this router made or learnt since then is kept."""
+        if self._affinity is not None and replica_id in self._states:
+            ttl = min(ttl_s, self.config.affinity_ttl_s)
+            at = now - (self.config.affinity_ttl_s - ttl)
+            self._affinity.learn(digests, replica_id, at, prompt_bytes)
+
+    def observe_remote_key(self, key: bytes, count: int, now: float) -> None:
+        """Another gateway saw ``count`` requests of route key ``key``: one key's rate is
+        the cluster's, so it spreads as it would through one gateway."""
+        if self.config.policy == "saltgate":
+            self._hot.add(key, now, count)
+
+    def set_remote_load(self, loads: Mapping[str, tuple[int, float]]) -> None:
+        """The other gateways' (in flight, prefill bytes) per replica; replicas not named
+        carry none of theirs."""
+        for rid, state in self._states.items():
+            inflight, prefill = loads.get(rid, (0, 0.0))
+            state.set_remote(inflight, prefill)
 
     def observed_queue(self, replica_id: str, waiting: float | None) -> None:
         """The replica's reported queue length (None: it reports none)."""

@@ -24,6 +24,9 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from saltgate.spec.encoding import b64url_nopad, lp, u32be
 from saltgate.spec.labels import (
     CACHE_SALT_DOMAIN,
+    CLUSTER_BATCH_DOMAIN,
+    CLUSTER_STREAM_DOMAIN,
+    LABEL_CLUSTER_BUS_KEY,
     LABEL_KV_EVENTS_KEY,
     LABEL_ROUTE_KEY,
     LABEL_SALT_KEY,
@@ -108,6 +111,31 @@ def derive_subkeys(master_key: bytes) -> SubKeys:
         route=_hkdf_sha256(key, LABEL_ROUTE_KEY),
         kv_events=_hkdf_sha256(key, LABEL_KV_EVENTS_KEY),
     )
+
+
+CLUSTER_TAG_BYTES: Final = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterKeys:
+    """What the gateways of a cluster share on their bus (docs/spec.md, section 11): the
+    bus key, the stream's name (two clusters on one Redis never read each other's), and
+    the tag that proves a batch came from a gateway holding the master key."""
+
+    bus: bytes = field(repr=False)
+    stream: str
+
+    def tag(self, payload: bytes) -> bytes:
+        """The first 16 bytes of HMAC-SHA256(K_bus, CLUSTER_BATCH_DOMAIN || payload)."""
+        return hmac_sha256(self.bus, CLUSTER_BATCH_DOMAIN + payload)[:CLUSTER_TAG_BYTES]
+
+
+def cluster_keys(k_route: bytes) -> ClusterKeys:
+    """K_bus = HKDF-SHA256(K_route, info LABEL_CLUSTER_BUS_KEY); the stream is named by a
+    MAC under it. From K_route: the bus carries routing state keyed by K_route anyway."""
+    bus = _hkdf_sha256(k_route, LABEL_CLUSTER_BUS_KEY)
+    name = hmac_sha256(bus, CLUSTER_STREAM_DOMAIN)[:8].hex()
+    return ClusterKeys(bus, f"saltgate-cluster-{name}")
 
 
 @functools.lru_cache(maxsize=16)
@@ -509,14 +537,15 @@ class NamespaceKeys:
         A later turn of a conversation extends the earlier prompt, so they share the
         digests up to the earlier prompt's length (within a factor 2): the router
         remembers which replica served a digest and sends the next turn there. Tenants
-        never share a digest, and nothing outside the gateway can compute one. Local to a
-        gateway: not part of what gateways must agree on (the window key is).
+        never share a digest, and nothing outside the cluster can compute one; gateways
+        that share placements over the cluster bus agree on them (docs/spec.md, 7, 11).
 
         SHA-256 over PREFIX_DOMAIN || lp(k_route) || lp(model) || lp(salt) || flat[:d], in
-        one pass finished on a copy at each depth. Keyed by prefixing the route sub-key: a
-        digest is only ever a key of the router's in-memory table, never shown to anyone,
-        so the length extension that HMAC guards against gives nothing away, and HMAC
-        would double the cost (its finish on a copy runs two hashes per depth).
+        one pass finished on a copy at each depth. Keyed by prefixing the route sub-key:
+        without it no digest can be tested against a guess, and the length extension that
+        HMAC guards against yields only digests of strings with SHA-256 padding inside,
+        which say nothing about the prompt; HMAC would double the cost (its finish on a
+        copy runs two hashes per depth).
         """
         if first_depth <= 0:
             raise ValueError("first_depth must be positive")

@@ -24,6 +24,11 @@ RENDEZVOUS_DOMAIN: Final = b"saltgate/v1/rendezvous"  # replica scores for a rou
 KV_BLOCK_DOMAIN: Final = b"saltgate/v1/kv-block"  # relayed block hashes, under K_kv
 KV_REPLICA_DOMAIN: Final = b"saltgate/v1/kv-replica"  # relayed replica ids, under K_kv
 KV_CURVE_LABEL: Final = b"saltgate/v1/kv-relay-curve"  # HKDF info of the relay's CURVE key
+# The cluster bus between gateways (section 11): its key from K_route, its stream's name,
+# and the domain of the tag on every batch.
+LABEL_CLUSTER_BUS_KEY: Final = b"saltgate/v1/cluster-bus"
+CLUSTER_STREAM_DOMAIN: Final = b"saltgate/v1/cluster-stream"
+CLUSTER_BATCH_DOMAIN: Final = b"saltgate/v1/cluster-batch"
 
 # What every derived cache salt starts with ("sg" + the spec version).
 SALT_PREFIX: Final = "sg1_"

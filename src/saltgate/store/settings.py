@@ -49,13 +49,7 @@ class StoreSettings:
 
         Raises ValueError("<key>: <what is wrong>").
         """
-        if "password" in table:
-            raise ValueError(
-                "password: do not put secrets in the config file; use password_file or password_env"
-            )
-        unknown = sorted(set(table) - _KEYS)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: unknown key; expected some of {sorted(_KEYS)}")
+        check_keys(table, _KEYS)
         for key in _KEYS & set(table):
             if not isinstance(table[key], str) or not table[key]:
                 raise ValueError(f"{key}: expected a non-empty string")
@@ -101,6 +95,18 @@ class StoreSettings:
             if value is not None:
                 lines.append(f"{key} = {_toml_string(str(value))}")
         return "[store]\n" + "\n".join(lines) + "\n"
+
+
+def check_keys(table: Mapping[str, Any], known: set[str] | frozenset[str]) -> None:
+    """A table that names a password (`[store]`, `[cluster]`) refuses an inline one and
+    keys it does not know. Raises ValueError("<key>: <what is wrong>")."""
+    if "password" in table:
+        raise ValueError(
+            "password: do not put secrets in the config file; use password_file or password_env"
+        )
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown key; expected some of {sorted(known)}")
 
 
 def _toml_string(value: str) -> str:

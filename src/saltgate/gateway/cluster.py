@@ -1,0 +1,284 @@
+"""The cluster bus: a gateway's routing state to and from the other gateways, over Redis.
+
+The deciding part is pure (routing/cluster.py: what a batch holds, what applying one
+does); this module is its I/O. Every ``publish_interval_s`` it takes the batch the
+router has gathered since the last one and appends it to a Redis stream (XADD, capped at
+STREAM_MAX_BATCHES entries), and one reader follows the stream (XREAD BLOCK) and applies
+the other gateways' batches. Nothing here runs on a request's path: a request only
+appends its placement to a list in the router.
+
+Why a stream and not pub/sub: a gateway that starts, or comes back after losing the
+bus, reads what the others wrote meanwhile (the last ``affinity_ttl_s`` of it, bounded by
+the cap) instead of starting blind; entries carry Redis's own time, so a catching-up
+gateway knows how old each placement and backlog is.
+
+When Redis cannot be reached the gateway routes on its own state: the others' backlogs
+are dropped at once, placements already learnt stay until their TTL, and its own wait
+(bounded) to be sent on return. `saltgate_cluster_bus_up` says which; the bus is retried
+every half second to five seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Any, Final
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from saltgate.config import ConfigError, read_secret_file
+from saltgate.gateway.metrics import Metrics
+from saltgate.routing import Router
+from saltgate.routing.cluster import ClusterSettings, ClusterState
+from saltgate.spec.derive import ClusterKeys, cluster_keys
+
+log = logging.getLogger(__name__)
+
+STREAM_MAX_BATCHES: Final = 20_000  # approximate cap (XADD MAXLEN ~)
+FIELD: Final = b"b"
+READ_BLOCK_MS: Final = 1000
+READ_COUNT: Final = 1024
+RETRY_MIN_S: Final = 0.5
+RETRY_MAX_S: Final = 5.0
+CONNECT_TIMEOUT_S: Final = 2.0
+SOCKET_TIMEOUT_S: Final = 5.0  # above READ_BLOCK_MS: a blocked read is not a dead server
+
+
+def bus_password(settings: ClusterSettings) -> str | None:
+    """The bus's password, read now (a rotated file is used from the next connection);
+    ConfigError names the file or variable, never the value."""
+    if settings.password_file is not None:
+        data = read_secret_file(settings.password_file, "cluster.password_file")
+        text = data.decode("utf-8", errors="replace").strip()
+        if not text:
+            raise ConfigError(f"cluster.password_file: {settings.password_file} is empty")
+        return text
+    if settings.password_env is not None:
+        value = os.environ.get(settings.password_env)
+        if not value:
+            raise ConfigError(
+                f"cluster.password_env: environment variable {settings.password_env} is not set"
+            )
+        return value
+    return None
+
+
+class ClusterBus:
+    """One gateway process's connection to the bus; `start`, then `close`."""
+
+    def __init__(
+        self,
+        settings: ClusterSettings,
+        router: Router,
+        keys: ClusterKeys,
+        *,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.sender = f"{settings.gateway_id}/{os.getpid()}"
+        self.state = ClusterState(router, keys, self.sender, backlog_ttl_s=settings.backlog_ttl_s)
+        self.metrics = metrics or Metrics()
+        self.up = False
+        self._down_since: float | None = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+        self._client: Redis | None = None
+        self._last_id = b""
+        self._connected_before = False
+        self._said_down = False
+        self._clock_offset_s = 0.0  # Redis's clock minus ours
+        self._describe()
+
+    def _describe(self) -> None:
+        m = self.metrics
+        m.describe(
+            "saltgate_cluster_batches_total",
+            "counter",
+            "Cluster bus batches by kind: sent, received (applied), rejected (tag or format).",
+        )
+        m.gauge(
+            "saltgate_cluster_bus_up",
+            "1 while the cluster bus answers; 0: routing on this gateway's own state.",
+            lambda: [((), 1.0 if self.up else 0.0)],
+        )
+        m.gauge(
+            "saltgate_cluster_bus_down_seconds",
+            "Seconds since the cluster bus was lost (0 while it answers).",
+            lambda: [((), self.down_for())],
+        )
+        m.gauge(
+            "saltgate_cluster_peers",
+            "Other gateway processes heard on the bus within backlog_ttl_s.",
+            lambda: [((), float(self.state.peers))],
+        )
+
+    def down_for(self) -> float:
+        return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Check the credentials now (a missing file is a configuration error), then
+        connect in the background: a gateway starts and serves without its bus."""
+        bus_password(self.settings)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="cluster-bus")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._drop_client()
+
+    def describe(self) -> str:
+        return f"cluster bus {self.settings.url} as {self.sender}"
+
+    # -- the connection ---------------------------------------------------------------------
+    async def _run(self) -> None:
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                client = await self._connect()
+                delay = RETRY_MIN_S
+                await self._serve(client)
+            except (RedisError, OSError, ConfigError) as exc:
+                self._lost(exc)
+            await self._drop_client()
+            dropped = self.state.trim_pending()
+            if dropped:
+                log.warning("cluster bus: %d placements dropped while it was down", dropped)
+            await asyncio.sleep(delay)
+            delay = min(RETRY_MAX_S, delay * 2)
+
+    async def _drop_client(self) -> None:
+        """Close the connection, if any, without ever waiting long on a dead server."""
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await asyncio.wait_for(client.aclose(), CONNECT_TIMEOUT_S)
+
+    async def _connect(self) -> Redis:
+        client: Redis = Redis.from_url(
+            self.settings.url,
+            password=bus_password(self.settings),
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=SOCKET_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+            client_name=f"saltgate-{self.settings.gateway_id}",
+        )
+        self._client = client
+        seconds, micros = await client.time()
+        self._clock_offset_s = seconds + micros / 1e6 - time.time()
+        if not self._last_id:
+            # First connection: what the others placed within the affinity TTL.
+            since_ms = int((time.time() + self._clock_offset_s) * 1000)
+            since_ms -= int(self.state.router.config.affinity_ttl_s * 1000)
+            self._last_id = f"{max(0, since_ms)}-0".encode()
+        if self._connected_before:
+            log.warning(
+                "cluster bus %s: back after %.1f s, sharing again",
+                self.settings.url,
+                self.down_for(),
+            )
+        else:
+            log.info("cluster bus %s: connected", self.settings.url)
+        self._connected_before = True
+        self._said_down = False
+        self.up = True
+        self._down_since = None
+        return client
+
+    def _lost(self, exc: BaseException) -> None:
+        if self.up or not self._said_down:
+            log.warning(
+                "cluster bus %s unreachable (%s): routing on this gateway's own state",
+                self.settings.url,
+                type(exc).__name__,
+            )
+            self._said_down = True
+        if self.up:
+            self._down_since = time.monotonic()
+        self.up = False
+        self.state.forget_peers()
+
+    async def _serve(self, client: Redis) -> None:
+        """Publish and read until either fails; the failure ends both."""
+        tasks = [
+            asyncio.create_task(self._publish(client)),
+            asyncio.create_task(self._read(client)),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _publish(self, client: Redis) -> None:
+        interval = self.settings.publish_interval_s
+        while True:
+            now = time.monotonic()
+            self.state.expire(now)
+            batch = self.state.outgoing(now)
+            if batch is not None:
+                await client.xadd(
+                    self.keys.stream, {FIELD: batch}, maxlen=STREAM_MAX_BATCHES, approximate=True
+                )
+                self._count("sent", 1)
+            await asyncio.sleep(interval)
+
+    async def _read(self, client: Redis) -> None:
+        stream = self.keys.stream
+        while True:
+            reply: Any = await client.xread(
+                {stream: self._last_id}, count=READ_COUNT, block=READ_BLOCK_MS
+            )
+            received = rejected = 0
+            for _name, entries in reply or ():
+                for entry_id, fields in entries:
+                    self._last_id = entry_id
+                    data = fields.get(FIELD)
+                    if not isinstance(data, bytes):
+                        rejected += 1
+                        continue
+                    before = self.state.rejected
+                    batch = self.state.incoming(data, time.monotonic(), self._age(entry_id))
+                    if self.state.rejected != before:
+                        rejected += 1
+                    elif batch is not None:
+                        received += 1
+            if received:
+                self._count("received", received)
+            if rejected:
+                self._count("rejected", rejected)
+                log.warning("cluster bus: %d batches did not verify and were dropped", rejected)
+
+    def _age(self, entry_id: bytes) -> float:
+        """Seconds since Redis stored the entry (its id starts with Redis's time in ms)."""
+        try:
+            written_ms = int(entry_id.split(b"-", 1)[0])
+        except ValueError:
+            return 0.0
+        return max(0.0, time.time() + self._clock_offset_s - written_ms / 1000.0)
+
+    def _count(self, kind: str, n: int) -> None:
+        self.metrics.inc("saltgate_cluster_batches_total", (("kind", kind),), n)
+
+
+def start_cluster_bus(
+    settings: ClusterSettings | None, router: Router, k_route: bytes, metrics: Metrics
+) -> ClusterBus | None:
+    """The bus of ``[cluster]``, connecting in the background, or None without one."""
+    if settings is None:
+        return None
+    bus = ClusterBus(settings, router, cluster_keys(k_route), metrics=metrics)
+    bus.start()
+    return bus

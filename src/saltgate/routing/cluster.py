@@ -1,0 +1,396 @@
+"""Routing state shared by the gateways of a cluster, sans-IO: what goes on the bus, and
+what a gateway does with what arrives.
+
+With N gateways behind a round-robin balancer each one sees 1/N of every conversation,
+of every hot key and of every replica's backlog. Each gateway therefore sends the others,
+in batches off the request path (gateway/cluster.py does the I/O):
+
+- placements: the keyed prefix digests of each routed request, the replica it went to,
+  the prompt's length and how long the placement stays valid (routing/affinity.py);
+- route keys seen, with counts, so a hot key is hot on every gateway (routing/hotkeys.py);
+- its own per-replica backlog: requests in flight and prompt bytes not yet prefilled.
+
+and applies the others' to its router: placements into the affinity table (the newer of
+two wins, so gateways converge), counts into the key rates, backlogs summed per replica
+beside its own (`Router.set_remote_load`). A gateway that goes silent for
+``backlog_ttl_s`` stops counting: its backlog is dropped, and if the bus itself is down
+each gateway routes on its own state until it returns.
+
+What a batch holds is only keyed digests (SHA-256 under K_route: docs/spec.md, 7), route
+keys (HMAC under K_route), replica ids (their URLs), the sender's gateway id and numbers:
+no salt, prompt, token or API key, and nothing a reader could test a guess against
+without the master key. Each batch is tagged under K_bus (docs/spec.md, 11); batches that
+do not verify are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, NamedTuple
+from urllib.parse import urlsplit
+
+import msgpack
+
+from saltgate.routing.router import Router
+from saltgate.spec.derive import CLUSTER_TAG_BYTES, ClusterKeys
+from saltgate.store.settings import check_keys
+
+WIRE_VERSION: Final = 1
+DIGEST_BYTES: Final = 32
+HEARTBEAT_S: Final = 0.5  # a silent gateway still sends its backlog this often
+MAX_BATCH_PLACEMENTS: Final = 4096  # per batch; the rest wait for the next one
+MAX_PENDING_PLACEMENTS: Final = 65_536  # kept while the bus is down; oldest dropped beyond
+MAX_SENDERS: Final = 4096  # senders whose last sequence number is remembered
+
+_GATEWAY_ID: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_KEYS: Final = frozenset(
+    {"url", "password_file", "password_env", "gateway_id", "publish_interval_s", "backlog_ttl_s"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    """A parsed ``[cluster]`` table (docs/deployment.md). The URL never holds a password:
+    ``password_file`` (read at each connection, so a rotated file takes effect at the
+    next one) or ``password_env`` does."""
+
+    url: str
+    gateway_id: str
+    password_file: Path | None = None
+    password_env: str | None = None
+    publish_interval_s: float = 0.02
+    backlog_ttl_s: float = 2.0
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], base: Path) -> ClusterSettings:
+        """Validate ``[cluster]``; relative paths start at ``base``. ValueError("key: ...")."""
+        check_keys(table, _KEYS)
+        for key in ("url", "gateway_id"):
+            if key not in table:
+                raise ValueError(f"{key}: missing")
+        for key in ("url", "gateway_id", "password_file", "password_env"):
+            if key in table and (not isinstance(table[key], str) or not table[key]):
+                raise ValueError(f"{key}: expected a non-empty string")
+        url = table["url"]
+        _check_redis_url(url)
+        gateway_id = table["gateway_id"]
+        if not _GATEWAY_ID.fullmatch(gateway_id):
+            raise ValueError(
+                "gateway_id: 1-64 characters of letters, digits and . _ : - (it names this "
+                "gateway on the bus)"
+            )
+        if "password_file" in table and "password_env" in table:
+            raise ValueError("password_file: give password_file or password_env, not both")
+        settings = cls(
+            url,
+            gateway_id,
+            password_file=_path(table.get("password_file"), base),
+            password_env=table.get("password_env"),
+            **_positive_numbers(table, ("publish_interval_s", "backlog_ttl_s")),
+        )
+        if settings.backlog_ttl_s < 2 * HEARTBEAT_S:
+            raise ValueError(
+                f"backlog_ttl_s: must be at least {2 * HEARTBEAT_S} s (twice the heartbeat)"
+            )
+        return settings
+
+
+def _positive_numbers(table: Mapping[str, Any], keys: Sequence[str]) -> dict[str, float]:
+    numbers: dict[str, float] = {}
+    for key in keys:
+        if key in table:
+            value = table[key]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{key}: expected a number")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{key}: must be a positive number")
+            numbers[key] = float(value)
+    return numbers
+
+
+def _path(value: str | None, base: Path) -> Path | None:
+    if value is None:
+        return None
+    path = Path(value)
+    return path if path.is_absolute() else base / path
+
+
+def _check_redis_url(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(
+            "url: expected redis://[user@]host:port[/db] or rediss:// (TLS), "
+            f"got scheme {parts.scheme or '(none)'}"
+        )
+    if not parts.hostname:
+        raise ValueError("url: names no host")
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    if (at and ":" in userinfo) or "password=" in parts.query:
+        raise ValueError(
+            "url: do not put the password in the URL; use password_file or password_env "
+            "(the URL with its password is not shown)"
+        )
+
+
+# -- the wire ------------------------------------------------------------------------------
+
+
+class Placement(NamedTuple):
+    """One routed request: its prefix digests (shallow first), where it went, its prompt's
+    length in bytes and the seconds it stays valid."""
+
+    digests: tuple[bytes, ...]
+    replica: str
+    prompt_bytes: int
+    ttl_s: float
+
+
+class Backlog(NamedTuple):
+    """One gateway's own load on one replica."""
+
+    replica: str
+    inflight: int
+    prefill: float
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    sender: str
+    seq: int
+    placements: tuple[Placement, ...] = ()
+    keys: tuple[tuple[bytes, int], ...] = ()
+    backlog: tuple[Backlog, ...] = ()
+
+
+class BadBatch(ValueError):
+    """A bus message that does not verify or does not parse (never applied)."""
+
+
+def encode_batch(keys: ClusterKeys, batch: Batch) -> bytes:
+    """msgpack ``[version, sender, seq, replicas, placements, keys, backlog]`` + tag, where
+    replicas lists each replica id once and the others refer to it by index:
+    placements ``[replica, prompt_bytes, ttl_ms, digests concatenated]``, keys
+    ``[route_key, count]``, backlog ``[replica, inflight, prefill_bytes]``."""
+    index: dict[str, int] = {}
+
+    def ref(replica: str) -> int:
+        return index.setdefault(replica, len(index))
+
+    placements = [
+        [ref(p.replica), p.prompt_bytes, round(p.ttl_s * 1000), b"".join(p.digests)]
+        for p in batch.placements
+    ]
+    backlog = [[ref(b.replica), b.inflight, round(b.prefill)] for b in batch.backlog]
+    payload: bytes = msgpack.packb(
+        [
+            WIRE_VERSION,
+            batch.sender,
+            batch.seq,
+            list(index),
+            placements,
+            [[k, n] for k, n in batch.keys],
+            backlog,
+        ]
+    )
+    return payload + keys.tag(payload)
+
+
+def decode_batch(keys: ClusterKeys, data: bytes) -> Batch:
+    """The batch in ``data``, its tag checked first (constant time); BadBatch otherwise."""
+    if len(data) <= CLUSTER_TAG_BYTES:
+        raise BadBatch("too short")
+    payload, tag = data[:-CLUSTER_TAG_BYTES], data[-CLUSTER_TAG_BYTES:]
+    if not hmac.compare_digest(keys.tag(payload), tag):
+        raise BadBatch("tag does not verify (another cluster's, or forged)")
+    try:
+        doc = msgpack.unpackb(payload, use_list=True, raw=False, strict_map_key=True)
+        version, sender, seq, replicas, placements, route_keys, backlog = doc
+        if version != WIRE_VERSION:
+            raise BadBatch(f"wire version {version!r}, expected {WIRE_VERSION}")
+        if not (isinstance(sender, str) and isinstance(seq, int)):
+            raise BadBatch("bad sender or sequence number")
+        if not all(isinstance(r, str) for r in replicas):
+            raise BadBatch("bad replica list")
+        return Batch(
+            sender,
+            seq,
+            tuple(_placement(p, replicas) for p in placements),
+            tuple(_key(k) for k in route_keys),
+            tuple(Backlog(replicas[r], _count(n), float(_count(b))) for r, n, b in backlog),
+        )
+    except BadBatch:
+        raise
+    except (ValueError, TypeError, IndexError, msgpack.ExtraData) as exc:
+        raise BadBatch(f"malformed: {type(exc).__name__}") from None
+
+
+def _count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadBatch("a count is not a non-negative integer")
+    return value
+
+
+def _placement(item: Any, replicas: Sequence[str]) -> Placement:
+    replica, prompt_bytes, ttl_ms, joined = item
+    if not isinstance(joined, bytes) or not joined or len(joined) % DIGEST_BYTES:
+        raise BadBatch("digests are not whole 32-byte digests")
+    digests = tuple(joined[i : i + DIGEST_BYTES] for i in range(0, len(joined), DIGEST_BYTES))
+    return Placement(digests, replicas[replica], _count(prompt_bytes), _count(ttl_ms) / 1000.0)
+
+
+def _key(item: Any) -> tuple[bytes, int]:
+    key, count = item
+    if not isinstance(key, bytes) or len(key) != DIGEST_BYTES:
+        raise BadBatch("a route key is not 32 bytes")
+    return key, _count(count)
+
+
+# -- one gateway's side ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Peer:
+    heard_at: float
+    backlog: dict[str, Backlog] = field(default_factory=dict)
+
+
+class ClusterState:
+    """The shared part of one gateway's router: batches out, batches in.
+
+    ``sender`` names this process on the bus (the gateway id and the process id: a worker
+    or a restarted gateway is a peer of its own). The caller supplies the clock.
+    """
+
+    def __init__(
+        self, router: Router, keys: ClusterKeys, sender: str, *, backlog_ttl_s: float = 2.0
+    ) -> None:
+        self.router = router
+        self.keys = keys
+        self.sender = sender
+        self.backlog_ttl_s = backlog_ttl_s
+        self._seq = 0
+        self._peers: dict[str, _Peer] = {}
+        self._heard: dict[str, int] = {}  # sender -> the highest sequence number applied
+        self._last_backlog: tuple[Backlog, ...] = ()
+        self._last_sent = -math.inf
+        self.received = 0  # batches applied
+        self.rejected = 0  # batches that did not verify or parse
+        self._pending = router.start_sharing()
+
+    # -- out ---------------------------------------------------------------------------------
+    def outgoing(self, now: float) -> bytes | None:
+        """The next batch to publish, or None when there is nothing new to say (placements,
+        keys, a changed backlog, or a heartbeat due)."""
+        router = self.router
+        pending = self._pending
+        placements = pending[:MAX_BATCH_PLACEMENTS]
+        del pending[:MAX_BATCH_PLACEMENTS]
+        keys = tuple(router.shared_keys.items())
+        router.shared_keys.clear()
+        backlog = tuple(Backlog(*row) for row in router.local_backlog())
+        if (
+            not placements
+            and not keys
+            and backlog == self._last_backlog
+            and now - self._last_sent < HEARTBEAT_S
+        ):
+            return None
+        ttl = router.config.affinity_ttl_s
+        self._seq += 1
+        self._last_backlog = backlog
+        self._last_sent = now
+        batch = Batch(
+            self.sender,
+            self._seq,
+            tuple(
+                Placement(digests, replica, length, max(0.0, ttl - (now - at)))
+                for digests, replica, length, at in placements
+            ),
+            keys,
+            backlog,
+        )
+        return encode_batch(self.keys, batch)
+
+    def trim_pending(self) -> int:
+        """While the bus is down: keep at most MAX_PENDING_PLACEMENTS placements to send
+        when it returns (the oldest go first); returns how many were dropped."""
+        pending = self._pending
+        excess = len(pending) - MAX_PENDING_PLACEMENTS
+        if excess > 0:
+            del pending[:excess]
+        return max(0, excess)
+
+    # -- in ----------------------------------------------------------------------------------
+    def incoming(self, data: bytes, now: float, age_s: float = 0.0) -> Batch | None:
+        """Apply a batch read from the bus ``age_s`` after it was written; returns it, or
+        None for this process's own batches and for batches that do not verify."""
+        try:
+            batch = decode_batch(self.keys, data)
+        except BadBatch:
+            self.rejected += 1
+            return None
+        if batch.sender == self.sender:
+            return None
+        self.received += 1
+        if len(self._heard) >= MAX_SENDERS and batch.sender not in self._heard:
+            self._heard.clear()  # restarted processes' ids, mostly: start over
+        self._heard[batch.sender] = max(batch.seq, self._heard.get(batch.sender, 0))
+        router = self.router
+        for p in batch.placements:
+            remaining = p.ttl_s - age_s
+            if remaining > 0:
+                router.learn_placement(p.digests, p.replica, p.prompt_bytes, now, remaining)
+        if age_s < self.backlog_ttl_s:
+            for key, count in batch.keys:
+                router.observe_remote_key(key, count, now)
+            peer = self._peers.get(batch.sender)
+            if peer is None:
+                peer = self._peers[batch.sender] = _Peer(now - age_s)
+            peer.heard_at = max(peer.heard_at, now - age_s)
+            peer.backlog = {b.replica: b for b in batch.backlog}
+            self._apply_backlog()
+        return batch
+
+    def expire(self, now: float) -> int:
+        """Forget the backlog of peers silent for ``backlog_ttl_s``; how many are left."""
+        ttl = self.backlog_ttl_s
+        silent = [s for s, p in self._peers.items() if now - p.heard_at > ttl]
+        for sender in silent:
+            del self._peers[sender]
+        if silent:
+            self._apply_backlog()
+        return len(self._peers)
+
+    def forget_peers(self) -> None:
+        """The bus is gone: route on this gateway's own state alone."""
+        self._peers.clear()
+        self._apply_backlog()
+
+    @property
+    def peers(self) -> int:
+        return len(self._peers)
+
+    @property
+    def sent(self) -> int:
+        """The sequence number of the last batch `outgoing` made."""
+        return self._seq
+
+    def heard(self, sender: str) -> int:
+        """The highest sequence number applied from ``sender`` (0: none)."""
+        return self._heard.get(sender, 0)
+
+    def _apply_backlog(self) -> None:
+        totals: dict[str, list[float]] = {}
+        for peer in self._peers.values():
+            for b in peer.backlog.values():
+                entry = totals.setdefault(b.replica, [0.0, 0.0])
+                entry[0] += b.inflight
+                entry[1] += b.prefill
+        self.router.set_remote_load(
+            {replica: (int(n), prefill) for replica, (n, prefill) in totals.items()}
+        )
