@@ -14,6 +14,7 @@ from pathlib import Path
 
 from saltgate.bench.procs import BenchError, Tools, free_port
 from saltgate.config import ConfigError, create_master_key, parse_config
+from saltgate.routing.cluster import ClusterSettings
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore
@@ -57,9 +58,11 @@ def gateway_config(
     admin_port: int,
     policy: str | None = None,
     router_settings: Sequence[str] = (),
+    cluster: ClusterSettings | None = None,
 ) -> str:
     """`saltgate serve` TOML: the replicas, and a [router] section with ``policy`` plus
-    ``router_settings`` (KEY = VALUE lines) when either is given."""
+    ``router_settings`` (KEY = VALUE lines) when either is given; ``cluster``: the
+    [cluster] section of a gateway that shares routing state."""
     router = ""
     if policy is not None or router_settings:
         lines = [*([f"policy = {toml_string(policy)}"] if policy else []), *router_settings]
@@ -74,6 +77,7 @@ def gateway_config(
         f"state_dir = {toml_string(str(state.state_dir))}\n"
         f"master_key_file = {toml_string(str(state.state_dir / 'master.key'))}\n"
         f"{state.store.toml() if state.store is not None else ''}"
+        f"{cluster.toml() if cluster is not None else ''}"
         f"{router}"
         f"{replicas}"
     )

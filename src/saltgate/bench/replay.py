@@ -23,7 +23,7 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,14 +47,30 @@ from saltgate.bench.procs import (
     tool_versions,
     workdir,
 )
-from saltgate.bench.replay_client import RequestShape, replay
-from saltgate.bench.replay_metrics import check_targets, markdown_table, summarize
+from saltgate.bench.replay_client import ReplayRun, RequestShape, replay
+from saltgate.bench.replay_fleet import (
+    FleetOptions,
+    FleetServices,
+    GatewayFleet,
+    database_of,
+    kill_gateway_later,
+    killed_in_flight,
+    ledger_check,
+    variant_label,
+)
+from saltgate.bench.replay_metrics import (
+    check_fleet_targets,
+    check_targets,
+    markdown_table,
+    summarize,
+)
 from saltgate.bench.replay_procs import (
     GATEWAY_POLICIES,
     PEER_POLICIES,
     POLICIES,
     Fleet,
     SimSettings,
+    wait_ready,
 )
 from saltgate.bench.trace_schedule import (
     ReplayRequest,
@@ -63,7 +79,7 @@ from saltgate.bench.trace_schedule import (
     load_trace,
     zipf_weights,
 )
-from saltgate.http import UpstreamError, UpstreamPool
+from saltgate.http import UpstreamPool
 
 MODEL = "sim-model"
 DEFAULT_TRACE = (
@@ -91,6 +107,7 @@ class Options:
     drain_timeout_s: float
     startup_timeout_s: float
     progress: bool
+    fleet: FleetOptions | None = None  # --gateways / --shared-state / --kill-gateway-at
 
 
 class Bench:
@@ -105,6 +122,7 @@ class Bench:
         self.workdir = workdir
         self.state: GatewayState | None = None
         self.ttfts: dict[str, list[float]] = {}
+        self.services: FleetServices | None = None
 
     def log(self, message: str) -> None:
         print(f"[replay] {message}", file=sys.stderr, flush=True)
@@ -127,6 +145,8 @@ class Bench:
         )
 
     async def run(self) -> list[dict[str, Any]]:
+        if self.o.fleet is not None:
+            return await self.run_fleets(self.o.fleet)
         results = []
         for policy in self.o.policies:
             started = time.monotonic()
@@ -136,8 +156,88 @@ class Bench:
                 self.log(f"{policy}: {exc}")
                 result = {"policy": policy, "error": str(exc).splitlines()[0]}
             self.log(f"{policy}: done in {time.monotonic() - started:.0f} s")
-            results.append(result)
+            results.append({**result, "gateways": 1, "shared_state": False})
         return results
+
+    async def run_fleets(self, fleet: FleetOptions) -> list[dict[str, Any]]:
+        """Every policy through every (gateways, shared state) variant, in that order."""
+        results = []
+        self.services = FleetServices(fleet.needs_bus)
+        try:
+            for policy in self.o.policies:
+                for gateways, shared in fleet.variants():
+                    label = variant_label(policy, gateways, shared)
+                    started = time.monotonic()
+                    try:
+                        result = await self.run_fleet(policy, gateways, shared)
+                    except BenchError as exc:
+                        self.log(f"{label}: {exc}")
+                        result = {
+                            "policy": policy,
+                            "gateways": gateways,
+                            "shared_state": shared,
+                            "error": str(exc).splitlines()[0],
+                        }
+                    self.log(f"{label}: done in {time.monotonic() - started:.0f} s")
+                    results.append(result)
+        finally:
+            self.services.stop()
+        return results
+
+    async def run_fleet(self, policy: str, gateways: int, shared: bool) -> dict[str, Any]:
+        """One variant: fresh replicas and database, N gateways behind HAProxy."""
+        fleet_o, services = self.o.fleet, self.services
+        assert fleet_o is not None and services is not None
+        label = variant_label(policy, gateways, shared)
+        tag = label.replace(" ", "-").replace(":", "-")
+        tenants = [f"tenant-{i}" for i in range(self.o.tenants)]
+        state = services.new_store_state(self.workdir / f"{tag}-state", tenants)
+        shape = RequestShape(
+            MODEL, self.o.block_tokens, self.o.text_prompts, tenant_keys=state.api_keys
+        )
+        replicas = Fleet(self.o.sim, self.o.replicas, self.workdir, tag)
+        front: GatewayFleet | None = None
+        kill: dict[str, Any] | None = None
+        try:
+            await replicas.start(self.o.startup_timeout_s)
+            front = GatewayFleet(
+                gateways,
+                state,
+                replicas.urls,
+                policy=policy,
+                router_settings=self.o.router_settings,
+                bus=services.redis if shared else None,
+                workdir=self.workdir,
+                tag=tag,
+            )
+            port = await front.start(shape, self.o.startup_timeout_s)
+            baseline = await replicas.served()
+            pool = UpstreamPool(
+                "127.0.0.1", port, max_idle=1024, response_timeout=None, read_timeout=None
+            )
+            extra = None
+            if fleet_o.kill_gateway_at_s is not None:
+                which = min(fleet_o.kill_gateway, gateways - 1)
+                kill = {"gateway": which}
+                extra = kill_gateway_later(front, which, fleet_o.kill_gateway_at_s, kill)
+            try:
+                run, fault = await self.replay_with_fault(label, pool, shape, replicas, extra)
+            finally:
+                await pool.close()
+            served = [b - a for a, b in zip(baseline, await replicas.served(), strict=True)]
+        finally:
+            if front is not None:
+                front.stop()
+            replicas.stop()
+        result = self.summary(label, policy, run, served, fault)
+        result["gateways"] = gateways
+        result["shared_state"] = shared
+        assert services.postgres is not None
+        result["ledger"] = ledger_check(services.postgres, database_of(state), run.outcomes)
+        if kill is not None:
+            kill.update(killed_in_flight(run.outcomes, kill.get("killed_at_s")))
+            result["gateway_fault"] = kill
+        return result
 
     async def run_policy(self, policy: str, shape: RequestShape) -> dict[str, Any]:
         fleet = Fleet(self.o.sim, self.o.replicas, self.workdir, policy.replace(":", "-"))
@@ -160,6 +260,16 @@ class Bench:
             if router is not None:
                 router.stop()
             fleet.stop()
+        return self.summary(policy, policy, run, served, fault)
+
+    def summary(
+        self,
+        label: str,
+        policy: str,
+        run: ReplayRun,
+        served: list[int],
+        fault: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         result = summarize(
             policy,
             self.schedule,
@@ -171,7 +281,7 @@ class Bench:
         result["loadgen"] = run.overhead()
         if fault is not None:
             result["fault"] = fault
-        self.ttfts[policy] = [t for o in run.outcomes if o and o.ok and (t := o.ttft_s)]
+        self.ttfts[label] = [t for o in run.outcomes if o and o.ok and (t := o.ttft_s)]
         return result
 
     def start_router(self, policy: str, port: int, fleet: Fleet) -> Proc:
@@ -193,40 +303,26 @@ class Bench:
         return Proc(tag, argv, self.workdir / f"{tag}-router.log")
 
     async def wait_ready(self, router: Proc, port: int, shape: RequestShape) -> None:
-        """Ready when a real (tiny) completion comes back through it: workers registered."""
-        headers, body = shape.probe_parts()
-        deadline = time.monotonic() + self.o.startup_timeout_s
-        last = "no answer"
-        pool = UpstreamPool("127.0.0.1", port, connect_timeout=2.0, response_timeout=10.0)
-        try:
-            while time.monotonic() < deadline:
-                if not router.alive():
-                    raise BenchError(
-                        f"{router.name} exited ({router.popen.returncode}) before it was "
-                        f"ready; log {router.log_path}:\n{router.tail()}"
-                    )
-                try:
-                    resp = await pool.request(b"POST", b"/v1/completions", headers, body)
-                    answer = await resp.read()
-                    if resp.status == 200 and b'"choices"' in answer:
-                        return
-                    last = f"HTTP {resp.status}: {answer[:200]!r}"
-                except UpstreamError as exc:
-                    last = str(exc)
-                await asyncio.sleep(0.2)
-        finally:
-            await pool.close()
-        raise BenchError(f"{router.name} not ready after {self.o.startup_timeout_s} s: {last}")
+        await wait_ready(router, port, shape, self.o.startup_timeout_s)
 
     async def replay_with_fault(
-        self, policy: str, pool: UpstreamPool, shape: RequestShape, fleet: Fleet
-    ) -> tuple[Any, dict[str, Any] | None]:
+        self,
+        policy: str,
+        pool: UpstreamPool,
+        shape: RequestShape,
+        fleet: Fleet,
+        also: Coroutine[Any, Any, None] | None = None,
+    ) -> tuple[ReplayRun, dict[str, Any] | None]:
+        """The replay, with the replica fault of --kill-replica-at and ``also`` (another
+        fault, say) running beside it."""
         bar = self._progress(policy)
-        fault_task = None
+        tasks = []
         record: dict[str, Any] | None = None
         if self.o.fault is not None:
             record = {"replica": self.o.fault.replica}
-            fault_task = asyncio.create_task(self._fault(fleet, self.o.fault, record))
+            tasks.append(asyncio.create_task(self._fault(fleet, self.o.fault, record)))
+        if also is not None:
+            tasks.append(asyncio.create_task(also))
         try:
             run = await replay(
                 pool,
@@ -238,10 +334,10 @@ class Bench:
         finally:
             if bar is not None:
                 bar.close()
-            if fault_task is not None:
-                fault_task.cancel()
+            for task in tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await fault_task
+                    await task
         return run, record
 
     async def _fault(self, fleet: Fleet, fault: Fault, record: dict[str, Any]) -> None:
@@ -325,6 +421,23 @@ def _policies(text: str) -> tuple[str, ...]:
     return names
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 1,4, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected counts of at least 1, got {text!r}")
+    return counts
+
+
+def _switches(text: str) -> tuple[bool, ...]:
+    words = [part.strip() for part in text.split(",") if part.strip()]
+    if not words or any(w not in ("on", "off") for w in words):
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {text!r}")
+    return tuple(w == "on" for w in dict.fromkeys(words))
+
+
 def _positive(kind: type[int] | type[float]) -> Any:
     def parse(text: str) -> int | float:
         try:
@@ -396,6 +509,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--kill-replica-at", type=float, help="kill a replica this many s in")
     r.add_argument("--revive-after", type=float, help="bring it back this many s later")
     r.add_argument("--kill-replica", type=int, default=0, help="which replica to kill")
+    g = p.add_argument_group(
+        "a fleet of gateways (any of these: N saltgate serve behind HAProxy, one PostgreSQL "
+        "store, and the Redis cluster bus when shared state is on)"
+    )
+    g.add_argument(
+        "--gateways",
+        type=_counts,
+        help="comma-separated gateway counts, each a run (default 1), e.g. 1,4",
+    )
+    g.add_argument(
+        "--shared-state",
+        type=_switches,
+        help="on, off or on,off: gateways share routing state over the bus (default on)",
+    )
+    g.add_argument(
+        "--kill-gateway-at", type=float, help="SIGKILL one gateway this many s into each run"
+    )
+    g.add_argument("--kill-gateway", type=int, default=0, help="which gateway to kill")
     r.add_argument("--tools-venv", type=Path, help="venv with smg and vllm-router")
     r.add_argument("--drain-timeout", type=_positive(float), default=120.0)
     r.add_argument("--startup-timeout", type=_positive(float), default=60.0)
@@ -416,6 +547,22 @@ def _options(args: argparse.Namespace) -> Options:
     fault = None
     if args.kill_replica_at is not None:
         fault = Fault(args.kill_replica, args.kill_replica_at, args.revive_after)
+    fleet = None
+    if args.gateways or args.shared_state or args.kill_gateway_at is not None:
+        peers = [p for p in args.policy if p not in GATEWAY_POLICIES]
+        if peers:
+            raise BenchError(
+                f"--gateways and friends run saltgate's own policies only, not {', '.join(peers)}"
+            )
+        gateways = args.gateways or (1,)
+        if args.kill_gateway_at is not None and not 0 <= args.kill_gateway < min(gateways):
+            raise BenchError(f"--kill-gateway must be in 0..{min(gateways) - 1}")
+        fleet = FleetOptions(
+            gateways,
+            args.shared_state or (True,),
+            args.kill_gateway_at,
+            args.kill_gateway,
+        )
     return Options(
         policies=args.policy,
         replicas=args.replicas,
@@ -436,6 +583,7 @@ def _options(args: argparse.Namespace) -> Options:
         drain_timeout_s=args.drain_timeout,
         startup_timeout_s=args.startup_timeout,
         progress=not args.no_progress,
+        fleet=fleet,
     )
 
 
@@ -478,7 +626,7 @@ def run(args: argparse.Namespace) -> int:
         bench = Bench(options, schedule, tools, work)
         results = asyncio.run(bench.run())
         ttfts = bench.ttfts
-    targets = check_targets(results)
+    targets = check_targets(results) if options.fleet is None else check_fleet_targets(results)
     print(markdown_table(results))
     for line in targets:
         print(line)
@@ -504,6 +652,7 @@ def run(args: argparse.Namespace) -> int:
                 "sim": asdict(options.sim),
                 "router_settings": list(options.router_settings),
                 "fault": asdict(options.fault) if options.fault else None,
+                "fleet": asdict(options.fleet) if options.fleet else None,
             },
             "machine": asdict(machine_info()),
             "tools": tool_versions(tools),

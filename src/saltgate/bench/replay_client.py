@@ -153,6 +153,9 @@ async def _one(
     headers, body = shape.parts(req)
     try:
         resp = await pool.request(b"POST", COMPLETIONS_PATH, headers, body)
+        request_id = resp.header(b"x-request-id")
+        if request_id is not None:
+            out.request_id = request_id.decode("ascii", "replace")
         if resp.status != 200:
             await resp.read()
             out.error = f"HTTP {resp.status}"

@@ -30,6 +30,7 @@ class Outcome:
     cached_tokens: int | None = None
     completion_tokens: int = 0
     error: str | None = None
+    request_id: str | None = None  # the gateway's x-request-id: its usage record's id
 
     @property
     def ttft_s(self) -> float | None:
@@ -192,6 +193,70 @@ def check_targets(results: Sequence[dict[str, Any]], policy: str = "saltgate") -
     return lines
 
 
+FLEET_RATIO_TARGET = 0.97  # cached-token ratio of N shared gateways over one gateway's
+FLEET_P99_TARGET = 1.1  # TTFT p99 of N shared gateways over one gateway's
+
+
+def check_fleet_targets(results: Sequence[dict[str, Any]]) -> list[str]:
+    """The fleet benchmark's targets, per policy, each line PASS, MISS or N/A: N gateways
+    sharing state against one gateway (cached-token ratio >= 0.97x, TTFT p99 <= 1.1x),
+    and in every variant 0 failed requests (a killed gateway excepted), 0 cross-tenant
+    hits, and one ledger record per response delivered with a 200."""
+    lines = []
+    ran = [r for r in results if "error" not in r]
+    for policy in dict.fromkeys(r["policy"] for r in ran):
+        mine = [r for r in ran if r["policy"] == policy]
+        one = next((r for r in mine if r["gateways"] == 1), None)
+        for r in mine:
+            name = f"{policy} x{r['gateways']} {'shared' if r['shared_state'] else 'alone'}"
+            if one is not None and r is not one and r["shared_state"]:
+                ratio = (
+                    r["cached_token_ratio"] / one["cached_token_ratio"]
+                    if one["cached_token_ratio"]
+                    else 0.0
+                )
+                verdict = "PASS" if ratio >= FLEET_RATIO_TARGET else "MISS"
+                lines.append(
+                    f"{verdict}: {name} cached-token ratio {r['cached_token_ratio']:.3f} = "
+                    f"{ratio:.3f}x of one gateway's {one['cached_token_ratio']:.3f} "
+                    f"(target >= {FLEET_RATIO_TARGET}x)"
+                )
+                if r["ttft_p99_ms"] is not None and one["ttft_p99_ms"]:
+                    p99 = r["ttft_p99_ms"] / one["ttft_p99_ms"]
+                    verdict = "PASS" if p99 <= FLEET_P99_TARGET else "MISS"
+                    lines.append(
+                        f"{verdict}: {name} TTFT p99 {r['ttft_p99_ms']:.0f} ms = {p99:.2f}x of "
+                        f"one gateway's {one['ttft_p99_ms']:.0f} ms (target <= {FLEET_P99_TARGET}x)"
+                    )
+            killed = "gateway_fault" in r
+            if r["failed"] and not killed:
+                lines.append(f"MISS: {name} had {r['failed']} failed requests")
+            if r["cross_tenant_hits"]:
+                lines.append(f"MISS: {name} had {r['cross_tenant_hits']} cross-tenant hits")
+            ledger = r.get("ledger")
+            if ledger is not None:
+                whole = ledger["with_one_record"] == ledger["delivered_200"]
+                lines.append(
+                    f"{'PASS' if whole else 'MISS'}: {name} ledger: "
+                    f"{ledger['with_one_record']} of {ledger['delivered_200']} responses "
+                    f"delivered with a 200 have exactly one usage record"
+                )
+            if killed:
+                fault = r["gateway_fault"]
+                lines.append(
+                    f"NOTE: {name} gateway {fault['gateway']} killed at "
+                    f"{fault.get('killed_at_s')} s: {r['failed']} failed, "
+                    f"{fault.get('failed_otherwise', '?')} of them not in flight at the kill"
+                )
+    return lines
+
+
+def _label(r: dict[str, Any]) -> str:
+    if r.get("gateways", 1) == 1 and not r.get("shared_state") and "ledger" not in r:
+        return str(r["policy"])
+    return f"{r['policy']} x{r['gateways']} {'shared' if r['shared_state'] else 'alone'}"
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -205,10 +270,10 @@ def markdown_table(results: Sequence[dict[str, Any]]) -> str:
     rows = []
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['policy']} | error: {r['error']} | | | | | | | |")
+            rows.append(f"| {_label(r)} | error: {r['error']} | | | | | | | |")
             continue
         rows.append(
-            f"| {r['policy']} | {r['cached_token_ratio']:.3f} | {_fmt(r['ttft_p50_ms'], '.0f')} "
+            f"| {_label(r)} | {r['cached_token_ratio']:.3f} | {_fmt(r['ttft_p50_ms'], '.0f')} "
             f"| {_fmt(r['ttft_p99_ms'], '.0f')} | {r['throughput_rps']:.2f} "
             f"| {r['output_tokens_per_s']:.0f} | {_fmt(r['max_mean_load'], '.2f')} "
             f"| {r['failed']} | {r['cross_tenant_hits']} |"

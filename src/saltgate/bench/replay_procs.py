@@ -13,10 +13,12 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from saltgate.bench.procs import BenchError, Proc, free_port
+from saltgate.bench.replay_client import RequestShape
 from saltgate.http import UpstreamError, UpstreamPool
 from saltgate.sim.run import sim_command
 
@@ -152,3 +154,31 @@ class Fleet:
             if proc is not None:
                 proc.stop()
         self.procs = [None] * len(self.ports)
+
+
+async def wait_ready(router: Proc, port: int, shape: RequestShape, timeout_s: float) -> None:
+    """Ready when a real (tiny) completion comes back through ``port``: the router (or the
+    balancer in front of gateways) has its replicas."""
+    headers, body = shape.probe_parts()
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    pool = UpstreamPool("127.0.0.1", port, connect_timeout=2.0, response_timeout=10.0)
+    try:
+        while time.monotonic() < deadline:
+            if not router.alive():
+                raise BenchError(
+                    f"{router.name} exited ({router.popen.returncode}) before it was "
+                    f"ready; log {router.log_path}:\n{router.tail()}"
+                )
+            try:
+                resp = await pool.request(b"POST", b"/v1/completions", headers, body)
+                answer = await resp.read()
+                if resp.status == 200 and b'"choices"' in answer:
+                    return
+                last = f"HTTP {resp.status}: {answer[:200]!r}"
+            except UpstreamError as exc:
+                last = str(exc)
+            await asyncio.sleep(0.2)
+    finally:
+        await pool.close()
+    raise BenchError(f"{router.name} not ready after {timeout_s} s: {last}")

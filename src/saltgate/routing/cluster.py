@@ -38,7 +38,7 @@ import msgpack
 
 from saltgate.routing.router import Router
 from saltgate.spec.derive import CLUSTER_TAG_BYTES, ClusterKeys
-from saltgate.store.settings import check_keys
+from saltgate.store.settings import check_keys, toml_string
 
 WIRE_VERSION: Final = 1
 DIGEST_BYTES: Final = 32
@@ -98,6 +98,17 @@ class ClusterSettings:
                 f"backlog_ttl_s: must be at least {2 * HEARTBEAT_S} s (twice the heartbeat)"
             )
         return settings
+
+    def toml(self) -> str:
+        """These settings as a `[cluster]` table (paths absolute), for generated configs."""
+        lines = [f"url = {toml_string(self.url)}", f"gateway_id = {toml_string(self.gateway_id)}"]
+        if self.password_file is not None:
+            lines.append(f"password_file = {toml_string(str(self.password_file))}")
+        if self.password_env is not None:
+            lines.append(f"password_env = {toml_string(self.password_env)}")
+        lines.append(f"publish_interval_s = {self.publish_interval_s!r}")
+        lines.append(f"backlog_ttl_s = {self.backlog_ttl_s!r}")
+        return "[cluster]\n" + "\n".join(lines) + "\n"
 
 
 def _positive_numbers(table: Mapping[str, Any], keys: Sequence[str]) -> dict[str, float]:

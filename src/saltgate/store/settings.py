@@ -86,14 +86,14 @@ class StoreSettings:
     def toml(self) -> str:
         """These settings as a `[store]` table (paths absolute), for generated configs."""
         url = f"sqlite:///{self.sqlite_path}" if self.backend == "sqlite" else self.url
-        lines = [f"url = {_toml_string(url)}"]
+        lines = [f"url = {toml_string(url)}"]
         for key, value in (
             ("password_file", self.password_file),
             ("password_env", self.password_env),
             ("spool_dir", self.spool_dir),
         ):
             if value is not None:
-                lines.append(f"{key} = {_toml_string(str(value))}")
+                lines.append(f"{key} = {toml_string(str(value))}")
         return "[store]\n" + "\n".join(lines) + "\n"
 
 
@@ -109,7 +109,7 @@ def check_keys(table: Mapping[str, Any], known: set[str] | frozenset[str]) -> No
         raise ValueError(f"{unknown[0]}: unknown key; expected some of {sorted(known)}")
 
 
-def _toml_string(value: str) -> str:
+def toml_string(value: str) -> str:
     """A TOML basic string: JSON's escapes are all TOML's too."""
     return json.dumps(value, ensure_ascii=True)
 
