@@ -30,7 +30,7 @@ from tests.support.waiting import eventually
 
 from saltgate.bench.services import RedisServer
 from saltgate.config import GatewayConfig, ReplicaConfig, load_master_key
-from saltgate.gateway.cluster import ClusterBus
+from saltgate.gateway.cluster import ClusterBus, sender_id
 from saltgate.gateway.run import RunningGateway, start_gateway
 from saltgate.routing.cluster import decode_batch
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
@@ -310,3 +310,10 @@ def test_a_forged_batch_is_dropped_and_counted(tmp_path: Path, redis_server: Red
             assert 'saltgate_cluster_batches_total{kind="rejected"} 1' in text
 
     run(main)
+
+
+def test_two_processes_never_share_a_sender_id() -> None:
+    """Containers often all run as pid 1, and a ConfigMap gives every pod one gateway_id."""
+    assert sender_id("gw") != sender_id("gw")
+    assert sender_id("gw").startswith("gw/")
+    assert re.fullmatch(r"[A-Za-z0-9._:-]{1,64}/[0-9a-f]{8}", sender_id(None))

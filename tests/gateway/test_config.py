@@ -70,10 +70,7 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         ('[[replicas]]\nurl = "http://h:1"\n[extra]\n', "unknown sections"),
         ('[gateway]\nlog_format = "xml"\n[[replicas]]\nurl = "http://h:1"\n', "log_format"),
         ('[gateway]\non_client_gone = "x"\n[[replicas]]\nurl = "http://h:1"\n', "finish, abort"),
-        (
-            '[[replicas]]\nurl = "http://h:1"\n[cluster]\nurl = "redis://h:1"\n',
-            "cluster.gateway_id",
-        ),
+        ('[[replicas]]\nurl = "http://h:1"\n[cluster]\ngateway_id = "a"\n', "cluster.url"),
         ('[[replicas]]\nurl = "http://h:1"\n[cluster]\npassword = "inline"\n', "cluster.password"),
     ],
 )

@@ -222,8 +222,10 @@ def test_cluster_settings_parse_and_refuse_clearly(tmp_path: Path) -> None:
         tmp_path,
     )
     assert s.password_file == tmp_path / "pw" and s.publish_interval_s == 0.02
+    assert ClusterSettings.from_table({"url": "rediss://h:6380"}, tmp_path).gateway_id is None
     bad: list[tuple[dict[str, Any], str]] = [
         ({"gateway_id": "a"}, "url: missing"),
+        ({"url": "redis://x:1", "gateway_id": ""}, "gateway_id: expected a non-empty"),
         ({"url": "http://x:1", "gateway_id": "a"}, "url: expected redis://"),
         ({"url": "redis://u:hunter2x@x:1", "gateway_id": "a"}, "do not put the password"),
         ({"url": "redis://x:1", "gateway_id": "a b"}, "gateway_id: 1-64"),

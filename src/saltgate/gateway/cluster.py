@@ -24,6 +24,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
+import secrets
+import socket
 import time
 from typing import Any, Final
 
@@ -69,6 +72,13 @@ def bus_password(settings: ClusterSettings) -> str | None:
     return None
 
 
+def sender_id(gateway_id: str | None) -> str:
+    """This process on the bus: the gateway id (else the host's name) and 32 random bits,
+    so two processes never share one, whatever their ids and pids."""
+    name = gateway_id or re.sub(r"[^A-Za-z0-9._:-]", "-", socket.gethostname())[:64] or "gateway"
+    return f"{name}/{secrets.token_hex(4)}"
+
+
 class ClusterBus:
     """One gateway process's connection to the bus; `start`, then `close`."""
 
@@ -82,7 +92,7 @@ class ClusterBus:
     ) -> None:
         self.settings = settings
         self.keys = keys
-        self.sender = f"{settings.gateway_id}/{os.getpid()}"
+        self.sender = sender_id(settings.gateway_id)
         self.state = ClusterState(router, keys, self.sender, backlog_ttl_s=settings.backlog_ttl_s)
         self.metrics = metrics or Metrics()
         self.up = False
@@ -170,7 +180,7 @@ class ClusterBus:
             socket_connect_timeout=CONNECT_TIMEOUT_S,
             socket_timeout=SOCKET_TIMEOUT_S,
             retry=Retry(NoBackoff(), 0),
-            client_name=f"saltgate-{self.settings.gateway_id}",
+            client_name=f"saltgate-{self.sender.replace('/', '-')}",
         )
         self._client = client
         seconds, micros = await client.time()

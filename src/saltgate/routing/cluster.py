@@ -60,7 +60,7 @@ class ClusterSettings:
     next one) or ``password_env`` does."""
 
     url: str
-    gateway_id: str
+    gateway_id: str | None = None  # None: the host's name (a pod's, under Kubernetes)
     password_file: Path | None = None
     password_env: str | None = None
     publish_interval_s: float = 0.02
@@ -70,16 +70,15 @@ class ClusterSettings:
     def from_table(cls, table: Mapping[str, Any], base: Path) -> ClusterSettings:
         """Validate ``[cluster]``; relative paths start at ``base``. ValueError("key: ...")."""
         check_keys(table, _KEYS)
-        for key in ("url", "gateway_id"):
-            if key not in table:
-                raise ValueError(f"{key}: missing")
+        if "url" not in table:
+            raise ValueError("url: missing")
         for key in ("url", "gateway_id", "password_file", "password_env"):
             if key in table and (not isinstance(table[key], str) or not table[key]):
                 raise ValueError(f"{key}: expected a non-empty string")
         url = table["url"]
         _check_redis_url(url)
-        gateway_id = table["gateway_id"]
-        if not _GATEWAY_ID.fullmatch(gateway_id):
+        gateway_id = table.get("gateway_id")
+        if gateway_id is not None and not _GATEWAY_ID.fullmatch(gateway_id):
             raise ValueError(
                 "gateway_id: 1-64 characters of letters, digits and . _ : - (it names this "
                 "gateway on the bus)"
@@ -101,7 +100,9 @@ class ClusterSettings:
 
     def toml(self) -> str:
         """These settings as a `[cluster]` table (paths absolute), for generated configs."""
-        lines = [f"url = {toml_string(self.url)}", f"gateway_id = {toml_string(self.gateway_id)}"]
+        lines = [f"url = {toml_string(self.url)}"]
+        if self.gateway_id is not None:
+            lines.append(f"gateway_id = {toml_string(self.gateway_id)}")
         if self.password_file is not None:
             lines.append(f"password_file = {toml_string(str(self.password_file))}")
         if self.password_env is not None:
@@ -273,8 +274,9 @@ class _Peer:
 class ClusterState:
     """The shared part of one gateway's router: batches out, batches in.
 
-    ``sender`` names this process on the bus (the gateway id and the process id: a worker
-    or a restarted gateway is a peer of its own). The caller supplies the clock.
+    ``sender`` names this process on the bus (the gateway id and a random suffix drawn at
+    start: a worker, or a restarted gateway, is a peer of its own, even where every
+    container's process id is 1). The caller supplies the clock.
     """
 
     def __init__(
