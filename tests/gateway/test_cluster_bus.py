@@ -32,7 +32,9 @@ from saltgate.bench.services import RedisServer
 from saltgate.config import GatewayConfig, ReplicaConfig, load_master_key
 from saltgate.gateway.cluster import ClusterBus, sender_id
 from saltgate.gateway.run import RunningGateway, start_gateway
-from saltgate.routing.cluster import decode_batch
+from saltgate.routing import Router, RouterConfig
+from saltgate.routing.cluster import ClusterSettings, decode_batch
+from saltgate.routing.rendezvous import Member
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.spec.derive import NamespaceKeys, cache_salt, cluster_keys, derive_subkeys
 from saltgate.store.tenants import TenantStore
@@ -317,3 +319,52 @@ def test_two_processes_never_share_a_sender_id() -> None:
     assert sender_id("gw") != sender_id("gw")
     assert sender_id("gw").startswith("gw/")
     assert re.fullmatch(r"[A-Za-z0-9._:-]{1,64}/[0-9a-f]{8}", sender_id(None))
+
+
+# The Redis ACL docs/deployment.md gives the gateways' bus user: its stream and the five
+# commands the bus uses, nothing else (`ACL SETUSER saltgate on >PASSWORD resetkeys
+# ~saltgate-cluster-* resetchannels -@all +xadd +xread +time +ping +client|setname`).
+BUS_COMMANDS = ["-@all", "+xadd", "+xread", "+time", "+ping", "+client|setname"]
+
+
+def test_the_bus_works_as_the_least_privileged_redis_user(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    password = tmp_path / "bus-password"
+    password.write_text("bus-user-password\n")
+    password.chmod(0o600)
+    settings = ClusterSettings(
+        f"redis://saltgate@127.0.0.1:{redis_server.port}/0", "gw", password_file=password
+    )
+    members = [Member("http://r0", 1.0)]
+
+    async def main() -> None:
+        admin = Redis.from_url(
+            redis_server.url(), password=redis_server.password_file.read_text().strip()
+        )
+        await admin.acl_setuser(
+            "saltgate",
+            enabled=True,
+            passwords=["+bus-user-password"],
+            keys=["saltgate-cluster-*"],
+            commands=BUS_COMMANDS,
+            reset_keys=True,
+            reset_channels=True,
+        )
+        routers = [Router(RouterConfig(), b"k" * 32, members) for _ in range(2)]
+        pair = [ClusterBus(settings, r, cluster_keys(b"k" * 32)) for r in routers]
+        try:
+            for bus in pair:
+                bus.start()
+                await eventually(partial(is_up, bus), what="bus connected as saltgate")
+            routers[0].started("http://r0", 0.0, 1000.0)
+            state = routers[1].state("http://r0")
+            assert state is not None
+            await eventually(lambda: state.remote_prefill == 1000.0, what="backlog shared")
+            assert await admin.acl_log() == []  # nothing was denied
+        finally:
+            for bus in pair:
+                await bus.close()
+            await admin.aclose()
+
+    run(main)
