@@ -221,7 +221,7 @@ def test_cluster_settings_parse_and_refuse_clearly(tmp_path: Path) -> None:
         {"url": "redis://bus@10.0.0.7:6379/0", "gateway_id": "node-a", "password_file": "pw"},
         tmp_path,
     )
-    assert s.password_file == tmp_path / "pw" and s.publish_interval_s == 0.02
+    assert s.password_file == tmp_path / "pw" and s.publish_interval_s == 0.001
     assert ClusterSettings.from_table({"url": "rediss://h:6380"}, tmp_path).gateway_id is None
     bad: list[tuple[dict[str, Any], str]] = [
         ({"gateway_id": "a"}, "url: missing"),

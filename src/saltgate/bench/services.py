@@ -388,7 +388,7 @@ class RedisServer:
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
-    def settings(self, gateway_id: str, *, publish_interval_s: float = 0.02) -> ClusterSettings:
+    def settings(self, gateway_id: str, *, publish_interval_s: float = 0.001) -> ClusterSettings:
         """A `[cluster]` for a gateway named ``gateway_id``, with this server's password."""
         return ClusterSettings(
             self.url(),

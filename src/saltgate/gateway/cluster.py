@@ -37,8 +37,9 @@ from redis.exceptions import RedisError
 
 from saltgate.config import ConfigError, read_secret_file
 from saltgate.gateway.metrics import Metrics
+from saltgate.gateway.replicas import ReplicaSet
 from saltgate.routing import Router
-from saltgate.routing.cluster import ClusterSettings, ClusterState
+from saltgate.routing.cluster import HEARTBEAT_S, ClusterSettings, ClusterState
 from saltgate.spec.derive import ClusterKeys, cluster_keys
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class ClusterBus:
         self._down_since: float | None = time.monotonic()
         self._task: asyncio.Task[None] | None = None
         self._client: Redis | None = None
+        self._wake = asyncio.Event()
+        self._closing = False
         self._last_id = b""
         self._connected_before = False
         self._said_down = False
@@ -139,11 +142,15 @@ class ClusterBus:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="cluster-bus")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Stop for good. The client library may turn a cancellation it receives in the
+        middle of a command into a connection error, which the loop would take for a
+        lost bus and retry: so the loop also checks ``_closing``, and is cancelled until
+        it has ended."""
+        self._closing = True
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
         await self._drop_client()
 
     def describe(self) -> str:
@@ -152,7 +159,7 @@ class ClusterBus:
     # -- the connection ---------------------------------------------------------------------
     async def _run(self) -> None:
         delay = RETRY_MIN_S
-        while True:
+        while not self._closing:
             try:
                 client = await self._connect()
                 delay = RETRY_MIN_S
@@ -232,9 +239,24 @@ class ClusterBus:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def changed(self) -> None:
+        """The router placed a request or its backlog moved: publish soon (called on the
+        request path: it only sets a flag)."""
+        self._wake.set()
+
     async def _publish(self, client: Redis) -> None:
+        """A batch as soon as something changed, at most one per ``publish_interval_s``,
+        one XADD in flight at a time (what changes meanwhile goes in the next), and a
+        heartbeat while nothing does. Prompt matters: a burst of requests spread over
+        the gateways is decided in parallel, and each gateway should see the others'
+        choices within the burst (docs/routing.md, "Several gateways")."""
         interval = self.settings.publish_interval_s
+        wake = self._wake
         while True:
+            if not wake.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), HEARTBEAT_S / 2)
+            wake.clear()
             now = time.monotonic()
             self.state.expire(now)
             batch = self.state.outgoing(now)
@@ -243,7 +265,9 @@ class ClusterBus:
                     self.keys.stream, {FIELD: batch}, maxlen=STREAM_MAX_BATCHES, approximate=True
                 )
                 self._count("sent", 1)
-            await asyncio.sleep(interval)
+            rest = interval - (time.monotonic() - now)
+            if rest > 0:
+                await asyncio.sleep(rest)
 
     async def _read(self, client: Redis) -> None:
         stream = self.keys.stream
@@ -284,11 +308,13 @@ class ClusterBus:
 
 
 def start_cluster_bus(
-    settings: ClusterSettings | None, router: Router, k_route: bytes, metrics: Metrics
+    settings: ClusterSettings | None, replicas: ReplicaSet, k_route: bytes, metrics: Metrics
 ) -> ClusterBus | None:
-    """The bus of ``[cluster]``, connecting in the background, or None without one."""
+    """The bus of ``[cluster]`` for the router of ``replicas``, told of every change to it
+    and connecting in the background; None without the section."""
     if settings is None:
         return None
-    bus = ClusterBus(settings, router, cluster_keys(k_route), metrics=metrics)
+    bus = ClusterBus(settings, replicas.router, cluster_keys(k_route), metrics=metrics)
     bus.start()
+    replicas.on_change = bus.changed
     return bus

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,13 +59,20 @@ class Attempt:
     prefill backlog return to zero.
     """
 
-    __slots__ = ("_closed", "_prefill", "_router", "replica")
+    __slots__ = ("_changed", "_closed", "_prefill", "_router", "replica")
 
-    def __init__(self, router: Router, replica: Replica, prefill: float) -> None:
+    def __init__(
+        self,
+        router: Router,
+        replica: Replica,
+        prefill: float,
+        changed: Callable[[], None] | None = None,
+    ) -> None:
         self._router = router
         self.replica = replica
         self._prefill = prefill
         self._closed = False
+        self._changed = changed
 
     def responded(self) -> None:
         self._router.responded(self.replica.id)
@@ -74,6 +81,8 @@ class Attempt:
         if self._prefill:
             self._router.prefilled(self.replica.id, self._prefill)
             self._prefill = 0.0
+            if self._changed is not None:
+                self._changed()
 
     def failed(self) -> None:
         self._router.failed(self.replica.id, time.monotonic())
@@ -83,6 +92,8 @@ class Attempt:
             self._closed = True
             self._router.finished(self.replica.id, self._prefill)
             self._prefill = 0.0
+            if self._changed is not None:
+                self._changed()
 
 
 class ReplicaSet:
@@ -91,6 +102,9 @@ class ReplicaSet:
     ) -> None:
         self.router = router
         self.timeout = timeout
+        # Told of every change to the router's load and placements (the cluster bus
+        # publishes on it: gateway/cluster.py); None without one.
+        self.on_change: Callable[[], None] | None = None
         self._replicas: dict[str, Replica] = {}
         self._probe_task: asyncio.Task[None] | None = None
         self._retiring: set[asyncio.Task[None]] = set()
@@ -154,7 +168,10 @@ class ReplicaSet:
             return None
         prefill = float(plan.uncached_bytes(replica_id))
         router.started(replica_id, now, prefill)
-        return Attempt(router, self._replicas[replica_id], prefill)
+        changed = self.on_change
+        if changed is not None:
+            changed()
+        return Attempt(router, self._replicas[replica_id], prefill, changed)
 
     def available(self) -> list[tuple[int, Replica, bool]]:
         """(index in the configuration, replica, may be picked now) for the metrics."""

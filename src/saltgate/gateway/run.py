@@ -142,7 +142,7 @@ async def start_gateway(
         admin_port = await admin.start(config.admin_host, config.admin_port)
     running = RunningGateway(gateway, port, admin, admin_port, ehbp)
     try:
-        running.cluster = start_cluster_bus(config.cluster, router, subkeys.route, metrics)
+        running.cluster = start_cluster_bus(config.cluster, replicas, subkeys.route, metrics)
         running.kv_relay = start_kv_relay(config, subkeys.kv_events)
     except BaseException:
         await running.close()

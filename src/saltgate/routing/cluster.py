@@ -63,7 +63,7 @@ class ClusterSettings:
     gateway_id: str | None = None  # None: the host's name (a pod's, under Kubernetes)
     password_file: Path | None = None
     password_env: str | None = None
-    publish_interval_s: float = 0.02
+    publish_interval_s: float = 0.001  # at most one batch this often (sooner is not sent)
     backlog_ttl_s: float = 2.0
 
     @classmethod
