@@ -1,11 +1,12 @@
 """The cluster bus: a gateway's routing state to and from the other gateways, over Redis.
 
 The deciding part is pure (routing/cluster.py: what a batch holds, what applying one
-does); this module is its I/O. Every ``publish_interval_s`` it takes the batch the
-router has gathered since the last one and appends it to a Redis stream (XADD, capped at
-STREAM_MAX_BATCHES entries), and one reader follows the stream (XREAD BLOCK) and applies
-the other gateways' batches. Nothing here runs on a request's path: a request only
-appends its placement to a list in the router.
+does); this module is its I/O. When the router changes (the replica set says so) it
+takes the batch gathered since the last one and appends it to a Redis stream (XADD,
+capped at STREAM_MAX_BATCHES entries), at most one per ``publish_interval_s``; one
+reader follows the stream (XREAD BLOCK) and applies the other gateways' batches. Nothing
+here runs on a request's path: a request only appends its placement to a list in the
+router and sets a flag.
 
 Why a stream and not pub/sub: a gateway that starts, or comes back after losing the
 bus, reads what the others wrote meanwhile (the last ``affinity_ttl_s`` of it, bounded by
