@@ -23,8 +23,9 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +220,7 @@ class Bench:
             if fleet_o.kill_gateway_at_s is not None:
                 which = min(fleet_o.kill_gateway, gateways - 1)
                 kill = {"gateway": which}
-                extra = kill_gateway_later(front, which, fleet_o.kill_gateway_at_s, kill)
+                extra = partial(kill_gateway_later, front, which, fleet_o.kill_gateway_at_s, kill)
             try:
                 run, fault = await self.replay_with_fault(label, pool, shape, replicas, extra)
             finally:
@@ -311,10 +312,11 @@ class Bench:
         pool: UpstreamPool,
         shape: RequestShape,
         fleet: Fleet,
-        also: Coroutine[Any, Any, None] | None = None,
+        also: Callable[[float], Coroutine[Any, Any, None]] | None = None,
     ) -> tuple[ReplayRun, dict[str, Any] | None]:
-        """The replay, with the replica fault of --kill-replica-at and ``also`` (another
-        fault, say) running beside it."""
+        """The replay, with the replica fault of --kill-replica-at and ``also(t0)``
+        (another fault, say, timed from the schedule's start t0) running beside it."""
+        t0 = time.monotonic()
         bar = self._progress(policy)
         tasks = []
         record: dict[str, Any] | None = None
@@ -322,7 +324,7 @@ class Bench:
             record = {"replica": self.o.fault.replica}
             tasks.append(asyncio.create_task(self._fault(fleet, self.o.fault, record)))
         if also is not None:
-            tasks.append(asyncio.create_task(also))
+            tasks.append(asyncio.create_task(also(t0)))
         try:
             run = await replay(
                 pool,
@@ -330,6 +332,7 @@ class Bench:
                 shape,
                 drain_timeout_s=self.o.drain_timeout_s,
                 on_done=bar.update if bar is not None else lambda: None,
+                t0=t0,
             )
         finally:
             if bar is not None:

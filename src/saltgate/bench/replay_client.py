@@ -188,9 +188,14 @@ async def replay(
     *,
     drain_timeout_s: float,
     on_done: Callable[[], None] = lambda: None,
+    t0: float | None = None,
 ) -> ReplayRun:
-    """Send every request at its time; wait for all (at most drain_timeout_s after the last)."""
-    t0 = time.monotonic()
+    """Send every request at its time; wait for all (at most drain_timeout_s after the last).
+
+    ``t0``: the monotonic time the schedule starts at (default: now), so that a fault
+    injected beside the replay can be placed on the same clock as the outcomes."""
+    if t0 is None:
+        t0 = time.monotonic()
 
     def clock() -> float:
         return time.monotonic() - t0

@@ -163,12 +163,14 @@ class GatewayFleet:
 
 
 async def kill_gateway_later(
-    fleet: GatewayFleet, which: int, at_s: float, record: dict[str, Any]
+    fleet: GatewayFleet, which: int, at_s: float, record: dict[str, Any], t0: float
 ) -> None:
-    t0 = time.monotonic()
-    await asyncio.sleep(at_s)
+    """SIGKILL gateway ``which`` ``at_s`` after the schedule's start ``t0``; the time
+    recorded is when the signal went, on the replay's clock (what `killed_in_flight`
+    compares the outcomes' times with)."""
+    await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
+    record["killed_at_s"] = round(time.monotonic() - t0, 3)
     fleet.kill(which)
-    record["killed_at_s"] = round(time.monotonic() - t0, 2)
 
 
 def ledger_check(
