@@ -412,6 +412,8 @@ async def _serve_workers(config: GatewayConfig, workers: int) -> None:
         print(f"saltgate: EHBP key {supervisor.ehbp_fingerprint} at {KEYS_PATH}")
     if supervisor.relay is not None:
         print(f"saltgate: {supervisor.relay.describe()}", flush=True)
+    if config.cluster is not None:
+        print(f"saltgate: cluster bus {config.cluster.url}, every worker a peer on it", flush=True)
     if config.config_file is not None:
         path = config.config_file
         asyncio.get_running_loop().add_signal_handler(
