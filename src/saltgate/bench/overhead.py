@@ -14,8 +14,10 @@ and the top functions by own time are summarised.
 
     saltgate bench overhead [--targets direct,saltgate,smg,vllm-router]
         [--scenarios nginx,sim-stream] [--concurrency 1,32] [--duration 5] [--json OUT]
-        [--store sqlite|postgres]
+        [--store sqlite|postgres] [--build compiled|pure]
 
+`--build` picks saltgate's build (bench/builds.py): compiled, the default, needs `make
+install-compiled`, from which the pure-Python build of the same source runs too.
 `--store postgres` gives saltgate a PostgreSQL store (a cluster the benchmark starts on the
 load CPU, fsync on; scripts/services-setup.sh) instead of its SQLite file, so both stores'
 cost per request comes from the same command.
@@ -42,6 +44,7 @@ from types import FrameType
 
 import psycopg
 
+from saltgate.bench.builds import BUILDS, build_path, with_build
 from saltgate.bench.cpu import CpuWindow
 from saltgate.bench.gateway_setup import (
     GatewayState,
@@ -223,6 +226,7 @@ class Options:
     json_out: Path | None
     keep_tmp: bool
     store: str = "sqlite"  # or "postgres"
+    build: str = "compiled"  # or "pure" (bench/builds.py)
 
 
 class Bench:
@@ -239,6 +243,7 @@ class Bench:
         self._procs: list[Proc] = []
         self._backend_pids: tuple[int, ...] = ()
         self._postgres: PostgresServer | None = None
+        self._build_path: Path | None = None
 
     def log(self, message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
@@ -323,6 +328,7 @@ class Bench:
             except (ServiceError, psycopg.Error) as exc:
                 raise BenchError(f"PostgreSQL store: {exc}") from None
             store = self._postgres.settings("saltgate", state_dir / "spool")
+        self._build_path = build_path(self.o.build, self.workdir)
         self.gateway_state = prepare_gateway_state(state_dir, ["bench"], store)
         self.api_key = self.gateway_state.api_keys[0]
 
@@ -332,7 +338,8 @@ class Bench:
             text = gateway_config(
                 self.gateway_state, backends.urls, port=port, admin_port=free_port()
             )
-            return serve_argv(write_gateway_config(self.workdir / f"saltgate-{port}.toml", text))
+            config = write_gateway_config(self.workdir / f"saltgate-{port}.toml", text)
+            return with_build(self._build_path, serve_argv(config))
         if target in PEERS:
             return peer_argv(self.tools, target, "cache_aware", port, backends.urls)
         raise BenchError(f"unknown target {target}")
@@ -558,7 +565,7 @@ class Bench:
             concurrency=list(self.o.concurrency),
             body_bytes={s: len(chat_body(stream=s == "sim-stream")) for s in SCENARIOS},
             versions=tool_versions(self.tools),
-            saltgate_source=source_state(),
+            saltgate_source=f"{source_state()}, {self.o.build} build",
         )
         return OverheadResult(
             meta, self.support, points, ratios(points), self.profiles, self.notes, self.samples
@@ -622,6 +629,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="sqlite",
         help="saltgate's store: its SQLite file, or a PostgreSQL the benchmark starts",
     )
+    p.add_argument(
+        "--build",
+        choices=tuple(BUILDS),
+        default="compiled",
+        help="saltgate's build: compiled (make install-compiled) or pure Python",
+    )
 
 
 def _preflight(options: Options, tools: Tools) -> None:
@@ -664,6 +677,7 @@ def run(args: argparse.Namespace) -> int:
         json_out=args.json,
         keep_tmp=args.keep_tmp,
         store=args.store,
+        build=args.build,
     )
     tools = find_tools(args.tools_venv or default_tools_venv())
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
