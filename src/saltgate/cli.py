@@ -427,9 +427,24 @@ def _add_audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_audit_parser(sub)
 
 
+class _Version(argparse.Action):
+    """`--version`: the version and which build runs (saltgate/buildinfo.py), looked up
+    only when asked."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from saltgate import __version__
+        from saltgate.buildinfo import describe
+
+        print(f"saltgate {__version__} ({describe()})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="saltgate", description="A secure prompt-caching gateway for multi-tenant LLMs."
+    )
+    parser.add_argument(
+        "--version", action=_Version, nargs=0, help="the version, and whether it is compiled"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_gateway(sub)

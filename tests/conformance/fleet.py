@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.support.kv_relay import raw_stream
+from tests.support.kv_relay import first_seq_since, raw_stream
 
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
 from saltgate.gateway.run import start_gateway
@@ -261,8 +261,28 @@ async def gateway(
 
 
 def next_seq(replica: VllmReplica) -> int:
-    entries = raw_stream(replica.kv_replay_endpoint)
-    return entries[-1][0] + 1 if entries else 0
+    """The seq the replica's next batch will carry.
+
+    Not by replaying everything: vLLM answers a replay by sending its whole buffer (up to
+    10,000 batches after the audit test) through a ROUTER socket, which drops what passes
+    its high-water mark (1,000) while the reader falls behind, so under load the end
+    marker was lost and the replay never finished. A replay from past the last batch
+    answers with the end marker alone: find the first seq where it does by doubling,
+    then bisecting, each probe reading one message.
+    """
+    endpoint = replica.kv_replay_endpoint
+    if first_seq_since(endpoint, 0) is None:
+        return 0
+    low, high = 0, 1  # published since low; since high: to be probed
+    while first_seq_since(endpoint, high) is not None:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if first_seq_since(endpoint, middle) is None:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def events_since(replica: VllmReplica, seq: int) -> list[KVEvent]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from collections import Counter
 
 import pytest
 
-from saltgate.routing import Member, rank
-from saltgate.routing import rendezvous as rendezvous_module
+from saltgate.routing import Member, hrw_score, rank
 
 
 def keys(count: int, seed: str = "k") -> list[bytes]:
@@ -37,11 +37,29 @@ def test_ranking_ignores_the_order_replicas_are_listed_in() -> None:
             assert [m.id for m in rank(key, list(perm))] == expected
 
 
-def test_equal_scores_are_ordered_by_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rendezvous_module, "hrw_score", lambda key, member: 1.0)
-    members = [Member("c"), Member("a"), Member("b")]
-    assert [m.id for m in rank(b"k", members)] == ["a", "b", "c"]
-    assert [m.id for m in rank(b"k", members[::-1])] == ["a", "b", "c"]
+def weight_for_score(key: bytes, member_id: str, score: float) -> float | None:
+    """A weight giving ``member_id`` exactly ``score`` for ``key`` (the score is the weight
+    over a per-member constant, so stepping the weight by ulps reaches it), or None."""
+    weight = score / hrw_score(key, Member(member_id))
+    for _ in range(64):
+        got = hrw_score(key, Member(member_id, weight))
+        if got == score:
+            return weight
+        weight = math.nextafter(weight, math.inf if got < score else -math.inf)
+    return None
+
+
+def test_equal_scores_are_ordered_by_id() -> None:
+    # Real ties, not a patched score (the compiled build would not see a patch): weights
+    # that give three members exactly the same score for this key.
+    key = b"k0"
+    score = hrw_score(key, Member("a"))
+    weight_b, weight_c = weight_for_score(key, "b", score), weight_for_score(key, "c", score)
+    assert weight_b is not None and weight_c is not None
+    members = [Member("c", weight_c), Member("a"), Member("b", weight_b)]
+    assert {hrw_score(key, m) for m in members} == {score}
+    assert [m.id for m in rank(key, members)] == ["a", "b", "c"]
+    assert [m.id for m in rank(key, members[::-1])] == ["a", "b", "c"]
 
 
 def test_removing_one_of_n_moves_only_its_keys_about_one_in_n() -> None:

@@ -39,6 +39,23 @@ def raw_stream(replay_endpoint: str, start_seq: int = 0) -> list[tuple[int, byte
         ctx.destroy(linger=0)
 
 
+def first_seq_since(replay_endpoint: str, start_seq: int) -> int | None:
+    """The seq of the first batch a replica's replay answers from ``start_seq`` on, or None
+    when it answers with the end marker alone (it has published nothing since). Reads
+    one message, so it never depends on the rest of the replay arriving."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(replay_endpoint)
+        dealer.send_multipart([b"", replay_request(start_seq)])
+        if not dealer.poll(5000):
+            raise AssertionError("the replica's replay socket did not answer")
+        reply = parse_replay_frames(dealer.recv_multipart())
+        return None if reply is None else reply[1]
+    finally:
+        ctx.destroy(linger=0)
+
+
 def receive_until(
     consumer: RelaySubscriber, count: int, timeout_s: float = 10.0
 ) -> list[RelayedBatch]:

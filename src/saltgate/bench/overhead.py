@@ -14,8 +14,10 @@ and the top functions by own time are summarised.
 
     saltgate bench overhead [--targets direct,saltgate,smg,vllm-router]
         [--scenarios nginx,sim-stream] [--concurrency 1,32] [--duration 5] [--json OUT]
-        [--store sqlite|postgres]
+        [--store sqlite|postgres] [--build compiled|pure]
 
+`--build` picks saltgate's build (bench/builds.py): compiled, the default, needs `make
+install-compiled`, from which the pure-Python build of the same source runs too.
 `--store postgres` gives saltgate a PostgreSQL store (a cluster the benchmark starts on the
 load CPU, fsync on; scripts/services-setup.sh) instead of its SQLite file, so both stores'
 cost per request comes from the same command.
@@ -49,6 +51,7 @@ from types import FrameType
 
 import psycopg
 
+from saltgate.bench.builds import BUILDS, build_path, with_build
 from saltgate.bench.cpu import CpuWindow
 from saltgate.bench.gateway_setup import (
     GatewayState,
@@ -231,6 +234,7 @@ class Options:
     keep_tmp: bool
     store: str = "sqlite"  # or "postgres"
     saltgate_workers: int = 1
+    build: str = "compiled"  # or "pure" (bench/builds.py)
 
     @property
     def router_cpus(self) -> tuple[int, ...] | None:
@@ -262,6 +266,7 @@ class Bench:
         self._procs: list[Proc] = []
         self._backend_pids: tuple[int, ...] = ()
         self._postgres: PostgresServer | None = None
+        self._build_path: Path | None = None
 
     def log(self, message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
@@ -346,6 +351,7 @@ class Bench:
             except (ServiceError, psycopg.Error) as exc:
                 raise BenchError(f"PostgreSQL store: {exc}") from None
             store = self._postgres.settings("saltgate", state_dir / "spool")
+        self._build_path = build_path(self.o.build, self.workdir)
         self.gateway_state = prepare_gateway_state(state_dir, ["bench"], store)
         self.api_key = self.gateway_state.api_keys[0]
 
@@ -355,7 +361,8 @@ class Bench:
             text = gateway_config(
                 self.gateway_state, backends.urls, port=port, admin_port=free_port()
             )
-            argv = serve_argv(write_gateway_config(self.workdir / f"saltgate-{port}.toml", text))
+            config = write_gateway_config(self.workdir / f"saltgate-{port}.toml", text)
+            argv = with_build(self._build_path, serve_argv(config))
             workers = self.o.saltgate_workers
             return [*argv, "--workers", str(workers)] if workers > 1 else argv
         if target in PEERS:
@@ -587,7 +594,7 @@ class Bench:
             concurrency=list(self.o.concurrency),
             body_bytes={s: len(chat_body(stream=s == "sim-stream")) for s in SCENARIOS},
             versions=tool_versions(self.tools),
-            saltgate_source=source_state(),
+            saltgate_source=f"{source_state()}, {self.o.build} build",
         )
         return OverheadResult(
             meta, self.support, points, ratios(points), self.profiles, self.notes, self.samples
@@ -659,6 +666,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run `saltgate serve --workers N`; with N > 1 every router may use every CPU "
         "(wrk and the backend stay on --load-cpu)",
     )
+    p.add_argument(
+        "--build",
+        choices=tuple(BUILDS),
+        default="compiled",
+        help="saltgate's build: compiled (make install-compiled) or pure Python",
+    )
 
 
 def _preflight(options: Options, tools: Tools) -> None:
@@ -702,6 +715,7 @@ def run(args: argparse.Namespace) -> int:
         keep_tmp=args.keep_tmp,
         store=args.store,
         saltgate_workers=args.saltgate_workers,
+        build=args.build,
     )
     tools = find_tools(args.tools_venv or default_tools_venv())
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

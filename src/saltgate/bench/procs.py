@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from saltgate.buildinfo import source_checkout
+
 SETUP_HINT = "run scripts/bench-setup.sh"
 
 
@@ -64,7 +66,13 @@ def default_tools_venv() -> Path:
     here = Path(".bench/venv")
     if here.is_dir():
         return here.resolve()
-    return Path(__file__).resolve().parents[3] / ".bench" / "venv"
+    return checkout_dir() / ".bench" / "venv"
+
+
+def checkout_dir() -> Path:
+    """The saltgate checkout (a compiled build is installed away from it), else the
+    current directory."""
+    return source_checkout() or Path.cwd()
 
 
 def find_tools(venv: Path | None) -> Tools:
@@ -207,7 +215,7 @@ def machine_info() -> Machine:
 
 def source_state() -> str:
     """The commit and whether src/ differs from it: the gateway measured may be work in progress."""
-    src = Path(__file__).resolve().parents[2]
+    src = checkout_dir() / "src"
     try:
         head = subprocess.run(  # noqa: S603 - fixed argv
             ["git", "-C", str(src), "rev-parse", "--short", "HEAD"],  # noqa: S607

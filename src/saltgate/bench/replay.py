@@ -41,6 +41,7 @@ from saltgate.bench.procs import (
     BenchError,
     Proc,
     Tools,
+    checkout_dir,
     default_tools_venv,
     find_tools,
     free_port,
@@ -83,9 +84,7 @@ from saltgate.bench.trace_schedule import (
 from saltgate.http import UpstreamPool
 
 MODEL = "sim-model"
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[4] / "shared/traces/mooncake/conversation_trace.jsonl"
-)
+DEFAULT_TRACE = checkout_dir().parent / "shared/traces/mooncake/conversation_trace.jsonl"
 
 
 @dataclass(frozen=True, slots=True)

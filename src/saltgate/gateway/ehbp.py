@@ -98,12 +98,12 @@ class EhbpEdge:
             opened = self.key.open_request(enc, request.body)
             if not self.replay.first_use(enc):
                 raise EhbpError("this encrypted request was already received (replay)")
-        except KeyConfigError as exc:
+        except KeyConfigError as other_key:
             self._count("key_config")
             return Response(
                 422,
                 [(b"content-type", PROBLEM_MEDIA_TYPE.encode())],
-                orjson.dumps(problem_json(str(exc))),
+                orjson.dumps(problem_json(str(other_key))),
             )
         except EhbpError as exc:
             self._count("rejected")

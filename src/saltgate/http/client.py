@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncGenerator
 from typing import cast
 
 import httptools
@@ -260,12 +259,22 @@ class UpstreamResponse:
             self.release()
         return chunk
 
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        try:
-            while (chunk := await self.next_chunk()) is not None:
-                yield chunk
-        finally:
-            self.release()
+    def chunks(self) -> UpstreamResponse:
+        """The body as an async iterator of chunks (a class, not an async generator, which
+        mypyc cannot compile); `aclose` releases the connection, as the end of it does."""
+        return self
+
+    def __aiter__(self) -> UpstreamResponse:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self.next_chunk()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        self.release()
 
     def release(self) -> None:
         """Return the connection to the pool if its response ended cleanly, else close it."""

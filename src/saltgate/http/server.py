@@ -20,7 +20,7 @@ import asyncio
 import logging
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol, cast
 
@@ -138,6 +138,14 @@ class Response:
     headers: Headers = field(default_factory=list)
     body: bytes = b""
     stream: BodyStream | None = None
+
+
+class _Listening(Protocol):
+    """A server's sockets, as any sequence: uvloop's are a list where asyncio's stubs say
+    tuple, and the compiled build checks what it reads against the declared type."""
+
+    @property
+    def sockets(self) -> Sequence[socket.socket]: ...
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -315,13 +323,15 @@ class _Connection(asyncio.Protocol):
                 self._refuse(400, "malformed HTTP request: HTTP/1.1 or 1.0 required", stop=True)
             self._refuse(505, "only HTTP/1.1 and HTTP/1.0 are supported", stop=True)
         found = _read_head(self._headers, version, self._server.max_body_bytes)
-        if found is _EXPECTS_CONTINUE:
+        if found is None:
+            return
+        status, message = found  # by value: the compiled build re-creates the tuple
+        if status == _CONTINUE_STATUS:
             if self._task is None and not self._queue and self._transport is not None:
                 self._transport.write(_CONTINUE)
             else:  # another response is ahead: the 100 waits for it (see _serve)
                 self._continue_owed = True
-        elif found is not None:
-            status, message = found
+        else:
             self._refuse(status, message, head_only=parser.get_method() == _HEAD, stop=True)
 
     def on_body(self, body: bytes) -> None:
@@ -550,7 +560,8 @@ async def _close_stream(stream: BodyStream) -> None:
         log.exception("closing a response stream failed")
 
 
-_EXPECTS_CONTINUE: Final = (100, "")
+_CONTINUE_STATUS: Final = 100
+_EXPECTS_CONTINUE: Final = (_CONTINUE_STATUS, "")
 _HEAD_FIELDS: Final = frozenset({b"host", b"content-length", b"transfer-encoding", b"expect"})
 
 
@@ -714,7 +725,8 @@ class HttpServer:
         self._server = await loop.create_server(
             lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True
         )
-        sockets = self._server.sockets
+        listening: _Listening = self._server
+        sockets = listening.sockets
         return int(sockets[0].getsockname()[1]) if sockets else port
 
     def start_shared(self, sock: socket.socket, gate: AcceptGate) -> int:

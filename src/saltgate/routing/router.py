@@ -88,7 +88,7 @@ class RouterConfig:
     @classmethod
     def from_table(cls, table: Mapping[str, Any]) -> RouterConfig:
         """Build from a parsed ``[router]`` table; unknown keys and bad values raise ValueError."""
-        known = {f.name: f.type for f in fields(cls)}
+        known = {f.name: _type_name(f.type) for f in fields(cls)}
         values: dict[str, Any] = {}
         for name, value in table.items():
             kind = known.get(name)
@@ -101,10 +101,16 @@ class RouterConfig:
             else:
                 ok = isinstance(value, int | float) and not isinstance(value, bool)
             if not ok:
-                what = {"str": "a string", "int": "an integer"}.get(str(kind), "a number")
+                what = {"str": "a string", "int": "an integer"}.get(kind, "a number")
                 raise ValueError(f"{name}: expected {what}, got {type(value).__name__}")
             values[name] = float(value) if kind == "float" else value
         return cls(**values)
+
+
+def _type_name(annotation: object) -> str:
+    """A dataclass field's type by name: a string under postponed annotations, but the
+    class itself in the compiled build."""
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
 
 
 _POSITIVE: Final = (

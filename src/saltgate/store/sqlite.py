@@ -109,8 +109,8 @@ class SqliteDatabase:
     def query(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
         try:
             return self.conn.execute(sql, params).fetchall()
-        except sqlite3.IntegrityError as exc:
-            raise ConflictError(str(exc)) from None
+        except sqlite3.IntegrityError as conflict:
+            raise ConflictError(str(conflict)) from None
         except sqlite3.Error as exc:
             raise StoreError(f"store {self.path}: {exc}") from None
 
