@@ -31,6 +31,7 @@ BUILD_RECORD: Final = "_build.json"
 COMPILED_MODULES: Final = (
     "saltgate.ehbp.frames",
     "saltgate.gateway.access_log",
+    "saltgate.gateway.cluster",
     "saltgate.gateway.ehbp",
     "saltgate.gateway.exchange",
     "saltgate.gateway.metrics",
@@ -43,6 +44,7 @@ COMPILED_MODULES: Final = (
     "saltgate.policy.headers",
     "saltgate.policy.request",
     "saltgate.routing.affinity",
+    "saltgate.routing.cluster",
     "saltgate.routing.health",
     "saltgate.routing.hotkeys",
     "saltgate.routing.rendezvous",

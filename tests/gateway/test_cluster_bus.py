@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from redis.asyncio import Redis
 from tests.gateway.stack import MODEL, new_state_dir, run
 from tests.support.waiting import eventually
@@ -33,10 +32,10 @@ from saltgate.config import GatewayConfig, ReplicaConfig, load_master_key
 from saltgate.gateway.cluster import ClusterBus, sender_id
 from saltgate.gateway.run import RunningGateway, start_gateway
 from saltgate.routing import Router, RouterConfig
-from saltgate.routing.cluster import ClusterSettings, decode_batch
+from saltgate.routing.cluster import ClusterSettings, decode_batch, encode_batch
 from saltgate.routing.rendezvous import Member
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
-from saltgate.spec.derive import NamespaceKeys, cache_salt, cluster_keys, derive_subkeys
+from saltgate.spec.derive import cache_salt, cluster_keys, derive_subkeys
 from saltgate.store.tenants import TenantStore
 
 MARKER = "zqxjvbnm"  # in every prompt: a reader of the bus must never find it
@@ -247,18 +246,24 @@ def test_nothing_on_the_bus_names_a_salt_a_prompt_or_a_key(
 
 
 def test_the_bus_scan_sees_a_prompt_put_on_the_bus(
-    tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    """Positive control: digests replaced by the prompt's own bytes are caught."""
-
-    def raw_prefixes(self: NamespaceKeys, flat: bytes, first_depth: int = 1024) -> list[bytes]:
-        return [flat[i : i + 32] for i in range(0, min(len(flat), 256) - 31, 32)]
-
-    monkeypatch.setattr(NamespaceKeys, "prefix_digests", raw_prefixes)
+    """Positive control: the same batches, their digests swapped for the prompt's own bytes
+    (what a gateway publishing unkeyed prefixes would send), are caught. Rebuilt from the
+    bus rather than by patching the digest function, which the compiled build ignores."""
 
     async def main() -> None:
         entries, secrets = await traffic_and_bus(tmp_path, redis_server)
-        assert "prompt text" in leaks(entries, secrets)
+        keys = cluster_keys(secrets["K_route"])
+        prompt = conversation(0)[0].encode()
+        raw = tuple(prompt[i : i + 32] for i in range(0, 256, 32))
+        leaked = []
+        for data in entries:
+            batch = decode_batch(keys, data)
+            placements = tuple(p._replace(digests=raw) for p in batch.placements)
+            leaked.append(encode_batch(keys, dataclasses.replace(batch, placements=placements)))
+        assert any(decode_batch(keys, d).placements for d in leaked)
+        assert "prompt text" in leaks(leaked, secrets)
 
     run(main)
 

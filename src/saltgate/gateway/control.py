@@ -17,10 +17,12 @@ with the orders it sent by position.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import io
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from saltgate.config import GatewayConfig, ReplicaConfig
 
@@ -63,8 +65,23 @@ def frame(body: bytes) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
+class _OrderPickler(pickle.Pickler):
+    """Pickles a dataclass as a call of its class with its fields. The default restores a
+    frozen dataclass by setting its attributes one by one, which a compiled class (mypyc:
+    docs/benchmarks.md, "The compiled build") refuses as an assignment to a frozen field."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            fields = dataclasses.fields(obj)
+            if all(f.init for f in fields):
+                return type(obj), tuple(getattr(obj, f.name) for f in fields)
+        return NotImplemented
+
+
 def order_frame(order: Order) -> bytes:
-    return frame(pickle.dumps(order, protocol=pickle.HIGHEST_PROTOCOL))
+    out = io.BytesIO()
+    _OrderPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(order)
+    return frame(out.getvalue())
 
 
 async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
