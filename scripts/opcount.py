@@ -30,6 +30,7 @@ import uvloop
 
 from saltgate.bench import overhead as bench
 from saltgate.bench.gateway_setup import gateway_config, write_gateway_config
+from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import load_config
 from saltgate.gateway.run import start_gateway
 
@@ -124,6 +125,7 @@ def main() -> int:
         profile_dir=None,
         json_out=None,
         keep_tmp=False,
+        build="compiled" if build_kind() == COMPILED else "pure",  # this process's
     )
     runner = bench.Bench(options, bench.find_tools(None), Path(tempfile.mkdtemp(prefix="opcount-")))
     tracer = Tracer()
