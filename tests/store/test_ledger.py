@@ -220,3 +220,30 @@ def test_sigkill_loses_no_acknowledged_record(tmp_path: Path) -> None:
     assert not missing, f"{len(missing)} acknowledged records lost, e.g. {sorted(missing)[:3]}"
     # All 64 writers were acknowledged concurrently (the load was real).
     assert len({a.split("-")[0] for a in acked}) == 64
+
+
+def _wal_high_water(tmp_path: Path, name: str, rewind: int | None) -> tuple[int, int]:
+    """The WAL file's size after 3,000 one-record commits in a row, and the rewinds."""
+    path = tmp_path / name
+
+    async def run() -> tuple[int, int]:
+        ledger = Ledger(path, wal_rewind_frames=rewind, checkpoint_interval_s=0.005)
+        for i in range(3000):
+            await ledger.record(_rec(i))
+            if i % 100 == 0:
+                await asyncio.sleep(0.001)  # let the checkpoint thread take the GIL
+        size = os.stat(f"{path}-wal").st_size  # before close, which checkpoints it away
+        await ledger.aclose()
+        return size, ledger.rewinds
+
+    return asyncio.run(run())
+
+
+def test_the_wal_stays_bounded_under_steady_commits(tmp_path: Path) -> None:
+    """Checkpoints alone (PASSIVE) never rewind a WAL that is always being appended to;
+    the ledger rewinds it past a bound. Control: without the rewind it keeps growing."""
+    bounded, rewinds = _wal_high_water(tmp_path, "bounded.db", rewind=64)
+    unbounded, none = _wal_high_water(tmp_path, "unbounded.db", rewind=None)
+    assert rewinds > 0 and none == 0
+    assert unbounded > 3000 * 4096  # at least a page per commit, all kept
+    assert bounded < unbounded / 3, (bounded, unbounded)
