@@ -30,7 +30,6 @@ import uvloop
 
 from saltgate.bench import overhead as bench
 from saltgate.bench.gateway_setup import gateway_config, write_gateway_config
-from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import load_config
 from saltgate.gateway.run import start_gateway
 
@@ -63,16 +62,6 @@ class Tracer:
     def switch(self, on: bool) -> None:
         self.on = on
         sys.settrace(self if on else None)
-
-
-def request_bytes(api_key: str) -> bytes:
-    body = bench.chat_body(stream=False)
-    head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
-        b"authorization: Bearer %s\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n" % (api_key.encode(), len(body))
-    )
-    return head + body
 
 
 def client(
@@ -112,22 +101,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--top", type=int, default=30, help="functions to list")
     args = parser.parse_args()
-    options = bench.Options(
-        targets=("saltgate",),
-        scenarios=("nginx",),
-        concurrency=(1,),
-        duration_s=1,
-        warmup_s=1,
-        rounds=1,
-        load_cpu=0,
-        router_cpu=1,
-        startup_timeout_s=30,
-        profile_dir=None,
-        json_out=None,
-        keep_tmp=False,
-        build="compiled" if build_kind() == COMPILED else "pure",  # this process's
-    )
-    runner = bench.Bench(options, bench.find_tools(None), Path(tempfile.mkdtemp(prefix="opcount-")))
+    runner = bench.probe_bench(Path(tempfile.mkdtemp(prefix="opcount-")))
     tracer = Tracer()
     try:
         backends = runner.start_nginx()
@@ -146,7 +120,7 @@ def main() -> int:
             done = asyncio.Event()
             threading.Thread(
                 target=client,
-                args=(port, request_bytes(runner.api_key)),
+                args=(port, bench.probe_request(runner.api_key)),
                 kwargs={
                     "warmup": 20,
                     "n": args.requests,

@@ -28,16 +28,6 @@ from saltgate.bench import overhead as bench
 from saltgate.bench.gateway_setup import gateway_config, serve_argv, write_gateway_config
 
 
-def request_bytes(api_key: str) -> bytes:
-    body = bench.chat_body(stream=False)
-    head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
-        b"authorization: Bearer %s\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n" % (api_key.encode(), len(body))
-    )
-    return head + body
-
-
 def send(port: int, request: bytes, n: int) -> None:
     """``n`` requests on one kept-alive connection, each after the previous answer."""
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -70,22 +60,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=1)
     args = parser.parse_args()
-    options = bench.Options(
-        targets=("saltgate",),
-        scenarios=("nginx",),
-        concurrency=(1,),
-        duration_s=1,
-        warmup_s=1,
-        rounds=1,
-        load_cpu=0,
-        router_cpu=1,
-        startup_timeout_s=30,
-        profile_dir=None,
-        json_out=None,
-        keep_tmp=False,
-    )
     workdir = Path(tempfile.mkdtemp(prefix="syscount-"))
-    runner = bench.Bench(options, bench.find_tools(None), workdir)
+    runner = bench.probe_bench(workdir)
     try:
         backends = runner.start_nginx()
         runner.prepare_saltgate()
@@ -102,7 +78,7 @@ def main() -> int:
         gateway = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_serving(port)
-            request = request_bytes(runner.api_key)
+            request = bench.probe_request(runner.api_key)
             send(port, request, 50)  # warm-up
             threads = [f"-p{t}" for t in os.listdir(f"/proc/{gateway.pid}/task")]
             out = workdir / "strace.txt"

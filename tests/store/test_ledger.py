@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import sqlite3
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from tests.support.crash import acknowledged_before_sigkill
 
 from saltgate.store.ledger import Ledger, LedgerError, UsageRecord
 
@@ -185,32 +181,7 @@ def test_cancelled_waiter_does_not_break_the_writer(tmp_path: Path) -> None:
 
 def test_sigkill_loses_no_acknowledged_record(tmp_path: Path) -> None:
     path = tmp_path / "saltgate.db"
-    child = Path(__file__).with_name("ledger_crash_child.py")
-    proc = subprocess.Popen([sys.executable, str(child), str(path), "64"], stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    out = bytearray()
-
-    def drain() -> None:
-        # Read continuously so a full pipe never throttles the child: it must be killed
-        # while it runs flat out, not while it waits for us.
-        assert proc.stdout is not None
-        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
-            out.extend(chunk)
-
-    reader = threading.Thread(target=drain)
-    reader.start()
-    deadline = time.monotonic() + 60
-    try:
-        while out.count(b"\n") < 5000:
-            assert proc.poll() is None, f"child exited early with {proc.returncode}"
-            assert time.monotonic() < deadline, "child too slow"
-            time.sleep(0.005)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        reader.join(timeout=30)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
-    # A torn last line is not an acknowledgement.
-    acked = [ln.decode() for ln in bytes(out).split(b"\n")[:-1]]
+    acked = acknowledged_before_sigkill([str(path), "64"], 5000)
 
     conn = sqlite3.connect(path)  # recovers the WAL left by the killed process
     stored = {k for (k,) in conn.execute("SELECT key_id FROM usage")}

@@ -7,15 +7,12 @@ import asyncio
 import fcntl
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import psycopg
 import pytest
+from tests.support.crash import acknowledged_before_sigkill
 from tests.support.postgres import new_database
 from tests.support.waiting import eventually
 
@@ -284,31 +281,7 @@ def test_sigkill_while_spooling_loses_no_acknowledged_record(tmp_path: Path) -> 
     """A record is acknowledged only once its batch is written to the spool: killing the
     process at any moment leaves every acknowledged record in a segment."""
     spool = tmp_path / "spool"
-    child = Path(__file__).with_name("ledger_crash_child.py")
-    proc = subprocess.Popen(
-        [sys.executable, str(child), "--spool", str(spool), "32"], stdout=subprocess.PIPE
-    )
-    assert proc.stdout is not None
-    out = bytearray()
-
-    def drain() -> None:
-        assert proc.stdout is not None
-        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
-            out.extend(chunk)
-
-    reader = threading.Thread(target=drain)
-    reader.start()
-    deadline = time.monotonic() + 60
-    try:
-        while out.count(b"\n") < 2000:
-            assert proc.poll() is None, f"child exited early with {proc.returncode}"
-            assert time.monotonic() < deadline, "child too slow"
-            time.sleep(0.005)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        reader.join(timeout=30)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
-    acked = {ln.decode() for ln in bytes(out).split(b"\n")[:-1]}
+    acked = set(acknowledged_before_sigkill(["--spool", str(spool), "32"], 2000))
     spooled = {
         rec.request_id
         for seg in spool.glob("usage-*.spool")

@@ -21,14 +21,18 @@ from saltgate.store.settings import StoreSettings
 BACKENDS = ("sqlite", "postgresql")
 
 
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[PostgresServer]:
+def _serving() -> Iterator[PostgresServer]:
     server = PostgresServer()
     try:
         server.start()
         yield server
     finally:
         server.destroy()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    yield from _serving()
 
 
 def new_database(server: PostgresServer, tmp_path: Path) -> StoreSettings:
@@ -56,9 +60,4 @@ def store_settings(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSetti
 @pytest.fixture
 def private_postgres() -> Iterator[PostgresServer]:
     """A server for this test alone, which it may stop and start (outage tests)."""
-    server = PostgresServer()
-    try:
-        server.start()
-        yield server
-    finally:
-        server.destroy()
+    yield from _serving()

@@ -99,6 +99,7 @@ from saltgate.bench.wrk import (
     run_wrk,
     wrk_script,
 )
+from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import ConfigError
 from saltgate.sim.run import sim_command
 from saltgate.store.errors import StoreError
@@ -672,6 +673,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="compiled",
         help="saltgate's build: compiled (make install-compiled) or pure Python",
     )
+
+
+def probe_bench(workdir: Path) -> Bench:
+    """A Bench for the scripts that probe the gateway alone on the nginx backend
+    (scripts/opcount.py, scripts/syscount.py), set for the build this process runs."""
+    options = Options(
+        targets=("saltgate",),
+        scenarios=("nginx",),
+        concurrency=(1,),
+        duration_s=1,
+        warmup_s=1,
+        rounds=1,
+        load_cpu=0,
+        router_cpu=1,
+        startup_timeout_s=30,
+        profile_dir=None,
+        json_out=None,
+        keep_tmp=False,
+        build="compiled" if build_kind() == COMPILED else "pure",
+    )
+    return Bench(options, find_tools(None), workdir)
+
+
+def probe_request(api_key: str) -> bytes:
+    """One non-streaming chat request, as the probe scripts send it over a raw socket."""
+    body = chat_body(stream=False)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
+        b"authorization: Bearer %s\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % (api_key.encode(), len(body))
+    )
+    return head + body
 
 
 def _preflight(options: Options, tools: Tools) -> None:

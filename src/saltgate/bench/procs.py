@@ -139,6 +139,12 @@ class Proc:
                 self.popen.wait(timeout)
         self._log.close()
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group, as a crash would end it, then reap it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.stop()
+
     def tail(self, lines: int = 15) -> str:
         try:
             text = self.log_path.read_text(errors="replace")

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
-import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -149,9 +147,7 @@ class GatewayFleet:
         """SIGKILL gateway i (its process group), as a crashed node would die."""
         proc = self.procs[i]
         if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.stop()
+            proc.kill()
             self.procs[i] = None
 
     def stop(self) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,9 +136,7 @@ class Fleet:
         self._served_before[i] = float((await self.served())[i])
         proc = self.procs[i]
         if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.stop()
+            proc.kill()
             self.procs[i] = None
         return int(self._served_before[i])
 

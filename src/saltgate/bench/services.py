@@ -25,7 +25,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -53,6 +53,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def start_on_a_port(port: int, launch: Callable[[int], None]) -> int:
+    """``launch(port)``, and the port it started on. A server not yet given one starts on
+    a free port, and on another up to twice more if it fails: a free port can be taken
+    by another process between its choice and the server's bind."""
+    attempts = 1 if port else 3
+    for attempt in range(attempts):
+        if not port or attempt:
+            port = free_port()
+        try:
+            launch(port)
+            return port
+        except ServiceError:
+            if attempt + 1 == attempts:
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def postgres_bindir() -> Path:
@@ -152,21 +169,14 @@ class PostgresServer:
         """Start (first time: on a free port) and wait until it accepts connections."""
         if self.running:
             return
-        attempts = 1 if self.port else 3
-        for attempt in range(attempts):
-            if not self.port or attempt:
-                self.port = free_port()
+
+        def launch(port: int) -> None:
+            self.port = port
             self._configure()
-            try:
-                self._pg(
-                    "pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "30", "start"
-                )
-            except ServiceError:
-                if attempt + 1 == attempts:
-                    raise
-                continue
-            self.running = True
-            return
+            self._pg("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "30", "start")
+
+        start_on_a_port(self.port, launch)
+        self.running = True
 
     def stop(self, mode: str = "fast") -> None:
         """pg_ctl stop -m `mode` ("fast", or "immediate" for a crash-like stop)."""
@@ -354,26 +364,25 @@ class RedisServer:
     def start(self) -> None:
         if self.running:
             return
-        attempts = 1 if self.port else 3
-        for attempt in range(attempts):
-            if not self.port or attempt:
-                self.port = free_port()
+
+        def launch(port: int) -> None:
+            self.port = port
             conf = self.root / "redis.conf"
             password = self.password_file.read_text().strip()
             conf.write_text(
-                f"bind 127.0.0.1\nport {self.port}\nprotected-mode yes\n"
+                f"bind 127.0.0.1\nport {port}\nprotected-mode yes\n"
                 f'dir "{self.root}"\nsave ""\nappendonly no\ndaemonize no\n'
                 f"requirepass {password}\n"
             )
             conf.chmod(0o600)
             self._child.spawn([self.binary, str(conf)])
             try:
-                self._child.wait_port(self.port)
-                return
+                self._child.wait_port(port)
             except ServiceError:
                 self._child.stop(signal.SIGKILL)
-                if attempt + 1 == attempts:
-                    raise
+                raise
+
+        start_on_a_port(self.port, launch)
 
     def stop(self, *, crash: bool = False) -> None:
         """Stop the server (``crash``: SIGKILL, as a lost node would)."""

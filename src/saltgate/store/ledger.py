@@ -264,10 +264,16 @@ class Ledger:
             self._transactions += 1
             self._records += len(batch)
             self._max_batch_seen = max(self._max_batch_seen, len(batch))
-        for _, fut in batch:
-            if fut.done():
-                continue
-            if error is None:
-                fut.set_result(None)
-            else:
-                fut.set_exception(LedgerError(error))
+        release(batch, error)
+
+
+def release(batch: Sequence[_Item], error: str | None) -> None:
+    """Wake the waiters of ``batch``: committed, or LedgerError(error). A waiter that
+    gave up (cancelled) is skipped; its record was committed all the same."""
+    for _, fut in batch:
+        if fut.done():
+            continue
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(LedgerError(error))

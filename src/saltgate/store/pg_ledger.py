@@ -31,7 +31,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from saltgate.store.errors import StoreError
-from saltgate.store.ledger import LedgerError, LedgerStats, UsageRecord
+from saltgate.store.ledger import LedgerError, LedgerStats, UsageRecord, release
 from saltgate.store.postgres import UNREACHABLE, conninfo, describe_error
 from saltgate.store.settings import StoreSettings
 from saltgate.store.spool import Spool
@@ -165,7 +165,7 @@ class PgLedger:
                     await self._commit(batch)
                 except Exception as exc:  # a bug must fail these records, not all later ones
                     log.exception("saltgate: ledger commit failed")
-                    _release(batch, f"usage records not committed: {type(exc).__name__}")
+                    release(batch, f"usage records not committed: {type(exc).__name__}")
             if self._closed:
                 return
 
@@ -190,7 +190,7 @@ class PgLedger:
                 self._transactions += 1
                 self._records += len(records)
                 self._max_batch_seen = max(self._max_batch_seen, len(records))
-                _release(batch, None)
+                release(batch, None)
                 return
         # Not committed, or not known to be: the spool keeps them until they are.
         try:
@@ -202,7 +202,7 @@ class PgLedger:
                 f"spooled to {self.spool.directory}: {exc.strerror or exc}"
             )
             log.error("saltgate: %s", error)
-        _release(batch, error)
+        release(batch, error)
 
     async def _insert(self, records: Sequence[UsageRecord]) -> None:
         assert self._pool is not None
@@ -343,13 +343,3 @@ class PgLedger:
             await pool.close(timeout=0)
             raise
         return pool
-
-
-def _release(batch: Sequence[_Item], error: str | None) -> None:
-    for _, fut in batch:
-        if fut.done():
-            continue
-        if error is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(LedgerError(error))
