@@ -152,7 +152,9 @@ class Ledger:
         self.max_delay_s = max_delay_s
         self.wal_rewind_frames = wal_rewind_frames  # None: never (a test's control)
         self.checkpoint_interval_s = checkpoint_interval_s
+        self.checkpoints = 0  # passes of the checkpoint thread, and of them the rewinds
         self.rewinds = 0
+        self.wal_frames = 0  # frames in the WAL at the last pass: what page lookups search
         self._busy = busy
         self._conn = open_db(self.path)
         self._conn.execute(f"PRAGMA synchronous={synchronous}")
@@ -234,9 +236,11 @@ class Ledger:
         for that copy and one fsync: about one commit a second waits a millisecond or two.
         """
         _busy, frames, _copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        self.wal_frames = frames
         if self.wal_rewind_frames is not None and frames >= self.wal_rewind_frames:
-            conn.execute("PRAGMA wal_checkpoint(RESTART)")
-            self.rewinds += 1
+            busy, _frames, _copied = conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+            self.rewinds += not busy
+        self.checkpoints += 1
 
     def _flush(self) -> None:
         self._flush_scheduled = False
