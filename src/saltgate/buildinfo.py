@@ -9,6 +9,14 @@ The build a module came from is read off its file: an extension module is compil
 wheel built with the compiled build asked for records in `_build.json` what it got,
 why it fell back to pure Python when the compiler failed, and the checkout it was built in.
 
+A compiled coroutine never suspends inside an except or finally block (nor uses
+`async with`, whose exit runs in one): mypyc gives it no exception state of its own, so
+while it waits there the exception it handles is the whole thread's `sys.exc_info()`,
+and after a `finally` it can stay there. Every other task then chains its errors to it,
+and the build crashed under client aborts amid other requests. The modules keep the
+exception, leave the handler, then await (tests/architecture/test_builds.py checks the
+source; ExceptionWatch in tests/support/exceptions.py the running gateway).
+
 This module stays interpreted: it must answer in both builds, and the build (setup.py)
 reads COMPILED_MODULES from this file without importing the package.
 """

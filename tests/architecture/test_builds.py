@@ -138,9 +138,10 @@ def test_a_compiled_build_into_the_sources_is_refused(tmp_path: Path) -> None:
 
 
 def mypyc_hazards(source: str) -> list[str]:
-    """Constructs that break compiled: async generators (mypyc cannot compile them), and
-    one name bound by except clauses of different types in a function (mypyc gives the
-    name one variable, typed by the first clause, and the second raises TypeError)."""
+    """Constructs that break compiled: async generators (mypyc cannot compile them); one
+    name bound by except clauses of different types in a function (mypyc gives the name
+    one variable, typed by the first clause, and the second raises TypeError); and a
+    coroutine suspending while it handles an exception (buildinfo.py says what leaks)."""
     found = []
     for fn in ast.walk(ast.parse(source)):
         if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -150,6 +151,10 @@ def mypyc_hazards(source: str) -> list[str]:
             isinstance(n, ast.Yield | ast.YieldFrom) for n in own
         ):
             found.append(f"{fn.name}: async generator")
+        found += [
+            f"{fn.name}: suspends while handling an exception (line {line})"
+            for line in sorted(set(suspensions_in_handlers(own)))
+        ]
         bound: dict[str, set[str]] = {}
         for node in own:
             if isinstance(node, ast.ExceptHandler) and node.name and node.type is not None:
@@ -160,6 +165,23 @@ def mypyc_hazards(source: str) -> list[str]:
             if len(kinds) > 1
         ]
     return found
+
+
+def suspensions_in_handlers(own: list[ast.AST]) -> Iterator[int]:
+    """Lines that await inside an except or finally block, and every `async with` (its
+    exit is awaited while the body's exception is being handled)."""
+    suspends = ast.Await | ast.AsyncFor | ast.AsyncWith
+    for node in own:
+        if isinstance(node, ast.AsyncWith):
+            yield node.lineno
+        if isinstance(node, ast.Try | ast.TryStar):
+            region = [s for h in node.handlers for s in h.body] + node.finalbody
+            for stmt in region:
+                if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue  # defined there, run elsewhere (and checked alone)
+                for sub in (stmt, *own_nodes(stmt)):
+                    if isinstance(sub, suspends):
+                        yield sub.lineno
 
 
 def own_nodes(fn: ast.AST) -> Iterator[ast.AST]:
@@ -184,6 +206,39 @@ def test_the_hazard_check_finds_both_hazards() -> None:
     renamed = reused.replace("OSError as exc:\n        h(exc)", "OSError as e:\n        h(e)")
     assert mypyc_hazards(renamed) == []
     assert mypyc_hazards("async def f():\n    def g():\n        yield 1\n    return g\n") == []
+
+
+TRY = "async def f():\n    try:\n        await g()\n"
+
+
+@pytest.mark.parametrize(
+    ("source", "line"),
+    [
+        ("    except OSError:\n        await log()\n        raise\n", 5),
+        ("    finally:\n        await close()\n", 5),
+        ("    finally:\n        async for _ in drain():\n            pass\n", 5),
+        ("    finally:\n        if left:\n            await close()\n", 6),
+    ],
+    ids=["except", "finally", "async-for", "nested"],
+)
+def test_the_hazard_check_finds_a_suspension_in_a_handler(source: str, line: int) -> None:
+    found = [f"f: suspends while handling an exception (line {line})"]
+    assert mypyc_hazards(TRY + source) == found
+
+
+def test_the_hazard_check_passes_what_does_not_suspend_in_a_handler() -> None:
+    assert mypyc_hazards("async def f():\n    async with g():\n        pass\n") == [
+        "f: suspends while handling an exception (line 2)"
+    ]
+    # The way the compiled modules do it: keep the exception, await after the handler.
+    kept = (
+        TRY + "    except BaseException as exc:\n        failure = exc\n"
+        "    await close()\n    raise failure\n"
+    )
+    assert mypyc_hazards(kept) == []
+    # A handler that defines a coroutine does not suspend in it.
+    defines = TRY + "    finally:\n        async def later():\n            await close()\n"
+    assert mypyc_hazards(defines) == []
 
 
 @pytest.mark.parametrize("module", COMPILED_MODULES)

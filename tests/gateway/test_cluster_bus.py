@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 from tests.gateway.stack import MODEL, new_state_dir, run
+from tests.support.exceptions import ExceptionWatch
 from tests.support.waiting import eventually
 
 from saltgate.bench.services import RedisServer
@@ -76,6 +77,7 @@ async def fleet(tmp: Path, redis: RedisServer | None, gateways: int = 2) -> Asyn
         access_log="off",
     )
     running = []
+    watch = ExceptionWatch()  # the bus failing must not leave its error behind
     try:
         for i in range(gateways):
             cluster = redis.settings(f"gw{i}") if redis is not None else None
@@ -86,6 +88,8 @@ async def fleet(tmp: Path, redis: RedisServer | None, gateways: int = 2) -> Asyn
             await g.close()
         for s in sims:
             await s.close()
+        watch.stop()
+    watch.check()
 
 
 def conversation(k: int) -> tuple[str, str]:

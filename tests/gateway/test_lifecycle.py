@@ -4,7 +4,8 @@ Every way a request can end is driven here through a real gateway over loopback:
 a replica failing before and after its first byte, the client leaving before and after the
 first byte (in both `on_client_gone` modes), an upstream timeout, and cancellation by a
 shutdown. After each, the ledger holds one record for the request, with the status and
-usage the ending implies, and every replica's in-flight count and prefill backlog is 0.
+usage the ending implies, and every replica's in-flight count and prefill backlog is 0;
+and no ending left its exception showing to the other tasks (ExceptionWatch).
 The failing replicas are scripted raw sockets, since no real server fails on cue.
 """
 
@@ -21,6 +22,7 @@ import httpx
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, long_prompt, new_state_dir
+from tests.support.exceptions import ExceptionWatch
 from tests.support.waiting import eventually
 
 from saltgate.config import GatewayConfig, ReplicaConfig
@@ -133,11 +135,14 @@ async def gateway(
         upstream_timeout_s=timeout,
         on_client_gone=on_client_gone,
     )
+    watch = ExceptionWatch()
     running = await start_gateway(config)
     try:
         yield Gateway(running, key, state)
     finally:
         await running.close()
+        watch.stop()
+    watch.check()
 
 
 @asynccontextmanager
@@ -338,5 +343,26 @@ def test_a_key_in_a_chunked_trailer_does_not_authenticate(tmp_path: Path) -> Non
             writer.close()
             assert out.startswith(b"HTTP/1.1 401 "), out[:100]
             assert g.records() == []
+
+    asyncio.run(main())
+
+
+def test_endings_amid_other_requests_leave_no_exception_behind(tmp_path: Path) -> None:
+    """Records commit in batches while other requests are served, so an ending waits for
+    its commit: the moment a compiled handler would show its exception to everyone."""
+
+    async def main() -> None:
+        async with (
+            sim(prefill_ms_per_1k_tokens=100.0, decode_ms_per_token=2.0) as s,
+            gateway(tmp_path, [s.url], on_client_gone="abort") as g,
+            g.client() as client,
+        ):
+            doc = body(stream=True, max_tokens=100)
+            await asyncio.gather(
+                *(client.post("/v1/completions", json=doc) for _ in range(6)),
+                *(leave_after(client, stream=k % 2 == 0, first_byte=k % 2 == 0) for k in range(6)),
+            )
+            rows = await g.settled(12)
+            assert sorted(r["status"] for r in rows) == [200] * 6 + [499] * 6
 
     asyncio.run(main())

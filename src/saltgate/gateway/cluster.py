@@ -231,14 +231,19 @@ class ClusterBus:
             asyncio.create_task(self._publish(client)),
             asyncio.create_task(self._read(client)),
         ]
+        failure: BaseException | None = None
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                task.result()
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException as exc:
+            failure = exc  # both stopped below, outside the handler (buildinfo.py)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if failure is not None:
+            raise failure
+        for task in tasks:
+            if not task.cancelled() and (error := task.exception()) is not None:
+                raise error
 
     def changed(self) -> None:
         """The router placed a request or its backlog moved: publish soon (called on the

@@ -48,6 +48,11 @@ _PROMPT: Final = (("kind", "prompt"),)
 _CACHED: Final = (("kind", "cached"),)
 _COMPLETION: Final = (("kind", "completion"),)
 _FAILURES: Final = "saltgate_upstream_failures_total"
+_STREAM_FAILED: Final = (
+    b"data: "
+    + ApiError(502, "The replica failed during the stream; retry the request.").body()
+    + b"\n\n"
+)
 
 
 def no_replica() -> ApiError:
@@ -130,6 +135,8 @@ class Exchange:
         """Send the request down the plan's ranking until a replica answers; a failure
         before any response moves on to the next replica."""
         tried: list[str] = []
+        # Every ending awaits its record outside the handler that caught it: compiled code
+        # must not suspend inside one (buildinfo.py).
         try:
             while True:
                 attempt = self._attempt = replicas.acquire(plan, tried)
@@ -144,12 +151,13 @@ class Exchange:
                     )
                     break
                 except UpstreamError as exc:
-                    self._failed()
-                    if not exc.before_response:
-                        await self._end(REPLICA_FAILED)
-                        raise replica_failed() from None
-                    attempt.close()
-                    tried.append(replica.id)
+                    answered = not exc.before_response
+                self._failed()
+                if answered:
+                    await self._end(REPLICA_FAILED)
+                    raise replica_failed() from None
+                attempt.close()
+                tried.append(replica.id)
             attempt.responded()
             self._upstream = upstream
             response_headers = scrub_response_headers(upstream.headers)
@@ -161,15 +169,18 @@ class Exchange:
             try:
                 body = await upstream.read()
             except UpstreamError:
+                body = None
+            if body is None:
                 self._failed()
                 await self._end(REPLICA_FAILED)
                 raise replica_failed() from None
             usage = usage_from_body(body) if upstream.status == 200 else None
             await self._end(upstream.status, usage)
             return Response(upstream.status, response_headers, body)
-        except asyncio.CancelledError:
-            await self._end(NOT_SERVED)
-            raise
+        except asyncio.CancelledError as cancel:
+            cancelled = cancel
+        await self._end(NOT_SERVED)
+        raise cancelled
 
     # -- the streamed body -------------------------------------------------------------
     def __aiter__(self) -> Exchange:
@@ -181,18 +192,19 @@ class Exchange:
         upstream, scanner = self._upstream, self._scanner
         assert upstream is not None and scanner is not None, "only a stream is iterated"
         while not self._finished:
+            failure: BaseException | None = None
             try:
                 chunk = await upstream.next_chunk()
-            except UpstreamError:
+            except (UpstreamError, asyncio.CancelledError) as exc:
+                failure = exc  # ended below, outside the handler (buildinfo.py)
+            if failure is not None:
                 self._finished = True
-                self._failed()
-                await self._end(REPLICA_FAILED, scanner.usage)
-                error = ApiError(502, "The replica failed during the stream; retry the request.")
-                return b"data: " + error.body() + b"\n\n"
-            except asyncio.CancelledError:
-                self._finished = True
+                if isinstance(failure, UpstreamError):
+                    self._failed()
+                    await self._end(REPLICA_FAILED, scanner.usage)
+                    return _STREAM_FAILED
                 await self._end(NOT_SERVED, scanner.usage)
-                raise
+                raise failure
             if chunk is None:
                 self._finished = True
                 held = self._held + scanner.flush()
@@ -223,14 +235,18 @@ class Exchange:
         upstream, scanner = self._upstream, self._scanner
         assert upstream is not None and scanner is not None
         task = asyncio.current_task()
+        failure: BaseException | None = None
         try:
             if task is None or not task.cancelling():
                 while (chunk := await upstream.next_chunk()) is not None:
                     scanner.feed(chunk)
         except UpstreamError:
             self._failed()
-        finally:
-            await self._end(CLIENT_CLOSED, scanner.usage)
+        except BaseException as exc:
+            failure = exc  # recorded below, outside the handler (buildinfo.py)
+        await self._end(CLIENT_CLOSED, scanner.usage)
+        if failure is not None:
+            raise failure
 
     # -- the one ending ----------------------------------------------------------------
     def _failed(self) -> None:

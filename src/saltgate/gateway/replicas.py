@@ -140,11 +140,15 @@ class ReplicaSet:
 
     async def _retire(self, replica: Replica) -> None:
         deadline = time.monotonic() + self.timeout
+        failure: BaseException | None = None
         try:
             while self.router.inflight(replica.id) > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(RETIRE_POLL_S)
-        finally:
-            await replica.pool.close()
+        except BaseException as exc:
+            failure = exc  # closed below, outside the handler (buildinfo.py)
+        await replica.pool.close()
+        if failure is not None:
+            raise failure
 
     # -- decisions and the events that feed them -----------------------------------------
     def plan(

@@ -421,37 +421,25 @@ class _Connection(asyncio.Protocol):
             log.exception("handler failed")
             response = server.error_response(500, "internal error")
         stream = response.stream
+        failure: BaseException | None = None
         try:
             transport = self._transport
             if transport is None or self._closing:
-                return False
-            status = response.status
-            # HTTP/1.0 has no chunked coding: the close ends a streamed body.
-            keep_alive = keep_alive and (stream is None or not http10)
-            head = [status_line(status)]
-            for name, value in response.headers:
-                head.append(b"%s: %s\r\n" % (name, value))
-            head.append(_CONNECTION[keep_alive, http10])
-            # A HEAD response and a 204 / 304 carry no body, whatever the handler gave.
-            has_body = status >= 200 and status not in _BODILESS
-            send_body = has_body and request.method != _HEAD
-            if stream is None:
-                if has_body:
-                    head.append(b"content-length: %d\r\n" % len(response.body))
-                head.append(b"\r\n")
-                if send_body:
-                    head.append(response.body)
-                transport.write(b"".join(head))
+                keep_alive = False
             else:
-                chunked = send_body and not http10
-                head.append(b"transfer-encoding: chunked\r\n\r\n" if chunked else b"\r\n")
-                transport.write(b"".join(head))
-                if send_body:
+                # HTTP/1.0 has no chunked coding: the close ends a streamed body.
+                keep_alive = keep_alive and (stream is None or not http10)
+                chunked = _write_head(transport, request.method, response, keep_alive, http10)
+                if stream is not None and chunked is not None:
                     await self._write_stream(transport, stream, chunked=chunked)
-            return keep_alive and not self._closing
-        finally:
-            if stream is not None:
-                await _close_stream(stream)
+                keep_alive = keep_alive and not self._closing
+        except BaseException as exc:
+            failure = exc  # the stream is closed below, outside the handler (buildinfo.py)
+        if stream is not None:
+            await _close_stream(stream)
+        if failure is not None:
+            raise failure
+        return keep_alive
 
     async def _write_stream(
         self, transport: asyncio.Transport, stream: BodyStream, *, chunked: bool
@@ -549,6 +537,33 @@ class _Connection(asyncio.Protocol):
         if self._task is not None:
             self._task.cancel()
         self._close()
+
+
+def _write_head(
+    transport: asyncio.Transport, method: bytes, response: Response, keep_alive: bool, http10: bool
+) -> bool | None:
+    """Write the status line and headers, and a whole body with them. For a stream whose
+    body is to be sent, return whether it goes chunked; otherwise None."""
+    status = response.status
+    head = [status_line(status)]
+    for name, value in response.headers:
+        head.append(b"%s: %s\r\n" % (name, value))
+    head.append(_CONNECTION[keep_alive, http10])
+    # A HEAD response and a 204 / 304 carry no body, whatever the handler gave.
+    has_body = status >= 200 and status not in _BODILESS
+    send_body = has_body and method != _HEAD
+    if response.stream is None:
+        if has_body:
+            head.append(b"content-length: %d\r\n" % len(response.body))
+        head.append(b"\r\n")
+        if send_body:
+            head.append(response.body)
+        transport.write(b"".join(head))
+        return None
+    chunked = send_body and not http10
+    head.append(b"transfer-encoding: chunked\r\n\r\n" if chunked else b"\r\n")
+    transport.write(b"".join(head))
+    return chunked if send_body else None
 
 
 async def _close_stream(stream: BodyStream) -> None:
