@@ -10,7 +10,8 @@ wheel built with the compiled build asked for records in `_build.json` what it g
 why it fell back to pure Python when the compiler failed, and the checkout it was built in.
 
 A compiled coroutine never suspends inside an except or finally block (nor uses
-`async with`, whose exit runs in one): mypyc gives it no exception state of its own, so
+`async with`, whose exit runs in one; nor does a compiled generator yield in one): mypyc
+gives it no exception state of its own, so
 while it waits there the exception it handles is the whole thread's `sys.exc_info()`,
 and after a `finally` it can stay there. Every other task then chains its errors to it,
 and the build crashed under client aborts amid other requests. The modules keep the

@@ -168,9 +168,10 @@ def mypyc_hazards(source: str) -> list[str]:
 
 
 def suspensions_in_handlers(own: list[ast.AST]) -> Iterator[int]:
-    """Lines that await inside an except or finally block, and every `async with` (its
-    exit is awaited while the body's exception is being handled)."""
-    suspends = ast.Await | ast.AsyncFor | ast.AsyncWith
+    """Lines that await or yield inside an except or finally block (a compiled generator
+    leaks the same way), and every `async with` (its exit is awaited while the body's
+    exception is being handled)."""
+    suspends = ast.Await | ast.AsyncFor | ast.AsyncWith | ast.Yield | ast.YieldFrom
     for node in own:
         if isinstance(node, ast.AsyncWith):
             yield node.lineno
@@ -224,6 +225,11 @@ TRY = "async def f():\n    try:\n        await g()\n"
 def test_the_hazard_check_finds_a_suspension_in_a_handler(source: str, line: int) -> None:
     found = [f"f: suspends while handling an exception (line {line})"]
     assert mypyc_hazards(TRY + source) == found
+
+
+def test_the_hazard_check_finds_a_generator_yielding_in_a_handler() -> None:
+    source = "def f():\n    try:\n        g()\n    except OSError:\n        yield None\n"
+    assert mypyc_hazards(source) == ["f: suspends while handling an exception (line 5)"]
 
 
 def test_the_hazard_check_passes_what_does_not_suspend_in_a_handler() -> None:
