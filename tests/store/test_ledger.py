@@ -220,8 +220,15 @@ def _wal_frames_per_pass(tmp_path: Path, name: str, rewind: int | None) -> tuple
 
 def test_the_wal_stays_bounded_under_steady_commits(tmp_path: Path) -> None:
     """Checkpoints alone (PASSIVE) never rewind a WAL that is always being appended to;
-    the ledger rewinds it past a bound. Control: without the rewind it keeps growing."""
-    bounded, rewinds = _wal_frames_per_pass(tmp_path, "bounded.db", rewind=64)
-    unbounded, none = _wal_frames_per_pass(tmp_path, "unbounded.db", rewind=None)
-    assert rewinds > 0 and none == 0
-    assert statistics.median(bounded) < statistics.median(unbounded) / 3, (bounded, unbounded)
+    the ledger rewinds it past a bound. Control: without the rewind it keeps growing.
+    A writer preempted for a whole checkpoint lets PASSIVE catch up and the control
+    shrink (seen only with more busy threads than cores): up to three pairs."""
+    medians = []
+    for attempt in range(3):
+        unbounded, none = _wal_frames_per_pass(tmp_path, f"unbounded{attempt}.db", rewind=None)
+        bounded, rewinds = _wal_frames_per_pass(tmp_path, f"bounded{attempt}.db", rewind=64)
+        assert rewinds > 0 and none == 0
+        medians.append((statistics.median(bounded), statistics.median(unbounded)))
+        if medians[-1][0] < medians[-1][1] / 3:
+            return
+    pytest.fail(f"the WAL's median frames, (rewound, not rewound), in 3 pairs: {medians}")
