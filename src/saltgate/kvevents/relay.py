@@ -30,6 +30,7 @@ from typing import Final
 
 import zmq
 import zmq.auth.thread
+import zmq.utils.monitor
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from zmq.utils import z85
@@ -54,6 +55,12 @@ log = logging.getLogger(__name__)
 ZAP_DOMAIN: Final = "saltgate-kv-relay"
 _POLL_MS = 100
 _DRAIN_MAX = 256
+_REFUSALS: Final[dict[int, str]] = {
+    # a client without CURVE (its greeting names another mechanism)
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+    # a CURVE client whose key the ZAP handler did not admit
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "key",
+}
 
 
 def relay_server_keys(k_kv: bytes) -> CurveKeyPair:
@@ -74,6 +81,9 @@ class RelayStats:
     malformed: int = 0
     replayed_upstream: int = 0
     missed_upstream: int = 0
+    refused: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Handshakes the relay refused, by (socket: "publish" or "replay", reason: "protocol"
+    or "key"): the relay's own record that a stranger knocked and was turned away."""
 
 
 class _AllowList:
@@ -122,6 +132,7 @@ class KvRelay:
         self._upstreams: list[_Upstream] = []
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.Socket[bytes] | None = None
+        self._monitors: dict[zmq.Socket[bytes], str] = {}
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._new_specs: queue.SimpleQueue[tuple[KvUpstream, ...]] = queue.SimpleQueue()
@@ -177,6 +188,13 @@ class KvRelay:
         sock.zap_domain = ZAP_DOMAIN.encode("ascii")
         return sock
 
+    def _watch_refusals(self, sock: zmq.Socket[bytes], name: str) -> None:
+        """Attach a monitor for refused handshakes before the socket binds, so none is missed."""
+        events = 0
+        for event in _REFUSALS:
+            events |= event
+        self._monitors[sock.get_monitor_socket(events)] = name
+
     def _open(self) -> None:
         if not zmq.has("curve"):
             raise RuntimeError("this libzmq has no CURVE support; the relay cannot authenticate")
@@ -185,9 +203,11 @@ class KvRelay:
         self._auth.configure_curve_callback(ZAP_DOMAIN, _AllowList(self.settings.client_keys))
         self._pub = self._curve_server(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
+        self._watch_refusals(self._pub, "publish")
         self._pub.bind(self.settings.publish_endpoint)
         self._router = self._curve_server(zmq.ROUTER)
         self._router.setsockopt(zmq.SNDHWM, self.settings.replay_window + 2)
+        self._watch_refusals(self._router, "replay")
         self._router.bind(self.settings.replay_endpoint)
         for spec in self._specs:
             self._upstreams.append(self._open_upstream(spec))
@@ -273,6 +293,8 @@ class KvRelay:
         for upstream in self._upstreams:
             poller.register(upstream.sub, zmq.POLLIN)
         poller.register(self._router, zmq.POLLIN)
+        for monitor in self._monitors:
+            poller.register(monitor, zmq.POLLIN)
         for upstream in self._upstreams:  # a late start: fetch what the replica already sent
             self._fill(upstream)
         self._ready.set()
@@ -285,10 +307,21 @@ class KvRelay:
                         self._drain(upstream)
                 if self._router in ready:
                     self._serve_replay()
+                for monitor, name in self._monitors.items():
+                    if monitor in ready:
+                        self._count_refusal(monitor, name)
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     return
                 log.warning("kv relay: socket error %s; continuing", exc.errno)
+
+    def _count_refusal(self, monitor: zmq.Socket[bytes], name: str) -> None:
+        event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+        reason = _REFUSALS.get(event)
+        if reason is not None:
+            cell = (name, reason)
+            self.stats.refused[cell] = self.stats.refused.get(cell, 0) + 1
+            log.debug("kv relay: refused a %s handshake (%s)", name, reason)
 
     def _drain(self, upstream: _Upstream) -> None:
         for _ in range(_DRAIN_MAX):
@@ -366,6 +399,9 @@ class KvRelay:
         for upstream in self._upstreams:
             self._close_upstream(upstream)
         self._upstreams.clear()
+        for monitor in self._monitors:
+            monitor.close(linger=0)
+        self._monitors.clear()
         for sock in (self._pub, self._router):
             if sock is not None:
                 sock.close(linger=0)
