@@ -18,7 +18,7 @@ WHEEL := $(WHEEL_DIR)/.built
 SOURCES := $(shell find src -name '*.py') setup.py pyproject.toml
 
 .PHONY: install install-compiled up test lint typecheck pytest pytest-compiled pytest-pure \
-	vllm-env bench-tools services lock clean
+	vllm-env bench-tools services flakes lock clean
 
 install: $(PURE)
 
@@ -51,8 +51,8 @@ up: install
 	$(BIN)/saltgate up $(UP_ARGS)
 
 lint: install
-	$(BIN)/ruff check src tests setup.py
-	$(BIN)/ruff format --check src tests setup.py
+	$(BIN)/ruff check src tests setup.py scripts/flakes.py
+	$(BIN)/ruff format --check src tests setup.py scripts/flakes.py
 
 typecheck: install
 	$(BIN)/mypy
@@ -91,6 +91,14 @@ pytest-pure: bench-tools services
 	SALTGATE_EXPECT_BUILD=pure $(BIN)/pytest $(FAST_TESTS) $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# Hunt flaky tests (scripts/flakes.py, docs/testing.md): the suite or SELECT, RUNS times,
+# beside HOGS busy loops, on whichever build .venv holds; a table of failures out of RUNS.
+RUNS ?= 10
+HOGS ?= 0
+flakes:
+	test -x $(BIN)/pytest || $(MAKE) install
+	$(BIN)/python scripts/flakes.py --runs $(RUNS) --hogs $(HOGS) -- $(SELECT)
 
 # Regenerate the lock after changing dependencies in pyproject.toml (needs `uv`).
 lock:
