@@ -116,11 +116,22 @@ def run_once(index: int, pytest_args: list[str], build: str | None, folder: Path
     ]
     started = time.monotonic()
     with open(folder / f"run-{index}.log", "wb") as log:
-        finished = subprocess.run(  # noqa: S603 (pytest with the caller's own arguments)
-            command, check=False, cwd=ROOT, env=env, stdout=log, stderr=log
+        pytest = subprocess.Popen(  # noqa: S603 (pytest with the caller's own arguments)
+            command, cwd=ROOT, env=env, stdout=log, stderr=log
         )
-    status = finished.returncode
+        try:
+            status = pytest.wait()
+        except BaseException:
+            # Stopped (Ctrl-C, SIGTERM): pytest tears its fixtures down on SIGINT, so the
+            # servers they started (real vLLM among them) do not outlive the hunt.
+            pytest.send_signal(signal.SIGINT)
+            pytest.wait()
+            raise
     return Run(index, status, time.monotonic() - started, read_report(report))
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def failure_table(runs: list[Run]) -> list[tuple[str, int, int, str]]:
@@ -195,6 +206,7 @@ def main() -> int:
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="flakes-"))
     folder.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)
     hogs = start_hogs(args.hogs)
     runs: list[Run] = []
     try:

@@ -126,6 +126,9 @@ def _start(
         VLLM_HOST_IP="127.0.0.1",
     )
     cmd = [
+        # SIGTERM when pytest dies, even by SIGKILL (util-linux's setpriv sets the parent-death
+        # signal before exec): a killed run leaves no replica burning the next run's CPU.
+        "setpriv", "--pdeathsig", "TERM", "--",
         str(VLLM_DIR / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(VLLM_DIR / "model"), "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy",
@@ -137,7 +140,11 @@ def _start(
     log = workdir / f"vllm{index}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
     return proc, VllmReplica(index, f"http://127.0.0.1:{port}", kv, kv_replay, log)
 
