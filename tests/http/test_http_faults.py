@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
-import h11
-from tests.support.http11 import Answer, h11_client, next_answer
+from tests.support.http11 import responses
 
 from saltgate.http import HttpServer, Request, Response
 
@@ -52,21 +51,6 @@ async def exchange(port: int, data: bytes) -> bytes:
     out = await asyncio.wait_for(reader.read(-1), 10)
     writer.close()
     return out
-
-
-def responses(out: bytes, methods: list[str]) -> list[Answer]:
-    """(status, body, informational statuses) per request, read as h11's client would."""
-    client = h11_client(out)
-    got = []
-    for method in methods:
-        client.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
-        client.send(h11.EndOfMessage())
-        got.append(next_answer(client))
-        if client.their_state is h11.MUST_CLOSE:
-            break
-        client.start_next_cycle()
-    assert client.trailing_data == (b"", True), client.trailing_data
-    return got
 
 
 def test_a_malformed_request_is_answered_after_the_response_before_it() -> None:
