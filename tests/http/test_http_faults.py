@@ -274,3 +274,31 @@ def test_a_client_that_half_closes_after_its_requests_gets_every_answer(
             assert len(handler.gone) == 8 * 6 and not any(handler.gone)
 
     asyncio.run(main())
+
+
+def test_whitespace_around_a_header_value_is_not_part_of_it() -> None:
+    """llhttp keeps the whitespace after a value: `Content-Length:  99999 ` over the
+    limit got 100 Continue instead of 413 (the client then sent the body for nothing),
+    `Expect: 100-continue ` no 100 at all, and handlers saw `v ` for `v`."""
+
+    async def echo(request: Request) -> Response:
+        return Response(200, body=b"[%s]" % request.header(b"x-v"))
+
+    async def main() -> None:
+        server, port = await serve(echo, max_body_bytes=1024)
+        for length, expect, status in ((b"  99999 ", b"", 413), (b" 2\t", b" \t", 100)):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST / HTTP/1.1\r\nhost: x\r\nx-v:  v \t\r\nexpect: 100-continue%s\r\n"
+                b"content-length:%s\r\nconnection: close\r\n\r\n" % (expect, length)
+            )
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 %d " % status), head
+            if status == 100:
+                writer.write(b"ok")
+                out = await asyncio.wait_for(reader.read(-1), 5)
+                assert out.startswith(b"HTTP/1.1 200 ") and out.endswith(b"[v]"), out
+            writer.close()
+        await server.close()
+
+    asyncio.run(main())

@@ -321,10 +321,12 @@ class _Connection(asyncio.Protocol):
             self._refuse(431, "request headers too large", stop=True)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        """llhttp drops the whitespace before a value but keeps what trails it, which is
+        not part of the value (RFC 9112, section 5): `Content-Length:  216 ` is 216."""
         self._headers_size += len(name) + len(value)
         if self._headers_size > _MAX_HEADER_BYTES:
             self._refuse(431, "request headers too large", stop=True)
-        self._headers.append((name.lower(), value))
+        self._headers.append((name.lower(), value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
