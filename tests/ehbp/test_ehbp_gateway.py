@@ -274,7 +274,8 @@ def test_an_encrypted_request_whose_client_left_is_still_metered(tmp_path: Path)
             doc = {"model": MODEL, "prompt": long_prompt("sealed", 2000), "max_tokens": 20}
             enc, frames = sealed_request(s, orjson.dumps({**doc, "stream": True}))
             with pytest.raises(httpx.ReadTimeout):
-                async with httpx.AsyncClient(base_url=s.url, timeout=0.05) as client:
+                read_only = httpx.Timeout(10, read=0.05)  # a slow connect is no leaving
+                async with httpx.AsyncClient(base_url=s.url, timeout=read_only) as client:
                     await client.post(
                         "/v1/completions",
                         content=b"".join(frames),

@@ -23,11 +23,13 @@ import orjson
 import pytest
 from tests.gateway.stack import MODEL, long_prompt, new_state_dir
 from tests.support.exceptions import ExceptionWatch
+from tests.support.http11 import responses
 from tests.support.waiting import eventually
 
 from saltgate.config import GatewayConfig, ReplicaConfig
 from saltgate.gateway.run import RunningGateway, start_gateway
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate.store.ledger import UsageLedger, UsageRecord
 
 SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -231,7 +233,8 @@ async def leave_after(client: httpx.AsyncClient, *, stream: bool, first_byte: bo
     doc = body(stream=stream, max_tokens=200, prompt=long_prompt("gone", 2000))
     if not first_byte:
         with pytest.raises(httpx.ReadTimeout):
-            await client.post("/v1/completions", json=doc, timeout=0.05)
+            # Only the read times out: a connect slowed by a loaded machine is no leaving.
+            await client.post("/v1/completions", json=doc, timeout=httpx.Timeout(10, read=0.05))
         return
     async with client.stream("POST", "/v1/completions", json=doc) as resp:
         async for line in resp.aiter_lines():
@@ -240,16 +243,19 @@ async def leave_after(client: httpx.AsyncClient, *, stream: bool, first_byte: bo
 
 
 @pytest.mark.parametrize(
-    ("stream", "first_byte"),
-    [(False, False), (True, False), (True, True)],
+    ("stream", "first_byte", "status"),
+    [(False, False, 200), (True, False, 499), (True, True, 499)],
     ids=["whole-before", "stream-before", "stream-after"],
 )
 def test_a_client_leaving_is_metered_with_the_replicas_usage(
-    tmp_path: Path, stream: bool, first_byte: bool
+    tmp_path: Path, stream: bool, first_byte: bool, status: int
 ) -> None:
     """on_client_gone = "finish" (the default): the replica finishes, and its own count of
-    the prompt and completion is recorded under 499, even when the client left before a
-    single byte came back (the unmetered case the adversarial run found)."""
+    the prompt and completion is recorded, even when the client left before a single byte
+    came back (the unmetered case the adversarial run found). Under 499 when the gateway
+    saw it leave: a stream's next write fails. A client's FIN alone may be a half-close
+    (the gateway then still answers, see below), and a whole answer is recorded before
+    its first byte is written: one that left before it is recorded 200."""
 
     async def main() -> None:
         async with (
@@ -259,7 +265,7 @@ def test_a_client_leaving_is_metered_with_the_replicas_usage(
         ):
             await leave_after(client, stream=stream, first_byte=first_byte)
             [row] = await g.settled()
-            assert row["status"] == 499
+            assert row["status"] == status
             assert row["prompt_tokens"] > 2000 and row["completion_tokens"] == 200
             assert s.server.engine.num_running == 0
 
@@ -364,5 +370,100 @@ def test_endings_amid_other_requests_leave_no_exception_behind(tmp_path: Path) -
             )
             rows = await g.settled(12)
             assert sorted(r["status"] for r in rows) == [200] * 6 + [499] * 6
+
+    asyncio.run(main())
+
+
+FINS = ("with", "later", "reading", "answered")
+
+
+class SlowCommits:
+    """A ledger whose commits take `delay_s`, as a loaded PostgreSQL's do: a stream's
+    closing `data: [DONE]` waits for its record that long after the last event."""
+
+    def __init__(self, ledger: UsageLedger, delay_s: float) -> None:
+        self.ledger = ledger
+        self.delay_s = delay_s
+
+    async def record(self, rec: UsageRecord) -> None:
+        await asyncio.sleep(self.delay_s)
+        await self.ledger.record(rec)
+
+    async def aclose(self) -> None:
+        await self.ledger.aclose()
+
+
+async def half_closed_chat(
+    port: int, key: str, doc: dict[str, object], fin: str, pad: bool
+) -> bytes:
+    """POST a chat completion on a raw socket (`Content-Length:  N ` when ``pad``), shut
+    down the sending side ("with" the request, "later" while it is served, "reading" once
+    the answer began, or "answered" once its last event came) and read to the close."""
+    payload = orjson.dumps(doc)
+    length = b"  %d " % len(payload) if pad else b"%d" % len(payload)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+        b"content-type: application/json\r\nContent-Length:%s\r\n\r\n%s"
+        % (key.encode(), length, payload)
+    )
+    first = b""
+    if fin == "later":
+        await asyncio.sleep(0.002)
+    elif fin == "reading":
+        first = await asyncio.wait_for(reader.read(1), 10)
+    elif fin == "answered":  # a stream's `data: [DONE]` still waits for the usage record
+        first = await asyncio.wait_for(reader.readuntil(b'"finish_reason":"length"'), 10)
+    writer.write_eof()
+    out = first + await asyncio.wait_for(reader.read(-1), 10)
+    writer.close()
+    return out
+
+
+def test_a_client_that_half_closes_after_its_request_gets_the_whole_answer(
+    tmp_path: Path,
+) -> None:
+    """Issue 19: a streamed chat answer to a client that shut down its sending side after
+    the request (`Content-Length:  216 `, then FIN) was cut, since the edge took the FIN
+    for the client leaving. RFC 9112, section 9.6: it is not. Every answer arrives whole
+    (each event through `data: [DONE]` and the closing zero chunk; a whole answer in full)
+    and is recorded as served: the FIN before, during or after the answer (the last
+    event in, `data: [DONE]` still waiting for the record: the cut the issue saw),
+    streamed or not, padded length or not, 1 to 16 tokens after a short or a long prefill."""
+
+    async def main() -> None:
+        async with (
+            sim(prefill_ms_per_1k_tokens=20.0, decode_ms_per_token=1.0) as s,
+            gateway(tmp_path, [s.url]) as g,
+        ):
+            meter = g.running.gateway.meter
+            meter.ledger = SlowCommits(meter.ledger, 0.005)
+            served = []
+            for i in range(288):  # each of the 96 cases three times
+                fin, stream, pad = FINS[i % 4], i // 4 % 2 == 1, i // 8 % 2 == 1
+                tokens, words = (1, 4, 16)[i // 16 % 3], (5, 405)[i // 48 % 2]
+                doc = {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": long_prompt(str(i), words)}],
+                    "max_tokens": tokens,
+                    "stream": stream,
+                }
+                out = await half_closed_chat(g.running.port, g.key, doc, fin, pad)
+                case = (i, fin, stream, pad, tokens, out[-300:])
+                [(status, answer, _)] = responses(out, ["POST"])
+                assert status == 200, case
+                if stream:
+                    *events, done, end = answer.split(b"\n\n")
+                    assert (done, end) == (b"data: [DONE]", b""), case
+                    assert out.endswith(b"\r\n0\r\n\r\n"), case
+                    last = orjson.loads(events[-1].removeprefix(b"data: "))
+                    assert last["choices"][0]["finish_reason"] == "length", case
+                else:
+                    assert orjson.loads(answer)["usage"]["completion_tokens"] == tokens, case
+                served.append(tokens)
+            rows = await g.settled(len(served))
+            assert sorted((r["status"], r["completion_tokens"]) for r in rows) == sorted(
+                (200, tokens) for tokens in served
+            )
 
     asyncio.run(main())

@@ -159,6 +159,52 @@ def test_client_going_away_cancels_the_handler() -> None:
     asyncio.run(main())
 
 
+def test_without_cancelling_a_fin_still_drops_a_cut_request_and_a_close_shows() -> None:
+    """A server that lets handlers finish answers a client that half-closed (see
+    test_http_faults.py), but a request the FIN cut short never reaches the handler, and
+    a client that closed both sides is seen gone at the next write: an endless stream to
+    it is closed, not written forever."""
+    seen: list[bytes] = []
+    closed: list[bool] = []
+
+    async def endless(request: Request) -> Response:
+        seen.append(request.path)
+        if request.path != b"/endless":
+            return Response(200, body=request.path)
+
+        async def chunks() -> AsyncGenerator[bytes, None]:
+            try:
+                while True:
+                    await asyncio.sleep(0.001)
+                    yield b"more;"
+            finally:
+                closed.append(request.client.gone)
+
+        return Response(200, stream=chunks())
+
+    async def main() -> None:
+        server = HttpServer(endless, cancel_on_disconnect=False)
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"GET /first HTTP/1.1\r\nhost: x\r\n\r\n"
+            b"POST /cut HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nonly5"
+        )
+        writer.write_eof()
+        out = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert out.startswith(b"HTTP/1.1 200 OK\r\n") and out.endswith(b"\r\n\r\n/first"), out
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /endless HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"more;"), 5)
+        writer.close()
+        await eventually(lambda: closed == [True], what="the stream closed, its client gone")
+        assert seen == [b"/first", b"/endless"]
+        await server.close()
+
+    asyncio.run(main())
+
+
 def test_unreachable_upstream_fails_before_response() -> None:
     async def main() -> None:
         server = HttpServer(_echo)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
-import h11
-from tests.support.http11 import Answer, h11_client, next_answer
+import pytest
+from tests.support.http11 import responses
 
-from saltgate.http import HttpServer, Request, Response
+from saltgate.http import Handler, HttpServer, Request, Response
 
 
 class Recorder:
@@ -41,7 +41,7 @@ class Recorder:
         return Response(200, body=text)
 
 
-async def serve(handler: Recorder, **kw: int) -> tuple[HttpServer, int]:
+async def serve(handler: Handler, **kw: int) -> tuple[HttpServer, int]:
     server = HttpServer(handler, **kw)  # type: ignore[arg-type]
     return server, await server.start("127.0.0.1", 0)
 
@@ -52,21 +52,6 @@ async def exchange(port: int, data: bytes) -> bytes:
     out = await asyncio.wait_for(reader.read(-1), 10)
     writer.close()
     return out
-
-
-def responses(out: bytes, methods: list[str]) -> list[Answer]:
-    """(status, body, informational statuses) per request, read as h11's client would."""
-    client = h11_client(out)
-    got = []
-    for method in methods:
-        client.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
-        client.send(h11.EndOfMessage())
-        got.append(next_answer(client))
-        if client.their_state is h11.MUST_CLOSE:
-            break
-        client.start_next_cycle()
-    assert client.trailing_data == (b"", True), client.trailing_data
-    return got
 
 
 def test_a_malformed_request_is_answered_after_the_response_before_it() -> None:
@@ -208,6 +193,112 @@ def test_an_upgrade_request_is_answered_and_the_connection_closed() -> None:
         )
         [(status, body, _)] = responses(out, ["GET"])
         assert (status, body) == (200, b"GET /up -")
+        await server.close()
+
+    asyncio.run(main())
+
+
+class Paced:
+    """Answers after `wait_s`: in whole, or on /s in `parts` chunks `gap_s` apart; records
+    whether the client was gone when an answer was complete."""
+
+    def __init__(self, wait_s: float, gap_s: float, parts: int = 5) -> None:
+        self.wait_s, self.gap_s, self.parts = wait_s, gap_s, parts
+        self.gone: list[bool] = []
+
+    def expected(self, path: bytes, body: bytes) -> bytes:
+        if path == b"/s":
+            return b"".join(b"part %d;" % k for k in range(self.parts))
+        return b"whole " + body
+
+    async def __call__(self, request: Request) -> Response:
+        await asyncio.sleep(self.wait_s)
+        if request.path != b"/s":
+            self.gone.append(request.client.gone)
+            return Response(200, body=self.expected(request.path, request.body))
+
+        async def chunks() -> AsyncGenerator[bytes, None]:
+            for k in range(self.parts):
+                await asyncio.sleep(self.gap_s)
+                yield b"part %d;" % k
+            self.gone.append(request.client.gone)
+
+        return Response(200, stream=chunks())
+
+
+async def half_close(port: int, data: bytes, fin: str) -> bytes:
+    """Send ``data``, shut down the sending side ("with" the requests, "later" while the
+    answer is prepared, or "reading" once its first byte came back), and read to EOF."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    first = b""
+    if fin == "later":
+        await asyncio.sleep(0.001)
+    elif fin == "reading":
+        first = await asyncio.wait_for(reader.read(1), 5)
+    writer.write_eof()
+    out = first + await asyncio.wait_for(reader.read(-1), 5)
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("fin", ["with", "later", "reading"])
+@pytest.mark.parametrize("length", [b"  %d ", b"%d"], ids=["padded-length", "length"])
+def test_a_client_that_half_closes_after_its_requests_gets_every_answer(
+    fin: str, length: bytes
+) -> None:
+    """RFC 9112, section 9.6: a connection half-closed by the client "does not delimit a
+    request message, nor does it imply that the client is no longer interested in a
+    response". A server that lets its handlers finish when a client leaves (the
+    gateway's) answers every request it read before the FIN, in full, then closes; the
+    old code took the FIN for the client leaving, and dropped or cut the answer. Streamed
+    and whole answers, alone and pipelined, with the handler's pace varied against the FIN."""
+
+    async def main() -> None:
+        for wait_s, gap_s in ((0.0, 0.0), (0.002, 0.0), (0.0, 0.001), (0.003, 0.002)):
+            handler = Paced(wait_s, gap_s)
+            server, port = await serve(handler, cancel_on_disconnect=False)
+            for i in range(8):
+                body = b"%d" % i
+                for paths in ([b"/s"], [b"/w"], [b"/s", b"/w"], [b"/w", b"/s"]):
+                    data = b"".join(
+                        b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length:%s\r\n\r\n%s"
+                        % (path, length % len(body), body)
+                        for path in paths
+                    )
+                    out = await half_close(port, data, fin)
+                    got = [(status, b) for status, b, _ in responses(out, ["POST"] * len(paths))]
+                    want = [(200, handler.expected(path, body)) for path in paths]
+                    assert got == want, (wait_s, gap_s, paths, out[-300:])
+            await server.close()
+            assert len(handler.gone) == 8 * 6 and not any(handler.gone)
+
+    asyncio.run(main())
+
+
+def test_whitespace_around_a_header_value_is_not_part_of_it() -> None:
+    """llhttp keeps the whitespace after a value: `Content-Length:  99999 ` over the
+    limit got 100 Continue instead of 413 (the client then sent the body for nothing),
+    `Expect: 100-continue ` no 100 at all, and handlers saw `v ` for `v`."""
+
+    async def echo(request: Request) -> Response:
+        return Response(200, body=b"[%s]" % request.header(b"x-v"))
+
+    async def main() -> None:
+        server, port = await serve(echo, max_body_bytes=1024)
+        for length, expect, status in ((b"  99999 ", b"", 413), (b" 2\t", b" \t", 100)):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST / HTTP/1.1\r\nhost: x\r\nx-v:  v \t\r\nexpect: 100-continue%s\r\n"
+                b"content-length:%s\r\nconnection: close\r\n\r\n" % (expect, length)
+            )
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 %d " % status), head
+            if status == 100:
+                writer.write(b"ok")
+                out = await asyncio.wait_for(reader.read(-1), 5)
+                assert out.startswith(b"HTTP/1.1 200 ") and out.endswith(b"[v]"), out
+            writer.close()
         await server.close()
 
     asyncio.run(main())

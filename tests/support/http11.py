@@ -37,3 +37,19 @@ def next_answer(client: h11.Connection) -> Answer:
         elif isinstance(event, h11.Data):
             body += event.data
     return Answer(status, body, informational)
+
+
+def responses(out: bytes, methods: list[str]) -> list[Answer]:
+    """(status, body, informational statuses) per request, read as h11's client would;
+    the server must have closed after the last, with nothing after it."""
+    client = h11_client(out)
+    got = []
+    for method in methods:
+        client.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
+        client.send(h11.EndOfMessage())
+        got.append(next_answer(client))
+        if client.their_state is h11.MUST_CLOSE:
+            break
+        client.start_next_cycle()
+    assert client.trailing_data == (b"", True), client.trailing_data
+    return got

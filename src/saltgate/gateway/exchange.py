@@ -6,7 +6,7 @@ record. It ends exactly once (`_end`), and every way a request can end goes thro
 
     ending                                    record status     usage recorded
     the replica answered, client still there  the replica's     the replica's
-    the client left, before or during it      499               the replica's (see below)
+    the client left, before or during it      499 (*)           the replica's (see below)
     the replica broke before answering        next replica; with none left: 503, none
     the replica broke while answering         502               what the stream showed
     cancelled (the gateway stops)             499 / 503         what the stream showed
@@ -18,6 +18,11 @@ replica served metered: leaving early is neither a way around billing nor a lost
 The cost: the replica finishes a request nobody reads, as it would for a client that
 stayed. For a stream, the exchange is the response body itself: the HTTP server always
 calls its `aclose`, whether the body was sent whole, in part or not at all.
+
+(*) With on_client_gone = "finish", the gateway knows the client left once a write to it
+fails: its FIN alone may be a half-close, after which it still reads its answer (RFC 9112,
+section 9.6), and gets it. A stream is then recorded 499 from its next event on; a whole
+answer is recorded before its first byte is written, so under the replica's status.
 """
 
 from __future__ import annotations

@@ -183,6 +183,7 @@ class _Connection(asyncio.Protocol):
         "_client",
         "_closing",
         "_continue_owed",
+        "_eof",
         "_head_fields",
         "_head_from",
         "_headers",
@@ -223,6 +224,7 @@ class _Connection(asyncio.Protocol):
         self._reading = True  # False once nothing more will be parsed (refusal, upgrade, close)
         self._paused = False
         self._closing = False
+        self._eof = False  # the client sent FIN: nothing more arrives
         self._writable = asyncio.Event()
         self._writable.set()
         self._idle_handle: asyncio.TimerHandle | None = None
@@ -286,10 +288,21 @@ class _Connection(asyncio.Protocol):
             self._refuse(431, "request headers too large")
 
     def eof_received(self) -> bool:
-        """The client closed its side: like nginx and vLLM's server, take that as the client
-        leaving (a half-close after a request is legal but rare, and indistinguishable from
-        a close); the transport then closes and `connection_lost` follows."""
-        return False
+        """The client closed its sending side: a half-close, or a close (TCP does not tell).
+
+        A server that cancels handlers when the client leaves takes it, as nginx and vLLM's
+        server do, for the client leaving: the transport closes and `connection_lost`
+        follows. Otherwise (the gateway's handlers run to their end anyway) it only ends
+        the requests: RFC 9112, section 9.6, a half-close "does not delimit a request
+        message, nor does it imply that the client is no longer interested in a response".
+        Every request read before it is answered, then the connection closes; one cut
+        short by it is dropped. A client that closed both sides shows when a write fails.
+        """
+        if self._server.cancel_on_disconnect or self._task is None:
+            return False
+        self._eof = True
+        self._reading = False
+        return True
 
     # -- parser callbacks ----------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -308,10 +321,12 @@ class _Connection(asyncio.Protocol):
             self._refuse(431, "request headers too large", stop=True)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        """llhttp drops the whitespace before a value but keeps what trails it, which is
+        not part of the value (RFC 9112, section 5): `Content-Length:  216 ` is 216."""
         self._headers_size += len(name) + len(value)
         if self._headers_size > _MAX_HEADER_BYTES:
             self._refuse(431, "request headers too large", stop=True)
-        self._headers.append((name.lower(), value))
+        self._headers.append((name.lower(), value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
@@ -428,11 +443,11 @@ class _Connection(asyncio.Protocol):
                 keep_alive = False
             else:
                 # HTTP/1.0 has no chunked coding: the close ends a streamed body.
-                keep_alive = keep_alive and (stream is None or not http10)
+                keep_alive = keep_alive and (stream is None or not http10) and self._may_stay_open()
                 chunked = _write_head(transport, request.method, response, keep_alive, http10)
                 if stream is not None and chunked is not None:
                     await self._write_stream(transport, stream, chunked=chunked)
-                keep_alive = keep_alive and not self._closing
+                keep_alive = keep_alive and not self._closing and self._may_stay_open()
         except BaseException as exc:
             failure = exc  # the stream is closed below, outside the handler (buildinfo.py)
         if stream is not None:
@@ -440,6 +455,10 @@ class _Connection(asyncio.Protocol):
         if failure is not None:
             raise failure
         return keep_alive
+
+    def _may_stay_open(self) -> bool:
+        """Not once the client sent FIN and the response being sent is the last it is owed."""
+        return not self._eof or bool(self._queue)
 
     async def _write_stream(
         self, transport: asyncio.Transport, stream: BodyStream, *, chunked: bool
@@ -478,7 +497,7 @@ class _Connection(asyncio.Protocol):
         if self._closing or transport is None:
             return
         self._closing = True
-        if not transport.can_write_eof():
+        if self._eof or not transport.can_write_eof():  # after a FIN nothing is left to drop
             transport.close()
             return
         if self._paused:
@@ -707,9 +726,10 @@ class HttpServer:
     """Serve `handler` on a TCP socket; `error_response` shapes the server's own errors.
 
     ``cancel_on_disconnect``: cancel a handler whose client went away (the simulator
-    stops generating, like vLLM). The gateway turns it off: an exchange it started with a
-    replica runs to its end, so it is metered exactly (`Client.gone` tells it the client
-    left).
+    stops generating, like vLLM), and take the client's FIN for it going away. The gateway
+    turns it off: an exchange it started with a replica runs to its end, so it is metered
+    exactly (`Client.gone` tells it the client left), and a client that half-closed after
+    its request still gets the answer (`_Connection.eof_received`).
     """
 
     def __init__(
