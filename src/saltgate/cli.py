@@ -338,8 +338,8 @@ def _run_kv_relay(args: argparse.Namespace) -> int:
     import threading
 
     from saltgate.config import load_master_key
+    from saltgate.derivations.derive import derive_subkeys
     from saltgate.kvevents.relay import KvRelay, relay_server_keys
-    from saltgate.spec.derive import derive_subkeys
 
     try:
         key_file, upstreams, settings = _kv_relay_from_args(args)

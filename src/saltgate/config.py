@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from saltgate.derivations.derive import MASTER_KEY_MIN_BYTES
 from saltgate.kvevents.settings import KvRelaySettings, KvUpstream, client_key_lines
 from saltgate.prices import Price, parse_prices
 from saltgate.routing.cluster import ClusterSettings
 from saltgate.routing.router import RouterConfig
-from saltgate.spec.derive import MASTER_KEY_MIN_BYTES
 from saltgate.store.settings import StoreSettings
 
 SECRET_FILE_MAX_BYTES = 4096

@@ -27,7 +27,7 @@ import pytest
 
 from saltgate import __version__
 from saltgate.buildinfo import COMPILED, COMPILED_MODULES, PURE, build_kind
-from saltgate.spec.derive import cache_salt
+from saltgate.derivations.derive import cache_salt
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = {"compiled": COMPILED, "pure": PURE}

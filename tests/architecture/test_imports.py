@@ -19,7 +19,7 @@ ROOT = "saltgate"
 
 # The functional core: no sockets, no event loop, no database, no clock (DESIGN.md,
 # "Code style"), so every decision there is testable without I/O. config.py is a parser.
-PURE_PACKAGES = ("saltgate.spec", "saltgate.policy", "saltgate.routing", "saltgate.ehbp")
+PURE_PACKAGES = ("saltgate.derivations", "saltgate.policy", "saltgate.routing", "saltgate.ehbp")
 PURE_MODULES = (
     "saltgate",  # the package's own __init__
     "saltgate.config",
@@ -189,7 +189,7 @@ def _package(module: str) -> str:
 
 def test_the_graph_is_read() -> None:
     assert len(GRAPH.modules) > 50
-    assert "saltgate.spec.encoding" in GRAPH.edges["saltgate.spec.derive"]
+    assert "saltgate.derivations.encoding" in GRAPH.edges["saltgate.derivations.derive"]
     assert "zmq" in GRAPH.libraries["saltgate.kvevents.relay"]
     for name in (*PURE_PACKAGES, *PURE_MODULES, *IO_PACKAGES):
         assert any(_is_in(m, (name,)) for m in GRAPH.modules), f"{name}: no such module"
@@ -242,13 +242,15 @@ def _with(extra_edges: dict[str, set[str]], extra_libraries: dict[str, set[str]]
 
 
 def test_the_checks_see_what_they_guard_against() -> None:
-    """Positive controls: the old spec -> policy arrow is a package cycle; config.py
+    """Positive controls: the old derivations -> policy arrow is a package cycle; config.py
     importing the relay, or a pure module two hops away loading zmq or a clock, is found."""
-    back = _with({"saltgate.spec.derive": {"saltgate.policy.errors"}}, {})
-    assert ["saltgate.policy", "saltgate.spec"] in _cycles(package_edges(back))
+    back = _with({"saltgate.derivations.derive": {"saltgate.policy.errors"}}, {})
+    assert ["saltgate.derivations", "saltgate.policy"] in _cycles(package_edges(back))
     relay = _with({"saltgate.config": {"saltgate.kvevents.relay"}}, {})
     assert "saltgate.config loads saltgate.kvevents.relay, an I/O module" in purity_problems(relay)
-    deep = _with({}, {"saltgate.spec.encoding": {"zmq.utils"}, "saltgate.routing.health": {"time"}})
+    deep = _with(
+        {}, {"saltgate.derivations.encoding": {"zmq.utils"}, "saltgate.routing.health": {"time"}}
+    )
     found = purity_problems(deep)
-    assert "saltgate.config loads zmq.utils (via saltgate.spec.encoding)" in found
+    assert "saltgate.config loads zmq.utils (via saltgate.derivations.encoding)" in found
     assert "saltgate.routing.router loads time (via saltgate.routing.health)" in found

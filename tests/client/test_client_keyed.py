@@ -19,8 +19,8 @@ from saltgate.client import async_openai_client, openai_client
 from saltgate.client.secret import ENV_VAR, SECRET_FILE
 from saltgate.client.transport import GatewayKeyError
 from saltgate.config import load_master_key
+from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.ehbp.frames import ServerKey
-from saltgate.spec.derive import cache_salt, derive_subkeys
 from saltgate.store.tenants import TenantStore
 
 SECRET_A = "user-a-" + "1" * 40

@@ -28,13 +28,13 @@ from tests.conformance.fleet import (
 from tests.gateway.stack import long_prompt
 from tests.support.kv_relay import assert_nothing_leaks, collect, raw_stream
 
+from saltgate.derivations.derive import cache_salt
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import CurveKeyPair, KvRelaySettings, KvUpstream
 from saltgate.kvevents.wire import KVEvent, decode_batch
 from saltgate.policy.request import ALLOWED_POST_ROUTES
 from saltgate.sim.hashing import block_hashes, event_hash
 from saltgate.sim.run import SimConfig, start_sim
-from saltgate.spec.derive import cache_salt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

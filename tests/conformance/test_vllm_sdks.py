@@ -22,7 +22,7 @@ from tests.conformance.fleet import (
 from tests.gateway.stack import long_prompt
 from tests.support.sdks import SMUGGLED, anthropic_call, openai_call
 
-from saltgate.spec.derive import cache_salt
+from saltgate.derivations.derive import cache_salt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

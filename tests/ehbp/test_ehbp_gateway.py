@@ -16,6 +16,7 @@ from tests.gateway.stack import MODEL, Stack, ledger_rows, long_prompt, run, sta
 from tests.support.waiting import eventually
 
 from saltgate.config import load_master_key
+from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.ehbp.frames import (
     ENCAPSULATED_KEY_HEADER,
     KEY_CONFIG_PROBLEM_TYPE,
@@ -27,7 +28,6 @@ from saltgate.ehbp.frames import (
     iter_frames,
 )
 from saltgate.sim.run import SimConfig
-from saltgate.spec.derive import cache_salt, derive_subkeys
 from saltgate.store.tenants import TenantStore
 
 SECRET = "s3cr3t-" + "a" * 40

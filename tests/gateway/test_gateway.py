@@ -13,7 +13,7 @@ from tests.support.completions import cached, complete
 from tests.support.waiting import eventually
 
 from saltgate.config import load_master_key
-from saltgate.spec.derive import cache_salt, derive_subkeys
+from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.store.tenants import TenantStore
 
 

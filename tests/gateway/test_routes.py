@@ -13,6 +13,7 @@ import pytest
 from tests.gateway.stack import MODEL, ledger_rows, run, stack
 
 from saltgate.config import load_master_key
+from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.policy.request import (
     ALLOWED_POST_ROUTES,
     GENERATION_ROUTES,
@@ -20,7 +21,6 @@ from saltgate.policy.request import (
     SALTED_ROUTES,
     TOKENIZER_ROUTES,
 )
-from saltgate.spec.derive import cache_salt, derive_subkeys
 from saltgate.store.tenants import TenantStore
 
 TEXT = "the quick brown fox jumps over the lazy dog " * 8

@@ -27,7 +27,7 @@ from tests.support.sdks import (
 from tests.support.up import saltgate_up
 
 from saltgate.config import load_master_key
-from saltgate.spec.derive import cache_salt, derive_subkeys
+from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.store.tenants import TenantStore
 
 

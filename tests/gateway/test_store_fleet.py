@@ -29,8 +29,8 @@ from tests.support.waiting import eventually
 
 from saltgate.bench.services import PostgresServer
 from saltgate.config import create_master_key, load_master_key
+from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.sim.run import SimConfig, start_sim
-from saltgate.spec.derive import cache_salt, derive_subkeys
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore

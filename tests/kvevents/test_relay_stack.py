@@ -21,11 +21,11 @@ from tests.support.kv_relay import assert_nothing_leaks, collect, raw_stream
 from tests.support.waiting import eventually
 
 from saltgate.config import load_config, load_master_key
+from saltgate.derivations.derive import derive_subkeys
 from saltgate.gateway.run import start_gateway
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import CurveKeyPair, KvRelaySettings, KvUpstream
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
-from saltgate.spec.derive import derive_subkeys
 from saltgate.store.tenants import TenantStore
 
 # Few blocks, so the second tenant's prompt evicts the first's: BlockRemoved events too.

@@ -22,9 +22,9 @@ import argparse
 import timeit
 
 from saltgate.bench.trace_schedule import prompt_text
+from saltgate.derivations.derive import ROUTE_COMPLETIONS, NamespaceKeys, Prompt
 from saltgate.sim.hashing import block_hashes
 from saltgate.sim.tokenizer import _tokenize_uncached
-from saltgate.spec.derive import ROUTE_COMPLETIONS, NamespaceKeys, Prompt
 
 BLOCK_TOKENS = 64  # the replay's tokens per trace block
 SALT = "sg1_" + "a" * 43

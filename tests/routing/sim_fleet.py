@@ -40,11 +40,11 @@ from saltgate.bench.trace_schedule import (
     prompt_text,
     prompt_tokens,
 )
+from saltgate.derivations.derive import ROUTE_COMPLETIONS, Prompt, cluster_keys
 from saltgate.routing import Router, RouterConfig
 from saltgate.routing.cluster import ClusterState
 from saltgate.routing.rendezvous import Member
 from saltgate.sim.blockpool import BlockPool, NotEnoughBlocks
-from saltgate.spec.derive import ROUTE_COMPLETIONS, Prompt, cluster_keys
 
 BLOCK_TOKENS = 64
 K_ROUTE = b"r" * 32

@@ -7,15 +7,15 @@ from typing import Any
 
 import pytest
 
-from saltgate.routing import Plan, Router, RouterConfig
-from saltgate.routing.affinity import PrefixAffinity
-from saltgate.routing.rendezvous import Member
-from saltgate.spec.derive import (
+from saltgate.derivations.derive import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
     NamespaceKeys,
     Prompt,
 )
+from saltgate.routing import Plan, Router, RouterConfig
+from saltgate.routing.affinity import PrefixAffinity
+from saltgate.routing.rendezvous import Member
 
 KEY = b"k" * 32
 MEMBERS = [Member(f"http://r{i}", 1.0) for i in range(4)]

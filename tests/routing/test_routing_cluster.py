@@ -9,6 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from saltgate.derivations.derive import ROUTE_COMPLETIONS, Prompt, cluster_keys
 from saltgate.routing import Router, RouterConfig
 from saltgate.routing.cluster import (
     HEARTBEAT_S,
@@ -22,7 +23,6 @@ from saltgate.routing.cluster import (
     encode_batch,
 )
 from saltgate.routing.rendezvous import Member
-from saltgate.spec.derive import ROUTE_COMPLETIONS, Prompt, cluster_keys
 
 K_ROUTE = b"r" * 32
 KEYS = cluster_keys(K_ROUTE)

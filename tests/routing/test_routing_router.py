@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from saltgate.config import ConfigError, load_config
+from saltgate.derivations.derive import ROUTE_CHAT, Prompt, derive_subkeys, route_window
 from saltgate.routing import Member, Plan, Router, RouterConfig
-from saltgate.spec.derive import ROUTE_CHAT, Prompt, derive_subkeys, route_window
 
 SECRET = derive_subkeys(b"m" * 32).route
 OTHER_SECRET = derive_subkeys(b"n" * 32).route

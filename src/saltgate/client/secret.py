@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
-from saltgate.spec.derive import SECRET_FIELD, SECRET_MAX_CHARS, SECRET_MIN_CHARS
+from saltgate.derivations.derive import SECRET_FIELD, SECRET_MAX_CHARS, SECRET_MIN_CHARS
 
 ENV_VAR: Final = "SALTGATE_USER_CACHE_SECRET"
 SECRET_FILE: Final = SECRET_FIELD

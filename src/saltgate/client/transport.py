@@ -23,6 +23,7 @@ from typing import Final, cast
 import httpx
 
 from saltgate.client.secret import default_state_dir, read_or_create, resolve_user_cache_secret
+from saltgate.derivations.derive import SECRET_FIELD
 from saltgate.ehbp.frames import (
     ENCAPSULATED_KEY_HEADER,
     KEY_CONFIG_PROBLEM_TYPE,
@@ -38,7 +39,6 @@ from saltgate.ehbp.frames import (
     parse_hex_field,
     seal_request,
 )
-from saltgate.spec.derive import SECRET_FIELD
 
 log = logging.getLogger("saltgate.client")
 

@@ -37,11 +37,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from saltgate.config import ConfigError, read_secret_file
+from saltgate.derivations.derive import ClusterKeys, cluster_keys
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.routing import Router
 from saltgate.routing.cluster import HEARTBEAT_S, ClusterSettings, ClusterState
-from saltgate.spec.derive import ClusterKeys, cluster_keys
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from typing import Final
 import orjson
 
 from saltgate.config import ConfigError, create_secret_file, read_secret_file
+from saltgate.derivations.derive import SECRET_FIELD
 from saltgate.ehbp.frames import (
     ENCAPSULATED_KEY_HEADER,
     KEYS_MEDIA_TYPE,
@@ -39,7 +40,6 @@ from saltgate.ehbp.frames import (
 from saltgate.gateway.metrics import Metrics
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError
-from saltgate.spec.derive import SECRET_FIELD
 
 # The gateway's handler, told whether the body arrived encrypted.
 BodyHandler = Callable[[Request, bool], Awaitable[Response]]

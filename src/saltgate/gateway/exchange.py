@@ -31,6 +31,7 @@ import asyncio
 import time
 from typing import Final
 
+from saltgate.derivations.derive import ROUTE_RESPONSES
 from saltgate.gateway.access_log import AccessLog, Entry
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import Attempt, ReplicaSet
@@ -39,7 +40,6 @@ from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResp
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import scrub_response_headers
 from saltgate.routing import Plan
-from saltgate.spec.derive import ROUTE_RESPONSES
 from saltgate.store.ledger import UsageLedger, UsageRecord
 from saltgate.store.tenants import Principal
 

@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 
 from saltgate.config import ReplicaConfig
+from saltgate.derivations.derive import Prompt
 from saltgate.http.client import UpstreamError, UpstreamPool
 from saltgate.routing import Member, Plan, ReplicaState, Router, parse_waiting
-from saltgate.spec.derive import Prompt
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from saltgate.config import ConfigError, GatewayConfig, load_config, load_master_key
+from saltgate.derivations.derive import derive_subkeys
 from saltgate.ehbp.frames import KEYS_PATH, ServerKey
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.cluster import ClusterBus, start_cluster_bus
@@ -24,7 +25,6 @@ from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
 from saltgate.routing import Router
 from saltgate.runtime import run_service, until_stopped
-from saltgate.spec.derive import derive_subkeys
 from saltgate.store.backends import open_gateway_store
 from saltgate.store.errors import StoreError
 

@@ -1,6 +1,6 @@
 """The gateway's HTTP edge: authenticate, apply the request policy, salt, forward, meter.
 
-Everything that decides is pure and lives elsewhere (policy/, spec/, gateway/usage.py);
+Everything that decides is pure and lives elsewhere (policy/, derivations/, gateway/usage.py);
 this module only strings the steps together around the two I/O ends: the client
 connection and the upstream pool. A response is delivered only after its usage record
 is committed (for streams: the closing `data: [DONE]` waits for the commit).
@@ -14,6 +14,7 @@ import time
 import orjson
 
 from saltgate.config import GatewayConfig
+from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog, Entry
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
@@ -23,7 +24,6 @@ from saltgate.http import HttpServer, Request, Response
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import credential, forward_request_headers
 from saltgate.policy.request import inspect, parse_body, prepare, resolve_route
-from saltgate.spec.derive import SubKeys, cache_salt
 from saltgate.store.errors import StoreUnavailableError
 from saltgate.store.ledger import UsageLedger
 from saltgate.store.tenants import KeySource, Principal

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Final
 
 from saltgate.config import ConfigError, GatewayConfig, load_master_key
+from saltgate.derivations.derive import derive_subkeys
 from saltgate.ehbp.frames import KEYS_PATH
 from saltgate.gateway import control
 from saltgate.gateway.balance import ConnectionBoard
@@ -36,7 +37,6 @@ from saltgate.gateway.run import ehbp_key, kv_upstreams, reread_config, start_kv
 from saltgate.http import HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
 from saltgate.runtime import run_service, until_stopped
-from saltgate.spec.derive import derive_subkeys
 from saltgate.store.errors import StoreError
 
 # A worker that dies sooner than this after it started is restarted after a backoff

@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from zmq.utils import z85
 
+from saltgate.derivations.labels import KV_CURVE_LABEL
 from saltgate.kvevents.sanitize import opaque_replica_id, sanitize_batch
 from saltgate.kvevents.sequence import ReplayWindow, SeqCursor
 from saltgate.kvevents.settings import CurveKeyPair, KvRelaySettings, KvUpstream
@@ -48,7 +49,6 @@ from saltgate.kvevents.wire import (
     encode_seq,
     parse_frames,
 )
-from saltgate.spec.labels import KV_CURVE_LABEL
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import hashlib
 import hmac
 from dataclasses import replace
 
+from saltgate.derivations.encoding import lp
+from saltgate.derivations.labels import KV_BLOCK_DOMAIN, KV_REPLICA_DOMAIN
 from saltgate.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from saltgate.spec.encoding import lp
-from saltgate.spec.labels import KV_BLOCK_DOMAIN, KV_REPLICA_DOMAIN
 
 
 def keyed_block_hash(k_kv: bytes, block_hash: int) -> int:

@@ -12,6 +12,15 @@ from typing import Any, Final, NamedTuple
 
 import orjson
 
+from saltgate.derivations.derive import (
+    ROUTE_CHAT,
+    ROUTE_COMPLETIONS,
+    ROUTE_MESSAGES,
+    ROUTE_RESPONSES,
+    SECRET_FIELD,
+    InvalidSecretError,
+    validate_user_cache_secret,
+)
 from saltgate.policy.errors import (
     ApiError,
     body_too_large,
@@ -22,15 +31,6 @@ from saltgate.policy.errors import (
     missing_parameter,
     not_found,
     route_closed,
-)
-from saltgate.spec.derive import (
-    ROUTE_CHAT,
-    ROUTE_COMPLETIONS,
-    ROUTE_MESSAGES,
-    ROUTE_RESPONSES,
-    SECRET_FIELD,
-    InvalidSecretError,
-    validate_user_cache_secret,
 )
 
 # -- routes ------------------------------------------------------------------------------

@@ -36,8 +36,8 @@ from urllib.parse import urlsplit
 
 import msgpack
 
+from saltgate.derivations.derive import CLUSTER_TAG_BYTES, ClusterKeys
 from saltgate.routing.router import Router
-from saltgate.spec.derive import CLUSTER_TAG_BYTES, ClusterKeys
 from saltgate.store.settings import check_keys, toml_string
 
 WIRE_VERSION: Final = 1

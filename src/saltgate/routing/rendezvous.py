@@ -16,8 +16,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from saltgate.spec.encoding import lp
-from saltgate.spec.labels import RENDEZVOUS_DOMAIN
+from saltgate.derivations.encoding import lp
+from saltgate.derivations.labels import RENDEZVOUS_DOMAIN
 
 _U_BITS = 52  # (2x + 1) / 2**53 is exact in a double and strictly inside (0, 1)
 

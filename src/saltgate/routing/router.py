@@ -28,16 +28,16 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Final, NamedTuple
 
-from saltgate.routing.affinity import PrefixAffinity
-from saltgate.routing.health import Breaker, Overload, Probe, ReplicaHealth
-from saltgate.routing.hotkeys import HotKeys, warm_set_size
-from saltgate.routing.rendezvous import Member, rank
-from saltgate.spec.derive import (
+from saltgate.derivations.derive import (
     DEFAULT_MIN_PROMPT_BYTES,
     DEFAULT_WINDOW_BYTES,
     NamespaceKeys,
     Prompt,
 )
+from saltgate.routing.affinity import PrefixAffinity
+from saltgate.routing.health import Breaker, Overload, Probe, ReplicaHealth
+from saltgate.routing.hotkeys import HotKeys, warm_set_size
+from saltgate.routing.rendezvous import Member, rank
 
 RANKING_CACHE: Final = 65_536  # route keys whose ranking is remembered; cleared when full
 NAMESPACE_CACHE: Final = 65_536  # (model, salt) keyed states remembered; cleared when full

@@ -1,9 +1,9 @@
-"""Regenerate tests/spec/vectors_v1.json from the INDEPENDENT implementation (reference.py).
+"""Regenerate tests/derivations/vectors_v1.json from the INDEPENDENT implementation (reference.py).
 
-    .venv/bin/python -m tests.spec.make_vectors
+    .venv/bin/python -m tests.derivations.make_vectors
 
 Run it only when the spec deliberately changes (and bump the version labels then):
-the point of the file is that saltgate.spec cannot drift from it silently.
+the point of the file is that saltgate.derivations cannot drift from it silently.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ OUT = Path(__file__).with_name("vectors_v1.json")
 
 def build() -> dict[str, Any]:
     vectors: dict[str, Any] = {
-        "note": "spec v1 vectors computed by tests/spec/reference.py (hashlib HMAC, hand-written "
-        "HKDF, own canonical JSON), not by saltgate; regenerate with "
-        "`python -m tests.spec.make_vectors` only on a deliberate spec change.",
+        "note": "spec v1 vectors computed by tests/derivations/reference.py (hashlib HMAC, "
+        "hand-written HKDF, own canonical JSON), not by saltgate; regenerate with "
+        "`python -m tests.derivations.make_vectors` only on a deliberate spec change.",
         "subkeys": [],
         "salts": [],
         "routes": [],

@@ -2,7 +2,7 @@
 
 Every gateway instance of a cluster must compute the same bytes from the same inputs, so
 each step here is specified in docs/spec.md and pinned by vectors computed by an
-independent implementation (tests/spec/test_vectors.py, tests/spec/vectors_v1.json).
+independent implementation (tests/derivations/test_vectors.py, tests/derivations/vectors_v1.json).
 Changing any detail moves every tenant to a fresh cache namespace (salts) or re-homes
 every conversation (route keys): bump the version label instead.
 """
@@ -21,8 +21,8 @@ import orjson
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from saltgate.spec.encoding import b64url_nopad, lp, u32be
-from saltgate.spec.labels import (
+from saltgate.derivations.encoding import b64url_nopad, lp, u32be
+from saltgate.derivations.labels import (
     CACHE_SALT_DOMAIN,
     CLUSTER_BATCH_DOMAIN,
     CLUSTER_STREAM_DOMAIN,

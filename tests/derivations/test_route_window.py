@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from saltgate.spec import (
+from saltgate.derivations import (
     InvalidSecretError,
     prompt_size,
     route_window,

@@ -1,6 +1,6 @@
 """An independent implementation of spec v1, written from docs/spec.md, for test vectors.
 
-Shares no code with saltgate.spec: HMAC is built from hashlib (RFC 2104), HKDF by hand
+Shares no code with saltgate.derivations: HMAC is built from hashlib (RFC 2104), HKDF by hand
 (RFC 5869), framing with struct, canonical JSON by a small serialiser of its own (not
 orjson). It favours plainness over speed: build every piece in full, then cut.
 """

@@ -2,7 +2,7 @@
 
 Each purpose has its own ASCII label, so no two derivations ever hash the same input
 under the same key. The labels are part of the spec (docs/spec.md, "Labels"): every
-gateway and relay of a cluster must use the same ones, and the vectors in tests/spec/
+gateway and relay of a cluster must use the same ones, and the vectors in tests/derivations/
 fail when one changes. Changing a label moves every tenant to a cold namespace or
 re-homes every key it feeds: bump ``v1`` in all of them instead.
 """

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from saltgate.derivations import derive_subkeys
+from saltgate.derivations.derive import NamespaceKeys, cluster_keys
 from saltgate.kvevents.relay import relay_server_keys
 from saltgate.kvevents.sanitize import keyed_block_hash, opaque_replica_id
 from saltgate.routing.rendezvous import Member, hrw_score, rank
-from saltgate.spec import derive_subkeys
-from saltgate.spec.derive import NamespaceKeys, cluster_keys
 
 from . import reference as ref
 from .cases import CLUSTER_PAYLOADS, MASTER_KEYS, PREFIX_FLAT, RANKING_MEMBERS

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from saltgate.spec import (
+from saltgate.derivations import (
     SubKeys,
     b64url_nopad,
     cache_salt,

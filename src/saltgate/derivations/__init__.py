@@ -1,10 +1,10 @@
 """Spec v1: the byte-exact derivations every saltgate instance must agree on.
 
 Pure: no I/O, no clocks. Pinned by test vectors from an independent implementation
-(tests/spec/) and described for other implementations in docs/spec.md.
+(tests/derivations/) and described for other implementations in docs/spec.md.
 """
 
-from saltgate.spec.derive import (
+from saltgate.derivations.derive import (
     DEFAULT_MIN_PROMPT_BYTES,
     DEFAULT_WINDOW_BYTES,
     SECRET_MAX_CHARS,
@@ -18,7 +18,7 @@ from saltgate.spec.derive import (
     route_window,
     validate_user_cache_secret,
 )
-from saltgate.spec.encoding import b64url_nopad, lp
+from saltgate.derivations.encoding import b64url_nopad, lp
 
 __all__ = [
     "DEFAULT_MIN_PROMPT_BYTES",

@@ -1,4 +1,4 @@
-"""Every spec v1 label lives in spec/labels.py and is documented in docs/spec.md.
+"""Every spec v1 label lives in derivations/labels.py and is documented in docs/spec.md.
 
 A label written anywhere else in the code could drift from the spec unseen; one missing
 from the page could not be reimplemented. The vectors catch a changed value; this
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from saltgate.spec import labels
+from saltgate.derivations import labels
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "saltgate"
@@ -37,10 +37,12 @@ def test_every_label_is_documented_and_every_documented_label_exists() -> None:
 
 def test_labels_appear_nowhere_else_in_the_code() -> None:
     for path in SRC.rglob("*.py"):
-        if path == SRC / "spec" / "labels.py":
+        if path == SRC / "derivations" / "labels.py":
             continue
         hits = LABEL_TEXT.findall(path.read_text(encoding="utf-8"))
-        assert not hits, f"{path.relative_to(ROOT)} spells out {hits}: use saltgate.spec.labels"
+        assert not hits, (
+            f"{path.relative_to(ROOT)} spells out {hits}: use saltgate.derivations.labels"
+        )
 
 
 def test_no_label_is_a_prefix_of_another() -> None:
