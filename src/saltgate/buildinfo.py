@@ -38,6 +38,9 @@ BUILD_RECORD: Final = "_build.json"
 # Not the tools on top (cli, bench, audit, client, sim, demo): they run once per command
 # and would only lengthen the build.
 COMPILED_MODULES: Final = (
+    "saltgate.derivations.derive",
+    "saltgate.derivations.encoding",
+    "saltgate.derivations.labels",
     "saltgate.ehbp.frames",
     "saltgate.gateway.access_log",
     "saltgate.gateway.cluster",
@@ -53,14 +56,14 @@ COMPILED_MODULES: Final = (
     "saltgate.policy.headers",
     "saltgate.policy.request",
     "saltgate.routing.affinity",
+    "saltgate.routing.baselines",
     "saltgate.routing.cluster",
+    "saltgate.routing.domain",
     "saltgate.routing.health",
     "saltgate.routing.hotkeys",
     "saltgate.routing.rendezvous",
     "saltgate.routing.router",
-    "saltgate.derivations.derive",
-    "saltgate.derivations.encoding",
-    "saltgate.derivations.labels",
+    "saltgate.routing.state",
     "saltgate.store.db",
     "saltgate.store.errors",
     "saltgate.store.ledger",

@@ -17,12 +17,13 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = "saltgate"
 
-# The functional core: no sockets, no event loop, no database, no clock (DESIGN.md,
-# "Code style"), so every decision there is testable without I/O. config.py is a parser.
+# The functional core: no sockets, no event loop, no database, no clock (docs/design.md),
+# so every decision there is testable without I/O. config.py is a parser.
 PURE_PACKAGES = ("saltgate.derivations", "saltgate.policy", "saltgate.routing", "saltgate.ehbp")
 PURE_MODULES = (
     "saltgate",  # the package's own __init__
     "saltgate.config",
+    "saltgate.tables",  # the TOML table helpers [store] and [cluster] share
     "saltgate.prices",
     "saltgate.kvevents",  # a docstring: the modules below are the pure ones of the package
     "saltgate.kvevents.wire",
@@ -193,6 +194,15 @@ def test_the_graph_is_read() -> None:
     assert "zmq" in GRAPH.libraries["saltgate.kvevents.relay"]
     for name in (*PURE_PACKAGES, *PURE_MODULES, *IO_PACKAGES):
         assert any(_is_in(m, (name,)) for m in GRAPH.modules), f"{name}: no such module"
+
+
+def test_routing_imports_nothing_from_the_store() -> None:
+    """The router decides from events; persistence is the gateway's concern, and the
+    table helpers it shares with the store live in saltgate.tables."""
+    reached = {
+        d for m in GRAPH.modules if _is_in(m, ("saltgate.routing",)) for d in GRAPH.closure(m)
+    }
+    assert sorted(d for d in reached if _is_in(d, ("saltgate.store",))) == []
 
 
 def test_no_import_cycle_between_modules() -> None:

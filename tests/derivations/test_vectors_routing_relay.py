@@ -16,6 +16,7 @@ from saltgate.derivations import derive_subkeys
 from saltgate.derivations.derive import NamespaceKeys, cluster_keys
 from saltgate.kvevents.relay import relay_server_keys
 from saltgate.kvevents.sanitize import keyed_block_hash, opaque_replica_id
+from saltgate.routing.domain import ReplicaId
 from saltgate.routing.rendezvous import Member, hrw_score, rank
 
 from . import reference as ref
@@ -24,7 +25,7 @@ from .cases import CLUSTER_PAYLOADS, MASTER_KEYS, PREFIX_FLAT, RANKING_MEMBERS
 VECTORS: dict[str, Any] = json.loads(
     Path(__file__).with_name("vectors_v1.json").read_text(encoding="utf-8")
 )
-MEMBERS = [Member(mid, w) for mid, w in RANKING_MEMBERS]
+MEMBERS = [Member(ReplicaId(mid), w) for mid, w in RANKING_MEMBERS]
 
 
 # -- the reference itself is right ------------------------------------------------------
@@ -56,7 +57,8 @@ def test_rendezvous_scores_and_ranking_match_reference() -> None:
         key = rng.randbytes(32)
         weights = [rng.choice([1.0, 0.25, 3.0, 1e-3]) for _ in range(rng.randint(1, 6))]
         members = [
-            Member(f"http://10.0.{rng.randint(0, 9)}.{i}:8000", w) for i, w in enumerate(weights)
+            Member(ReplicaId(f"http://10.0.{rng.randint(0, 9)}.{i}:8000"), w)
+            for i, w in enumerate(weights)
         ]
         for m in members:
             assert hrw_score(key, m) == ref.rendezvous_score(key, m.id, m.weight)

@@ -30,11 +30,12 @@ from tests.support.waiting import eventually
 
 from saltgate.bench.services import RedisServer
 from saltgate.config import GatewayConfig, ReplicaConfig, load_master_key
-from saltgate.derivations.derive import cache_salt, cluster_keys, derive_subkeys
+from saltgate.derivations.derive import PrefixDigest, cache_salt, cluster_keys, derive_subkeys
 from saltgate.gateway.cluster import ClusterBus, sender_id
 from saltgate.gateway.run import RunningGateway, start_gateway
 from saltgate.routing import Router, RouterConfig
 from saltgate.routing.cluster import ClusterSettings, decode_batch, encode_batch
+from saltgate.routing.domain import ReplicaId
 from saltgate.routing.rendezvous import Member
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
@@ -131,8 +132,8 @@ async def all_heard(source: RunningGateway, reader: RunningGateway) -> None:
     """Until ``reader`` has applied every placement ``source`` has made so far."""
     out, into = source.cluster, reader.cluster
     assert out is not None and into is not None
-    pending = out.state.router.shared_placements
-    await eventually(lambda: not pending, what="placements published")
+    router = out.state.router
+    await eventually(lambda: not router.shared_pending, what="placements published")
     await eventually(lambda: out.state.sent > 0, what="a batch sent")
     sent = out.state.sent
     await eventually(lambda: into.state.heard(out.sender) >= sent, what="placements applied")
@@ -260,7 +261,7 @@ def test_the_bus_scan_sees_a_prompt_put_on_the_bus(
         entries, secrets = await traffic_and_bus(tmp_path, redis_server)
         keys = cluster_keys(secrets["K_route"])
         prompt = conversation(0)[0].encode()
-        raw = tuple(prompt[i : i + 32] for i in range(0, 256, 32))
+        raw = tuple(PrefixDigest(prompt[i : i + 32]) for i in range(0, 256, 32))
         leaked = []
         for data in entries:
             batch = decode_batch(keys, data)
@@ -345,7 +346,7 @@ def test_the_bus_works_as_the_least_privileged_redis_user(
     settings = ClusterSettings(
         f"redis://saltgate@127.0.0.1:{redis_server.port}/0", "gw", password_file=password
     )
-    members = [Member("http://r0", 1.0)]
+    members = [Member(ReplicaId("http://r0"), 1.0)]
 
     async def main() -> None:
         admin = Redis.from_url(
@@ -366,8 +367,8 @@ def test_the_bus_works_as_the_least_privileged_redis_user(
             for bus in pair:
                 bus.start()
                 await eventually(partial(is_up, bus), what="bus connected as saltgate")
-            routers[0].started("http://r0", 0.0, 1000.0)
-            state = routers[1].state("http://r0")
+            routers[0].started(ReplicaId("http://r0"), 0.0, 1000.0)
+            state = routers[1].state(ReplicaId("http://r0"))
             assert state is not None
             await eventually(lambda: state.remote_prefill == 1000.0, what="backlog shared")
             assert await admin.acl_log() == []  # nothing was denied

@@ -14,7 +14,7 @@ import pytest
 from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import load_config
 from saltgate.gateway.control import Order, Reload, SendMetrics, Start, order_frame, read_order
-from saltgate.routing import RouterConfig
+from saltgate.routing import Policy, RouterConfig
 
 EVERY_TABLE = """
 [gateway]
@@ -73,7 +73,7 @@ def test_every_order_arrives_as_sent(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_the_default_pickle_cannot_restore_a_compiled_config() -> None:
     """Why the channel pickles dataclasses itself: in the compiled build the default
     restore assigns the router's frozen fields one by one, and fails."""
-    router = RouterConfig(policy="least_loaded")
+    router = RouterConfig(policy=Policy.LEAST_LOADED)
     if build_kind() == COMPILED:
         with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
             pickle.loads(pickle.dumps(router))

@@ -40,9 +40,10 @@ from saltgate.bench.trace_schedule import (
     prompt_text,
     prompt_tokens,
 )
-from saltgate.derivations.derive import ROUTE_COMPLETIONS, Prompt, cluster_keys
+from saltgate.derivations.derive import ROUTE_COMPLETIONS, cluster_keys
 from saltgate.routing import Router, RouterConfig
 from saltgate.routing.cluster import ClusterState
+from saltgate.routing.domain import ReplicaId
 from saltgate.routing.rendezvous import Member
 from saltgate.sim.blockpool import BlockPool, NotEnoughBlocks
 
@@ -75,7 +76,7 @@ def simulate(
     replicas: int = 4,
     num_blocks: int = 8192,
 ) -> dict[str, float | None]:
-    members = [Member(f"http://r{i}", 1.0) for i in range(replicas)]
+    members = [Member(ReplicaId(f"http://r{i}"), 1.0) for i in range(replicas)]
     routers = [Router(RouterConfig(), K_ROUTE, members) for _ in range(gateways)]
     states = (
         [ClusterState(r, cluster_keys(K_ROUTE), f"g{i}/0") for i, r in enumerate(routers)]
@@ -93,17 +94,18 @@ def simulate(
 
     def arrive(req: ReplayRequest, now: float) -> None:
         router = routers[req.index % gateways]
-        text = prompt_text(req.hash_ids, BLOCK_TOKENS)
-        p = Prompt({"prompt": text}, ROUTE_COMPLETIONS)
-        keys = router.namespace("m", f"salt-{req.tenant}")
-        plan = router.plan(router.request_key(p, keys), now, router.prefixes(p, keys))
+        body = {"prompt": prompt_text(req.hash_ids, BLOCK_TOKENS)}
+        salt = f"salt-{req.tenant}"
+        plan = router.plan_request(ROUTE_COMPLETIONS, body, "m", salt, now, remember=True)
         replica_id = router.pick(plan, now)
         assert replica_id is not None
         estimate = float(plan.uncached_bytes(replica_id))
         router.started(replica_id, now, estimate)
         admit(req, router, replica_id, estimate, now)
 
-    def admit(req: ReplayRequest, router: Router, rid: str, estimate: float, now: float) -> None:
+    def admit(
+        req: ReplayRequest, router: Router, rid: ReplicaId, estimate: float, now: float
+    ) -> None:
         nonlocal prompt, cached
         replica = pools[rid]
         tokens = prompt_tokens(req.hash_ids, BLOCK_TOKENS)

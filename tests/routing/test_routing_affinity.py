@@ -11,19 +11,20 @@ from saltgate.derivations.derive import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
     NamespaceKeys,
+    PrefixDigest,
     Prompt,
 )
-from saltgate.routing import Plan, Router, RouterConfig
+from saltgate.routing import Plan, ReplicaId, Router, RouterConfig
 from saltgate.routing.affinity import PrefixAffinity
 from saltgate.routing.rendezvous import Member
 
 KEY = b"k" * 32
-MEMBERS = [Member(f"http://r{i}", 1.0) for i in range(4)]
+MEMBERS = [Member(ReplicaId(f"http://r{i}"), 1.0) for i in range(4)]
 
 
 def prefix_digests(
     body: Mapping[str, Any], route: str, *, salt: str = "salt", key: bytes = KEY
-) -> list[bytes]:
+) -> list[PrefixDigest]:
     """The router's digests of a prompt: shallow first depth (256) so short turns get some."""
     return NamespaceKeys(key, "m", salt).prefix_digests(Prompt(body, route).flat(), 256)
 
@@ -63,13 +64,15 @@ def test_growing_completion_prompts_keep_their_prefix_digests() -> None:
 
 def test_the_table_answers_deepest_first_and_forgets() -> None:
     table = PrefixAffinity(ttl_s=10, max_entries=3)
-    table.record([b"a", b"b"], "r0", now=0)
-    table.record([b"a", b"b", b"c"], "r1", now=1)
-    assert table.owners([b"a", b"b", b"c"], now=2) == [("r1", 2, 0)]
-    table.record([b"a"], "r2", now=3)
-    assert table.owners([b"a", b"b", b"c"], now=4) == [("r1", 2, 0), ("r2", 0, 0)]
-    assert table.owners([b"a"], now=20) == []  # expired
-    table.record([b"d", b"e", b"f", b"g"], "r3", now=21)
+    a, b, c, d, e, f, g = (PrefixDigest(bytes([x])) for x in b"abcdefg")
+    r0, r1, r2, r3 = (ReplicaId(f"r{i}") for i in range(4))
+    table.record([a, b], r0, now=0)
+    table.record([a, b, c], r1, now=1)
+    assert table.owners([a, b, c], now=2) == [(r1, 2, 0)]
+    table.record([a], r2, now=3)
+    assert table.owners([a, b, c], now=4) == [(r1, 2, 0), (r2, 0, 0)]
+    assert table.owners([a], now=20) == []  # expired
+    table.record([d, e, f, g], r3, now=21)
     assert len(table) == 3  # bounded
 
 
@@ -113,7 +116,7 @@ def test_the_load_cap_overrides_the_owner() -> None:
 
 def second_turn_at_home(
     fresh_delta: float = 32_768.0, cached_delta: float = 262_144.0
-) -> tuple[Router, str, Plan, int]:
+) -> tuple[Router, ReplicaId, Plan, int]:
     """A router (no window keys, shallow digests, these guard deltas) that has routed a
     conversation's first turn: it, that turn's replica, the second turn's plan, and the
     bytes of the second turn that replica holds."""
@@ -154,7 +157,7 @@ def test_the_plan_knows_what_each_owner_holds() -> None:
         <= router.prefixes(Prompt(first, ROUTE_CHAT), router.namespace("m", "s"))[1]
     )
     assert plan.uncached_bytes(home) == plan.prompt_bytes - depth
-    assert plan.uncached_bytes("elsewhere") == plan.prompt_bytes
+    assert plan.uncached_bytes(ReplicaId("elsewhere")) == plan.prompt_bytes
 
 
 def test_a_prefill_backlog_moves_a_fresh_prompt_but_a_cached_conversation_stays() -> None:

@@ -9,7 +9,13 @@ from typing import Any
 import msgpack
 import pytest
 
-from saltgate.derivations.derive import ROUTE_COMPLETIONS, Prompt, cluster_keys
+from saltgate.derivations.derive import (
+    ROUTE_COMPLETIONS,
+    PrefixDigest,
+    Prompt,
+    RouteKey,
+    cluster_keys,
+)
 from saltgate.routing import Router, RouterConfig
 from saltgate.routing.cluster import (
     HEARTBEAT_S,
@@ -22,11 +28,12 @@ from saltgate.routing.cluster import (
     decode_batch,
     encode_batch,
 )
+from saltgate.routing.domain import ReplicaId
 from saltgate.routing.rendezvous import Member
 
 K_ROUTE = b"r" * 32
 KEYS = cluster_keys(K_ROUTE)
-MEMBERS = [Member(f"http://r{i}", 1.0) for i in range(4)]
+MEMBERS = [Member(ReplicaId(f"http://r{i}"), 1.0) for i in range(4)]
 
 
 def router() -> Router:
@@ -46,9 +53,7 @@ def deliver(src: ClusterState, dst: ClusterState, now: float) -> None:
 
 def route(r: Router, text: str, now: float) -> str:
     """Pick a replica for a completion prompt as the gateway does, and finish it."""
-    prompt = Prompt({"prompt": text}, ROUTE_COMPLETIONS)
-    keys = r.namespace("m", "salt")
-    plan = r.plan(r.request_key(prompt, keys), now, r.prefixes(prompt, keys))
+    plan = r.plan_request(ROUTE_COMPLETIONS, {"prompt": text}, "m", "salt", now, remember=True)
     chosen = r.pick(plan, now)
     assert chosen is not None
     return chosen
@@ -64,16 +69,20 @@ def conversation(seed: str) -> tuple[str, str]:
 # -- the wire -------------------------------------------------------------------------------
 
 
+def digest(fill: bytes) -> PrefixDigest:
+    return PrefixDigest(fill * 32)
+
+
 def sample_batch() -> Batch:
     return Batch(
         "gw-1/42",
         7,
         (
-            Placement((b"a" * 32, b"b" * 32), "http://r1", 5000, 600.0),
-            Placement((b"c" * 32,), "http://r2", 1500, 12.5),
+            Placement((digest(b"a"), digest(b"b")), ReplicaId("http://r1"), 5000, 600.0),
+            Placement((digest(b"c"),), ReplicaId("http://r2"), 1500, 12.5),
         ),
-        ((b"k" * 32, 3),),
-        (Backlog("http://r1", 2, 4096.0), Backlog("http://r3", 0, 0.0)),
+        ((RouteKey(b"k" * 32), 3),),
+        (Backlog(ReplicaId("http://r1"), 2, 4096.0), Backlog(ReplicaId("http://r3"), 0, 0.0)),
     )
 
 
@@ -163,11 +172,12 @@ def test_placements_expire_as_they_would_on_the_gateway_that_made_them() -> None
 
 def test_another_gateways_backlog_counts_until_it_goes_silent() -> None:
     a, b = pair()
-    a.router.started("http://r2", 0.0, prefill=500_000.0)  # a long cold prompt, queued
+    rid = ReplicaId("http://r2")
+    a.router.started(rid, 0.0, prefill=500_000.0)  # a long cold prompt, queued
     deliver(a, b, 0.0)
-    r2 = b.router.state("http://r2")
+    r2 = b.router.state(rid)
     assert r2 is not None and r2.remote_prefill == 500_000.0 and r2.load == 1.0
-    assert b.router.inflight("http://r2") == 0  # its own count stays its own
+    assert b.router.inflight(rid) == 0  # its own count stays its own
     assert b.peers == 1
     # b's prefill guard now keeps a big cold prompt off r2 whatever the ranking says.
     picks = {route(b.router, f"{i} " + "z" * 9000, 0.1) for i in range(12)}

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from saltgate.routing import Member, hrw_score, rank
+from saltgate.routing import Member, ReplicaId, hrw_score, rank
 
 
 def keys(count: int, seed: str = "k") -> list[bytes]:
@@ -21,7 +21,12 @@ def top(key: bytes, members: list[Member]) -> str:
 
 
 def test_each_replica_ranks_first_for_its_share_of_the_weight() -> None:
-    members = [Member("a", 1.0), Member("b", 2.0), Member("c", 3.0), Member("d", 4.0)]
+    members = [
+        Member(ReplicaId("a"), 1.0),
+        Member(ReplicaId("b"), 2.0),
+        Member(ReplicaId("c"), 3.0),
+        Member(ReplicaId("d"), 4.0),
+    ]
     n = 20000
     counts = Counter(top(k, members) for k in keys(n))
     for m in members:
@@ -30,7 +35,7 @@ def test_each_replica_ranks_first_for_its_share_of_the_weight() -> None:
 
 
 def test_ranking_ignores_the_order_replicas_are_listed_in() -> None:
-    members = [Member(f"http://10.0.0.{i}:8000", 1.0 + i % 3) for i in range(5)]
+    members = [Member(ReplicaId(f"http://10.0.0.{i}:8000"), 1.0 + i % 3) for i in range(5)]
     for key in keys(50):
         expected = [m.id for m in rank(key, members)]
         for perm in itertools.islice(itertools.permutations(members), 0, 120, 7):
@@ -40,9 +45,9 @@ def test_ranking_ignores_the_order_replicas_are_listed_in() -> None:
 def weight_for_score(key: bytes, member_id: str, score: float) -> float | None:
     """A weight giving ``member_id`` exactly ``score`` for ``key`` (the score is the weight
     over a per-member constant, so stepping the weight by ulps reaches it), or None."""
-    weight = score / hrw_score(key, Member(member_id))
+    weight = score / hrw_score(key, Member(ReplicaId(member_id)))
     for _ in range(64):
-        got = hrw_score(key, Member(member_id, weight))
+        got = hrw_score(key, Member(ReplicaId(member_id), weight))
         if got == score:
             return weight
         weight = math.nextafter(weight, math.inf if got < score else -math.inf)
@@ -53,10 +58,14 @@ def test_equal_scores_are_ordered_by_id() -> None:
     # Real ties, not a patched score (the compiled build would not see a patch): weights
     # that give three members exactly the same score for this key.
     key = b"k0"
-    score = hrw_score(key, Member("a"))
+    score = hrw_score(key, Member(ReplicaId("a")))
     weight_b, weight_c = weight_for_score(key, "b", score), weight_for_score(key, "c", score)
     assert weight_b is not None and weight_c is not None
-    members = [Member("c", weight_c), Member("a"), Member("b", weight_b)]
+    members = [
+        Member(ReplicaId("c"), weight_c),
+        Member(ReplicaId("a")),
+        Member(ReplicaId("b"), weight_b),
+    ]
     assert {hrw_score(key, m) for m in members} == {score}
     assert [m.id for m in rank(key, members)] == ["a", "b", "c"]
     assert [m.id for m in rank(key, members[::-1])] == ["a", "b", "c"]
@@ -64,7 +73,7 @@ def test_equal_scores_are_ordered_by_id() -> None:
 
 def test_removing_one_of_n_moves_only_its_keys_about_one_in_n() -> None:
     n = 10
-    members = [Member(f"r{i}") for i in range(n)]
+    members = [Member(ReplicaId(f"r{i}")) for i in range(n)]
     sample = keys(20000)
     before = {k: top(k, members) for k in sample}
     gone = "r3"
@@ -74,7 +83,7 @@ def test_removing_one_of_n_moves_only_its_keys_about_one_in_n() -> None:
     assert all(after[k] == before[k] for k in sample if before[k] != gone)
     assert abs(len(moved) / len(sample) - 1 / n) < 0.01
     # Adding a replica takes about 1/(n+1) of the keys, all of them to the new one.
-    grown = {k: top(k, [*members, Member("r10")]) for k in sample}
+    grown = {k: top(k, [*members, Member(ReplicaId("r10"))]) for k in sample}
     moved = [k for k in sample if grown[k] != before[k]]
     assert all(grown[k] == "r10" for k in moved)
     assert abs(len(moved) / len(sample) - 1 / (n + 1)) < 0.01
@@ -83,4 +92,4 @@ def test_removing_one_of_n_moves_only_its_keys_about_one_in_n() -> None:
 def test_weights_must_be_positive_and_finite() -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="weight"):
-            Member("r", bad)
+            Member(ReplicaId("r"), bad)

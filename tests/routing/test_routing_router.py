@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from saltgate.config import ConfigError, load_config
-from saltgate.derivations.derive import ROUTE_CHAT, Prompt, derive_subkeys, route_window
-from saltgate.routing import Member, Plan, Router, RouterConfig
+from saltgate.derivations.derive import ROUTE_CHAT, Prompt, RouteKey, derive_subkeys, route_window
+from saltgate.routing import Member, Plan, Policy, ReplicaId, Router, RouterConfig
 
 SECRET = derive_subkeys(b"m" * 32).route
 OTHER_SECRET = derive_subkeys(b"n" * 32).route
-MEMBERS = [Member(f"http://127.0.0.1:{8100 + i}") for i in range(4)]
+MEMBERS = [Member(ReplicaId(f"http://127.0.0.1:{8100 + i}")) for i in range(4)]
 
 
 def router(members: list[Member] = MEMBERS, secret: bytes = SECRET, **kw: Any) -> Router:
@@ -33,13 +33,13 @@ def long_system(seed: int) -> str:
     return f"system prompt {seed} " + "lorem ipsum dolor " * 300  # ~5.4 KB: over the floor
 
 
-def key_of(r: Router, seed: int, salt: str = "sg1_salt") -> bytes:
+def key_of(r: Router, seed: int, salt: str = "sg1_salt") -> RouteKey:
     key = r.request_key(Prompt(chat(long_system(seed)), ROUTE_CHAT), r.namespace("m", salt))
     assert key is not None
     return key
 
 
-def set_inflight(r: Router, replica_id: str, n: int) -> None:
+def set_inflight(r: Router, replica_id: ReplicaId, n: int) -> None:
     state = r.state(replica_id)
     assert state is not None
     state.inflight = n
@@ -118,7 +118,7 @@ def test_retries_walk_down_the_ranking() -> None:
     key = key_of(r, 11)
     ranked = r.ranking(key, 0.0)
     plan = r.plan(key, 0.0)
-    tried: set[str] = set()
+    tried: set[ReplicaId] = set()
     order = []
     while (rid := r.pick(plan, 0.0, tried)) is not None:
         order.append(rid)
@@ -190,20 +190,20 @@ def test_membership_changes_keep_state_and_removed_replicas_drain() -> None:
 
 
 def test_baselines() -> None:
-    rr = router(policy="round_robin")
+    rr = router(policy=Policy.ROUND_ROBIN)
     assert rr.request_key(Prompt(chat(long_system(1)), ROUTE_CHAT), rr.namespace("m", "s")) is None
     picks = [rr.pick(rr.plan(None, 0.0), 0.0) for _ in range(8)]
     assert Counter(picks) == {m.id: 2 for m in MEMBERS}
 
-    ll = router(policy="least_loaded")
+    ll = router(policy=Policy.LEAST_LOADED)
     for i, state in enumerate(ll.states):
         state.inflight = 3 - i if i < 3 else 2
     assert ll.pick(ll.plan(None, 0.0), 0.0) == MEMBERS[2].id
 
     # consistent_hash: unkeyed (any gateway, any master key, computes it), no hot spreading.
     ch, ch_other = (
-        router(policy="consistent_hash"),
-        router(policy="consistent_hash", secret=OTHER_SECRET),
+        router(policy=Policy.CONSISTENT_HASH),
+        router(policy=Policy.CONSISTENT_HASH, secret=OTHER_SECRET),
     )
     body = chat(long_system(2))
     key = ch.request_key(Prompt(body, ROUTE_CHAT), ch.namespace("m", "s"))

@@ -18,9 +18,10 @@ from pathlib import Path
 from saltgate.bench.procs import BenchError, Proc, free_port
 from saltgate.bench.replay_client import RequestShape
 from saltgate.http import UpstreamError, UpstreamPool
+from saltgate.routing import POLICIES as ROUTER_POLICIES
 from saltgate.sim.run import sim_command
 
-GATEWAY_POLICIES = ("saltgate", "round_robin", "least_loaded", "consistent_hash")
+GATEWAY_POLICIES = ROUTER_POLICIES  # the gateway's own router, under each policy
 # policy name -> (tool, its --policy)
 PEER_POLICIES = {
     "sglang-router:cache_aware": ("smg", "cache_aware"),

@@ -15,7 +15,7 @@ import hmac
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NewType
 
 import orjson
 from cryptography.hazmat.primitives.hashes import SHA256
@@ -43,6 +43,12 @@ SUBKEY_BYTES: Final = 32
 SECRET_FIELD: Final = "user_cache_secret"  # noqa: S105 - a field name, not a secret
 SECRET_MIN_CHARS: Final = 16
 SECRET_MAX_CHARS: Final = 256
+
+# A request's route key (`route_key`) and a prompt prefix's keyed digest
+# (`NamespaceKeys.prefix_digests`): 32 secret-keyed bytes each, named apart so that one
+# never stands in for the other.
+RouteKey = NewType("RouteKey", bytes)
+PrefixDigest = NewType("PrefixDigest", bytes)
 
 DEFAULT_WINDOW_BYTES: Final = 1024
 DEFAULT_MIN_PROMPT_BYTES: Final = 4096
@@ -498,7 +504,7 @@ def route_window(
     return Prompt(body, route).window(window_bytes, min_prompt_bytes)
 
 
-def route_key(k_route: bytes, model: str, salt: str, window: bytes) -> bytes:
+def route_key(k_route: bytes, model: str, salt: str, window: bytes) -> RouteKey:
     """HMAC-SHA256(K_route, domain || lp(model) || lp(salt) || lp(window)): 32 bytes.
 
     Keyed by the cluster secret, so no client can compute (or aim at) its replica.
@@ -524,13 +530,15 @@ class NamespaceKeys:
     def __repr__(self) -> str:  # the states are keyed by secrets
         return "NamespaceKeys(<keyed>)"
 
-    def route_key(self, window: bytes) -> bytes:
+    def route_key(self, window: bytes) -> RouteKey:
         """`route_key` of ``window`` in this namespace."""
         mac = self._route.copy()
         mac.update(lp(window))
-        return mac.digest()
+        return RouteKey(mac.digest())
 
-    def prefix_digests(self, flat: bytes, first_depth: int = DEFAULT_WINDOW_BYTES) -> list[bytes]:
+    def prefix_digests(
+        self, flat: bytes, first_depth: int = DEFAULT_WINDOW_BYTES
+    ) -> list[PrefixDigest]:
         """Keyed digests of ``flat[:d]`` for d = first_depth, 2x, 4x, ... <= len(flat),
         shallow first; ``flat`` is `Prompt.flat`.
 
@@ -550,12 +558,12 @@ class NamespaceKeys:
         if first_depth <= 0:
             raise ValueError("first_depth must be positive")
         running = self._prefix.copy()
-        digests: list[bytes] = []
+        digests: list[PrefixDigest] = []
         done = 0
         depth = first_depth
         while depth <= len(flat):
             running.update(flat[done:depth])
             done = depth
-            digests.append(running.copy().digest())
+            digests.append(PrefixDigest(running.copy().digest()))
             depth *= 2
         return digests

@@ -39,7 +39,7 @@ from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
 from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import scrub_response_headers
-from saltgate.routing import Plan
+from saltgate.routing import Plan, ReplicaId
 from saltgate.store.ledger import UsageLedger, UsageRecord
 from saltgate.store.tenants import Principal
 
@@ -139,7 +139,7 @@ class Exchange:
     ) -> Response:
         """Send the request down the plan's ranking until a replica answers; a failure
         before any response moves on to the next replica."""
-        tried: list[str] = []
+        tried: list[ReplicaId] = []
         # Every ending awaits its record outside the handler that caught it: compiled code
         # must not suspend inside one (buildinfo.py).
         try:

@@ -19,9 +19,8 @@ from typing import Any
 import orjson
 
 from saltgate.config import ReplicaConfig
-from saltgate.derivations.derive import Prompt
 from saltgate.http.client import UpstreamError, UpstreamPool
-from saltgate.routing import Member, Plan, ReplicaState, Router, parse_waiting
+from saltgate.routing import Member, Plan, ReplicaId, ReplicaState, Router, parse_waiting
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +34,11 @@ class Replica:
     prefix: bytes
     models: list[dict[str, Any]] = field(default_factory=list)
     # The replica's identity in the ranking: its URL, the same on every gateway.
-    id: str = field(init=False)
+    id: ReplicaId = field(init=False)
     auth: list[tuple[bytes, bytes]] = field(init=False, repr=False)  # with its backend key
 
     def __post_init__(self) -> None:
-        self.id = self.config.url
+        self.id = ReplicaId(self.config.url)
         self.configure(self.config)
 
     def configure(self, config: ReplicaConfig) -> None:
@@ -130,7 +129,7 @@ class ReplicaSet:
                 replica = Replica(cfg, pool, prefix.encode())
             replica.configure(cfg)
             replicas[cfg.url] = replica
-        self.router.set_members(Member(cfg.url, cfg.weight) for cfg in configs)
+        self.router.set_members(Member(ReplicaId(cfg.url), cfg.weight) for cfg in configs)
         removed = [r for url, r in self._replicas.items() if url not in replicas]
         self._replicas = replicas
         for replica in removed:
@@ -154,15 +153,12 @@ class ReplicaSet:
     def plan(
         self, route: str, body: Mapping[str, Any], model: str, salt: str | None, *, remember: bool
     ) -> Plan:
-        """A request's routing input: its route key and prefix digests, under the policy;
-        ``remember``: whether the router may keep the salt's keyed states (`Router.namespace`)."""
-        router = self.router
-        prompt = Prompt(body, route)
-        keys = router.namespace(model, salt, remember=remember)
-        key = router.request_key(prompt, keys)
-        return router.plan(key, time.monotonic(), router.prefixes(prompt, keys))
+        """The router's plan for a request, now (`Router.plan_request`)."""
+        return self.router.plan_request(
+            route, body, model, salt, time.monotonic(), remember=remember
+        )
 
-    def acquire(self, plan: Plan, tried: Collection[str]) -> Attempt | None:
+    def acquire(self, plan: Plan, tried: Collection[ReplicaId]) -> Attempt | None:
         """The replica to try next for ``plan`` (skipping ``tried``), counted as busy with
         the request until the attempt is closed; None when no replica is available."""
         router = self.router

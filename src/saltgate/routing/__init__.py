@@ -3,10 +3,12 @@
 Pure: imports nothing that performs I/O (docs/routing.md).
 """
 
+from saltgate.routing.domain import POLICIES, Policy, ReplicaId
 from saltgate.routing.health import Breaker, BreakerState, Overload, Probe, parse_waiting
 from saltgate.routing.hotkeys import HotKeys, warm_set_size
 from saltgate.routing.rendezvous import Member, hrw_score, rank
-from saltgate.routing.router import POLICIES, Plan, Prefixes, ReplicaState, Router, RouterConfig
+from saltgate.routing.router import Plan, Prefixes, Router, RouterConfig
+from saltgate.routing.state import ReplicaState
 
 __all__ = [
     "POLICIES",
@@ -16,8 +18,10 @@ __all__ = [
     "Member",
     "Overload",
     "Plan",
+    "Policy",
     "Prefixes",
     "Probe",
+    "ReplicaId",
     "ReplicaState",
     "Router",
     "RouterConfig",

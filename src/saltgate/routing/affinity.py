@@ -3,9 +3,10 @@
 The window key (spec v1) ranks replicas the same way on every gateway, but it cannot
 follow a conversation that started short (no key, least-loaded) or a key whose traffic
 was spread. This table maps the keyed prefix digests of each routed request
-(spec.derive.NamespaceKeys.prefix_digests) to the replica it went to; a later request that shares a
-deep prefix goes back there while that replica is within the load cap. Bounded memory
-(least recently used entries go first) and a time-to-live, since replicas evict too.
+(derivations.derive.NamespaceKeys.prefix_digests) to the replica it went to; a later
+request that shares a deep prefix goes back there while that replica is within the load
+cap. Bounded memory (least recently used entries go first) and a time-to-live, since
+replicas evict too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final
+
+from saltgate.derivations.derive import PrefixDigest
+from saltgate.routing.domain import ReplicaId
 
 DEFAULT_MAX_ENTRIES: Final = 200_000
 
@@ -23,17 +27,19 @@ class PrefixAffinity:
             raise ValueError("ttl_s and max_entries must be positive")
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._owner: OrderedDict[bytes, tuple[str, float, int]] = OrderedDict()
+        self._owner: OrderedDict[PrefixDigest, tuple[ReplicaId, float, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._owner)
 
-    def owners(self, digests: Sequence[bytes], now: float) -> list[tuple[str, int, int]]:
+    def owners(
+        self, digests: Sequence[PrefixDigest], now: float
+    ) -> list[tuple[ReplicaId, int, int]]:
         """(replica, index of the deepest digest it holds, length of the prompt that left
         it there) for the replicas that recently served these prefixes, deepest first,
         each replica once."""
-        found: list[tuple[str, int, int]] = []
-        seen: set[str] = set()
+        found: list[tuple[ReplicaId, int, int]] = []
+        seen: set[ReplicaId] = set()
         for index in range(len(digests) - 1, -1, -1):
             entry = self._owner.get(digests[index])
             if entry is None:
@@ -47,7 +53,11 @@ class PrefixAffinity:
         return found
 
     def record(
-        self, digests: Sequence[bytes], replica_id: str, now: float, prompt_bytes: int = 0
+        self,
+        digests: Sequence[PrefixDigest],
+        replica_id: ReplicaId,
+        now: float,
+        prompt_bytes: int = 0,
     ) -> None:
         """`replica_id` now holds (or is computing) every one of these prefixes, of a
         prompt of ``prompt_bytes``."""
@@ -59,7 +69,7 @@ class PrefixAffinity:
             owner.popitem(last=False)
 
     def learn(
-        self, digests: Sequence[bytes], replica_id: str, at: float, prompt_bytes: int
+        self, digests: Sequence[PrefixDigest], replica_id: ReplicaId, at: float, prompt_bytes: int
     ) -> None:
         """Another gateway's placement made at ``at``: it replaces only older entries, so
         two gateways that placed one prefix at nearly the same time both end up keeping

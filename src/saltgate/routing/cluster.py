@@ -36,9 +36,10 @@ from urllib.parse import urlsplit
 
 import msgpack
 
-from saltgate.derivations.derive import CLUSTER_TAG_BYTES, ClusterKeys
+from saltgate.derivations.derive import CLUSTER_TAG_BYTES, ClusterKeys, PrefixDigest, RouteKey
+from saltgate.routing.domain import ReplicaId
 from saltgate.routing.router import Router
-from saltgate.store.settings import check_keys, toml_string
+from saltgate.tables import check_keys, toml_string
 
 WIRE_VERSION: Final = 1
 DIGEST_BYTES: Final = 32
@@ -156,8 +157,8 @@ class Placement(NamedTuple):
     """One routed request: its prefix digests (shallow first), where it went, its prompt's
     length in bytes and the seconds it stays valid."""
 
-    digests: tuple[bytes, ...]
-    replica: str
+    digests: tuple[PrefixDigest, ...]
+    replica: ReplicaId
     prompt_bytes: int
     ttl_s: float
 
@@ -165,7 +166,7 @@ class Placement(NamedTuple):
 class Backlog(NamedTuple):
     """One gateway's own load on one replica."""
 
-    replica: str
+    replica: ReplicaId
     inflight: int
     prefill: float
 
@@ -175,7 +176,7 @@ class Batch:
     sender: str
     seq: int
     placements: tuple[Placement, ...] = ()
-    keys: tuple[tuple[bytes, int], ...] = ()
+    keys: tuple[tuple[RouteKey, int], ...] = ()
     backlog: tuple[Backlog, ...] = ()
 
 
@@ -233,7 +234,9 @@ def decode_batch(keys: ClusterKeys, data: bytes) -> Batch:
             seq,
             tuple(_placement(p, replicas) for p in placements),
             tuple(_key(k) for k in route_keys),
-            tuple(Backlog(replicas[r], _count(n), float(_count(b))) for r, n, b in backlog),
+            tuple(
+                Backlog(ReplicaId(replicas[r]), _count(n), float(_count(b))) for r, n, b in backlog
+            ),
         )
     except BadBatch:
         raise
@@ -251,15 +254,19 @@ def _placement(item: Any, replicas: Sequence[str]) -> Placement:
     replica, prompt_bytes, ttl_ms, joined = item
     if not isinstance(joined, bytes) or not joined or len(joined) % DIGEST_BYTES:
         raise BadBatch("digests are not whole 32-byte digests")
-    digests = tuple(joined[i : i + DIGEST_BYTES] for i in range(0, len(joined), DIGEST_BYTES))
-    return Placement(digests, replicas[replica], _count(prompt_bytes), _count(ttl_ms) / 1000.0)
+    digests = tuple(
+        PrefixDigest(joined[i : i + DIGEST_BYTES]) for i in range(0, len(joined), DIGEST_BYTES)
+    )
+    return Placement(
+        digests, ReplicaId(replicas[replica]), _count(prompt_bytes), _count(ttl_ms) / 1000.0
+    )
 
 
-def _key(item: Any) -> tuple[bytes, int]:
+def _key(item: Any) -> tuple[RouteKey, int]:
     key, count = item
     if not isinstance(key, bytes) or len(key) != DIGEST_BYTES:
         raise BadBatch("a route key is not 32 bytes")
-    return key, _count(count)
+    return RouteKey(key), _count(count)
 
 
 # -- one gateway's side ------------------------------------------------------------------
@@ -293,19 +300,16 @@ class ClusterState:
         self._last_sent = -math.inf
         self.received = 0  # batches applied
         self.rejected = 0  # batches that did not verify or parse
-        self._pending = router.start_sharing()
+        router.start_sharing()
 
     # -- out ---------------------------------------------------------------------------------
     def outgoing(self, now: float) -> bytes | None:
         """The next batch to publish, or None when there is nothing new to say (placements,
         keys, a changed backlog, or a heartbeat due)."""
         router = self.router
-        pending = self._pending
-        placements = pending[:MAX_BATCH_PLACEMENTS]
-        del pending[:MAX_BATCH_PLACEMENTS]
-        keys = tuple(router.shared_keys.items())
-        router.shared_keys.clear()
-        backlog = tuple(Backlog(*row) for row in router.local_backlog())
+        placements, shared_keys, own = router.take_shared(MAX_BATCH_PLACEMENTS)
+        keys = tuple(shared_keys)
+        backlog = tuple(Backlog(*row) for row in own)
         if (
             not placements
             and not keys
@@ -332,11 +336,7 @@ class ClusterState:
     def trim_pending(self) -> int:
         """While the bus is down: keep at most MAX_PENDING_PLACEMENTS placements to send
         when it returns (the oldest go first); returns how many were dropped."""
-        pending = self._pending
-        excess = len(pending) - MAX_PENDING_PLACEMENTS
-        if excess > 0:
-            del pending[:excess]
-        return max(0, excess)
+        return self.router.drop_shared(MAX_PENDING_PLACEMENTS)
 
     # -- in ----------------------------------------------------------------------------------
     def incoming(self, data: bytes, now: float, age_s: float = 0.0) -> Batch | None:
@@ -398,7 +398,7 @@ class ClusterState:
         return self._heard.get(sender, 0)
 
     def _apply_backlog(self) -> None:
-        totals: dict[str, list[float]] = {}
+        totals: dict[ReplicaId, list[float]] = {}
         for peer in self._peers.values():
             for b in peer.backlog.values():
                 entry = totals.setdefault(b.replica, [0.0, 0.0])

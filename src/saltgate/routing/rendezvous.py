@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from saltgate.derivations.encoding import lp
 from saltgate.derivations.labels import RENDEZVOUS_DOMAIN
+from saltgate.routing.domain import ReplicaId
 
 _U_BITS = 52  # (2x + 1) / 2**53 is exact in a double and strictly inside (0, 1)
 
@@ -26,7 +27,7 @@ _U_BITS = 52  # (2x + 1) / 2**53 is exact in a double and strictly inside (0, 1)
 class Member:
     """A replica as the ranking sees it: a stable identity and a capacity weight."""
 
-    id: str
+    id: ReplicaId
     weight: float = 1.0
 
     def __post_init__(self) -> None:

@@ -12,15 +12,13 @@ Policies (``RouterConfig.policy``):
   A later turn follows the replica that served its deepest prefix (prefix affinity), and
   the prefill guard overrides any of these choices that would queue the prompt behind
   much more prefill than another replica (docs/routing.md).
-- ``consistent_hash``: a baseline: plain rendezvous over SHA-256 of the same window, no
-  hot-key spreading, no load or overload awareness (keyless requests: least-loaded).
-- ``round_robin``, ``least_loaded``: baselines that ignore the prompt.
+- ``consistent_hash``, ``round_robin``, ``least_loaded``: baselines to measure it against
+  (baselines.py).
 Every policy skips replicas whose breaker is open or whose probes fail.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import operator
 from collections.abc import Collection, Iterable, Mapping
@@ -32,23 +30,27 @@ from saltgate.derivations.derive import (
     DEFAULT_MIN_PROMPT_BYTES,
     DEFAULT_WINDOW_BYTES,
     NamespaceKeys,
+    PrefixDigest,
     Prompt,
+    RouteKey,
 )
 from saltgate.routing.affinity import PrefixAffinity
+from saltgate.routing.baselines import baseline_key, baseline_pick
+from saltgate.routing.domain import POLICIES, Policy, ReplicaId
 from saltgate.routing.health import Breaker, Overload, Probe, ReplicaHealth
 from saltgate.routing.hotkeys import HotKeys, warm_set_size
 from saltgate.routing.rendezvous import Member, rank
+from saltgate.routing.state import ReplicaState
 
 RANKING_CACHE: Final = 65_536  # route keys whose ranking is remembered; cleared when full
 NAMESPACE_CACHE: Final = 65_536  # (model, salt) keyed states remembered; cleared when full
-POLICIES: Final = ("saltgate", "round_robin", "least_loaded", "consistent_hash")
 
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     """The ``[router]`` section (docs/routing.md says how the defaults were chosen)."""
 
-    policy: str = "saltgate"
+    policy: Policy = Policy.SALTGATE
     window_bytes: int = DEFAULT_WINDOW_BYTES
     min_prompt_bytes: int = DEFAULT_MIN_PROMPT_BYTES
     per_replica_rate: float = 4.0
@@ -67,7 +69,7 @@ class RouterConfig:
     max_prefill_delta_cached: float = 262_144.0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
+        if not isinstance(self.policy, Policy):
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in (*_POSITIVE, *_NON_NEGATIVE):
             value = getattr(self, name)
@@ -94,14 +96,19 @@ class RouterConfig:
             kind = known.get(name)
             if kind is None:
                 raise ValueError(f"{name}: unknown key; expected some of {sorted(known)}")
-            if kind == "str":
-                ok = isinstance(value, str)
-            elif kind == "int":
+            if kind == "Policy":
+                if not (isinstance(value, str) and value in POLICIES):
+                    raise ValueError(
+                        f"{name}: expected one of {', '.join(POLICIES)}, got {value!r}"
+                    )
+                values[name] = Policy(value)
+                continue
+            if kind == "int":
                 ok = isinstance(value, int) and not isinstance(value, bool)
             else:
                 ok = isinstance(value, int | float) and not isinstance(value, bool)
             if not ok:
-                what = {"str": "a string", "int": "an integer"}.get(kind, "a number")
+                what = "an integer" if kind == "int" else "a number"
                 raise ValueError(f"{name}: expected {what}, got {type(value).__name__}")
             values[name] = float(value) if kind == "float" else value
         return cls(**values)
@@ -135,60 +142,10 @@ _NON_NEGATIVE: Final = (
 )
 
 
-class ReplicaState:
-    """What the router knows about one replica. ``load`` is an attribute kept current as
-    requests start and finish: every decision reads it several times per replica."""
-
-    __slots__ = (
-        "_inflight",
-        "_remote_inflight",
-        "health",
-        "id",
-        "load",
-        "member",
-        "prefill",
-        "remote_prefill",
-    )
-
-    def __init__(self, member: Member, health: ReplicaHealth) -> None:
-        self.id = member.id
-        self.member = member
-        self.health = health
-        self._inflight = 0
-        self._remote_inflight = 0  # the other gateways' (cluster bus), 0 without one
-        self.load = 0.0  # in-flight requests (all gateways') per unit of capacity weight
-        self.prefill = 0.0  # prompt bytes sent here and not yet prefilled (estimated uncached)
-        self.remote_prefill = 0.0  # ... by the other gateways of the cluster
-
-    def __repr__(self) -> str:
-        return f"ReplicaState({self.id!r}, inflight={self._inflight}, prefill={self.prefill:.0f})"
-
-    @property
-    def inflight(self) -> int:
-        """This gateway's requests in flight on the replica."""
-        return self._inflight
-
-    @inflight.setter
-    def inflight(self, value: int) -> None:
-        self._inflight = value
-        self.load = (value + self._remote_inflight) / self.member.weight
-
-    def set_remote(self, inflight: int, prefill: float) -> None:
-        """The other gateways' load on this replica, as the cluster bus last told it."""
-        self._remote_inflight = inflight
-        self.remote_prefill = prefill
-        self.load = (self._inflight + inflight) / self.member.weight
-
-    def set_member(self, member: Member) -> None:
-        """The same replica with a (possibly) new weight."""
-        self.member = member
-        self.load = (self._inflight + self._remote_inflight) / member.weight
-
-
 class Prefixes(NamedTuple):
     """A prompt's keyed prefix digests (shallow first) and its flattened size in bytes."""
 
-    digests: tuple[bytes, ...] = ()
+    digests: tuple[PrefixDigest, ...] = ()
     prompt_bytes: int = 0
 
 
@@ -204,13 +161,13 @@ class Plan(NamedTuple):
     its cache.
     """
 
-    key: bytes | None
+    key: RouteKey | None
     rate: float = 0.0
-    prefixes: tuple[bytes, ...] = ()
+    prefixes: tuple[PrefixDigest, ...] = ()
     prompt_bytes: int = 0
-    owners: Mapping[str, int] = MappingProxyType({})
+    owners: Mapping[ReplicaId, int] = MappingProxyType({})
 
-    def uncached_bytes(self, replica_id: str) -> int:
+    def uncached_bytes(self, replica_id: ReplicaId) -> int:
         """The prompt bytes ``replica_id`` would have to prefill (its cached prefix aside)."""
         return max(0, self.prompt_bytes - self.owners.get(replica_id, 0))
 
@@ -219,6 +176,29 @@ class Plan(NamedTuple):
             f"Plan(key={'<set>' if self.key else None}, rate={self.rate:.3f}, "
             f"prefixes={len(self.prefixes)}, prompt_bytes={self.prompt_bytes})"
         )
+
+
+Placement = tuple[tuple[PrefixDigest, ...], ReplicaId, int, float]
+
+
+class Shared(NamedTuple):
+    """What this gateway tells the others (routing/cluster.py), taken at once: the
+    placements made since the last take (digests, replica, prompt bytes, time), the route
+    keys seen with counts, and its own (replica, in flight, prefill bytes)."""
+
+    placements: list[Placement]
+    keys: list[tuple[RouteKey, int]]
+    backlog: list[tuple[ReplicaId, int, float]]
+
+
+class _Sharing:
+    """What the router keeps for the cluster bus between two takes."""
+
+    __slots__ = ("keys", "placements")
+
+    def __init__(self) -> None:
+        self.placements: list[Placement] = []
+        self.keys: dict[RouteKey, int] = {}
 
 
 class Router:
@@ -232,19 +212,18 @@ class Router:
         self._hot = HotKeys(config.hot_half_life_s)
         self._affinity = (
             PrefixAffinity(config.affinity_ttl_s)
-            if config.policy == "saltgate" and config.affinity_ttl_s > 0
+            if config.policy is Policy.SALTGATE and config.affinity_ttl_s > 0
             else None
         )
-        self._states: dict[str, ReplicaState] = {}
-        self._rankings: dict[bytes, list[str]] = {}
+        self._states: dict[ReplicaId, ReplicaState] = {}
+        self._rankings: dict[RouteKey, list[ReplicaId]] = {}
         self._namespaces: dict[tuple[str, str], NamespaceKeys] = {}
-        self._retired: dict[str, ReplicaState] = {}
+        self._retired: dict[ReplicaId, ReplicaState] = {}
         self._turn = 0
         self._inflight_total = 0
-        # Shared with the other gateways when a cluster bus runs (routing/cluster.py): the
-        # placements made and the route keys seen since the bus last took them. None: alone.
-        self.shared_placements: list[tuple[tuple[bytes, ...], str, int, float]] | None = None
-        self.shared_keys: dict[bytes, int] = {}
+        # Kept for the other gateways when a cluster bus runs (routing/cluster.py), until
+        # the bus takes it (`take_shared`). None: this gateway routes alone.
+        self._sharing: _Sharing | None = None
         self.set_members(members)
 
     def __repr__(self) -> str:
@@ -253,7 +232,7 @@ class Router:
     # -- membership ------------------------------------------------------------------------
     def set_members(self, members: Iterable[Member]) -> None:
         """Replace the replica set; replicas that stay keep their load and health."""
-        states: dict[str, ReplicaState] = {}
+        states: dict[ReplicaId, ReplicaState] = {}
         for member in members:
             if member.id in states:
                 raise ValueError(f"replica listed twice: {member.id}")
@@ -281,7 +260,7 @@ class Router:
         """The members in configuration order."""
         return tuple(self._states.values())
 
-    def state(self, replica_id: str) -> ReplicaState | None:
+    def state(self, replica_id: ReplicaId) -> ReplicaState | None:
         return self._states.get(replica_id)
 
     def busy(self) -> bool:
@@ -292,11 +271,27 @@ class Router:
         """Prefix digests in the affinity table (this gateway's and those learnt)."""
         return len(self._affinity) if self._affinity is not None else 0
 
-    def inflight(self, replica_id: str) -> int:
+    def inflight(self, replica_id: ReplicaId) -> int:
         state = self._states.get(replica_id) or self._retired.get(replica_id)
         return state.inflight if state is not None else 0
 
     # -- keys ------------------------------------------------------------------------------
+    def plan_request(
+        self,
+        route: str,
+        body: Mapping[str, Any],
+        model: str,
+        salt: str | None,
+        now: float,
+        *,
+        remember: bool,
+    ) -> Plan:
+        """A request's routing input, from its body in its (model, salt) namespace: route
+        key and prefix digests under the policy; ``remember``: see `namespace`."""
+        prompt = Prompt(body, route)
+        keys = self.namespace(model, salt, remember=remember)
+        return self.plan(self.request_key(prompt, keys), now, self.prefixes(prompt, keys))
+
     def namespace(self, model: str, salt: str | None, *, remember: bool = True) -> NamespaceKeys:
         """The keyed states of a (model, salt) namespace; with ``remember``, kept for the
         next request (False for salts from a user's secret, which outlive no request)."""
@@ -310,21 +305,21 @@ class Router:
                 self._namespaces[key] = keys
         return keys
 
-    def request_key(self, prompt: Prompt, keys: NamespaceKeys) -> bytes | None:
+    def request_key(self, prompt: Prompt, keys: NamespaceKeys) -> RouteKey | None:
         """The request's routing key under the policy, or None (no affinity)."""
         c = self.config
-        if c.policy in ("round_robin", "least_loaded"):
+        if c.policy in (Policy.ROUND_ROBIN, Policy.LEAST_LOADED):
             return None
         window = prompt.window(c.window_bytes, c.min_prompt_bytes)
         if window is None:
             return None
-        if c.policy == "consistent_hash":
-            return hashlib.sha256(window).digest()
+        if c.policy is not Policy.SALTGATE:
+            return baseline_key(c.policy, window)
         return keys.route_key(window)
 
     def prefixes(self, prompt: Prompt, keys: NamespaceKeys) -> Prefixes:
         """The request's keyed prefix digests and prompt size (policy saltgate; else none)."""
-        if self.config.policy != "saltgate":
+        if self.config.policy is not Policy.SALTGATE:
             return NO_PREFIXES
         if self._affinity is None and self.config.max_prefill_delta <= 0:
             return NO_PREFIXES  # neither the affinity table nor the guard would read it
@@ -334,11 +329,11 @@ class Router:
         digests = keys.prefix_digests(flat, self.config.affinity_first_depth)
         return Prefixes(tuple(digests), len(flat))
 
-    def ranking(self, key: bytes, now: float) -> list[str]:
+    def ranking(self, key: RouteKey, now: float) -> list[ReplicaId]:
         """Available replicas by rendezvous rank for ``key`` (the retry order)."""
         return [s.id for s in self._ranked(key, self._usable(now, ()))]
 
-    def _usable(self, now: float, exclude: Collection[str]) -> dict[str, ReplicaState]:
+    def _usable(self, now: float, exclude: Collection[ReplicaId]) -> dict[ReplicaId, ReplicaState]:
         """The replicas a request may go to now (not excluded, probes pass, breaker lets
         it by), in configuration order: computed once per decision."""
         return {
@@ -347,7 +342,7 @@ class Router:
             if rid not in exclude and state.health.available(now)
         }
 
-    def _ranked(self, key: bytes, usable: dict[str, ReplicaState]) -> list[ReplicaState]:
+    def _ranked(self, key: RouteKey, usable: dict[ReplicaId, ReplicaState]) -> list[ReplicaState]:
         order = self._rankings.get(key)
         if order is None:
             # The ranking depends only on the key and the members, so it is remembered
@@ -359,16 +354,17 @@ class Router:
         return [usable[rid] for rid in order if rid in usable]
 
     # -- decisions -------------------------------------------------------------------------
-    def plan(self, key: bytes | None, now: float, prefixes: Prefixes = NO_PREFIXES) -> Plan:
+    def plan(self, key: RouteKey | None, now: float, prefixes: Prefixes = NO_PREFIXES) -> Plan:
         """Fix a request's routing input; counts it toward its key's rate (saltgate)."""
-        if self.config.policy != "saltgate":
+        if self.config.policy is not Policy.SALTGATE:
             return Plan(key)
         rate = 0.0
         if key is not None:
             rate = self._hot.observe(key, now)
-            if self.shared_placements is not None:
-                self.shared_keys[key] = self.shared_keys.get(key, 0) + 1
-        owners: dict[str, int] = {}
+            sharing = self._sharing
+            if sharing is not None:
+                sharing.keys[key] = sharing.keys.get(key, 0) + 1
+        owners: dict[ReplicaId, int] = {}
         if prefixes.digests and self._affinity is not None:
             first = self.config.affinity_first_depth
             found = self._affinity.owners(prefixes.digests, now)
@@ -381,7 +377,7 @@ class Router:
             }
         return Plan(key, rate, prefixes.digests, prefixes.prompt_bytes, owners)
 
-    def pick(self, plan: Plan, now: float, exclude: Collection[str] = ()) -> str | None:
+    def pick(self, plan: Plan, now: float, exclude: Collection[ReplicaId] = ()) -> ReplicaId | None:
         """The replica for a request not yet tried on ``exclude``; None if none is left.
 
         Under ``saltgate`` the choice is remembered for the request's prefixes, so the next
@@ -391,27 +387,26 @@ class Router:
         if not usable:
             return None
         policy = self.config.policy
-        if policy != "saltgate":
-            return self._baseline(policy, plan, usable).id
+        if policy is not Policy.SALTGATE:
+            states = usable.values()
+            return baseline_pick(
+                policy,
+                plan.key,
+                lambda: self._rotation(states),
+                lambda key: self._ranked(key, usable),
+            ).id
         fresh = [s for s in usable.values() if not s.health.overload.overloaded]
         chosen = self._choose(plan, usable, fresh or list(usable.values()))
         if fresh:  # the choice is one of them (overloaded replicas only serve when all are)
             chosen = self._prefill_guard(chosen, plan, fresh)
         if plan.prefixes and self._affinity is not None:
             self._affinity.record(plan.prefixes, chosen.id, now, plan.prompt_bytes)
-            if self.shared_placements is not None:
-                self.shared_placements.append((plan.prefixes, chosen.id, plan.prompt_bytes, now))
+            if self._sharing is not None:
+                self._sharing.placements.append((plan.prefixes, chosen.id, plan.prompt_bytes, now))
         return chosen.id
 
-    def _baseline(self, policy: str, plan: Plan, usable: dict[str, ReplicaState]) -> ReplicaState:
-        if policy == "round_robin":
-            return self._rotation(usable.values())[0]
-        if plan.key is None or policy == "least_loaded":
-            return min(self._rotation(usable.values()), key=_load)
-        return self._ranked(plan.key, usable)[0]  # consistent_hash
-
     def _choose(
-        self, plan: Plan, usable: dict[str, ReplicaState], eligible: list[ReplicaState]
+        self, plan: Plan, usable: dict[ReplicaId, ReplicaState], eligible: list[ReplicaState]
     ) -> ReplicaState:
         """Policy saltgate before the prefill guard. ``eligible``: the usable replicas that
         are not overloaded (all usable ones if every replica is)."""
@@ -428,7 +423,7 @@ class Router:
         return self._warm_pick(ranked, eligible, plan.rate, owner)
 
     def _follow_prefix(
-        self, owners: Mapping[str, int], eligible: list[ReplicaState]
+        self, owners: Mapping[ReplicaId, int], eligible: list[ReplicaState]
     ) -> ReplicaState | None:
         """The replica that served the deepest shared prefix, if within the load cap."""
         ceiling = min(map(_load, eligible)) + self.config.max_inflight_delta
@@ -496,7 +491,7 @@ class Router:
         return listed[self._turn :] + listed[: self._turn]
 
     # -- events ----------------------------------------------------------------------------
-    def started(self, replica_id: str, now: float, prefill: float = 0.0) -> None:
+    def started(self, replica_id: ReplicaId, now: float, prefill: float = 0.0) -> None:
         """A request went to the replica; ``prefill``: its uncached prompt bytes there
         (`Plan.uncached_bytes`), counted until `prefilled` or `finished`."""
         state = self._states.get(replica_id)
@@ -506,25 +501,25 @@ class Router:
             state.prefill += prefill
             state.health.breaker.started(now)
 
-    def prefilled(self, replica_id: str, prefill: float) -> None:
+    def prefilled(self, replica_id: ReplicaId, prefill: float) -> None:
         """The request's first output arrived: its prompt no longer waits for prefill."""
         state = self._states.get(replica_id) or self._retired.get(replica_id)
         if state is not None:
             state.prefill = max(0.0, state.prefill - prefill)
 
-    def responded(self, replica_id: str) -> None:
+    def responded(self, replica_id: ReplicaId) -> None:
         """The replica answered (any status): the exchange worked."""
         state = self._states.get(replica_id)
         if state is not None:
             state.health.breaker.succeeded()
 
-    def failed(self, replica_id: str, now: float) -> None:
+    def failed(self, replica_id: ReplicaId, now: float) -> None:
         """The exchange broke (connect, timeout, reset), before or during the response."""
         state = self._states.get(replica_id)
         if state is not None:
             state.health.breaker.failed(now)
 
-    def finished(self, replica_id: str, prefill: float = 0.0) -> None:
+    def finished(self, replica_id: ReplicaId, prefill: float = 0.0) -> None:
         """The request no longer occupies the replica (every `started` gets one);
         ``prefill``: what of its `started` prefill `prefilled` has not taken back."""
         state = self._states.get(replica_id)
@@ -537,28 +532,49 @@ class Router:
             self._inflight_total -= 1
             state.prefill = max(0.0, state.prefill - prefill)
 
-    def probed(self, replica_id: str, ok: bool) -> None:
+    def probed(self, replica_id: ReplicaId, ok: bool) -> None:
         state = self._states.get(replica_id)
         if state is not None:
             state.health.probed(ok)
 
     # -- the cluster bus (routing/cluster.py) --------------------------------------------------
-    def start_sharing(self) -> list[tuple[tuple[bytes, ...], str, int, float]]:
-        """Keep what the other gateways should learn: returns `shared_placements`, the
-        (digests, replica, prompt bytes, time) of each pick from now on; `shared_keys`
-        counts the route keys seen."""
-        if self.shared_placements is None:
-            self.shared_placements = []
-        return self.shared_placements
+    def start_sharing(self) -> None:
+        """Keep what the other gateways should learn, from now on, for `take_shared`."""
+        if self._sharing is None:
+            self._sharing = _Sharing()
 
-    def local_backlog(self) -> list[tuple[str, int, float]]:
-        """(replica, requests in flight, prefill bytes) of this gateway's own traffic."""
-        return [(s.id, s.inflight, s.prefill) for s in self._states.values()]
+    def take_shared(self, max_placements: int) -> Shared:
+        """What the other gateways should learn since the last take: at most
+        ``max_placements`` placements (the oldest; the rest wait), every route key counted,
+        and this gateway's own backlog now."""
+        sharing = self._sharing
+        assert sharing is not None, "start_sharing first"
+        pending = sharing.placements
+        placements = pending[:max_placements]
+        del pending[:max_placements]
+        keys = list(sharing.keys.items())
+        sharing.keys.clear()
+        backlog = [(s.id, s.inflight, s.prefill) for s in self._states.values()]
+        return Shared(placements, keys, backlog)
+
+    def drop_shared(self, keep: int) -> int:
+        """Keep at most ``keep`` placements not yet taken (the oldest go first); returns
+        how many were dropped."""
+        pending = self._sharing.placements if self._sharing is not None else []
+        excess = len(pending) - keep
+        if excess > 0:
+            del pending[:excess]
+        return max(0, excess)
+
+    @property
+    def shared_pending(self) -> int:
+        """Placements made and not yet taken by the bus."""
+        return len(self._sharing.placements) if self._sharing is not None else 0
 
     def learn_placement(
         self,
-        digests: tuple[bytes, ...],
-        replica_id: str,
+        digests: tuple[PrefixDigest, ...],
+        replica_id: ReplicaId,
         prompt_bytes: int,
         now: float,
         ttl_s: float,
@@ -570,20 +586,20 @@ class Router:
             at = now - (self.config.affinity_ttl_s - ttl)
             self._affinity.learn(digests, replica_id, at, prompt_bytes)
 
-    def observe_remote_key(self, key: bytes, count: int, now: float) -> None:
+    def observe_remote_key(self, key: RouteKey, count: int, now: float) -> None:
         """Another gateway saw ``count`` requests of route key ``key``: one key's rate is
         the cluster's, so it spreads as it would through one gateway."""
-        if self.config.policy == "saltgate":
+        if self.config.policy is Policy.SALTGATE:
             self._hot.add(key, now, count)
 
-    def set_remote_load(self, loads: Mapping[str, tuple[int, float]]) -> None:
+    def set_remote_load(self, loads: Mapping[ReplicaId, tuple[int, float]]) -> None:
         """The other gateways' (in flight, prefill bytes) per replica; replicas not named
         carry none of theirs."""
         for rid, state in self._states.items():
             inflight, prefill = loads.get(rid, (0, 0.0))
             state.set_remote(inflight, prefill)
 
-    def observed_queue(self, replica_id: str, waiting: float | None) -> None:
+    def observed_queue(self, replica_id: ReplicaId, waiting: float | None) -> None:
         """The replica's reported queue length (None: it reports none)."""
         state = self._states.get(replica_id)
         if state is not None:

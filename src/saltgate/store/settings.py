@@ -8,12 +8,13 @@ rotated password file is picked up at the next connection).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlsplit
+
+from saltgate.tables import check_keys, toml_string
 
 Backend = Literal["sqlite", "postgresql"]
 
@@ -95,23 +96,6 @@ class StoreSettings:
             if value is not None:
                 lines.append(f"{key} = {toml_string(str(value))}")
         return "[store]\n" + "\n".join(lines) + "\n"
-
-
-def check_keys(table: Mapping[str, Any], known: set[str] | frozenset[str]) -> None:
-    """A table that names a password (`[store]`, `[cluster]`) refuses an inline one and
-    keys it does not know. Raises ValueError("<key>: <what is wrong>")."""
-    if "password" in table:
-        raise ValueError(
-            "password: do not put secrets in the config file; use password_file or password_env"
-        )
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ValueError(f"{unknown[0]}: unknown key; expected some of {sorted(known)}")
-
-
-def toml_string(value: str) -> str:
-    """A TOML basic string: JSON's escapes are all TOML's too."""
-    return json.dumps(value, ensure_ascii=True)
 
 
 def _sqlite_path(url: str, base: Path) -> Path:
