@@ -44,6 +44,7 @@ COMPILED_MODULES: Final = (
     "saltgate.ehbp.frames",
     "saltgate.gateway.access_log",
     "saltgate.gateway.cluster",
+    "saltgate.gateway.context",
     "saltgate.gateway.ehbp",
     "saltgate.gateway.exchange",
     "saltgate.gateway.metrics",

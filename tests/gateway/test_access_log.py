@@ -15,7 +15,8 @@ import orjson
 import pytest
 from tests.gateway.stack import MODEL, ledger_rows, run, stack
 
-from saltgate.gateway.access_log import AccessLog, Entry, _pieces
+from saltgate.gateway.access_log import AccessLog, _pieces
+from saltgate.gateway.context import RequestContext
 from saltgate.gateway.usage import Usage
 
 
@@ -82,7 +83,7 @@ def test_client_chosen_strings_cannot_forge_a_line(tmp_path: Path) -> None:
     async def main() -> None:
         out = tmp_path / "log"
         log = AccessLog.open(str(out), "text")
-        entry = Entry(b"POST", b"id\nforged line", 0.0)
+        entry = RequestContext(log, b"POST", b"id\nforged line", 0.0)
         entry.model = 'm" status=200\nforged'
         log.write(entry, 400, Usage(1, 0, 0))
         log.close()
@@ -98,7 +99,7 @@ def test_lines_are_written_in_batches(tmp_path: Path) -> None:
         out = tmp_path / "log"
         log = AccessLog.open(str(out), "json")
         for _ in range(3):
-            log.write(Entry(b"GET", None, 0.0), 200)
+            RequestContext(log, b"GET", None, 0.0).end(200)
         assert out.read_text() == ""  # held until the flush timer
         await asyncio.sleep(0.3)
         assert len(out.read_text().splitlines()) == 3
@@ -109,15 +110,16 @@ def test_lines_are_written_in_batches(tmp_path: Path) -> None:
 
 _PIPE_WRITER = """
 import asyncio, sys
-from saltgate.gateway.access_log import AccessLog, Entry
+from saltgate.gateway.access_log import AccessLog
+from saltgate.gateway.context import RequestContext
 
 async def main() -> None:
     log = AccessLog(int(sys.argv[1]), "json")
     log._atomic = sys.argv[2] == "on"  # "off": the positive control
     for _ in range(4000):
-        entry = Entry(b"POST", None, 0.0)
+        entry = RequestContext(log, b"POST", None, 0.0)
         entry.model = sys.argv[3] * 150
-        log.write(entry, 200)  # 64 KiB batches, far over PIPE_BUF
+        entry.end(200)  # 64 KiB batches, far over PIPE_BUF
     log.close()
 
 asyncio.run(main())

@@ -305,7 +305,7 @@ def test_a_shutdown_ends_exchanges_in_progress_with_one_record(tmp_path: Path) -
                     async for line in resp.aiter_lines():
                         if line.startswith("data: {"):
                             break
-                    await asyncio.wait_for(g.running.gateway.http.close(grace=0.1), 5)
+                    await asyncio.wait_for(g.running.server.close(grace=0.1), 5)
                 assert all(load == (0, 0.0) for load in g.load()), g.load()
                 [row] = g.records()
                 assert row["status"] in (499, 503)

@@ -26,42 +26,14 @@ from typing import Final
 
 import orjson
 
+from saltgate.gateway.context import RequestContext
 from saltgate.gateway.usage import Usage
-from saltgate.store.ledger import new_request_id
 
 FLUSH_S: Final = 0.2
 FLUSH_BYTES: Final = 64 * 1024
 FORMATS: Final = ("text", "json")
 _CLIENT_ID: Final = re.compile(rb"[\x21-\x7e]{1,128}")
 _NO_USAGE: Final = Usage()
-
-
-class Entry:
-    """What the log says of one request, filled in as the gateway learns it; its
-    `request_id` is also the id of the request's one usage record."""
-
-    __slots__ = (
-        "client_request_id",
-        "first_byte",
-        "logged",
-        "method",
-        "model",
-        "request_id",
-        "route",
-        "started",
-        "tenant_id",
-    )
-
-    def __init__(self, method: bytes, client_request_id: bytes | None, started: float) -> None:
-        self.request_id = new_request_id()
-        self.method = method
-        self.client_request_id = client_request_id
-        self.started = started
-        self.route = ""
-        self.tenant_id = ""
-        self.model = ""
-        self.first_byte = 0.0
-        self.logged = False
 
 
 class AccessLog:
@@ -88,8 +60,8 @@ class AccessLog:
             return cls(2, fmt)
         return cls(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640), fmt)
 
-    def write(self, entry: Entry, status: int, usage: Usage | None = None) -> None:
-        entry.logged = True
+    def write(self, entry: RequestContext, status: int, usage: Usage | None = None) -> None:
+        """The line of a request that ended (`RequestContext.end`)."""
         if self.fd is None:
             return
         now = time.monotonic()

@@ -32,7 +32,7 @@ import time
 from typing import Final
 
 from saltgate.derivations.derive import ROUTE_RESPONSES
-from saltgate.gateway.access_log import AccessLog, Entry
+from saltgate.gateway.context import RequestContext
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import Attempt, ReplicaSet
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
@@ -85,14 +85,13 @@ def _prefilled(route: str, chunk: bytes) -> bool:
 
 
 class Meter:
-    """Where exchanges report: the usage ledger, the token and latency metrics, the log."""
+    """Where exchanges report: the usage ledger, the token and latency metrics."""
 
-    __slots__ = ("access_log", "ledger", "metrics")
+    __slots__ = ("ledger", "metrics")
 
-    def __init__(self, ledger: UsageLedger, metrics: Metrics, access_log: AccessLog) -> None:
+    def __init__(self, ledger: UsageLedger, metrics: Metrics) -> None:
         self.ledger = ledger
         self.metrics = metrics
-        self.access_log = access_log
         metrics.describe("saltgate_tokens_total", "counter", "Tokens metered, by kind.")
         metrics.describe(_FAILURES, "counter", "Failed upstream exchanges.")
 
@@ -103,8 +102,8 @@ class Exchange:
     __slots__ = (
         "_attempt",
         "_client",
+        "_context",
         "_ended",
-        "_entry",
         "_finished",
         "_held",
         "_meter",
@@ -114,10 +113,12 @@ class Exchange:
         "_upstream",
     )
 
-    def __init__(self, meter: Meter, principal: Principal, entry: Entry, client: Client) -> None:
+    def __init__(
+        self, meter: Meter, principal: Principal, context: RequestContext, client: Client
+    ) -> None:
         self._meter = meter
         self._principal = principal
-        self._entry = entry
+        self._context = context
         self._client = client
         self._attempt: Attempt | None = None
         self._upstream: UpstreamResponse | None = None
@@ -217,9 +218,10 @@ class Exchange:
                 if held:
                     return held
                 break
-            if not self._entry.first_byte:
-                self._entry.first_byte = time.monotonic()
-            if self._prefilling and _prefilled(self._entry.route, chunk):
+            context = self._context
+            if not context.first_byte:
+                context.first_byte = time.monotonic()
+            if self._prefilling and _prefilled(context.route, chunk):
                 self._prefilling = False
                 if self._attempt is not None:
                     self._attempt.first_output()
@@ -260,7 +262,8 @@ class Exchange:
         self._meter.metrics.inc(_FAILURES)
 
     async def _end(self, status: int, usage: Usage | None = None) -> None:
-        """Free the replica and the upstream connection, then commit the one record."""
+        """Free the replica and the upstream connection, commit the one record, and end
+        the request."""
         if self._ended:
             return
         self._ended = True
@@ -272,13 +275,13 @@ class Exchange:
             status = CLIENT_CLOSED
         used = usage or _NO_USAGE
         p = self._principal
-        entry = self._entry
+        context = self._context
         record = UsageRecord(
-            request_id=entry.request_id,  # this exchange's one record, however often committed
+            request_id=context.request_id,  # this exchange's one record, however often committed
             ts=time.time(),
             tenant_id=p.tenant_id,
             key_id=p.key_id,
-            model=entry.model,
+            model=context.model,
             prompt_tokens=used.prompt_tokens,
             cached_tokens=used.cached_tokens,
             completion_tokens=used.completion_tokens,
@@ -290,5 +293,5 @@ class Exchange:
         tokens[_PROMPT] += record.prompt_tokens
         tokens[_CACHED] += record.cached_tokens
         tokens[_COMPLETION] += record.completion_tokens
-        meter.metrics.observe_latency((), time.monotonic() - entry.started)
-        meter.access_log.write(entry, status, usage)
+        meter.metrics.observe_latency((), time.monotonic() - context.started)
+        context.end(status, usage)

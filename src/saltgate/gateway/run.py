@@ -1,9 +1,13 @@
-"""Assemble and run a gateway: `saltgate serve --config FILE` (and saltgate/demo.py's `up`)."""
+"""Assemble and run a gateway: `saltgate serve --config FILE` (and saltgate/demo.py's `up`).
+
+Built in one direction: the gateway from its parts, the handler chain around it (the
+EHBP edge when it is on), and the HTTP server last, around that chain. Closing runs the
+other way: the server stops taking requests, then the gateway closes what it holds.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import signal
 import socket
 import sys
@@ -18,8 +22,8 @@ from saltgate.gateway.cluster import ClusterBus, start_cluster_bus
 from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
-from saltgate.gateway.server import Gateway
-from saltgate.http import HttpServer, Request, Response
+from saltgate.gateway.server import Gateway, error_response
+from saltgate.http import Handler, HttpServer, Request, Response
 from saltgate.http.server import AcceptGate
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
@@ -41,7 +45,9 @@ class SharedListener:
 @dataclass
 class RunningGateway:
     gateway: Gateway
+    server: HttpServer  # serves the gateway's handler chain
     port: int
+    metrics: Metrics
     admin: HttpServer | None
     admin_port: int | None
     ehbp: EhbpEdge | None = None
@@ -55,22 +61,17 @@ class RunningGateway:
     def reload(self, config: GatewayConfig) -> None:
         """Apply a new [[replicas]] list without a restart (SIGHUP), to the router and to
         the KV-event relay's upstreams; other settings wait for the next start."""
-        gateway = self.gateway
-        gateway.replicas.reload(config.replicas)
-        gateway.config = dataclasses.replace(gateway.config, replicas=config.replicas)
+        self.gateway.reload(config)
         if self.kv_relay is not None:
             self.kv_relay.set_upstreams(kv_upstreams(config))
 
     async def close(self) -> None:
-        await self.gateway.http.close()
+        await self.server.close()
         if self.cluster is not None:
             await self.cluster.close()
         if self.admin is not None:
             await self.admin.close()
-        await self.gateway.replicas.close()
-        await self.gateway.ledger.aclose()
-        self.gateway.meter.access_log.close()
-        await self.gateway.keys.aclose()
+        await self.gateway.aclose()
         if self.kv_relay is not None:
             await asyncio.to_thread(self.kv_relay.close)
 
@@ -121,12 +122,21 @@ async def start_gateway(
         access_log=AccessLog.open(config.access_log, config.log_format),
     )
     ehbp = _ehbp_edge(config, gateway, metrics, ehbp_key)
+    handler: Handler = gateway.handle if ehbp is None else ehbp.handle
+    # on_client_gone: "finish" lets an exchange run to its end when the client leaves,
+    # so the replica's own usage is metered (gateway/exchange.py); "abort" cancels it.
+    server = HttpServer(
+        handler,
+        max_body_bytes=config.max_body_bytes,
+        error_response=error_response,
+        cancel_on_disconnect=config.on_client_gone == "abort",
+    )
     await replicas.probe_all()
     replicas.start_probing()
     if listener is None:
-        port = await gateway.http.start(config.host, config.port)
+        port = await server.start(config.host, config.port)
     else:
-        port = gateway.http.start_shared(listener.sock, listener.gate)
+        port = server.start_shared(listener.sock, listener.gate)
     admin = None
     admin_port = None
     if config.admin_port is not None:
@@ -140,7 +150,7 @@ async def start_gateway(
 
         admin = HttpServer(admin_handler)
         admin_port = await admin.start(config.admin_host, config.admin_port)
-    running = RunningGateway(gateway, port, admin, admin_port, ehbp)
+    running = RunningGateway(gateway, server, port, metrics, admin, admin_port, ehbp)
     try:
         running.cluster = start_cluster_bus(config.cluster, replicas, subkeys.route, metrics)
         running.kv_relay = start_kv_relay(config, subkeys.kv_events)
@@ -153,12 +163,11 @@ async def start_gateway(
 def _ehbp_edge(
     config: GatewayConfig, gateway: Gateway, metrics: Metrics, key: ServerKey | None
 ) -> EhbpEdge | None:
-    """Serve EHBP beside plaintext with `key`, or `ehbp_key(config)`."""
+    """The EHBP edge around the gateway's handler, serving EHBP beside plaintext with
+    `key` or `ehbp_key(config)`; None when EHBP is off."""
     if not config.ehbp:
         return None
-    edge = EhbpEdge(gateway.handle, key or ehbp_key(config), metrics)
-    gateway.http.handler = edge.handle
-    return edge
+    return EhbpEdge(gateway.handle, key or ehbp_key(config), metrics)
 
 
 def ehbp_key(config: GatewayConfig) -> ServerKey:

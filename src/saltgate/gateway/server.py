@@ -1,13 +1,16 @@
-"""The gateway's HTTP edge: authenticate, apply the request policy, salt, forward, meter.
+"""The gateway's request path: authenticate, apply the request policy, salt, forward, meter.
 
-Everything that decides is pure and lives elsewhere (policy/, derivations/, gateway/usage.py);
-this module only strings the steps together around the two I/O ends: the client
-connection and the upstream pool. A response is delivered only after its usage record
-is committed (for streams: the closing `data: [DONE]` waits for the commit).
+Everything that decides is pure and lives elsewhere (policy/, derivations/, routing/,
+gateway/usage.py); this module only strings the steps together between the two I/O
+ends: the HTTP server that calls `Gateway.handle` (built around it by gateway/run.py,
+behind the EHBP edge when that is on) and the upstream pool. A response is delivered
+only after its usage record is committed (for streams: the closing `data: [DONE]` waits
+for the commit). The gateway owns what it holds: `reload` and `aclose` are its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -15,12 +18,13 @@ import orjson
 
 from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
-from saltgate.gateway.access_log import AccessLog, Entry
+from saltgate.gateway.access_log import AccessLog
+from saltgate.gateway.context import RequestContext
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
-from saltgate.http import HttpServer, Request, Response
+from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import credential, forward_request_headers
 from saltgate.policy.request import inspect, parse_body, prepare, resolve_route
@@ -61,15 +65,8 @@ class Gateway:
         self.ledger = ledger
         self.replicas = replicas
         self.metrics = metrics or Metrics()
-        self.meter = Meter(ledger, self.metrics, access_log or AccessLog(None))
-        # on_client_gone: "finish" lets an exchange run to its end when the client leaves,
-        # so the replica's own usage is metered (gateway/exchange.py); "abort" cancels it.
-        self.http = HttpServer(
-            self.handle,
-            max_body_bytes=config.max_body_bytes,
-            error_response=error_response,
-            cancel_on_disconnect=config.on_client_gone == "abort",
-        )
+        self.meter = Meter(ledger, self.metrics)
+        self._log = access_log or AccessLog(None)
         self._tenant_salts: dict[tuple[str, int], str] = {}
         self._routes: dict[tuple[bytes, bytes], str] = {}
         self._request_labels: dict[tuple[bytes, int], tuple[tuple[str, str], ...]] = {}
@@ -92,16 +89,33 @@ class Gateway:
             lambda: [((("replica", str(i)),), float(ok)) for i, _, ok in self.replicas.available()],
         )
 
+    # -- lifecycle -------------------------------------------------------------------------
+    def reload(self, config: GatewayConfig) -> None:
+        """Take a new [[replicas]] list without a restart (SIGHUP); other settings wait
+        for the next start."""
+        self.replicas.reload(config.replicas)
+        self.config = dataclasses.replace(self.config, replicas=config.replicas)
+
+    async def aclose(self) -> None:
+        """Close what the gateway holds, once its server hands it no more requests."""
+        await self.replicas.close()
+        await self.ledger.aclose()
+        self._log.close()
+        await self.keys.aclose()
+
     # -- the request path ----------------------------------------------------------------
     async def handle(self, request: Request, body_encrypted: bool = False) -> Response:
-        entry = Entry(request.method, request.header(b"x-request-id"), time.monotonic())
+        """A request's response; ``body_encrypted``: the EHBP edge opened its body."""
+        context = RequestContext(
+            self._log, request.method, request.header(b"x-request-id"), time.monotonic()
+        )
         try:
-            response = await self._handle(request, entry, body_encrypted)
+            response = await self._handle(request, context, body_encrypted)
         except ApiError as error:
             response = api_error_response(error)
-        response.headers.append((b"x-request-id", entry.request_id.encode()))
-        if response.stream is None and not entry.logged:  # a stream's exchange logs its end
-            self.meter.access_log.write(entry, response.status)
+        response.headers.append((b"x-request-id", context.request_id.encode()))
+        if response.stream is None:  # a stream ends with its exchange
+            context.end(response.status)
         key = (request.method, response.status)
         labels = self._request_labels.get(key)
         if labels is None:  # bounded: llhttp knows a fixed set of methods
@@ -110,23 +124,25 @@ class Gateway:
         self.metrics.inc("saltgate_requests_total", labels)
         return response
 
-    async def _handle(self, request: Request, entry: Entry, body_encrypted: bool) -> Response:
+    async def _handle(
+        self, request: Request, context: RequestContext, body_encrypted: bool
+    ) -> Response:
         route = self._routes.get((request.method, request.path))
         if route is None:
             route = resolve_route(request.method, request.path)
             self._routes[(request.method, request.path)] = route  # bounded: allowed routes only
-        entry.route = route
+        context.route = route
         if route == "/health":
             return Response(200, list(JSON), b'{"status":"ok"}')
         principal = self._authenticate(request)
-        entry.tenant_id = principal.tenant_id
+        context.tenant_id = principal.tenant_id
         if route == "/v1/models":
             return Response(
                 200, list(JSON), orjson.dumps({"object": "list", "data": self.replicas.models()})
             )
         body = parse_body(request.body, self.config.max_body_bytes)
         inspected = inspect(route, body.obj)
-        entry.model = inspected.model
+        context.model = inspected.model
         if (
             inspected.user_cache_secret
             and not body_encrypted
@@ -138,12 +154,12 @@ class Gateway:
         plan = self.replicas.plan(
             route, body.obj, inspected.model, salt, remember=inspected.user_cache_secret is None
         )
-        exchange = Exchange(self.meter, principal, entry, request.client)
+        exchange = Exchange(self.meter, principal, context, request.client)
         return await exchange.forward(
             self.replicas,
             plan,
             request.path,
-            forward_request_headers(request.headers, entry.request_id),
+            forward_request_headers(request.headers, context.request_id),
             payload,
             client_wants_usage=inspected.client_wants_usage,
         )

@@ -39,9 +39,7 @@ async def _serve_orders(
     """Answer the parent's orders until it closes the channel."""
     while (order := await control.read_order(reader)) is not None:
         if isinstance(order, control.SendMetrics):
-            writer.write(
-                control.frame(control.METRICS + running.gateway.metrics.snapshot().to_json())
-            )
+            writer.write(control.frame(control.METRICS + running.metrics.snapshot().to_json()))
         elif isinstance(order, control.Reload):
             gateway = running.gateway
             running.reload(dataclasses.replace(gateway.config, replicas=order.replicas))
