@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 from tests.gateway.stack import run, stack
+from tests.support.configs import write_gateway_config
 
 from saltgate.audit.deployment import (
     CanaryObservation,
@@ -120,20 +121,15 @@ def test_canary_judgement_needs_its_control() -> None:
 
 
 def write_config(path: Path, config: GatewayConfig, gateway_port: int, env_key: str | None) -> Path:
-    lines = [
-        "[gateway]",
-        f"port = {gateway_port}",
-        f'state_dir = "{config.state_dir}"',
-        f'master_key_file = "{config.master_key_file}"',
-    ]
-    for replica in config.replicas:
-        lines += ["[[replicas]]", f'url = "{replica.url}"']
-        if env_key:
-            lines.append(f'api_key_env = "{env_key}"')
-    if not config.salting:
-        lines += ["[testing]", "disable_salting = true"]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_gateway_config(
+        path,
+        state_dir=config.state_dir,
+        replica_urls=(r.url for r in config.replicas),
+        port=gateway_port,
+        master_key_file=config.master_key_file,
+        replica_key_env=env_key,
+        salting=config.salting,
+    )
 
 
 def zmq_pub(curve: bool) -> tuple[zmq.Socket[bytes], str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from functools import partial
 from typing import Any
 
 import httpx
@@ -26,6 +27,8 @@ from tests.conformance.fleet import (
     stored,
 )
 from tests.gateway.stack import long_prompt
+from tests.support import completions
+from tests.support.completions import cached
 from tests.support.kv_relay import assert_nothing_leaks, collect, raw_stream
 
 from saltgate.derivations.derive import cache_salt
@@ -60,17 +63,7 @@ def direct(replica: VllmReplica, fleet: Fleet) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=replica.url, headers=headers, timeout=120)
 
 
-async def complete(client: httpx.AsyncClient, prompt: object, **extra: Any) -> dict[str, Any]:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, **extra}
-    r = await client.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
-
-
-def cached(response: dict[str, Any]) -> int:
-    value: int = response["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return value
+complete = partial(completions.complete, model=MODEL_NAME, max_tokens=1)
 
 
 def salts_of(events: list[KVEvent]) -> set[str]:
@@ -192,7 +185,10 @@ def test_3_client_cache_salt_and_vllm_xargs_never_reach_vllm(
     fleet: Fleet, tenancy: Tenancy
 ) -> None:
     replica = fleet.replicas[0]
-    smuggled = {"cache_salt": CLIENT_SALT, "vllm_xargs": {"kv_cache_report_mode": "full"}}
+    smuggled: dict[str, Any] = {
+        "cache_salt": CLIENT_SALT,
+        "vllm_xargs": {"kv_cache_report_mode": "full"},
+    }
 
     async def main() -> tuple[list[KVEvent], list[KVEvent]]:
         start = next_seq(replica)
@@ -270,7 +266,7 @@ def test_5_simulator_and_vllm_agree_on_block_hashes(fleet: Fleet, tenancy: Tenan
             assert sim.publisher is not None and sim.publisher.bound_replay_endpoint
             sim_replay = sim.publisher.bound_replay_endpoint
             for salt in ("sg1_agreement-" + RUN, None):
-                extra = {"cache_salt": salt} if salt else {}
+                extra: dict[str, Any] = {"cache_salt": salt} if salt else {}
                 start = next_seq(replica)
                 async with direct(replica, fleet) as client:
                     await complete(client, tokens, **extra)

@@ -14,6 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, ledger_rows, run, stack
+from tests.support.waiting import eventually
 
 from saltgate.gateway.access_log import AccessLog, _pieces
 from saltgate.gateway.context import RequestContext
@@ -101,8 +102,7 @@ def test_lines_are_written_in_batches(tmp_path: Path) -> None:
         for _ in range(3):
             RequestContext(log, b"GET", None, 0.0).end(200)
         assert out.read_text() == ""  # held until the flush timer
-        await asyncio.sleep(0.3)
-        assert len(out.read_text().splitlines()) == 3
+        await eventually(lambda: len(out.read_text().splitlines()) == 3, what="the timed flush")
         log.close()
 
     asyncio.run(main())

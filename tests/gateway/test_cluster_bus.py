@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 from tests.gateway.stack import MODEL, new_state_dir, run
+from tests.support import completions
+from tests.support.completions import cached
 from tests.support.exceptions import ExceptionWatch
 from tests.support.waiting import eventually
 
@@ -101,12 +103,7 @@ def conversation(k: int) -> tuple[str, str]:
 
 async def complete(http: httpx.AsyncClient, prompt: str) -> int:
     """Cached prompt tokens of one completion (asserting it succeeded)."""
-    resp = await http.post(
-        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
-    )
-    assert resp.status_code == 200, resp.text
-    details = resp.json()["usage"].get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)
+    return cached(await completions.complete(http, prompt, model=MODEL, max_tokens=1))
 
 
 def is_up(bus: ClusterBus) -> bool:

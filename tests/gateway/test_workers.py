@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import ehbp
 import httpx
@@ -40,6 +41,16 @@ from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore
 
 WORKERS = 2
+
+
+def accept_queue(port: int) -> int:
+    """Connections the kernel accepted and no worker has taken yet, on the IPv4 listener
+    at ``port`` (a listening socket's rx_queue in /proc/net/tcp is its accept queue)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+            return int(fields[4].split(":")[1], 16)
+    return 0
 
 
 def worker_pids(parent: int) -> dict[int, int]:
@@ -353,7 +364,11 @@ def test_connections_queued_when_a_worker_dies_are_served_by_the_other(tmp_path:
                         asyncio.create_task(http.post("/v1/completions", json=_body(False)))
                         for _ in range(16)
                     ]
-                    await asyncio.sleep(0.5)  # every connection is made, none accepted
+                    port = urlsplit(f.gateway.url).port
+                    assert port is not None
+                    await eventually(
+                        lambda: accept_queue(port) == len(queued), what="every connection queued"
+                    )
                     assert not any(t.done() for t in queued)
                     os.kill(pids[0], signal.SIGKILL)
                     await eventually(lambda: gone(pids[0]), what="worker 0 exits")
@@ -419,7 +434,11 @@ def test_a_reload_while_a_worker_restarts_reaches_it_too(tmp_path: Path) -> None
             victim = worker_pids(f.pid)[1]
             os.kill(victim, signal.SIGKILL)
             await eventually(lambda: gone(victim), what="the killed worker exits")
-            await asyncio.sleep(0.7)  # past the restart's pause and backoff: it is starting
+            await eventually(
+                lambda: victim not in worker_pids(f.pid).values() and 1 in worker_pids(f.pid),
+                timeout_s=30,
+                what="worker 1's replacement starting",
+            )
             line = await _reload_to_second_replica(f)
             assert line.endswith(" workers\n") and "1 replicas in " in line, line
 

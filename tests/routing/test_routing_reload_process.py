@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 from tests.gateway.stack import MODEL, long_prompt, new_state_dir, run
+from tests.support.configs import write_gateway_config
 
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 
@@ -17,10 +18,12 @@ SALTGATE = Path(sys.executable).parent / "saltgate"
 
 
 def write_config(path: Path, state: Path, sims: list[RunningSim]) -> None:
-    replicas = "".join(f'[[replicas]]\nurl = "{s.url}"\n' for s in sims)
-    path.write_text(
-        f'[gateway]\nport = 0\nadmin_port = 0\nstate_dir = "{state}"\n'
-        f"[router]\nprobe_interval_s = 0.2\n{replicas}"
+    write_gateway_config(
+        path,
+        state_dir=state,
+        replica_urls=(s.url for s in sims),
+        admin_port=0,
+        sections="[router]\nprobe_interval_s = 0.2\n",
     )
 
 

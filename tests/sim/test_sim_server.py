@@ -6,13 +6,16 @@ import asyncio
 import statistics
 import time
 from collections.abc import AsyncGenerator
+from functools import partial
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 import zmq
+from tests.support import completions
 from tests.support.completions import SIM_MODEL as MODEL
+from tests.support.completions import cached
 from tests.support.sim import run, sim
 
 from saltgate.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
@@ -24,17 +27,7 @@ from saltgate.sim.tokenizer import tokenize
 JSON_TYPE = {"content-type": "application/json"}
 
 
-async def complete(client: httpx.AsyncClient, prompt: object, **extra: Any) -> dict[str, Any]:
-    resp = await client.post(
-        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
-    )
-    assert resp.status_code == 200, resp.text
-    doc: dict[str, Any] = resp.json()
-    return doc
-
-
-def cached(doc: dict[str, Any]) -> int:
-    return int(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
+complete = partial(completions.complete, max_tokens=1)
 
 
 def test_same_salt_hits_other_or_no_salt_misses() -> None:

@@ -10,37 +10,21 @@ from pathlib import Path
 
 import pytest
 from tests.support.crash import acknowledged_before_sigkill
+from tests.support.ledger import sqlite_rows, usage_record
 
-from saltgate.store.ledger import Ledger, LedgerError, UsageRecord
-
-
-def _rec(i: int, tenant: str = "tn_a", model: str = "m") -> UsageRecord:
-    return UsageRecord(
-        f"req-{i:08d}", 1_700_000_000.0 + i, tenant, f"key_{i}", model, 100 + i, i, 7, 200
-    )
-
-
-def _rows(path: Path) -> list[tuple[object, ...]]:
-    conn = sqlite3.connect(path)
-    try:
-        return conn.execute(
-            "SELECT request_id, ts, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
-            "completion_tokens, status FROM usage ORDER BY ts"
-        ).fetchall()
-    finally:
-        conn.close()
+from saltgate.store.ledger import Ledger, LedgerError
 
 
 def test_records_committed_and_batched(tmp_path: Path) -> None:
     path = tmp_path / "saltgate.db"
     n = 500
-    records = [_rec(i) for i in range(n)]
+    records = [usage_record(i) for i in range(n)]
 
     async def run() -> Ledger:
         ledger = Ledger(path)
         await asyncio.gather(*(ledger.record(r) for r in records))
         # Acknowledged means committed: visible to another connection before close().
-        assert len(_rows(path)) == n
+        assert len(sqlite_rows(path)) == n
         await ledger.aclose()
         return ledger
 
@@ -49,7 +33,7 @@ def test_records_committed_and_batched(tmp_path: Path) -> None:
     assert st.records == n
     assert st.transactions < n // 10, st  # concurrent records shared transactions
     assert st.max_batch_seen > 1
-    assert _rows(path) == [tuple(r) for r in records]
+    assert sqlite_rows(path) == [tuple(r) for r in records]
 
 
 def test_a_record_committed_twice_counts_once(tmp_path: Path) -> None:
@@ -59,19 +43,23 @@ def test_a_record_committed_twice_counts_once(tmp_path: Path) -> None:
 
     async def run() -> None:
         ledger = Ledger(path)
-        await ledger.record(_rec(0))
-        await ledger.record(_rec(0))
-        await asyncio.gather(ledger.record(_rec(1)), ledger.record(_rec(1)), ledger.record(_rec(2)))
+        await ledger.record(usage_record(0))
+        await ledger.record(usage_record(0))
+        await asyncio.gather(
+            ledger.record(usage_record(1)),
+            ledger.record(usage_record(1)),
+            ledger.record(usage_record(2)),
+        )
         await ledger.aclose()
 
     asyncio.run(run())
-    assert _rows(path) == [tuple(_rec(i)) for i in range(3)]
+    assert sqlite_rows(path) == [tuple(usage_record(i)) for i in range(3)]
 
 
 def test_max_batch_bounds_transactions(tmp_path: Path) -> None:
     async def run() -> Ledger:
         ledger = Ledger(tmp_path / "saltgate.db", max_batch=16)
-        await asyncio.gather(*(ledger.record(_rec(i)) for i in range(200)))
+        await asyncio.gather(*(ledger.record(usage_record(i)) for i in range(200)))
         await ledger.aclose()
         return ledger
 
@@ -89,7 +77,7 @@ def test_a_busy_gateway_lets_one_commit_carry_records_from_several_loop_turns(
         async def late(i: int) -> None:
             for _ in range(i):  # arrive i loop turns later
                 await asyncio.sleep(0)
-            await ledger.record(_rec(i))
+            await ledger.record(usage_record(i))
 
         await asyncio.gather(*(late(i) for i in range(10)))
         await ledger.aclose()
@@ -110,9 +98,9 @@ def test_an_idle_gateway_commits_without_waiting_for_another_loop_turn(tmp_path:
         ledger = Ledger(path, busy=lambda: False)
         turned: list[bool] = []
         asyncio.get_running_loop().call_soon(turned.append, True)
-        await ledger.record(_rec(1))
+        await ledger.record(usage_record(1))
         assert turned == []  # committed and returned within this turn of the loop
-        assert len(_rows(path)) == 1
+        assert len(sqlite_rows(path)) == 1
         await ledger.aclose()
 
     asyncio.run(run())
@@ -123,13 +111,13 @@ def test_close_drains_and_refuses_new_records(tmp_path: Path) -> None:
 
     async def run() -> None:
         ledger = Ledger(path)
-        tasks = [asyncio.ensure_future(ledger.record(_rec(i))) for i in range(50)]
+        tasks = [asyncio.ensure_future(ledger.record(usage_record(i))) for i in range(50)]
         await asyncio.sleep(0)  # let every task enqueue
         ledger.close()  # blocks until the queue is committed
-        assert len(_rows(path)) == 50
+        assert len(sqlite_rows(path)) == 50
         await asyncio.gather(*tasks)
         with pytest.raises(LedgerError, match="closed"):
-            await ledger.record(_rec(99))
+            await ledger.record(usage_record(99))
         ledger.close()  # idempotent
 
     asyncio.run(run())
@@ -140,12 +128,12 @@ def test_commit_failure_reaches_the_caller(tmp_path: Path) -> None:
 
     async def run() -> None:
         ledger = Ledger(path)
-        await ledger.record(_rec(0))
+        await ledger.record(usage_record(0))
         conn = sqlite3.connect(path)
         conn.execute("DROP TABLE usage")  # a real SQLite failure for the next commit
         conn.close()
         with pytest.raises(LedgerError, match="not committed: no such table: usage"):
-            await ledger.record(_rec(1))
+            await ledger.record(usage_record(1))
         await ledger.aclose()
 
     asyncio.run(run())
@@ -157,12 +145,12 @@ def test_a_count_sqlite_cannot_hold_fails_its_batch_not_the_ledger(tmp_path: Pat
     async def run() -> None:
         ledger = Ledger(path)
         with pytest.raises(LedgerError, match="not committed"):
-            await ledger.record(_rec(0)._replace(prompt_tokens=2**70))
-        await ledger.record(_rec(1))
+            await ledger.record(usage_record(0)._replace(prompt_tokens=2**70))
+        await ledger.record(usage_record(1))
         await ledger.aclose()
 
     asyncio.run(run())
-    assert _rows(path) == [tuple(_rec(1))]
+    assert sqlite_rows(path) == [tuple(usage_record(1))]
 
 
 def test_cancelled_waiter_does_not_break_the_writer(tmp_path: Path) -> None:
@@ -170,14 +158,14 @@ def test_cancelled_waiter_does_not_break_the_writer(tmp_path: Path) -> None:
 
     async def run() -> None:
         ledger = Ledger(path)
-        task = asyncio.ensure_future(ledger.record(_rec(0)))
+        task = asyncio.ensure_future(ledger.record(usage_record(0)))
         await asyncio.sleep(0)
         task.cancel()
-        await ledger.record(_rec(1))
+        await ledger.record(usage_record(1))
         await ledger.aclose()
 
     asyncio.run(run())
-    assert len(_rows(path)) == 2  # a cancelled wait does not un-record
+    assert len(sqlite_rows(path)) == 2  # a cancelled wait does not un-record
 
 
 def test_sigkill_loses_no_acknowledged_record(tmp_path: Path) -> None:
@@ -207,7 +195,7 @@ def _wal_frames_per_pass(tmp_path: Path, name: str, rewind: int | None) -> tuple
         seen = records = 0
         while seen < 100:
             assert time.monotonic() < deadline, "the checkpoint thread made under 100 passes"
-            await ledger.record(_rec(records))
+            await ledger.record(usage_record(records))
             records += 1
             if ledger.checkpoints > seen:
                 seen = ledger.checkpoints

@@ -13,6 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from tests.support.crash import acknowledged_before_sigkill
+from tests.support.ledger import USAGE_COLUMNS, postgres_rows, usage_record
 from tests.support.postgres import new_database
 from tests.support.waiting import eventually
 
@@ -23,24 +24,6 @@ from saltgate.store.postgres import PostgresDatabase, conninfo
 from saltgate.store.settings import StoreSettings
 from saltgate.store.spool import Spool, encode, read_records
 
-_COLUMNS = (
-    "request_id, ts, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
-    "completion_tokens, status"
-)
-
-
-def _rec(i: int, tenant: str = "tn_a") -> UsageRecord:
-    ts = 1_700_000_000.0 + i
-    return UsageRecord(f"req-{i:08d}", ts, tenant, f"key_{i}", "m", 100 + i, i, 7, 200)
-
-
-def _rows(settings: StoreSettings) -> list[tuple[object, ...]]:
-    db = PostgresDatabase(settings)
-    try:
-        return db.query(f"SELECT {_COLUMNS} FROM usage ORDER BY ts")
-    finally:
-        db.close()
-
 
 def _spooled(settings: StoreSettings) -> list[Path]:
     assert settings.spool_dir is not None
@@ -49,15 +32,15 @@ def _spooled(settings: StoreSettings) -> list[Path]:
 
 def test_records_are_committed_before_acknowledged_and_batched(pg_store: StoreSettings) -> None:
     PostgresDatabase(pg_store).close()  # migrate
-    records = [_rec(i) for i in range(500)]
+    records = [usage_record(i) for i in range(500)]
 
     async def run() -> PgLedger:
         ledger = PgLedger(pg_store)
         await ledger.start()
         await ledger.record(records[0])
-        assert len(_rows(pg_store)) == 1  # acknowledged means visible to another connection
+        assert len(postgres_rows(pg_store)) == 1  # acknowledged means visible to another connection
         await asyncio.gather(*(ledger.record(r) for r in records[1:]))
-        assert len(_rows(pg_store)) == 500
+        assert len(postgres_rows(pg_store)) == 500
         await ledger.aclose()
         return ledger
 
@@ -66,7 +49,7 @@ def test_records_are_committed_before_acknowledged_and_batched(pg_store: StoreSe
     assert st.records == 500
     assert st.transactions < 50, st  # concurrent records shared transactions
     assert st.max_batch_seen > 1
-    assert _rows(pg_store) == [tuple(r) for r in records]
+    assert postgres_rows(pg_store) == [tuple(r) for r in records]
     assert ledger.spooled == 0 and not _spooled(pg_store)
 
 
@@ -76,13 +59,17 @@ def test_a_record_committed_twice_counts_once(pg_store: StoreSettings) -> None:
     async def run() -> None:
         ledger = PgLedger(pg_store)
         await ledger.start()
-        await ledger.record(_rec(0))
-        await ledger.record(_rec(0)._replace(prompt_tokens=999))
-        await asyncio.gather(ledger.record(_rec(1)), ledger.record(_rec(1)), ledger.record(_rec(2)))
+        await ledger.record(usage_record(0))
+        await ledger.record(usage_record(0)._replace(prompt_tokens=999))
+        await asyncio.gather(
+            ledger.record(usage_record(1)),
+            ledger.record(usage_record(1)),
+            ledger.record(usage_record(2)),
+        )
         await ledger.aclose()
 
     asyncio.run(run())
-    assert _rows(pg_store) == [tuple(_rec(i)) for i in range(3)]
+    assert postgres_rows(pg_store) == [tuple(usage_record(i)) for i in range(3)]
 
 
 def test_max_batch_bounds_a_transaction(pg_store: StoreSettings) -> None:
@@ -91,7 +78,7 @@ def test_max_batch_bounds_a_transaction(pg_store: StoreSettings) -> None:
     async def run() -> PgLedger:
         ledger = PgLedger(pg_store, max_batch=16)
         await ledger.start()
-        await asyncio.gather(*(ledger.record(_rec(i)) for i in range(200)))
+        await asyncio.gather(*(ledger.record(usage_record(i)) for i in range(200)))
         await ledger.aclose()
         return ledger
 
@@ -104,9 +91,9 @@ def test_an_outage_spools_fsynced_records_and_replays_them_once(
 ) -> None:
     settings = new_database(private_postgres, tmp_path)
     PostgresDatabase(settings).close()
-    before = [_rec(i) for i in range(0, 100)]
-    during = [_rec(i) for i in range(100, 400)]
-    after = [_rec(i) for i in range(400, 450)]
+    before = [usage_record(i) for i in range(0, 100)]
+    during = [usage_record(i) for i in range(100, 400)]
+    after = [usage_record(i) for i in range(400, 450)]
     kept = tmp_path / "kept"
 
     async def run() -> PgLedger:
@@ -129,7 +116,7 @@ def test_an_outage_spools_fsynced_records_and_replays_them_once(
 
     ledger = asyncio.run(run())
     assert ledger.replayed == len(during)
-    assert _rows(settings) == [tuple(r) for r in before + during + after]
+    assert postgres_rows(settings) == [tuple(r) for r in before + during + after]
 
     # Replaying the same segments again (a crash between the replay's commit and the
     # files' removal) adds nothing: the request id is the key.
@@ -145,13 +132,13 @@ def test_an_outage_spools_fsynced_records_and_replays_them_once(
         return again
 
     assert asyncio.run(replay_again()).replayed == len(during)
-    assert _rows(settings) == [tuple(r) for r in before + during + after]
+    assert postgres_rows(settings) == [tuple(r) for r in before + during + after]
     # Positive control: without the key those rows would have been counted twice.
     db = PostgresDatabase(settings)
     try:
         with pytest.raises(psycopg.errors.UniqueViolation):
             db.conn.execute(
-                f"INSERT INTO usage ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 tuple(during[0]),
             )
     finally:
@@ -165,13 +152,13 @@ def test_a_failed_commit_of_unknown_outcome_is_spooled_not_lost(
     server had committed are not doubled by it."""
     settings = new_database(private_postgres, tmp_path)
     PostgresDatabase(settings).close()
-    records = [_rec(i) for i in range(3000)]
+    records = [usage_record(i) for i in range(3000)]
 
     async def run() -> None:
         ledger = PgLedger(settings, retry_interval_s=0.1, max_batch=64)
         await ledger.start()
         tasks = [asyncio.ensure_future(ledger.record(r)) for r in records]
-        await asyncio.sleep(0.02)  # some batches committed, some in flight
+        await eventually(lambda: ledger.stats().records > 0, what="a first batch committed")
         await asyncio.to_thread(private_postgres.stop, "immediate")
         await asyncio.gather(*tasks)  # every record acknowledged: committed or spooled
         await asyncio.to_thread(private_postgres.start)
@@ -180,16 +167,16 @@ def test_a_failed_commit_of_unknown_outcome_is_spooled_not_lost(
         await ledger.aclose()
 
     asyncio.run(run())
-    assert _rows(settings) == [tuple(r) for r in records]
+    assert postgres_rows(settings) == [tuple(r) for r in records]
 
 
 def test_a_spool_left_by_an_earlier_process_is_replayed_at_start(pg_store: StoreSettings) -> None:
     PostgresDatabase(pg_store).close()
     assert pg_store.spool_dir is not None
     pg_store.spool_dir.mkdir(mode=0o700)
-    leftover = [_rec(i) for i in range(10)]
+    leftover = [usage_record(i) for i in range(10)]
     # What a crash leaves: complete lines, then a torn one that was never acknowledged.
-    torn = encode([_rec(99)])[:-7]
+    torn = encode([usage_record(99)])[:-7]
     (pg_store.spool_dir / "usage-00000000000000000001-1-aaaa.spool").write_bytes(
         encode(leftover) + torn
     )
@@ -201,7 +188,7 @@ def test_a_spool_left_by_an_earlier_process_is_replayed_at_start(pg_store: Store
         await ledger.aclose()
 
     asyncio.run(run())
-    assert _rows(pg_store) == [tuple(r) for r in leftover]
+    assert postgres_rows(pg_store) == [tuple(r) for r in leftover]
 
 
 def test_a_refused_record_is_set_aside_without_taking_good_ones_or_the_ledger_down(
@@ -211,21 +198,23 @@ def test_a_refused_record_is_set_aside_without_taking_good_ones_or_the_ledger_do
     gateway never sends one) fails its whole batch; the batch goes through the spool, its
     good records reach the table one by one, and the bad one is kept beside the spool."""
     PostgresDatabase(pg_store).close()
-    bad = _rec(1)._replace(prompt_tokens=2**40)
+    bad = usage_record(1)._replace(prompt_tokens=2**40)
 
     async def run() -> PgLedger:
         ledger = PgLedger(pg_store, retry_interval_s=0.1)
         await ledger.start()
-        await asyncio.gather(ledger.record(_rec(0)), ledger.record(bad), ledger.record(_rec(2)))
+        await asyncio.gather(
+            ledger.record(usage_record(0)), ledger.record(bad), ledger.record(usage_record(2))
+        )
         assert ledger.spooled == 3 and ledger.healthy
         await eventually(lambda: not _spooled(pg_store), what="the replay")
-        await ledger.record(_rec(3))  # straight to the database again
+        await ledger.record(usage_record(3))  # straight to the database again
         await ledger.aclose()
         return ledger
 
     ledger = asyncio.run(run())
     assert ledger.stats().transactions == 1
-    assert _rows(pg_store) == [tuple(_rec(i)) for i in (0, 2, 3)]
+    assert postgres_rows(pg_store) == [tuple(usage_record(i)) for i in (0, 2, 3)]
     assert pg_store.spool_dir is not None
     [kept] = list(pg_store.spool_dir.glob("rejected-*.jsonl"))
     assert read_records(kept.read_bytes()) == ([bad], 0)
@@ -240,7 +229,7 @@ def test_a_replay_cut_short_leaves_every_segment_claimable(pg_store: StoreSettin
     pg_store.spool_dir.mkdir(mode=0o700)
     for n in range(3):
         name = f"usage-0000000000000000000{n}-1-aaaa.spool"
-        (pg_store.spool_dir / name).write_bytes(encode([_rec(n)]))
+        (pg_store.spool_dir / name).write_bytes(encode([usage_record(n)]))
 
     async def run() -> None:
         ledger = PgLedger(pg_store)
@@ -254,19 +243,19 @@ def test_a_replay_cut_short_leaves_every_segment_claimable(pg_store: StoreSettin
             segment.release(remove=False)
 
     asyncio.run(run())
-    assert len(_spooled(pg_store)) == 3 and _rows(pg_store) == []
+    assert len(_spooled(pg_store)) == 3 and postgres_rows(pg_store) == []
 
 
 def test_a_segment_locked_by_a_live_writer_is_not_replayed(tmp_path: Path) -> None:
     spool = Spool(tmp_path / "spool")
-    asyncio.run(spool.append([_rec(1)]))
+    asyncio.run(spool.append([usage_record(1)]))
     [path] = list((tmp_path / "spool").glob("usage-*.spool"))
     other = Spool(tmp_path / "spool")  # another gateway sharing the directory
     assert other.sealed() == [path]
     assert other.claim(path) is None  # our segment is still open and locked
     spool.close()
     segment = other.claim(path)
-    assert segment is not None and segment.records == [_rec(1)] and segment.skipped == 0
+    assert segment is not None and segment.records == [usage_record(1)] and segment.skipped == 0
     fd = os.open(path, os.O_RDONLY)
     try:  # while claimed, nobody else can take it
         with pytest.raises(BlockingIOError):
@@ -293,10 +282,10 @@ def test_sigkill_while_spooling_loses_no_acknowledged_record(tmp_path: Path) -> 
 
 
 def test_spool_lines_that_are_not_records_are_skipped() -> None:
-    good = encode([_rec(1), _rec(2)])
-    data = good + b'["x", "not a float"]\n' + b"[1,2]\n" + b"{}\n" + encode([_rec(3)])
+    good = encode([usage_record(1), usage_record(2)])
+    data = good + b'["x", "not a float"]\n' + b"[1,2]\n" + b"{}\n" + encode([usage_record(3)])
     records, skipped = read_records(data + b'["torn')
-    assert records == [_rec(1), _rec(2), _rec(3)] and skipped == 4
+    assert records == [usage_record(1), usage_record(2), usage_record(3)] and skipped == 4
 
 
 def test_records_are_refused_when_neither_store_nor_spool_takes_them(tmp_path: Path) -> None:
@@ -317,6 +306,6 @@ def test_records_are_refused_when_neither_store_nor_spool_takes_them(tmp_path: P
             await ledger.record(rec)
         await ledger.aclose()
         with pytest.raises(LedgerError, match="closed"):
-            await ledger.record(_rec(1))
+            await ledger.record(usage_record(1))
 
     asyncio.run(run())

@@ -10,10 +10,15 @@ SIM_MODEL = "sim-model"  # what `saltgate sim` serves by default
 
 
 async def complete(
-    client: httpx.AsyncClient, prompt: object, *, max_tokens: int = 2, **extra: Any
+    client: httpx.AsyncClient,
+    prompt: object,
+    *,
+    model: str = SIM_MODEL,
+    max_tokens: int = 2,
+    **extra: Any,
 ) -> dict[str, Any]:
     """A short /v1/completions request; it must succeed."""
-    body = {"model": SIM_MODEL, "prompt": prompt, "max_tokens": max_tokens, **extra}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **extra}
     resp = await client.post("/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     doc: dict[str, Any] = resp.json()
