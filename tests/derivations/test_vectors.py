@@ -185,7 +185,7 @@ def test_stored_routes() -> None:
 
 
 def _vllm_accepts(salt: str) -> bool:
-    """vLLM's cache_salt validator (../shared/vllm/RECIPE.md section 4)."""
+    """vLLM's cache_salt validator: 1..128 characters, no @ / \\ or NUL (docs/conformance.md)."""
     return 0 < len(salt) <= 128 and not any(c in salt for c in "@/\\\x00")
 
 

@@ -1,9 +1,9 @@
 """`saltgate audit deployment --config FILE`: check a deployment from the operator's seat.
 
-Questions (docs/audit.md, ../shared/research/attacks.md): can a replica be reached without the
-gateway's credentials; are its metrics or KV-event endpoints readable; which
-prefix-caching hash algorithm the replicas run; does a client-chosen cache_salt (or no
-salt at all) reach a replica through the gateway; do responses reveal the replica.
+Questions (docs/audit.md): can a replica be reached without the gateway's credentials;
+are its metrics or KV-event endpoints readable; which prefix-caching hash algorithm the
+replicas run; does a client-chosen cache_salt (or no salt at all) reach a replica
+through the gateway; do responses reveal the replica.
 
 Each judgement is a pure function from what was observed to a Finding; the `_Checks`
 class only gathers the observations (HTTP, TCP) and calls them.

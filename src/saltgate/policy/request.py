@@ -113,22 +113,10 @@ def resolve_route(
 
 # -- body parsing ------------------------------------------------------------------------
 #
-# Measured (tests/policy/bench_parse.py: python 3.11, orjson 3.13, 2 shared vCPUs under
-# other load, minimum over 40 interleaved rounds; this box is ~2x slower than the one in
-# ../shared/research/perf-calibration.md, where orjson.loads took 2.3 us / 48 us). Microseconds per
-# request for realistic chat bodies; "+ fwd" adds the orjson.dumps that forwards the body
-# (orjson caches each str's UTF-8 on the first dumps, so whichever dumps runs first pays):
-#
-#   body                     orjson.loads (unsafe)   stdlib+dup hook+dumps   chosen
-#                            parse     + fwd         parse     + fwd         parse   + fwd
-#   4.4 KB \u-escaped          7.6      14.1          39.4      42.4         21.5    24.3
-#   4.4 KB raw UTF-8           4.5       7.7          22.5      26.2         13.7    15.4
-#   103 KB \u-escaped        163       344           558       578          484     497
-#   102 KB raw UTF-8         170       345           538       604          476     515
-#
-# So the chosen method costs ~0.6x the stdlib hook at 4.4 KB and ~0.85x at 100 KB; over
-# the unsafe orjson-only parse it adds ~8 us at 4.4 KB, ~150 us at 100 KB (two colon
-# counts ~18 us each, the escaped-colon scan ~60 us at 100 KB).
+# Why this method: it is the fastest parse that refuses duplicate keys. Over the stdlib
+# parser with a duplicate-key hook it costs ~0.6x at 4.4 KB and ~0.85x at 100 KB; over the
+# unsafe orjson-only parse it adds ~8 us at 4.4 KB (measured with
+# tests/policy/bench_parse.py; the table is in docs/benchmarks.md, "Request body parsing").
 #
 # Chosen: orjson.loads does all validation it can (UTF-8, one value, no trailing bytes, no
 # NaN/Infinity, no lone surrogates, no float overflow, depth <= 1024), then a C-speed

@@ -18,7 +18,7 @@ process runs with ``PYTHONHASHSEED`` set, that variable's string value (so
 pass ``hash_seed`` (e.g. ``os.environ.get("PYTHONHASHSEED")``) to mirror a replica.
 
 KV events carry a hash as an int: the low 64 bits of the big-endian digest
-(:func:`event_hash`). Pinned by ../shared/vllm/hash_vectors.json (vLLM 0.32.0).
+(:func:`event_hash`). Pinned by tests/sim/vectors/vllm_hash_vectors.json (vLLM 0.32.0).
 """
 
 from __future__ import annotations
