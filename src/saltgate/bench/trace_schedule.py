@@ -1,9 +1,9 @@
 """From a request trace to a replay schedule: sessions, tenants, token blocks, send times.
 
-Pure: no sockets, no clocks. The trace format is Mooncake's (github.com/kvcache-
-ai/Mooncake, FAST25-release/traces): one JSON object a line with `timestamp` (ms),
-`input_length`, `output_length` and `hash_ids`, one id per 512-token block, chained (an
-id always follows the same predecessor).
+Pure: no sockets, no clocks. The trace format is Mooncake's
+(github.com/kvcache-ai/Mooncake, FAST25-release/traces): one JSON object a line with
+`timestamp` (ms), `input_length`, `output_length` and `hash_ids`, one id per 512-token
+block, chained (an id always follows the same predecessor).
 
 Decisions, each a function here so tests pin them:
 - Tokens: each hash id becomes a fixed block of `block_tokens` pseudo-random token ids
