@@ -31,7 +31,7 @@ import uvloop
 from saltgate.bench import overhead as bench
 from saltgate.bench.gateway_setup import gateway_config, write_gateway_config
 from saltgate.config import load_config
-from saltgate.gateway.run import start_gateway
+from saltgate.serving.run import start_gateway
 
 
 def _short(filename: str) -> str:

@@ -65,6 +65,7 @@ COMPILED_MODULES: Final = (
     "saltgate.routing.rendezvous",
     "saltgate.routing.router",
     "saltgate.routing.state",
+    "saltgate.serving.acceptor",
     "saltgate.store.db",
     "saltgate.store.errors",
     "saltgate.store.ledger",

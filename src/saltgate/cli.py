@@ -142,10 +142,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"saltgate serve: {exc}", file=sys.stderr)
         return 2
     if args.workers > 1:
-        from saltgate.gateway.supervisor import serve_workers
+        from saltgate.serving.supervisor import serve_workers
 
         return serve_workers(config, args.workers)
-    from saltgate.gateway.run import serve
+    from saltgate.serving.run import serve
 
     return serve(config)
 

@@ -1,6 +1,6 @@
 """`saltgate up`: the gateway on its embedded default, simulated replicas, for a first look.
 
-A demo composition on top of the production pieces (gateway/run.py starts the gateway,
+A demo composition on top of the production pieces (serving/run.py starts the gateway,
 sim/run.py the replicas), so the gateway itself never imports the simulator.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from saltgate.config import ConfigError, GatewayConfig, ReplicaConfig, create_master_key
-from saltgate.gateway.run import start_gateway
 from saltgate.runtime import run_service, until_stopped
+from saltgate.serving.run import start_gateway
 from saltgate.sim.run import RunningSim, start_sim
 from saltgate.sim.server import SimConfig
 from saltgate.store.tenants import TenantStore

@@ -69,6 +69,7 @@ CLOCK_LIBRARIES = ("time", "datetime")
 IO_PACKAGES = (
     "saltgate.http",
     "saltgate.gateway",
+    "saltgate.serving",
     "saltgate.store.backends",
     "saltgate.store.ledger",
     "saltgate.store.pg_ledger",

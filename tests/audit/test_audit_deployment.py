@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 from tests.gateway.stack import run, stack
-from tests.support.configs import write_gateway_config
+from tests.support.gateways import write_gateway_config
 
 from saltgate.audit.deployment import (
     CanaryObservation,
@@ -32,7 +32,7 @@ from saltgate.audit.deployment import (
     zmtp_greeting,
 )
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_config
-from saltgate.gateway.run import RunningGateway, start_gateway
+from saltgate.serving.run import RunningGateway, start_gateway
 from saltgate.sim.run import SimConfig, start_sim
 from saltgate.sim.server import SimServer
 from saltgate.store.tenants import TenantStore
@@ -124,11 +124,12 @@ def write_config(path: Path, config: GatewayConfig, gateway_port: int, env_key: 
     return write_gateway_config(
         path,
         state_dir=config.state_dir,
-        replica_urls=(r.url for r in config.replicas),
-        port=gateway_port,
+        replicas=(r.url for r in config.replicas),
         master_key_file=config.master_key_file,
-        replica_key_env=env_key,
-        salting=config.salting,
+        port=gateway_port,
+        admin_port=None,
+        replica_extra=f'api_key_env = "{env_key}"\n' if env_key else "",
+        sections="" if config.salting else "[testing]\ndisable_salting = true\n",
     )
 
 

@@ -36,8 +36,8 @@ from tests.support.kv_relay import first_seq_since, raw_stream
 
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
 from saltgate.derivations.derive import SubKeys, derive_subkeys
-from saltgate.gateway.run import start_gateway
 from saltgate.kvevents.wire import BlockStored, KVEvent, decode_batch
+from saltgate.serving.run import start_gateway
 from saltgate.store.tenants import TenantStore
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key
-from saltgate.gateway.run import RunningGateway, start_gateway
 from saltgate.http import HttpServer, Request, Response, UpstreamPool
 from saltgate.prices import Price
 from saltgate.routing import RouterConfig
+from saltgate.serving.run import RunningGateway, start_gateway
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
 

@@ -34,11 +34,11 @@ from saltgate.bench.services import RedisServer
 from saltgate.config import GatewayConfig, ReplicaConfig, load_master_key
 from saltgate.derivations.derive import PrefixDigest, cache_salt, cluster_keys, derive_subkeys
 from saltgate.gateway.cluster import ClusterBus, sender_id
-from saltgate.gateway.run import RunningGateway, start_gateway
 from saltgate.routing import Router, RouterConfig
 from saltgate.routing.cluster import ClusterSettings, decode_batch, encode_batch
 from saltgate.routing.domain import ReplicaId
 from saltgate.routing.rendezvous import Member
+from saltgate.serving.run import RunningGateway, start_gateway
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
 

@@ -27,7 +27,7 @@ from tests.support.http11 import responses
 from tests.support.waiting import eventually
 
 from saltgate.config import GatewayConfig, ReplicaConfig
-from saltgate.gateway.run import RunningGateway, start_gateway
+from saltgate.serving.run import RunningGateway, start_gateway
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.ledger import UsageLedger, UsageRecord
 

@@ -22,9 +22,9 @@ from tests.support.waiting import eventually
 
 from saltgate.config import load_config, load_master_key
 from saltgate.derivations.derive import derive_subkeys
-from saltgate.gateway.run import start_gateway
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import CurveKeyPair, KvRelaySettings, KvUpstream
+from saltgate.serving.run import start_gateway
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
 

@@ -15,9 +15,9 @@ from tests.support.completions import cached, complete
 from tests.support.waiting import eventually
 
 from saltgate.config import ReplicaConfig
-from saltgate.gateway.run import start_gateway
 from saltgate.http import HttpServer
 from saltgate.routing import RouterConfig
+from saltgate.serving.run import start_gateway
 
 FAST_PROBES = RouterConfig(probe_interval_s=0.1, probe_timeout_s=1.0, probe_failures=2)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 from tests.gateway.stack import MODEL, long_prompt, new_state_dir, run
-from tests.support.configs import write_gateway_config
+from tests.support.gateways import write_gateway_config
 
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 
@@ -21,8 +21,7 @@ def write_config(path: Path, state: Path, sims: list[RunningSim]) -> None:
     write_gateway_config(
         path,
         state_dir=state,
-        replica_urls=(s.url for s in sims),
-        admin_port=0,
+        replicas=(s.url for s in sims),
         sections="[router]\nprobe_interval_s = 0.2\n",
     )
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,17 +20,26 @@ def write_gateway_config(
     path: Path,
     *,
     state_dir: Path,
-    master_key_file: Path,
-    replicas: list[str],
-    store: StoreSettings,
+    replicas: Iterable[str],
+    master_key_file: Path | None = None,
+    store: StoreSettings | None = None,
+    port: int = 0,
+    admin_port: int | None = 0,
     gateway_extra: str = "",
+    replica_extra: str = "",
+    sections: str = "",
 ) -> Path:
-    replica_tables = "".join(f'[[replicas]]\nurl = "{u}"\n' for u in replicas)
-    path.write_text(
-        f'[gateway]\nport = 0\nadmin_port = 0\nstate_dir = "{state_dir}"\n'
-        f'master_key_file = "{master_key_file}"\n{gateway_extra}'
-        f"{store.toml()}{replica_tables}"
-    )
+    """A gateway's config file; the ``*_extra`` strings are TOML lines added to
+    `[gateway]` and to each `[[replicas]]`, ``sections`` further tables."""
+    head = f"[gateway]\nport = {port}\n"
+    if admin_port is not None:
+        head += f"admin_port = {admin_port}\n"
+    head += f'state_dir = "{state_dir}"\n'
+    if master_key_file is not None:
+        head += f'master_key_file = "{master_key_file}"\n'
+    replica_tables = "".join(f'[[replicas]]\nurl = "{u}"\n{replica_extra}' for u in replicas)
+    stored = store.toml() if store is not None else ""
+    path.write_text(f"{head}{gateway_extra}{stored}{replica_tables}{sections}")
     return path
 
 

@@ -2,7 +2,7 @@
 
 Everything that decides is pure and lives elsewhere (policy/, derivations/, routing/,
 gateway/usage.py); this module only strings the steps together between the two I/O
-ends: the HTTP server that calls `Gateway.handle` (built around it by gateway/run.py,
+ends: the HTTP server that calls `Gateway.handle` (built around it by serving/run.py,
 behind the EHBP edge when that is on) and the upstream pool. A response is delivered
 only after its usage record is committed (for streams: the closing `data: [DONE]` waits
 for the commit). The gateway owns what it holds: `reload` and `aclose` are its own.

@@ -68,14 +68,6 @@ _HEAD: Final = b"HEAD"
 _VERSIONS: Final = ("1.1", "1.0")
 
 
-# Processes sharing one listening socket (docs/workers.md): how long one that holds more
-# connections than another leaves a new connection to it before taking it anyway (the
-# other is busy), and how long to stop accepting after accept() itself failed (no file
-# descriptors left, say).
-_DEFER_S: Final = 0.002
-_ACCEPT_RETRY_S: Final = 0.1
-
-
 def status_line(status: int) -> bytes:
     line = _STATUS_LINES.get(status)
     return line if line is not None else b"HTTP/1.1 %d Status\r\n" % status
@@ -246,8 +238,9 @@ class _Connection(asyncio.Protocol):
         self._client.gone = True
         self._reading = False
         self._server.connections.discard(self)
-        if self._server.gate is not None:
-            self._server.gate.closed()
+        closed = self._server.on_connection_lost
+        if closed is not None:
+            closed()
         self._cancel_idle_timer()
         if self._linger_handle is not None:
             self._linger_handle.cancel()
@@ -629,97 +622,25 @@ def _too_large(limit: int) -> str:
     return f"request body larger than the limit of {limit} bytes"
 
 
-class AcceptGate(Protocol):
-    """Shares the connections of one listening socket among the processes accepting from
-    it (gateway/balance.py): each connection is counted from accept to close, between
-    `start` (this process accepts) and `stop` (it no longer does)."""
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def defer(self) -> bool:
-        """True if another process holds fewer connections and should take the next one."""
-        ...
-
-    def opened(self) -> None: ...
-
-    def closed(self) -> None: ...
-
-
-class _Acceptor:
-    """Accepts from a listening socket other processes accept from too, one connection
-    per readiness event, and leaves a connection for `_DEFER_S` to a process that holds
-    fewer (the gate's call) before taking it itself.
-
-    Why not the event loop's own server: it accepts every queued connection at once, so
-    whichever process wakes first takes a whole burst, and a load balancer's few
-    keep-alive connections can all land in one process (docs/workers.md measures it).
-    """
-
-    def __init__(self, server: HttpServer, sock: socket.socket, gate: AcceptGate) -> None:
-        self._server = server
-        self._sock = sock
-        self._gate = gate
-        self._loop = asyncio.get_running_loop()
-        self._fd = sock.fileno()
-        self._timer: asyncio.TimerHandle | None = None
-        self.setups: set[asyncio.Task[None]] = set()
-        sock.setblocking(False)
-        self._loop.add_reader(self._fd, self._ready)
-
-    def _ready(self) -> None:
-        if self._gate.defer():
-            self._pause(_DEFER_S, then_accept=True)
-        else:
-            self._accept()
-
-    def _accept(self) -> None:
-        try:
-            conn, _ = self._sock.accept()
-        except (BlockingIOError, InterruptedError):  # another process took it
-            return
-        except OSError as exc:
-            log.warning("accept failed, pausing: %s", exc)
-            self._pause(_ACCEPT_RETRY_S, then_accept=False)
-            return
-        self._gate.opened()
-        task = self._loop.create_task(self._attach(conn))
-        self.setups.add(task)
-        task.add_done_callback(self.setups.discard)
-
-    def _pause(self, delay: float, *, then_accept: bool) -> None:
-        self._loop.remove_reader(self._fd)
-        self._timer = self._loop.call_later(delay, self._resume, then_accept)
-
-    def _resume(self, then_accept: bool) -> None:
-        """Listen again; after a deferral, take the connection if it is still queued
-        (nobody with fewer connections took it in time)."""
-        self._timer = None
-        self._loop.add_reader(self._fd, self._ready)
-        if then_accept:
-            self._accept()
-
-    async def _attach(self, conn: socket.socket) -> None:
-        protocol = _Connection(self._server)
-        try:
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await self._loop.connect_accepted_socket(lambda: protocol, conn)
-        except (OSError, RuntimeError) as exc:  # the client left at once, the loop is closing
-            log.debug("accepted connection not served: %s", exc)
-            if not protocol.made:  # connection_lost will not count its close
-                self._gate.closed()
-                conn.close()
+class Listener(Protocol):
+    """Connections from somewhere other than the server's own socket: a socket other
+    processes accept from too (serving/acceptor.py). It hands each one to
+    `HttpServer.connection`."""
 
     def close(self) -> None:
-        """Stop accepting and close this process's copy of the listening socket."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._loop.remove_reader(self._fd)
-        self._sock.close()
-        self._gate.stop()
+        """Stop taking connections."""
+        ...
+
+    async def wait_closed(self) -> None:
+        """Until the connections taken so far are handed over."""
+        ...
+
+
+class Accepted(Protocol):
+    """What a `Listener` needs of the protocol it attaches a connection to."""
+
+    @property
+    def made(self) -> bool: ...
 
 
 class HttpServer:
@@ -750,9 +671,10 @@ class HttpServer:
         # Answering tasks that go on after their client left (the gateway's finish an
         # exchange to meter it); close() waits for them as for the connections' own.
         self.orphans: set[asyncio.Task[None]] = set()
-        self.gate: AcceptGate | None = None
+        # Told of every connection's end (a Listener that counts connections sets it).
+        self.on_connection_lost: Callable[[], None] | None = None
         self._server: asyncio.Server | None = None
-        self._acceptor: _Acceptor | None = None
+        self._listener: Listener | None = None
 
     async def start(self, host: str, port: int, *, backlog: int = 1024) -> int:
         """Bind and start serving; returns the bound port (useful with port 0)."""
@@ -764,21 +686,21 @@ class HttpServer:
         sockets = listening.sockets
         return int(sockets[0].getsockname()[1]) if sockets else port
 
-    def start_shared(self, sock: socket.socket, gate: AcceptGate) -> int:
-        """Serve from a listening socket that other processes accept from too (a worker
-        of `saltgate serve --workers N`); `gate` shares the connections among them.
-        Returns the port."""
-        self.gate = gate
-        gate.start()
-        self._acceptor = _Acceptor(self, sock, gate)
-        return int(sock.getsockname()[1])
+    def serve_from(self, listener: Listener) -> None:
+        """Serve the connections ``listener`` hands over, instead of a socket of its own;
+        `close` closes it."""
+        self._listener = listener
+
+    def connection(self) -> Accepted:
+        """The protocol for one connection a `Listener` accepted."""
+        return _Connection(self)
 
     async def close(self, grace: float = 5.0) -> None:
         """Stop accepting; let responses in progress finish for up to `grace` seconds,
         then cancel what is left and wait for it to unwind."""
-        if self._acceptor is not None:
-            self._acceptor.close()
-            await asyncio.gather(*self._acceptor.setups, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+            await self._listener.wait_closed()
         elif self._server is not None:
             self._server.close()
         else:
@@ -797,4 +719,4 @@ class HttpServer:
         if self._server is not None:
             await self._server.wait_closed()
         self._server = None
-        self._acceptor = None
+        self._listener = None

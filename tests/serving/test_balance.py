@@ -20,9 +20,9 @@ from typing import TypeVar
 import pytest
 import uvloop
 
-from saltgate.gateway.balance import ConnectionBoard
 from saltgate.http import HttpServer, Request, Response
-from saltgate.http.server import AcceptGate
+from saltgate.serving.acceptor import AcceptGate, Acceptor
+from saltgate.serving.balance import ConnectionBoard
 
 T = TypeVar("T")
 
@@ -77,7 +77,7 @@ async def _shares(k: int, *, burst: bool, gated: bool) -> list[int]:
     for i, sock in enumerate((listener, listener.dup())):
         gate: AcceptGate = board.gate(i)
         server = HttpServer(_hello)
-        server.start_shared(sock, gate if gated else NeverDefer(gate))
+        Acceptor(server, sock, gate if gated else NeverDefer(gate))
         servers.append(server)
     writers: list[asyncio.StreamWriter] = []
     try:
@@ -114,8 +114,8 @@ def test_closed_connections_leave_the_count_and_a_drained_server_takes_none() ->
         port = listener.getsockname()[1]
         board = ConnectionBoard.create(2)
         first, second = HttpServer(_hello), HttpServer(_hello)
-        first.start_shared(listener, board.gate(0))
-        second.start_shared(listener.dup(), board.gate(1))
+        Acceptor(first, listener, board.gate(0))
+        Acceptor(second, listener.dup(), board.gate(1))
         writers = [await _open(port) for _ in range(4)]
         assert [board.connections(0), board.connections(1)] == [2, 2]
         for writer in writers:

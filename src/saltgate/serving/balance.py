@@ -63,9 +63,10 @@ class ConnectionBoard:
 
 
 class BoardGate:
-    """One worker's view of the board: the `AcceptGate` its HTTP server asks. Between
-    `start` and `stop` it counts the worker's connections; after `stop` (draining) the
-    connections that close no longer touch the board, which may be gone by then."""
+    """One worker's view of the board: the `AcceptGate` its acceptor asks (acceptor.py).
+    Between `start` and `stop` it counts the worker's connections; after `stop`
+    (draining) the connections that close no longer touch the board, which may be gone
+    by then."""
 
     __slots__ = ("_board", "_index", "_live", "_slots")
 

@@ -24,11 +24,11 @@ from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.gateway.server import Gateway, error_response
 from saltgate.http import Handler, HttpServer, Request, Response
-from saltgate.http.server import AcceptGate
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
 from saltgate.routing import Router
 from saltgate.runtime import run_service, until_stopped
+from saltgate.serving.acceptor import AcceptGate, Acceptor
 from saltgate.store.backends import open_gateway_store
 from saltgate.store.errors import StoreError
 
@@ -36,7 +36,7 @@ from saltgate.store.errors import StoreError
 @dataclass(frozen=True, slots=True)
 class SharedListener:
     """A listening socket the workers of `serve --workers N` share, and the gate that
-    shares its connections among them (gateway/balance.py)."""
+    shares its connections among them (serving/balance.py)."""
 
     sock: socket.socket
     gate: AcceptGate
@@ -136,7 +136,7 @@ async def start_gateway(
     if listener is None:
         port = await server.start(config.host, config.port)
     else:
-        port = server.start_shared(listener.sock, listener.gate)
+        port = Acceptor(server, listener.sock, listener.gate).port
     admin = None
     admin_port = None
     if config.admin_port is not None:

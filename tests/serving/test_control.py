@@ -1,4 +1,4 @@
-"""The parent-to-worker channel (gateway/control.py): an order arrives as it was sent, in
+"""The parent-to-worker channel (serving/control.py): an order arrives as it was sent, in
 both builds. A worker's whole configuration travels in its `Start`, compiled frozen
 dataclasses included (the router's, the cluster's), which pickle's default restore
 cannot rebuild in the compiled build."""
@@ -13,8 +13,8 @@ import pytest
 
 from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import load_config
-from saltgate.gateway.control import Order, Reload, SendMetrics, Start, order_frame, read_order
 from saltgate.routing import Policy, RouterConfig
+from saltgate.serving.control import Order, Reload, SendMetrics, Start, order_frame, read_order
 
 EVERY_TABLE = """
 [gateway]

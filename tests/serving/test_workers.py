@@ -64,7 +64,7 @@ def worker_pids(parent: int) -> dict[int, int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if int(ppid) == parent and state != "Z" and b"saltgate.gateway.worker" in argv:
+        if int(ppid) == parent and state != "Z" and b"saltgate.serving.worker" in argv:
             found[int(argv[argv.index(b"--index") + 1])] = int(entry.name)
     return found
 

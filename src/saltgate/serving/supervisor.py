@@ -4,12 +4,12 @@ The parent binds the listening socket and every worker accepts from it (inherite
 SO_REUSEPORT): one accept queue, so connections queued when a worker dies wait for the
 others instead of being reset with its socket, and no other process of the same user
 can bind the port and take a share of the traffic. The workers share connections by
-"least connections" through a board in shared memory (gateway/balance.py).
+"least connections" through a board in shared memory (serving/balance.py).
 docs/workers.md measures both choices.
 
 The parent serves no request. It starts each worker as a fresh interpreter
-(gateway/worker.py), hands it its configuration over a control channel
-(gateway/control.py), restarts a worker that dies (with a backoff if it dies young),
+(serving/worker.py), hands it its configuration over a control channel
+(serving/control.py), restarts a worker that dies (with a backoff if it dies young),
 serves the one admin port (metrics merged from every worker), runs the KV-event relay
 if configured, and turns signals into orders: SIGHUP re-reads [[replicas]] for every
 worker, SIGTERM or SIGINT drains every worker and then exits.
@@ -30,13 +30,13 @@ from typing import Final
 from saltgate.config import ConfigError, GatewayConfig, load_master_key
 from saltgate.derivations.derive import derive_subkeys
 from saltgate.ehbp.frames import KEYS_PATH
-from saltgate.gateway import control
-from saltgate.gateway.balance import ConnectionBoard
 from saltgate.gateway.metrics import Counter, Gauge, Snapshot, merge_workers, render
-from saltgate.gateway.run import ehbp_key, kv_upstreams, reread_config, start_kv_relay
 from saltgate.http import HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
 from saltgate.runtime import run_service, until_stopped
+from saltgate.serving import control
+from saltgate.serving.balance import ConnectionBoard
+from saltgate.serving.run import ehbp_key, kv_upstreams, reread_config, start_kv_relay
 from saltgate.store.errors import StoreError
 
 # A worker that dies sooner than this after it started is restarted after a backoff
@@ -188,7 +188,7 @@ class Supervisor:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "saltgate.gateway.worker",
+                "saltgate.serving.worker",
                 "--index",
                 str(index),
                 "--workers",
@@ -388,7 +388,7 @@ class Supervisor:
 
 
 def serve_workers(config: GatewayConfig, workers: int) -> int:
-    """`saltgate serve --workers N`; the exit status, as `saltgate.gateway.run.serve`."""
+    """`saltgate serve --workers N`; the exit status, as `saltgate.serving.run.serve`."""
     return run_service(
         lambda: _serve_workers(config, workers),
         "saltgate",

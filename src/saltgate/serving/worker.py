@@ -1,4 +1,4 @@
-"""One worker process of `saltgate serve --workers N` (gateway/supervisor.py starts it).
+"""One worker process of `saltgate serve --workers N` (serving/supervisor.py starts it).
 
 A fresh interpreter, not a fork: it inherits three file descriptors (the shared
 listening socket, its end of the control channel, the connection board) and nothing
@@ -26,10 +26,10 @@ from collections.abc import Sequence
 
 from saltgate.config import ConfigError
 from saltgate.ehbp.frames import ServerKey
-from saltgate.gateway import control
-from saltgate.gateway.balance import ConnectionBoard
-from saltgate.gateway.run import RunningGateway, SharedListener, start_gateway
 from saltgate.runtime import install_uvloop
+from saltgate.serving import control
+from saltgate.serving.balance import ConnectionBoard
+from saltgate.serving.run import RunningGateway, SharedListener, start_gateway
 from saltgate.store.errors import StoreError
 
 
