@@ -57,6 +57,10 @@ _REASONS = {
 }
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in _REASONS.items()}
 _MAX_HEADER_BYTES: Final = 64 * 1024
+# A keep-alive connection idle this long is closed: nginx's default, and longer than the
+# 60 s idle timeout of common load balancers, so one in front closes an idle connection
+# first instead of reusing one this server is closing (docs/config.md, "Fixed limits").
+IDLE_TIMEOUT_S: Final = 75.0
 # Requests read ahead of the one being answered; beyond this the server stops reading.
 _MAX_QUEUED: Final = 32
 # After its last response, a closing connection half-closes and reads (and drops) what the
@@ -658,7 +662,7 @@ class HttpServer:
         handler: Handler,
         *,
         max_body_bytes: int = 8 * 1024 * 1024,
-        idle_timeout: float = 75.0,
+        idle_timeout: float = IDLE_TIMEOUT_S,
         error_response: ErrorFactory = _plain_error,
         cancel_on_disconnect: bool = True,
     ) -> None:
