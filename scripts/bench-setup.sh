@@ -2,9 +2,7 @@
 # Install what `saltgate bench overhead` (and `bench replay`) needs, idempotently:
 #   - nginx, wrk, taskset (util-linux) from Debian/Ubuntu packages;
 #   - the peer routers and py-spy into a separate venv outside git (.bench/venv),
-#     so they never mix with the project's own locked dependencies in .venv;
-#   - Mooncake's public conversation trace for `bench replay`, into .bench/traces
-#     (TRACE_URL may be a file:// URL of a copy already on the machine).
+#     so they never mix with the project's own locked dependencies in .venv.
 # Usage: scripts/bench-setup.sh            (from the repository root or anywhere)
 #        BENCH_VENV=/path/to/venv scripts/bench-setup.sh
 # Versions are pinned to what docs/benchmarks.md reports; override with the variables below.
@@ -16,8 +14,6 @@ PYTHON="${PYTHON:-python3}"
 SGLANG_ROUTER_VERSION="${SGLANG_ROUTER_VERSION:-0.3.2}"
 VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
 PY_SPY_VERSION="${PY_SPY_VERSION:-0.4.3}"
-TRACE="$ROOT/.bench/traces/mooncake/conversation_trace.jsonl"
-TRACE_URL="${TRACE_URL:-https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces/conversation_trace.jsonl}"
 
 need_apt=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need_apt+=(nginx)
@@ -67,12 +63,6 @@ then
 else
     echo "bench-setup: pip install ${want[*]} into $BENCH_VENV"
     "$BENCH_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${want[@]}"
-fi
-
-if [ ! -s "$TRACE" ]; then
-    echo "bench-setup: fetching the replay trace from $TRACE_URL"
-    mkdir -p "$(dirname "$TRACE")"
-    curl -fsSL "$TRACE_URL" -o "$TRACE.part" && mv "$TRACE.part" "$TRACE"
 fi
 
 missing=0

@@ -84,9 +84,9 @@ from saltgate.bench.trace_schedule import (
 from saltgate.http import UpstreamPool
 
 MODEL = "sim-model"
-# Mooncake's public trace (github.com/kvcache-ai/Mooncake, FAST25-release/traces), fetched
-# into the checkout's git-ignored .bench/ (docs/benchmarks.md, "Replay benchmark").
-DEFAULT_TRACE = checkout_dir() / ".bench" / "traces" / "mooncake" / "conversation_trace.jsonl"
+# Mooncake's public trace (github.com/kvcache-ai/Mooncake, FAST25-release/traces, Apache-2.0),
+# kept in the repo with its licence (data/traces/README.md).
+DEFAULT_TRACE = checkout_dir() / "data" / "traces" / "mooncake" / "conversation_trace.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
