@@ -18,10 +18,12 @@ _URLSAFE = str.maketrans("+/", "-_")
 
 def printed_forms(secret: Secret) -> dict[str, str]:
     """The forms `secret` can print in, by name: a text's own characters, its repr and
-    JSON escapes; the bytes as hex (either case), as a bytes repr, as a list of ints
-    (Python's or compact JSON's), and as base64 or base64url, also inside a longer one."""
+    JSON escapes; the bytes as they are, as hex (either case), as a bytes repr, as a list
+    of ints (Python's or compact JSON's), and as base64 or base64url, also inside a
+    longer one."""
     raw = secret.encode() if isinstance(secret, str) else bytes(secret)
     forms = {
+        "raw bytes": raw.decode("latin-1"),  # as `leaks` reads bytes output
         "hex": raw.hex(),
         "HEX": raw.hex().upper(),
         "bytes repr": repr(raw)[2:-1],

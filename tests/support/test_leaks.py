@@ -52,6 +52,10 @@ def test_a_bytes_key_is_found_in_every_form(printed: str) -> None:
     assert leaks(f"before {printed} after".encode(), key=KEY)
 
 
+def test_a_bytes_key_is_found_as_it_is_in_bytes_output() -> None:
+    assert leaks(b"SQLite format 3\x00" + KEY + b"\x00", key=KEY) == {"key": ["raw bytes"]}
+
+
 @pytest.mark.parametrize("before", range(4))
 @pytest.mark.parametrize("after", range(3))
 def test_a_key_is_found_inside_a_longer_base64_encoding(before: int, after: int) -> None:
