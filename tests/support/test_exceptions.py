@@ -5,6 +5,7 @@ on the leak it exists for, a coroutine compiled with mypyc suspended in an excep
 The leak crosses tasks only while nothing but compiled coroutines sit between the
 suspended one and its task's root (a plain Python coroutine keeps the exception in its
 own state, swapped out when it suspends): the watch sees exactly what other tasks see.
+What it cannot see (a cancellation handled a compiled level below) is in its docstring.
 """
 
 from __future__ import annotations
