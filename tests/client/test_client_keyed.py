@@ -18,10 +18,7 @@ from tests.gateway.stack import MODEL, Stack, long_prompt, run, stack
 from saltgate.client import async_openai_client, openai_client
 from saltgate.client.secret import ENV_VAR, SECRET_FILE
 from saltgate.client.transport import GatewayKeyError
-from saltgate.config import load_master_key
-from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.ehbp.frames import ServerKey
-from saltgate.store.tenants import TenantStore
 
 SECRET_A = "user-a-" + "1" * 40
 SECRET_B = "user-b-" + "2" * 40
@@ -31,13 +28,6 @@ def sdk(s: Stack, home: Path, secret: str | None = None, **kw: Any) -> openai.As
     return async_openai_client(
         s.url + "/v1", s.keys["alice"], user_cache_secret=secret, state_dir=home, **kw
     )
-
-
-def expected_salt(s: Stack, secret: str | None) -> str:
-    subkeys = derive_subkeys(load_master_key(s.state_dir / "master.key"))
-    with TenantStore.from_state_dir(s.state_dir) as store:
-        alice = next(t for t in store.list_tenants() if t.name == "alice")
-    return cache_salt(subkeys.salt, alice.id, str(alice.epoch), secret)
 
 
 async def cached_completion(client: openai.AsyncOpenAI, prompt: str) -> int:
@@ -85,7 +75,7 @@ def test_the_openai_package_works_through_the_sdk_streaming_and_not(tmp_path: Pa
             await client.close()
             docs = [orjson.loads(b) for b in s.seen_bodies()]
             assert len(docs) == 4
-            assert {d["cache_salt"] for d in docs} == {expected_salt(s, SECRET_A)}
+            assert {d["cache_salt"] for d in docs} == {s.salt("alice", SECRET_A)}
             assert not any(SECRET_A.encode() in b for b in s.seen_bodies())
 
     run(main)
@@ -196,7 +186,7 @@ def test_the_same_user_in_two_processes_shares_through_the_secret_file(tmp_path:
             assert await process() > 0  # another process, the same secret file: a hit
             secret = (home / SECRET_FILE).read_text().strip()
             salts = {orjson.loads(x)["cache_salt"] for x in s.seen_bodies()}
-            assert salts == {expected_salt(s, secret)}
+            assert salts == {s.salt("alice", secret)}
 
     run(main)
 
@@ -211,11 +201,13 @@ def test_rotation_is_followed_only_to_a_pinned_key(tmp_path: Path) -> None:
                 s, tmp_path / "p", SECRET_A, pin=[old.config.fingerprint, new.config.fingerprint]
             )
             tofu = sdk(s, tmp_path / "t", SECRET_A)
-            assert await cached_completion(pinned, "before") == 0
-            assert await cached_completion(tofu, "before") >= 0
+            prompt = long_prompt("rotation")
+            assert await cached_completion(pinned, prompt) == 0
+            assert await cached_completion(tofu, prompt) > 0  # served, in the user's namespace
             edge.key = new  # the operator rotates; clients hold the old key
-            # pinned to both: 422 key-config, refetch, the new key is pinned, resend once
-            assert await cached_completion(pinned, "after") >= 0
+            # pinned to both: 422 key-config, refetch, the new key is pinned, resend once,
+            # served in the same namespace (the salt does not depend on the gateway's key)
+            assert await cached_completion(pinned, prompt) > 0
             # trusted on first use: a changed key is refused, not silently trusted
             with pytest.raises(GatewayKeyError, match="trusted on first use"):
                 await tofu.completions.create(model=MODEL, prompt="after", max_tokens=1)

@@ -71,7 +71,7 @@ def test_a_plain_openai_client_gets_client_keyed_caching(tmp_path: Path) -> None
             forwarded = s.seen_bodies()
             assert len(forwarded) == 4
             assert not any(SECRET.encode() in b for b in forwarded)
-            assert len({orjson.loads(b)["cache_salt"] for b in forwarded}) == 1
+            assert {orjson.loads(b)["cache_salt"] for b in forwarded} == {s.salt("alice", SECRET)}
             # the proxy's salt is the user's, not the tenant-wide one
             async with s.client("alice") as plain:
                 resp = await plain.post(
@@ -148,7 +148,16 @@ def test_the_saltgate_proxy_command(tmp_path: Path) -> None:
             assert "trusting gateway" in stderr  # trust on first use is announced
             assert SECRET not in stderr and s.keys["alice"] not in stderr
             assert proc.returncode == 0
-            assert b'"cache_salt"' in s.seen_bodies()[0]
+            [proxied] = [orjson.loads(b)["cache_salt"] for b in s.seen_bodies()]
+            # The same tenant without the secret: the replica sees another salt.
+            async with s.client("alice") as plain:
+                resp = await plain.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2}
+                )
+            assert resp.status_code == 200, resp.text
+            tenant_wide = orjson.loads(s.seen_bodies()[-1])["cache_salt"]
+            assert proxied == s.salt("alice", SECRET)  # derived from the user's secret
+            assert tenant_wide == s.salt("alice") != proxied
 
     run(main)
 

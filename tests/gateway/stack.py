@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key
+from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
+from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.http import HttpServer, Request, Response, UpstreamPool
 from saltgate.prices import Price
 from saltgate.routing import RouterConfig
@@ -81,6 +82,14 @@ class Stack:
 
     def seen_bodies(self) -> list[bytes]:
         return [r.body for r in self.forwarded()]
+
+    def salt(self, tenant: str, secret: str | None = None) -> str:
+        """The salt replicas must see on `tenant`'s requests (with `secret`, a user's),
+        derived here from the master key, apart from the gateway."""
+        k_salt = derive_subkeys(load_master_key(self.state_dir / "master.key")).salt
+        with TenantStore.from_state_dir(self.state_dir) as store:
+            found = store.get_tenant(tenant)
+        return cache_salt(k_salt, found.id, found.epoch_label, secret)
 
 
 def ledger_rows(s: Stack) -> list[sqlite3.Row]:

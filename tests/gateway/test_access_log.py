@@ -14,11 +14,14 @@ from pathlib import Path
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, ledger_rows, run, stack
+from tests.support.leaks import Secret, leaks
 from tests.support.waiting import eventually
 
+from saltgate.config import load_master_key
 from saltgate.gateway.access_log import AccessLog, _pieces
 from saltgate.gateway.context import RequestContext
 from saltgate.gateway.usage import Usage
+from saltgate.store.tenants import new_api_key
 
 
 @pytest.mark.parametrize("fmt", ["json", "text"])
@@ -26,6 +29,7 @@ def test_one_line_per_request_and_no_secret_in_it(tmp_path: Path, fmt: str) -> N
     log = tmp_path / "access.log"
     marker = "PROMPTMARKER-7f3a"
     secret = "user-secret-" + "x" * 20
+    planted = new_api_key()  # sent as the client's request id, which the log keeps
 
     async def main() -> None:
         async with stack(tmp_path, replicas=1, access_log=str(log), log_format=fmt) as s:
@@ -42,7 +46,7 @@ def test_one_line_per_request_and_no_secret_in_it(tmp_path: Path, fmt: str) -> N
                     {"model": MODEL, "prompt": marker, "max_tokens": 2, "stream": True},
                 ):
                     resp = await alice.post(
-                        "/v1/completions", json=body, headers={"x-request-id": "client-chosen-1"}
+                        "/v1/completions", json=body, headers={"x-request-id": planted}
                     )
                     assert resp.status_code == 200
                     ids.append(resp.headers["x-request-id"])
@@ -68,14 +72,22 @@ def test_one_line_per_request_and_no_secret_in_it(tmp_path: Path, fmt: str) -> N
             assert [d["tenant_id"] for d in docs] == [tenant] * 4 + [None]
             assert docs[0]["prompt_tokens"] > 0 and docs[0]["completion_tokens"] == 2
             assert docs[2]["ttfb_ms"] <= docs[2]["total_ms"]
-            assert {d["client_request_id"] for d in docs} == {"client-chosen-1", None}
+            assert {d["client_request_id"] for d in docs} == {planted, None}
             assert docs[0]["route"] == "/v1/completions" and docs[0]["model"] == MODEL
         else:
             assert re.search(r"status=200 prompt=[1-9]\d* cached=\d+ completion=2 ", lines[0])
             assert f"tenant={tenant}" in lines[0] and "tenant=- " in lines[4]
-        master = (tmp_path / "state" / "master.key").read_text().strip()
-        for leak in (marker, secret, master, s.keys["alice"], *salts):
-            assert leak not in text
+        secrets: dict[str, Secret] = {
+            "prompt": marker,
+            "user_cache_secret": secret,
+            "master_key": load_master_key(tmp_path / "state" / "master.key"),
+            "api_key": s.keys["alice"],
+            **{f"salt_{i}": salt for i, salt in enumerate(salts)},
+        }
+        assert not leaks(text, **secrets)
+        # Positive control: the key-shaped string the client chose is in the log, and the
+        # same scan of the same text finds it.
+        assert leaks(text, planted=planted)
 
     run(main)
 

@@ -11,6 +11,7 @@ import httpx
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, ledger_rows, run, stack
+from tests.policy.test_request import SALTED
 
 from saltgate.config import load_master_key
 from saltgate.derivations.derive import cache_salt, derive_subkeys
@@ -18,7 +19,6 @@ from saltgate.policy.request import (
     ALLOWED_POST_ROUTES,
     GENERATION_ROUTES,
     POOLING_ROUTES,
-    SALTED_ROUTES,
     TOKENIZER_ROUTES,
 )
 from saltgate.store.tenants import TenantStore
@@ -71,10 +71,12 @@ def test_every_route_is_authenticated_stripped_salted_and_metered(tmp_path: Path
                 alice_id = store.get_tenant("alice").id
             salt = cache_salt(derive_subkeys(master).salt, alice_id, "0", None)
             seen = {r.path.decode(): orjson.loads(r.body) for r in s.forwarded()}
+            # The client's salt is nowhere, not even as a duplicate key the parse would hide.
+            assert not [r.path for r in s.forwarded() if b"victim-salt" in r.body]
             assert set(seen) == set(ROUTE_BODIES)
             for route, doc in seen.items():
                 assert not set(doc) & set(SMUGGLED) - {"cache_salt"}, route
-                assert doc.get("cache_salt") == (salt if route in SALTED_ROUTES else None), route
+                assert doc.get("cache_salt") == (salt if SALTED[route] else None), route
             rows = {r["request_id"]: r for r in ledger_rows(s)}
             assert len(rows) == len(ROUTE_BODIES)
             for row in rows.values():

@@ -24,6 +24,7 @@ import orjson
 import pytest
 from tests.gateway.stack import MODEL, Tap, run
 from tests.support.gateways import SALTGATE, GatewayProcess, cli, spawn, write_gateway_config
+from tests.support.leaks import leaks
 from tests.support.postgres import new_database
 from tests.support.waiting import eventually
 
@@ -33,7 +34,7 @@ from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.sim.run import SimConfig, start_sim
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
-from saltgate.store.tenants import TenantStore
+from saltgate.store.tenants import TenantStore, new_api_key
 
 PROPAGATION_LIMIT_S = 1.0
 
@@ -307,6 +308,9 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
 ) -> None:
     settings = new_database(private_postgres, tmp_path)
     [(key_id, key)] = _setup_tenant_keys(settings, 1).items()
+    assert settings.password_file is not None
+    password = settings.password_file.read_text().strip()
+    planted = new_api_key()
     master = tmp_path / "master.key"
     create_master_key(master)
 
@@ -345,7 +349,12 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
                 error = resp.json()["error"]
                 assert error["code"] == "store_unavailable"
                 assert "key store" in error["message"] and "try again" in error["message"]
-                assert key not in resp.text and "postgresql://" not in resp.text
+                assert "postgresql://" not in resp.text
+                assert not leaks(resp.text, api_key=key, store_password=password)
+                # Positive control: a 404 echoes the path it was sent (a key-shaped one
+                # here), and the same scan finds it in that error.
+                echoed = await http.post(f"/{planted}", json=body)
+                assert echoed.status_code == 404 and leaks(echoed.text, planted=planted)
                 await asyncio.to_thread(private_postgres.start)
 
                 async def serving() -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncGenerator
 
 import pytest
@@ -203,6 +205,62 @@ def test_without_cancelling_a_fin_still_drops_a_cut_request_and_a_close_shows() 
         await server.close()
 
     asyncio.run(main())
+
+
+# A stream the client cuts mid-way, closed by a close that suspends, then one more request.
+_CUT_STREAM = """
+import asyncio
+from saltgate.http import HttpServer, Response
+
+class Endless:
+    closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0.005)
+        return b"x"
+
+    async def aclose(self):
+        await asyncio.sleep(0.01)
+        Endless.closed = True
+
+async def handle(request):
+    return Response(200, stream=Endless()) if request.path == b"/stream" else Response(204)
+
+async def main():
+    server = HttpServer(handle, cancel_on_disconnect=True)
+    port = await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /stream HTTP/1.1\\r\\nhost: x\\r\\n\\r\\n")
+    await reader.readuntil(b"x")
+    writer.close()
+    while not Endless.closed:
+        await asyncio.sleep(0.01)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\\r\\nhost: x\\r\\nconnection: close\\r\\n\\r\\n")
+    print((await reader.read()).split(b"\\r\\n")[0].decode())
+    await server.close()
+
+asyncio.run(main())
+"""
+
+
+def test_a_stream_cut_by_the_client_is_closed_and_the_server_goes_on() -> None:
+    """The client-abort path that crashed the compiled build: a compiled server awaiting
+    the close inside its except block loses the exception it re-raises (mypyc keeps no
+    exception state of its own, and the cancellation's way in resets the thread's on the
+    way out), and the interpreter dies. Nothing crosses tasks then, so ExceptionWatch
+    cannot see it; in a child process, the crash fails this test."""
+    done = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", _CUT_STREAM],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (0, "HTTP/1.1 204 No Content\n"), done.stderr[-2000:]
 
 
 def test_unreachable_upstream_fails_before_response() -> None:

@@ -31,14 +31,15 @@ import httpx
 import orjson
 from tests.gateway.stack import MODEL, Tap, run
 from tests.support.gateways import SALTGATE, GatewayProcess, write_gateway_config
+from tests.support.leaks import leaks
 from tests.support.waiting import eventually
 
-from saltgate.config import create_master_key
+from saltgate.config import create_master_key, load_master_key
 from saltgate.ehbp.frames import KEYS_PATH, RESPONSE_NONCE_HEADER
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
-from saltgate.store.tenants import TenantStore
+from saltgate.store.tenants import TenantStore, new_api_key
 
 WORKERS = 2
 
@@ -283,6 +284,7 @@ def test_a_killed_worker_is_restarted_and_each_delivered_200_has_one_record(
 ) -> None:
     load = Load()
     times: dict[str, float] = {}
+    planted = new_api_key()
 
     async def main() -> None:
         sim = SimConfig(port=0, prefill_ms_per_1k_tokens=0, decode_ms_per_token=2)
@@ -311,6 +313,9 @@ def test_a_killed_worker_is_restarted_and_each_delivered_200_has_one_record(
                 return load.delivered() >= after and served > before
 
             await eventually(new_worker_serves, timeout_s=60, what="the new worker 1 serves")
+            async with f.client() as http:  # the log scan's positive control, below
+                http.headers["x-request-id"] = planted
+                await _request(http, load, random.Random(0))
             stop.set()
             await asyncio.wait_for(running, 60)
             await f.gateway.stop()
@@ -323,7 +328,11 @@ def test_a_killed_worker_is_restarted_and_each_delivered_200_has_one_record(
                 if ln.startswith(f"saltgate: worker 1 (pid {victim}) was killed by SIGKILL after ")
             ]
             assert len(lines) == 1 and lines[0].endswith("restarting it (restart 1)"), lines
-            assert f.key not in log
+            master = load_master_key(tmp_path / "master.key")
+            assert not leaks(log, api_key=f.key, master_key=master)
+            # The key-shaped request id a client chose is in the access log lines there,
+            # and the same scan finds it.
+            assert leaks(log, planted=planted)
 
     run(main)
     failed = [o for o in load.outcomes if o.error is not None]
