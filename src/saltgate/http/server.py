@@ -17,6 +17,7 @@ checks this against h11's state machine (tests/http/test_http_pipeline.py).
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import socket
 from collections import deque
@@ -170,6 +171,31 @@ class _Refusal:
 _Queued = tuple[Request, bool, bool]
 
 
+class _Phase(enum.IntEnum):
+    """Where a connection is in its life; ordered: the phases that read come first.
+
+    AWAITING_REQUEST: reading, between requests (none begun since the last one's end).
+    READING_HEAD: reading a request's line and headers; their size limit applies.
+    READING_BODY: the head is read; reading its body, if it has one.
+    CONTINUE_OWED: the head is read and the client waits for `100 Continue` before
+        sending the body; it goes once every earlier response is complete (`_serve`).
+    ANSWERING: reading stopped (a refusal, an upgrade, shutdown): answering what was
+        read, then closing.
+    HALF_CLOSED: the client sent FIN: answering every request read before it, then
+        closing at once (nothing more can arrive, so no linger).
+    CLOSING: the last response is sent (lingering, or closed), or the connection is
+        closed or lost: nothing more is read or written.
+    """
+
+    AWAITING_REQUEST = 0
+    READING_HEAD = 1
+    READING_BODY = 2
+    CONTINUE_OWED = 3
+    ANSWERING = 4
+    HALF_CLOSED = 5
+    CLOSING = 6
+
+
 class _Connection(asyncio.Protocol):
     """One client connection: parse requests as they arrive; one task answers them in order."""
 
@@ -177,22 +203,18 @@ class _Connection(asyncio.Protocol):
         "_body_parts",
         "_body_size",
         "_client",
-        "_closing",
-        "_continue_owed",
-        "_eof",
         "_head_fields",
         "_head_from",
         "_headers",
         "_headers_size",
         "_idle_handle",
-        "_in_headers",
         "_last_active",
         "_linger_handle",
         "_loop",
         "_parser",
-        "_paused",
+        "_phase",
         "_queue",
-        "_reading",
+        "_read_paused",
         "_received",
         "_server",
         "_task",
@@ -208,19 +230,17 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers: Headers = []
         self._headers_size = 0
-        self._in_headers = False
         self._head_fields = 0  # fields in the head; any after it are trailers
         self._received = 0  # bytes read on this connection
         self._head_from = 0  # _received when the request being read began
         self._body_parts: list[bytes] = []
         self._body_size = 0
-        self._continue_owed = False
         self._queue: deque[_Queued | _Refusal] = deque()
         self._task: asyncio.Task[None] | None = None
-        self._reading = True  # False once nothing more will be parsed (refusal, upgrade, close)
-        self._paused = False
-        self._closing = False
-        self._eof = False  # the client sent FIN: nothing more arrives
+        self._phase = _Phase.AWAITING_REQUEST
+        # Apart from the phase: reading pauses while the read-ahead queue is full, whatever
+        # is being parsed (more of a buffer already read goes on being parsed meanwhile).
+        self._read_paused = False
         self._writable = asyncio.Event()
         self._writable.set()
         self._idle_handle: asyncio.TimerHandle | None = None
@@ -238,9 +258,8 @@ class _Connection(asyncio.Protocol):
         self._arm_idle_timer(self._last_active)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closing = True
+        self._phase = _Phase.CLOSING
         self._client.gone = True
-        self._reading = False
         self._server.connections.discard(self)
         closed = self._server.on_connection_lost
         if closed is not None:
@@ -268,7 +287,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last_active = self._loop.time()
-        if not self._reading:
+        if self._phase >= _Phase.ANSWERING:
             return  # refused, upgraded or closing: what follows is dropped unread
         self._received += len(data)
         try:
@@ -276,12 +295,15 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._upgrade_requested()
         except httptools.HttpParserError:
-            if self._reading:  # not a refusal raised from a callback (_Refused)
+            if self._phase < _Phase.ANSWERING:  # not a refusal raised from a callback
                 self._refuse(400, "malformed HTTP request")
             return
         # llhttp reports a header only once its line ends, and buffers it until then: a
         # line that never ends is refused here (counting from the read the head began in).
-        if self._in_headers and self._received - self._head_from > _MAX_HEADER_BYTES:
+        if (
+            self._phase is _Phase.READING_HEAD
+            and self._received - self._head_from > _MAX_HEADER_BYTES
+        ):
             self._refuse(431, "request headers too large")
 
     def eof_received(self) -> bool:
@@ -297,8 +319,8 @@ class _Connection(asyncio.Protocol):
         """
         if self._server.cancel_on_disconnect or self._task is None:
             return False
-        self._eof = True
-        self._reading = False
+        if self._phase is not _Phase.CLOSING:
+            self._phase = _Phase.HALF_CLOSED
         return True
 
     # -- parser callbacks ----------------------------------------------------------------
@@ -307,7 +329,7 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._headers_size = 0
-        self._in_headers = True
+        self._phase = _Phase.READING_HEAD
         self._body_parts = []
         self._body_size = 0
 
@@ -326,7 +348,7 @@ class _Connection(asyncio.Protocol):
         self._headers.append((name.lower(), value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
-        self._in_headers = False
+        self._phase = _Phase.READING_BODY
         self._head_fields = len(self._headers)
         parser = self._parser
         version = parser.get_http_version()
@@ -342,19 +364,19 @@ class _Connection(asyncio.Protocol):
             if self._task is None and not self._queue and self._transport is not None:
                 self._transport.write(_CONTINUE)
             else:  # another response is ahead: the 100 waits for it (see _serve)
-                self._continue_owed = True
+                self._phase = _Phase.CONTINUE_OWED
         else:
             self._refuse(status, message, head_only=parser.get_method() == _HEAD, stop=True)
 
     def on_body(self, body: bytes) -> None:
-        self._continue_owed = False  # the client is sending anyway
+        self._phase = _Phase.READING_BODY  # if a 100 was owed, the client is sending anyway
         self._body_size += len(body)
         if self._body_size > self._server.max_body_bytes:
             self._refuse(413, _too_large(self._server.max_body_bytes), stop=True)
         self._body_parts.append(body)
 
     def on_message_complete(self) -> None:
-        self._continue_owed = False
+        self._phase = _Phase.AWAITING_REQUEST
         url = self._url
         path, _, query = url.partition(b"?")
         parts = self._body_parts
@@ -365,8 +387,12 @@ class _Connection(asyncio.Protocol):
         parser = self._parser
         request = Request(parser.get_method(), path, query, headers, body, self._client)
         self._enqueue((request, parser.should_keep_alive(), parser.get_http_version() == "1.0"))
-        if len(self._queue) >= _MAX_QUEUED and self._transport is not None and not self._paused:
-            self._paused = True
+        if (
+            len(self._queue) >= _MAX_QUEUED
+            and self._transport is not None
+            and not self._read_paused
+        ):
+            self._read_paused = True
             self._transport.pause_reading()
 
     # -- the queue -----------------------------------------------------------------------
@@ -380,8 +406,8 @@ class _Connection(asyncio.Protocol):
     ) -> None:
         """Answer the request being read with an error, after every earlier response, and
         read no further; ``stop`` (inside a parser callback) ends the parse at once."""
-        if self._reading:
-            self._reading = False
+        if self._phase < _Phase.ANSWERING:
+            self._phase = _Phase.ANSWERING
             self._enqueue(_Refusal(status, message, head_only))
         if stop:
             raise _Refused
@@ -389,7 +415,7 @@ class _Connection(asyncio.Protocol):
     def _upgrade_requested(self) -> None:
         """Upgrade and CONNECT are not served: the request is answered as any other, and
         the connection then closes, since what follows it is not HTTP/1.1."""
-        self._reading = False
+        self._stop_reading()
         last = self._queue[-1] if self._queue else None
         if isinstance(last, tuple):
             self._queue[-1] = (last[0], False, last[2])
@@ -400,10 +426,10 @@ class _Connection(asyncio.Protocol):
     async def _serve(self) -> None:
         queue = self._queue
         try:
-            while queue and not self._closing:
+            while queue and self._phase is not _Phase.CLOSING:
                 item = queue.popleft()
-                if self._paused and len(queue) < _MAX_QUEUED // 2:
-                    self._paused = False
+                if self._read_paused and len(queue) < _MAX_QUEUED // 2:
+                    self._read_paused = False
                     if self._transport is not None:
                         self._transport.resume_reading()
                 if isinstance(item, _Refusal):
@@ -414,8 +440,8 @@ class _Connection(asyncio.Protocol):
                 if not keep_alive:
                     self._finish()
                     return
-            if self._continue_owed and self._transport is not None and not self._closing:
-                self._continue_owed = False
+            if self._phase is _Phase.CONTINUE_OWED and self._transport is not None:
+                self._phase = _Phase.READING_BODY
                 self._transport.write(_CONTINUE)
             self._last_active = self._loop.time()
         finally:
@@ -436,7 +462,7 @@ class _Connection(asyncio.Protocol):
         failure: BaseException | None = None
         try:
             transport = self._transport
-            if transport is None or self._closing:
+            if transport is None or self._phase is _Phase.CLOSING:
                 keep_alive = False
             else:
                 # HTTP/1.0 has no chunked coding: the close ends a streamed body.
@@ -444,7 +470,7 @@ class _Connection(asyncio.Protocol):
                 chunked = _write_head(transport, request.method, response, keep_alive, http10)
                 if stream is not None and chunked is not None:
                     await self._write_stream(transport, stream, chunked=chunked)
-                keep_alive = keep_alive and not self._closing and self._may_stay_open()
+                keep_alive = keep_alive and self._may_stay_open()
         except BaseException as exc:
             failure = exc  # the stream is closed below, outside the handler (buildinfo.py)
         if stream is not None:
@@ -454,26 +480,30 @@ class _Connection(asyncio.Protocol):
         return keep_alive
 
     def _may_stay_open(self) -> bool:
-        """Not once the client sent FIN and the response being sent is the last it is owed."""
-        return not self._eof or bool(self._queue)
+        """Not once closing, nor once the client sent FIN and the response being sent is
+        the last it is owed."""
+        phase = self._phase
+        if phase is _Phase.HALF_CLOSED:
+            return bool(self._queue)
+        return phase is not _Phase.CLOSING
 
     async def _write_stream(
         self, transport: asyncio.Transport, stream: BodyStream, *, chunked: bool
     ) -> None:
         writable = self._writable
         async for chunk in stream:
-            if self._closing:
+            if self._phase is _Phase.CLOSING:
                 return  # the client left: the caller closes the stream
             if chunk:
                 transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
                 if not writable.is_set():
                     await writable.wait()
-        if chunked and not self._closing:
+        if chunked and self._phase is not _Phase.CLOSING:
             transport.write(b"0\r\n\r\n")
 
     def _write_refusal(self, refusal: _Refusal) -> None:
         transport = self._transport
-        if transport is None or self._closing:
+        if transport is None or self._phase is _Phase.CLOSING:
             return
         response = self._server.error_response(refusal.status, refusal.message)
         head = [status_line(refusal.status)]
@@ -488,23 +518,29 @@ class _Connection(asyncio.Protocol):
         """Close after the last response: half-close, then drop what the client still
         sends until it closes too or `_LINGER_S` passes (a close with unread data would
         reset the connection, and a reset can destroy the response before it is read)."""
-        self._reading = False
+        self._stop_reading()
         self._queue.clear()
         transport = self._transport
-        if self._closing or transport is None:
+        phase = self._phase
+        if phase is _Phase.CLOSING or transport is None:
             return
-        self._closing = True
-        if self._eof or not transport.can_write_eof():  # after a FIN nothing is left to drop
+        self._phase = _Phase.CLOSING
+        if phase is _Phase.HALF_CLOSED or not transport.can_write_eof():  # nothing to drop
             transport.close()
             return
-        if self._paused:
+        if self._read_paused:
+            self._read_paused = False
             transport.resume_reading()
         transport.write_eof()
         self._linger_handle = self._loop.call_later(_LINGER_S, transport.close)
 
+    def _stop_reading(self) -> None:
+        """Read no further; what was read is still answered. From a reading phase to
+        ANSWERING; a later phase (after a FIN, or closing) stays."""
+        self._phase = max(self._phase, _Phase.ANSWERING)
+
     def _close(self) -> None:
-        self._closing = True
-        self._reading = False
+        self._phase = _Phase.CLOSING
         if self._transport is not None:
             self._transport.close()
 
@@ -521,7 +557,7 @@ class _Connection(asyncio.Protocol):
 
     def _idle_check(self) -> None:
         self._idle_handle = None
-        if self._closing:
+        if self._phase is _Phase.CLOSING:
             return
         if self._task is not None:  # busy answering: idle time starts when it ends
             self._arm_idle_timer(self._loop.time())
@@ -532,7 +568,7 @@ class _Connection(asyncio.Protocol):
 
     def shutdown(self) -> None:
         """Close now if idle; otherwise once the response in progress is complete."""
-        self._reading = False
+        self._stop_reading()
         if self._task is None:
             self._close()
         else:
