@@ -125,7 +125,11 @@ def run_once(index: int, pytest_args: list[str], build: str | None, folder: Path
             # Stopped (Ctrl-C, SIGTERM): pytest tears its fixtures down on SIGINT, so the
             # servers they started (real vLLM among them) do not outlive the hunt.
             pytest.send_signal(signal.SIGINT)
-            pytest.wait()
+            try:
+                pytest.wait(60)
+            except subprocess.TimeoutExpired:  # it was started with SIGINT ignored
+                pytest.kill()
+                pytest.wait()
             raise
     return Run(index, status, time.monotonic() - started, read_report(report))
 

@@ -249,8 +249,11 @@ def test_saltgate_workers_give_every_router_every_cpu() -> None:
     assert pinned(tools, 1, ["x"]) == ["/usr/bin/taskset", "-c", "1", "x"]
 
 
+# SIGINT set to raise first: a runner started in the background (nohup, `cmd &` in a script)
+# hands its children SIGINT ignored, and Python then leaves it ignored.
 _PARENT_OF_ONE = """
-import subprocess, sys, time
+import signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 print(child.pid, flush=True)
 try:
