@@ -111,6 +111,9 @@ POOLING_BODIES: dict[str, tuple[int, dict[str, Any]]] = {
 def test_1_derived_salts_are_accepted_on_every_allowed_route(
     fleet: Fleet, pooling_fleet: Fleet, tenancy: Tenancy
 ) -> None:
+    """Over 30 s, and must be: the first test to ask starts the session's four real vLLM
+    replicas (two generating, two pooling), and their start-up, most of its time, is
+    charged here."""
     routes = {*ROUTE_BODIES, *TOKENIZER_BODIES, *POOLING_BODIES}
     assert routes == set(ALLOWED_POST_ROUTES), "a body for every allowed route"
     salt = derived_salt(tenancy, "alice")

@@ -41,6 +41,9 @@ def summary(report: TimingReport) -> str:
 
 
 def test_7_audit_detects_unsalted_vllm_and_passes_saltgate(fleet: Fleet, tenancy: Tenancy) -> None:
+    """Over 30 s (about 6 minutes), and must be: a PASS needs the whole AUC interval under
+    0.55, which takes at least ~250 probes per arm through saltgate, one at a time so none
+    queues behind another, each a real prefill; plus the bare replica's audit."""
     replica = fleet.replicas[0]
     # No salts, straight to vLLM (with its API key): the attacker sees the victim's hits.
     # The audit samples in rounds of 80 until its Bonferroni-corrected tests decide (a busy
