@@ -39,6 +39,12 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prompt_tokens_details,
+        help="report cached tokens in usage, as vLLM with this flag (default on here)",
+    )
     p.set_defaults(func=_run_sim)
 
 
@@ -61,6 +67,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         decode_ms_per_token=args.decode_ms_per_token,
         max_concurrency=args.max_concurrency,
         max_model_len=args.max_model_len,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     return serve_forever(config)
 
@@ -121,9 +128,22 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _state_dir_arg(p)
     p.set_defaults(func=_keys_revoke)
 
-    p = sub.add_parser("usage", help="per-tenant usage and cost (prices from --config)")
+    p = sub.add_parser(
+        "usage",
+        help="usage and recorded cost per tenant (or --group-by); docs/billing.md",
+    )
     _state_dir_arg(p)
-    p.add_argument("--since", help="a duration back (24h, 7d) or an ISO date")
+    p.add_argument(
+        "--since", help="from (inclusive): a duration back (24h, 7d) or an ISO date/time, UTC"
+    )
+    p.add_argument(
+        "--until", help="to (exclusive): a duration back or an ISO date/time, UTC (default: no end)"
+    )
+    p.add_argument(
+        "--group-by",
+        default="tenant",
+        help="any of tenant,key,model,day, comma-separated (default tenant)",
+    )
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_const", const="json", dest="fmt")
     fmt.add_argument("--csv", action="store_const", const="csv", dest="fmt")
@@ -248,20 +268,26 @@ def _usage(args: argparse.Namespace) -> int:
     from saltgate.config import ConfigError
     from saltgate.store.backends import open_database
     from saltgate.store.errors import StoreError
-    from saltgate.store.pricing import format_usage, parse_since, usage_report
+    from saltgate.store.pricing import format_usage, parse_group_by, parse_time, usage_report
 
     try:
         settings, config = _store_settings(args)
-        since = parse_since(args.since, time.time()) if args.since else None
+        now = time.time()
+        since = parse_time(args.since, now, "--since") if args.since else None
+        until = parse_time(args.until, now, "--until") if args.until else None
+        if since is not None and until is not None and since >= until:
+            raise ValueError("--since must be before --until (the range is [since, until))")
+        group_by = parse_group_by(args.group_by)
         db = open_database(settings, create=False)
         try:
-            rows = usage_report(db, since, config.prices if config is not None else {})
+            prices = config.prices if config is not None else {}
+            rows = usage_report(db, since, prices, until=until, group_by=group_by)
         finally:
             db.close()
     except (ConfigError, StoreError, ValueError) as exc:
         print(f"saltgate usage: {exc}", file=sys.stderr)
         return 1
-    print(format_usage(rows, args.fmt))
+    print(format_usage(rows, args.fmt, group_by))
     return 0
 
 

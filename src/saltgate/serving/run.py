@@ -26,6 +26,7 @@ from saltgate.gateway.server import Gateway, error_response
 from saltgate.http import Handler, HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
+from saltgate.prices import price_versions
 from saltgate.routing import Router
 from saltgate.runtime import run_service, until_stopped
 from saltgate.serving.acceptor import AcceptGate, Acceptor
@@ -107,7 +108,10 @@ async def start_gateway(
     router = Router(config.router, subkeys.route)
     # Under load, let one commit carry the records of requests about to finish.
     store = await open_gateway_store(
-        config.store_settings, busy=router.busy, outage_grace_s=config.store_outage_grace_s
+        config.store_settings,
+        busy=router.busy,
+        outage_grace_s=config.store_outage_grace_s,
+        prices=price_versions(config.prices).values(),
     )
     replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s, router=router)
     metrics = Metrics()

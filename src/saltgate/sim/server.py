@@ -60,6 +60,9 @@ class SimConfig:
     max_concurrency: int = 64
     max_model_len: int = 32768
     max_body_bytes: int = 32 * 1024 * 1024
+    # vLLM's --enable-prompt-tokens-details (off there by default): without it, usage has
+    # no cached-token count on completions, chat and messages. On here, as saltgate needs.
+    enable_prompt_tokens_details: bool = True
 
 
 def error_response(status: int, message: str) -> Response:
@@ -189,10 +192,14 @@ class SimServer:
             )
             stream = shape.sse(tokens, gen) if req.stream else None
         elif route == b"/v1/messages":
-            shape = shapes.MessagesShape(model)
+            shape = shapes.MessagesShape(model, details=self.config.enable_prompt_tokens_details)
             stream = shape.sse(tokens, gen) if req.stream else None
         else:
-            shape = shapes.CompletionShape(route == b"/v1/chat/completions", model)
+            shape = shapes.CompletionShape(
+                route == b"/v1/chat/completions",
+                model,
+                details=self.config.enable_prompt_tokens_details,
+            )
             stream = (
                 shape.sse(tokens, gen, req.max_tokens, req.include_usage) if req.stream else None
             )
