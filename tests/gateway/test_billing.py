@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, ledger_rows, long_prompt, run, stack
+from tests.support.http import async_client
 
 from saltgate.cli import main as saltgate
 from saltgate.prices import Price, PriceVersion
@@ -48,7 +49,7 @@ async def _traffic(client: httpx.AsyncClient, details: bool) -> None:
 
 
 async def _metrics(port: int | None) -> str:
-    async with httpx.AsyncClient() as admin:
+    async with async_client() as admin:
         return (await admin.get(f"http://127.0.0.1:{port}/metrics")).text
 
 
