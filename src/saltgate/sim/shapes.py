@@ -54,8 +54,10 @@ def _id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:16]
 
 
-def _openai_usage(gen: Generation, *, chat: bool, stream: bool) -> dict[str, Any]:
-    details: dict[str, Any] = {
+def _openai_usage(gen: Generation, *, chat: bool, stream: bool, details_on: bool) -> dict[str, Any]:
+    """``details_on`` is vLLM's --enable-prompt-tokens-details: without it no cached tokens
+    (null in a whole answer, absent from a stream's usage chunk)."""
+    details: dict[str, Any] | None = {
         "cached_tokens": gen.cached_tokens,
         "created_cache_tokens": gen.created_cache_tokens if chat else None,
         "multimodal_tokens": None,
@@ -65,8 +67,11 @@ def _openai_usage(gen: Generation, *, chat: bool, stream: bool) -> dict[str, Any
         "total_tokens": gen.prompt_tokens + gen.completion_tokens,
         "completion_tokens": gen.completion_tokens,
     }
+    if not details_on:
+        details = None
     if stream:  # vLLM drops the unset fields of a stream's usage chunk
-        usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
+        if details is not None:
+            usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
     else:
         usage["prompt_tokens_details"] = details
         usage["completion_tokens_details"] = None
@@ -76,10 +81,11 @@ def _openai_usage(gen: Generation, *, chat: bool, stream: bool) -> dict[str, Any
 class CompletionShape:
     """/v1/completions (``chat=False``) and /v1/chat/completions bodies and SSE chunks."""
 
-    __slots__ = ("chat", "created", "id", "model", "object")
+    __slots__ = ("chat", "created", "details", "id", "model", "object")
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, *, details: bool = True) -> None:
         self.chat = chat
+        self.details = details
         self.model = model
         self.created = int(time.time())
         self.id = _id("chatcmpl-" if chat else "cmpl-")
@@ -113,7 +119,7 @@ class CompletionShape:
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": _openai_usage(gen, chat=self.chat, stream=False),
+            "usage": _openai_usage(gen, chat=self.chat, stream=False, details_on=self.details),
         }
         if self.chat:
             body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
@@ -186,7 +192,7 @@ class CompletionShape:
             if count < max_tokens:  # cut short: still say how it finished
                 yield self._last(self._delta("", gen.finish_reason), include_usage)
             if include_usage:
-                usage = _openai_usage(gen, chat=self.chat, stream=True)
+                usage = _openai_usage(gen, chat=self.chat, stream=True, details_on=self.details)
                 yield self._chunk([], usage=usage, system_fingerprint=SYSTEM_FINGERPRINT)
             yield b"data: [DONE]\n\n"
         finally:  # the client may leave: end the engine's request too
