@@ -32,6 +32,19 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV-cache capacity")
     p.add_argument("--hash-algo", choices=("sha256", "sha256_cbor"), default=d.hash_algo)
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1")
+    on_off = argparse.BooleanOptionalAction
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action=on_off,
+        default=d.enable_prompt_tokens_details,
+        help="report cached tokens in usage (vLLM's flag; on by default here, off in vLLM)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=on_off,
+        default=d.enable_prefix_caching,
+        help="cache prompt blocks (vLLM's flag; on by default in both)",
+    )
     p.add_argument("--kv-events-endpoint", default=None, help="ZMQ endpoint, e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None)
     p.add_argument("--kv-events-topic", default=d.kv_events_topic)
@@ -39,12 +52,6 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument(
-        "--enable-prompt-tokens-details",
-        action=argparse.BooleanOptionalAction,
-        default=d.enable_prompt_tokens_details,
-        help="report cached tokens in usage, as vLLM with this flag (default on here)",
-    )
     p.set_defaults(func=_run_sim)
 
 
@@ -60,6 +67,8 @@ def _run_sim(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         hash_algo=args.hash_algo,
         api_key=args.api_key,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_prefix_caching=args.enable_prefix_caching,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
@@ -67,7 +76,6 @@ def _run_sim(args: argparse.Namespace) -> int:
         decode_ms_per_token=args.decode_ms_per_token,
         max_concurrency=args.max_concurrency,
         max_model_len=args.max_model_len,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     return serve_forever(config)
 

@@ -52,6 +52,10 @@ class SimConfig:
     num_blocks: int = 4096
     hash_algo: str = "sha256"
     api_key: str | None = None
+    # vLLM's flags of the same names; on by default here (vLLM's prompt-token details are
+    # off by default) so answers carry what saltgate needs unless a test turns one off.
+    enable_prompt_tokens_details: bool = True
+    enable_prefix_caching: bool = True
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
@@ -60,9 +64,6 @@ class SimConfig:
     max_concurrency: int = 64
     max_model_len: int = 32768
     max_body_bytes: int = 32 * 1024 * 1024
-    # vLLM's --enable-prompt-tokens-details (off there by default): without it, usage has
-    # no cached-token count on completions, chat and messages. On here, as saltgate needs.
-    enable_prompt_tokens_details: bool = True
 
 
 def error_response(status: int, message: str) -> Response:
@@ -80,7 +81,12 @@ class SimServer:
         self.config = config
         self.limits = p.Limits(config.model, config.max_model_len)
         self.engine = ReplicaEngine(
-            pool=BlockPool(config.num_blocks, config.block_size, config.hash_algo),
+            pool=BlockPool(
+                config.num_blocks,
+                config.block_size,
+                config.hash_algo,
+                enable_caching=config.enable_prefix_caching,
+            ),
             time_model=TimeModel(config.prefill_ms_per_1k_tokens, config.decode_ms_per_token),
             max_concurrency=config.max_concurrency,
             max_model_len=config.max_model_len,
@@ -302,7 +308,7 @@ class SimServer:
         info = {
             "block_size": str(cfg.block_size),
             "cache_dtype": "auto",
-            "enable_prefix_caching": "True",
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
             "kv_cache_size_tokens": str(cfg.num_blocks * cfg.block_size),
             "num_gpu_blocks": str(cfg.num_blocks),
             "prefix_caching_hash_algo": cfg.hash_algo,
