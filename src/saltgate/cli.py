@@ -494,8 +494,8 @@ def _add_needing_modules(
             raise
         missing = _library(exc)
         p = sub.add_parser(name, help=f"(not installed: {install_hint(name)})", add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=lambda _: _missing_module(name, missing))
+        # Whatever follows (--help too) gets the same answer: main lets it through.
+        p.set_defaults(func=lambda _: _missing_module(name, missing), any_arguments=True)
 
 
 def _library(exc: ModuleNotFoundError) -> str:
@@ -508,7 +508,10 @@ def _third_party(exc: ModuleNotFoundError) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args does
     func: Command = args.func
     # Checked before the tool starts: a benchmark would otherwise fail after minutes of setup.
     for module in TOOL_EXTRAS.get(args.command, ()):

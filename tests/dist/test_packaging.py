@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from saltgate import __version__
+from saltgate import cli
 from saltgate.cli import TOOL_EXTRAS, install_hint, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +65,30 @@ def test_a_tool_without_its_extra_says_which_to_install(
     assert main(["audit", "timing", "--base-url", "http://127.0.0.1:9"]) == 2
     err = capsys.readouterr().err
     assert err == "saltgate audit: needs scipy, not installed: pip install 'saltgate[audit]'\n"
+
+
+def test_a_command_whose_parser_needs_the_server_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As in saltgate-client, where `saltgate sim`'s arguments cannot be read (no cbor2):
+    listed, and any use of it, --help too, names the install. A missing saltgate module
+    is a bug, and is not hidden."""
+
+    def missing(name: str) -> None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(cli, "_add_sim", lambda _: missing("cbor2"))
+    for argv in (["sim", "--help"], ["sim", "--port", "5"], ["sim"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == "saltgate sim: needs cbor2, not installed: pip install 'saltgate'\n"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "sim       (not installed: pip install 'saltgate')" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["up", "--bogus"])  # other commands still refuse what they do not know
+    monkeypatch.setattr(cli, "_add_sim", lambda _: missing("saltgate.sim.server"))
+    with pytest.raises(ModuleNotFoundError):
+        main(["sim"])
 
 
 def test_the_locks_pin_what_their_installs_need() -> None:
