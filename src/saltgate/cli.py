@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -406,10 +407,10 @@ BENCHMARKS = {
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`saltgate bench NAME`: one sub-command per benchmark (docs/benchmarks.md)."""
+    modules = {name: importlib.import_module(m) for name, m in BENCHMARKS.items()}
     bench = sub.add_parser("bench", help="benchmarks (docs/benchmarks.md)")
     bsub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    for name, module_name in BENCHMARKS.items():
-        module = importlib.import_module(module_name)
+    for name, module in modules.items():
         p = bsub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
         p.set_defaults(func=module.run)
@@ -483,21 +484,81 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_gateway(sub)
     _add_admin(sub)
-    _add_sim(sub)
+    _add_needing_modules(sub, "sim", _add_sim)
     _add_kv_relay(sub)
-    _add_bench(sub)
+    _add_needing_modules(sub, "bench", _add_bench)
     _add_proxy(sub)
     _add_audit(sub)
     return parser
 
 
+# The install that brings what a command needs (pyproject.toml, docs/install.md): a tool's
+# extra, or else the server's dependencies, which saltgate-client leaves out.
+SERVER_INSTALL = "saltgate"
+TOOL_EXTRAS = {
+    "audit": ("numpy", "scipy", "matplotlib", "tqdm"),
+    "bench": ("numpy", "matplotlib", "tqdm"),
+}
+
+
+def install_hint(command: str) -> str:
+    extra = f"saltgate[{command}]" if command in TOOL_EXTRAS else SERVER_INSTALL
+    return f"pip install '{extra}'"
+
+
+def _missing_module(command: str, module: str) -> int:
+    print(
+        f"saltgate {command}: needs {module}, not installed: {install_hint(command)}",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _add_needing_modules(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    add: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None],
+) -> None:
+    """Add a command whose arguments come from modules that need the server's dependencies;
+    without them (saltgate-client) the command is still listed and says what to install."""
+    try:
+        add(sub)
+    except ModuleNotFoundError as exc:
+        if not _third_party(exc):
+            raise
+        missing = _library(exc)
+        p = sub.add_parser(name, help=f"(not installed: {install_hint(name)})", add_help=False)
+        # Whatever follows (--help too) gets the same answer: main lets it through.
+        p.set_defaults(func=lambda _: _missing_module(name, missing), any_arguments=True)
+
+
+def _library(exc: ModuleNotFoundError) -> str:
+    return str(exc.name).partition(".")[0]
+
+
+def _third_party(exc: ModuleNotFoundError) -> bool:
+    """A library left out of this install, not a saltgate module (that would be a bug)."""
+    return exc.name is not None and _library(exc) != "saltgate"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args does
     func: Command = args.func
+    # Checked before the tool starts: a benchmark would otherwise fail after minutes of setup.
+    for module in TOOL_EXTRAS.get(args.command, ()):
+        if importlib.util.find_spec(module) is None:
+            return _missing_module(args.command, module)
     try:
         return func(args)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        if not _third_party(exc):
+            raise
+        return _missing_module(args.command, _library(exc))
 
 
 if __name__ == "__main__":
