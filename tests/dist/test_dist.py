@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.support.http import async_client
 from tests.support.up import saltgate_up
 
 from saltgate import __version__
@@ -133,7 +134,7 @@ def test_the_wheels_alone_serve_and_proxy_a_request(dist: Path, tmp_path: Path) 
     async def main() -> None:
         async with saltgate_up(tmp_path / "state", command=[str(server / "saltgate")]) as up:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-            async with httpx.AsyncClient(timeout=60) as http:
+            async with async_client(timeout=60) as http:
                 resp = await http.post(
                     f"{up.url}/v1/chat/completions",
                     json={**body, "max_tokens": 4},

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from saltgate import __version__
-from saltgate import cli
+from saltgate import __version__, cli
 from saltgate.cli import TOOL_EXTRAS, install_hint, main
 
 ROOT = Path(__file__).resolve().parents[2]
