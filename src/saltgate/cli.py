@@ -108,7 +108,9 @@ def _state_dir_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    tenants = sub.add_parser("tenants", help="create, list and rotate tenants")
+    tenants = sub.add_parser(
+        "tenants", help="create, list and rotate tenants, and choose the models they may use"
+    )
     tsub = tenants.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = tsub.add_parser("create", help="create a tenant")
     p.add_argument("name")
@@ -121,6 +123,16 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("name")
     _state_dir_arg(p)
     p.set_defaults(func=_tenants_rotate)
+    p = tsub.add_parser(
+        "set-models",
+        help="let a tenant use only some models (m1,m2), or every model again (--all)",
+    )
+    p.add_argument("name")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("models", nargs="?", help="comma-separated model names, e.g. m1,m2")
+    which.add_argument("--all", action="store_true", help="every model (clears the list)")
+    _state_dir_arg(p)
+    p.set_defaults(func=_tenants_set_models)
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     ksub = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -216,7 +228,10 @@ def _tenants_create(args: argparse.Namespace) -> int:
 
 def _tenants_list(args: argparse.Namespace) -> int:
     def show(st: TenantStore) -> str:
-        rows = [f"{t.id}\t{t.name}\tepoch {t.epoch}" for t in st.list_tenants()]
+        rows = [
+            f"{t.id}\t{t.name}\tepoch {t.epoch}\tmodels {_models_label(t.models)}"
+            for t in st.list_tenants()
+        ]
         return "\n".join(rows)
 
     return _with_store(args, show)
@@ -226,6 +241,20 @@ def _tenants_rotate(args: argparse.Namespace) -> int:
     return _with_store(
         args, lambda st: f"tenant {args.name} moved to epoch {st.rotate_salt(args.name)}"
     )
+
+
+def _tenants_set_models(args: argparse.Namespace) -> int:
+    models = None if args.all else [m.strip() for m in args.models.split(",") if m.strip()]
+
+    def apply(st: TenantStore) -> str:
+        t = st.set_models(args.name, models)
+        return f"tenant {t.name} may use models {_models_label(t.models)}"
+
+    return _with_store(args, apply)
+
+
+def _models_label(models: tuple[str, ...] | None) -> str:
+    return "all" if models is None else ",".join(models)
 
 
 def _keys_create(args: argparse.Namespace) -> int:

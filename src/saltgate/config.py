@@ -100,6 +100,8 @@ class ReplicaConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_bind: bool = False
+    # The model names it serves, pinned by the operator; None: learnt from its /v1/models.
+    models: tuple[str, ...] | None = None
 
     @property
     def authority(self) -> tuple[str, int, str]:
@@ -220,7 +222,8 @@ def _replica(item: Any, index: int, base: Path) -> ReplicaConfig:
     if weight <= 0:
         raise ConfigError(f"{where}.weight: must be positive")
     kv_keys = {"kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_bind"}
-    unknown = set(item) - {"url", "weight", "api_key_file", "api_key_env", "api_key", *kv_keys}
+    known = {"url", "weight", "api_key_file", "api_key_env", "api_key", "models", *kv_keys}
+    unknown = set(item) - known
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
     kv: dict[str, Any] = {}
@@ -228,7 +231,20 @@ def _replica(item: Any, index: int, base: Path) -> ReplicaConfig:
         kv[key] = _expect(item, key, bool if key == "kv_events_bind" else str, where)
     if kv and "kv_events_endpoint" not in kv:
         raise ConfigError(f"{where}.kv_events_endpoint: missing (the other kv_events_* need it)")
-    return ReplicaConfig(url, weight, _secret_ref(item, "api_key", where, base), **kv)
+    models = _pinned_models(item["models"], where) if "models" in item else None
+    api_key = _secret_ref(item, "api_key", where, base)
+    return ReplicaConfig(url, weight, api_key, **kv, models=models)
+
+
+def _pinned_models(value: Any, where: str) -> tuple[str, ...]:
+    """``models = ["name", ...]``: what the replica serves, whatever its probe says."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f'{where}.models: expected a non-empty list of names, e.g. ["m1"]')
+    if not all(isinstance(name, str) and name for name in value):
+        raise ConfigError(f"{where}.models: every entry must be a non-empty string")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{where}.models: a model is listed twice")
+    return tuple(value)
 
 
 def _prices(table: Any) -> dict[str, Price]:

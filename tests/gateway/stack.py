@@ -7,6 +7,7 @@ and keeps the exact bytes the replica received, so tests can assert what reached
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -123,13 +124,17 @@ async def stack(
     tenants: tuple[str, ...] = ("alice", "bob"),
     salting: bool = True,
     sim: SimConfig | None = None,
+    models: tuple[str, ...] = (),
     max_body_bytes: int = 1024 * 1024,
     router: RouterConfig | None = None,
     require_encrypted_secret: bool = False,
     access_log: str = "off",
     log_format: str = "text",
 ) -> AsyncIterator[Stack]:
-    sims = [await start_sim(sim or SimConfig(port=0)) for _ in range(replicas)]
+    """``models``: replica i serves models[i] (else every replica serves MODEL)."""
+    base = sim or SimConfig(port=0)
+    served = models or (base.model,) * replicas
+    sims = [await start_sim(dataclasses.replace(base, model=m)) for m in served]
     taps = [Tap(s) for s in sims]
     for tap in taps:
         await tap.start()

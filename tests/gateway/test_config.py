@@ -35,6 +35,7 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert config.state_dir == tmp_path / "st"
     assert config.master_key_file == tmp_path / "st" / "master.key"
     assert config.replicas[0].weight == 2.0
+    assert config.replicas[0].models is None  # learnt from the replica's /v1/models
     assert config.replicas[0].api_key == "backend-secret"
     assert config.prices["sim-model"].cached_input_per_mtok == 0.1
     assert config.salting
@@ -46,6 +47,8 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     path.write_text(GOOD.replace("[gateway]", '[gateway]\naccess_log = "logs/access.log"'))
     assert load_config(path).access_log == str(tmp_path / "logs" / "access.log")
     assert config.cluster is None  # no [cluster]: the gateway routes on its own state
+    path.write_text(GOOD.replace("weight = 2", 'weight = 2\nmodels = ["qwen3", "qwen3-lora"]'))
+    assert load_config(path).replicas[0].models == ("qwen3", "qwen3-lora")
     path.write_text(
         GOOD + '[cluster]\nurl = "redis://bus@10.0.0.7:6379/0"\ngateway_id = "node-a"\n'
         'password_file = "secrets/bus"\n'
@@ -64,6 +67,10 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         ('[[replicas]]\nurl = "http://h:1"\napi_key = "inline"\n', "do not put secrets"),
         ('[[replicas]]\nurl = "http://h:1"\napi_key_env = "SG_UNSET_VAR_X"\n', "not set"),
         ('[[replicas]]\nurl = "http://h:1"\nweight = -1\n', "weight"),
+        ('[[replicas]]\nurl = "http://h:1"\nmodels = "m"\n', "replicas[0].models: expected"),
+        ('[[replicas]]\nurl = "http://h:1"\nmodels = []\n', "replicas[0].models: expected"),
+        ('[[replicas]]\nurl = "http://h:1"\nmodels = ["m", 1]\n', "non-empty string"),
+        ('[[replicas]]\nurl = "http://h:1"\nmodels = ["m", "m"]\n', "listed twice"),
         ('[gateway]\nport = "80"\n[[replicas]]\nurl = "http://h:1"\n', "gateway.port"),
         ('[gateway]\nprot = 80\n[[replicas]]\nurl = "http://h:1"\n', "unknown keys"),
         ('[[replicas]]\nurl = "http://h:1"\n[prices.m]\ninput = 1\n', "cached_input"),

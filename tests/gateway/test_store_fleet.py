@@ -1,8 +1,8 @@
 """Gateways sharing one store, as real `saltgate serve` processes (docs/store.md).
 
-- A key created or revoked, or a salt rotated, through the CLI takes effect on every
-  gateway within a second, on both backends (SQLite: a shared file both poll;
-  PostgreSQL: LISTEN/NOTIFY).
+- A key created or revoked, a salt rotated, or a tenant's allowed models set, through the
+  CLI takes effect on every gateway within a second, on both backends (SQLite: a shared
+  file both poll; PostgreSQL: LISTEN/NOTIFY).
 - PostgreSQL stopped with `pg_ctl stop -m immediate` under load and started again: every
   response delivered with a 200 has exactly one usage record (none lost, none doubled).
 - Past `store_outage_grace_s` a gateway answers 503 with a clear message, and serves again
@@ -125,6 +125,17 @@ def test_store_changes_reach_every_gateway_within_a_second(
             took = await _until_both(gateways, lambda g: _is(status(g, key), 401), "a revocation")
             print(f"{store_settings.backend}: revocation live everywhere in {took:.3f} s")
             assert all([await status(g, first) == 200 for g in gateways])
+
+            # Outside its allowed models, the model is 404 as if it did not exist.
+            await admin(1, "tenants", "set-models", "acme", "other-model,another")
+            [line] = (await admin(0, "tenants", "list")).splitlines()
+            assert line.endswith("\tmodels another,other-model")
+            took = await _until_both(gateways, lambda g: _is(status(g, first), 404), "a model list")
+            print(f"{store_settings.backend}: allowed models live everywhere in {took:.3f} s")
+            await admin(0, "tenants", "set-models", "acme", "--all")
+            [line] = (await admin(1, "tenants", "list")).splitlines()
+            assert line.endswith("\tmodels all")
+            await _until_both(gateways, lambda g: _is(status(g, first), 200), "every model again")
         finally:
             await http.aclose()
             for g in gateways:

@@ -78,6 +78,8 @@ def simulate(
 ) -> dict[str, float | None]:
     members = [Member(ReplicaId(f"http://r{i}"), 1.0) for i in range(replicas)]
     routers = [Router(RouterConfig(), K_ROUTE, members) for _ in range(gateways)]
+    for router, member in itertools.product(routers, members):
+        router.set_models(member.id, ["m"])  # every replica serves the one model
     states = (
         [ClusterState(r, cluster_keys(K_ROUTE), f"g{i}/0") for i, r in enumerate(routers)]
         if shared

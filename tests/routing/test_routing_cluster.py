@@ -37,7 +37,10 @@ MEMBERS = [Member(ReplicaId(f"http://r{i}"), 1.0) for i in range(4)]
 
 
 def router() -> Router:
-    return Router(RouterConfig(), K_ROUTE, MEMBERS)
+    r = Router(RouterConfig(), K_ROUTE, MEMBERS)
+    for member in MEMBERS:
+        r.set_models(member.id, ["m"])  # what the gateway's probes tell it
+    return r
 
 
 def pair() -> tuple[ClusterState, ClusterState]:

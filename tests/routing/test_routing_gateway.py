@@ -196,7 +196,8 @@ def test_a_stream_cut_by_its_replica_ends_with_an_error_event(tmp_path: Path) ->
                 config = s.gateway.gateway.config
                 s.gateway.reload(
                     dataclasses.replace(
-                        config, replicas=(ReplicaConfig(f"http://127.0.0.1:{port}"),)
+                        config,
+                        replicas=(ReplicaConfig(f"http://127.0.0.1:{port}", models=(MODEL,)),),
                     )
                 )
                 body = {"model": MODEL, "prompt": "cut", "max_tokens": 400, "stream": True}

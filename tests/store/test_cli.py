@@ -39,6 +39,16 @@ def test_admin_commands_work_on_the_configured_store(
     code, tenants, _ = _saltgate(capsys, "tenants", "list", *c)
     tenant_id = tenants.split("\t")[0]
     assert _saltgate(capsys, "tenants", "rotate-salt", "acme", *c)[1].endswith("epoch 1")
+    assert tenants.endswith("\tmodels all")
+    set_models = ("tenants", "set-models", "acme")
+    assert _saltgate(capsys, *set_models, "m2, m1", *c)[1] == "tenant acme may use models m1,m2"
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tepoch 1\tmodels m1,m2")
+    code, _, err = _saltgate(capsys, *set_models, " , ", *c)
+    assert code == 1 and "invalid model list" in err
+    with pytest.raises(SystemExit):  # a list or --all, not both
+        main([*set_models, "m1", "--all", *c])
+    assert _saltgate(capsys, *set_models, "--all", *c)[1] == "tenant acme may use models all"
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tmodels all")
 
     async def meter() -> None:
         store = await open_gateway_store(store_settings)

@@ -33,7 +33,8 @@ from saltgate.store.errors import (
 from saltgate.store.ledger import Ledger, UsageRecord, new_request_id
 from saltgate.store.schema import SCHEMA_VERSION, SQLITE_MIGRATIONS
 from saltgate.store.settings import StoreSettings
-from saltgate.store.tenants import KeyIndex, TenantStore, db_path
+from saltgate.store.sqlite import open_db
+from saltgate.store.tenants import LIVE_KEYS_SQL, KeyIndex, KeySnapshot, TenantStore, db_path
 
 KEY_RE = re.compile(r"sg_[A-Za-z0-9_-]{43}")
 
@@ -98,6 +99,8 @@ def test_an_older_schema_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
     ).fetchall()
     # Version 1 was applied before the table; every later one by this open.
     assert recorded == [(1, 1)] + [(m.version, 0) for m in SQLITE_MIGRATIONS[1:]]
+    tenant_columns = [row[1] for row in conn.execute("PRAGMA table_info(tenants)")]
+    assert "allowed_models" in tenant_columns
     conn.close()
 
     # The old row has no request id; new ones do, and a second record with the same id is
@@ -228,6 +231,35 @@ def test_rotation_and_keys_on_either_backend(store_settings: StoreSettings) -> N
             store.rotate_salt("nobody")
 
 
+def test_allowed_models_on_either_backend(store_settings: StoreSettings) -> None:
+    """A tenant's model list is stored, listed and cleared; every change moves the auth
+    generation (what tells the gateways to reload, as a key change does), and the
+    gateway's snapshot carries the list with each key."""
+    db = open_database(store_settings)
+    with TenantStore(db) as store:
+        store.create_tenant("acme")
+        store.create_tenant("globex")
+        assert store.get_tenant("acme").models is None  # every model, by default
+        [(before,)] = db.query("SELECT auth_generation FROM meta")
+        t = store.set_models("acme", ["m2", "m1", "m2"])
+        assert t.models == ("m1", "m2") == store.get_tenant("acme").models
+        [(after,)] = db.query("SELECT auth_generation FROM meta")
+        assert after > before
+        assert [x.models for x in store.list_tenants()] == [("m1", "m2"), None]
+        _, key = store.create_key("acme")
+        principal = KeySnapshot(db.query(LIVE_KEYS_SQL)).lookup(key)
+        assert principal is not None and principal.models == frozenset({"m1", "m2"})
+        for bad in ([], [""], [" m1"]):
+            with pytest.raises(StoreError, match="invalid model list"):
+                store.set_models("acme", bad)
+        assert store.set_models("acme", None).models is None
+        assert store.get_tenant("acme").models is None
+        principal = KeySnapshot(db.query(LIVE_KEYS_SQL)).lookup(key)
+        assert principal is not None and principal.models is None
+        with pytest.raises(TenantNotFoundError):
+            store.set_models("nobody", ["m1"])
+
+
 def test_errors_are_clear_and_never_echo_keys(store_settings: StoreSettings) -> None:
     with TenantStore(open_database(store_settings)) as store:
         store.create_tenant("acme")
@@ -303,4 +335,30 @@ def test_revocation_and_rotation_from_another_process_apply_within_a_second(
     eventually_blocking(lambda: epoch() == 1, timeout_s=1.0, what="the rotation is seen")
     _cli(path, f"store.revoke_key({key_id!r})")
     eventually_blocking(lambda: epoch() is None, timeout_s=1.0, what="the revocation is seen")
+    index.close()
+
+
+def test_a_second_connection_in_the_gateway_does_not_blind_its_key_index(
+    tmp_path: Path,
+) -> None:
+    """The gateway opens its ledger after its key index. Opening a connection must not
+    release the locks the first one holds (closing any descriptor of the file would): the
+    CLI could then remove the WAL index the key index maps, and from its next change on
+    the gateway would keep authenticating with what it had (a revoked key kept working)."""
+    path = tmp_path / "saltgate.db"
+    out = _cli(path, "store.create_tenant('acme'); print(*store.create_key('acme'))")
+    key_id, key = out.split()
+    index = KeyIndex(path, max_staleness=0.0)
+    ledger = open_db(path)  # as the gateway's ledger does, after the key index
+    _cli(path, "print(store.rotate_salt('acme'))")
+    eventually_blocking(
+        lambda: getattr(index.authenticate(key), "epoch", None) == 1,
+        timeout_s=1.0,
+        what="the rotation is seen",
+    )
+    _cli(path, f"store.revoke_key({key_id!r})")
+    eventually_blocking(
+        lambda: index.authenticate(key) is None, timeout_s=1.0, what="the revocation is seen"
+    )
+    ledger.close()
     index.close()

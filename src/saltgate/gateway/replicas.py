@@ -4,6 +4,10 @@ The router (saltgate.routing) decides; this module does the I/O it needs: a pool
 connection per replica, /health, /v1/models and /metrics probes every
 ``probe_interval_s``, and a replica set that can change while requests are in flight
 (`reload`): a removed replica's pool closes once its last request has finished.
+
+A replica serves the models its last good /v1/models probe listed, or those pinned in its
+``[[replicas]] models``: pinned wins (the operator's word; a probe that disagrees is
+logged once per change), and the router learns either (`Router.set_models`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +36,10 @@ class Replica:
     config: ReplicaConfig
     pool: UpstreamPool
     prefix: bytes
+    # What its last good /v1/models probe listed (public fields only: `_model_entries`).
     models: list[dict[str, Any]] = field(default_factory=list)
+    # The probe's list that disagreed with the pinned one, last logged (logged once).
+    mismatch: frozenset[str] | None = None
     # The replica's identity in the ranking: its URL, the same on every gateway.
     id: ReplicaId = field(init=False)
     auth: list[tuple[bytes, bytes]] = field(init=False, repr=False)  # with its backend key
@@ -46,6 +53,17 @@ class Replica:
         self.config = config
         key = config.api_key
         self.auth = [(b"authorization", b"Bearer " + key.encode())] if key else []
+
+    @property
+    def learnt(self) -> frozenset[str]:
+        """The model ids its last good probe listed."""
+        return frozenset(str(m["id"]) for m in self.models)
+
+    @property
+    def served(self) -> frozenset[str]:
+        """The models requests may be sent here for: pinned, else learnt."""
+        pinned = self.config.models
+        return frozenset(pinned) if pinned is not None else self.learnt
 
 
 class Attempt:
@@ -106,7 +124,8 @@ class ReplicaSet:
         self.on_change: Callable[[], None] | None = None
         self._replicas: dict[str, Replica] = {}
         self._probe_task: asyncio.Task[None] | None = None
-        self._retiring: set[asyncio.Task[None]] = set()
+        # What reload starts (retirements, first probes), cancelled by close.
+        self._retiring: set[asyncio.Task[Any]] = set()
         self.reload(configs)
 
     @property
@@ -117,7 +136,9 @@ class ReplicaSet:
     # -- membership ------------------------------------------------------------------------
     def reload(self, configs: tuple[ReplicaConfig, ...]) -> None:
         """Switch to a new replica list without a restart; replicas that stay keep their
-        pools, load and health, and removed ones finish what they are serving."""
+        pools, load and health, and removed ones finish what they are serving. Once the
+        probes run, an added replica is probed at once: it takes requests only for the
+        models it is known to serve."""
         replicas: dict[str, Replica] = {}
         for cfg in configs:
             replica = self._replicas.get(cfg.url)
@@ -130,12 +151,21 @@ class ReplicaSet:
             replica.configure(cfg)
             replicas[cfg.url] = replica
         self.router.set_members(Member(ReplicaId(cfg.url), cfg.weight) for cfg in configs)
+        for replica in replicas.values():
+            self.router.set_models(replica.id, replica.served)
         removed = [r for url, r in self._replicas.items() if url not in replicas]
+        added = [r for url, r in replicas.items() if url not in self._replicas]
         self._replicas = replicas
         for replica in removed:
-            task = asyncio.get_running_loop().create_task(self._retire(replica))
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
+            self._background(self._retire(replica))
+        if self._probe_task is not None:
+            for replica in added:
+                self._background(self.probe(replica))
+
+    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     async def _retire(self, replica: Replica) -> None:
         deadline = time.monotonic() + self.timeout
@@ -186,11 +216,17 @@ class ReplicaSet:
         assert state is not None, "the router and the replica set list the same replicas"
         return state
 
-    def models(self) -> list[dict[str, Any]]:
+    def models(self, allowed: frozenset[str] | None = None) -> list[dict[str, Any]]:
+        """What `GET /v1/models` lists: the models the available replicas serve (only
+        those in ``allowed``, unless it is None), each once."""
         seen: dict[str, dict[str, Any]] = {}
-        for replica in self._replicas.values():
-            for model in replica.models:
-                seen.setdefault(str(model.get("id")), model)
+        for _, replica, ok in self.available():
+            if not ok:
+                continue
+            learnt = {str(m["id"]): m for m in replica.models}
+            for name in sorted(replica.served):
+                if allowed is None or name in allowed:
+                    seen.setdefault(name, learnt.get(name) or _model_entry(name, 0))
         return list(seen.values())
 
     # -- probes ----------------------------------------------------------------------------
@@ -224,11 +260,40 @@ class ReplicaSet:
         resp = await replica.pool.request(b"GET", replica.prefix + b"/v1/models", replica.auth)
         body = await resp.read()
         if resp.status == 200:
-            replica.models = _model_entries(body)
+            self._learn_models(replica, _model_entries(body))
         resp = await replica.pool.request(b"GET", replica.prefix + b"/metrics", replica.auth)
         body = await resp.read()
         self.router.observed_queue(replica.id, parse_waiting(body) if resp.status == 200 else None)
         return None
+
+    def _learn_models(self, replica: Replica, entries: list[dict[str, Any]]) -> None:
+        """Take what the replica's /v1/models lists: its requests follow it (a replica
+        restarted with another model), unless the operator pinned its models."""
+        if self._replicas.get(replica.config.url) is not replica:
+            return  # removed while its probe ran
+        before = replica.served
+        replica.models = entries
+        learnt = replica.learnt
+        index = self.replicas.index(replica)
+        pinned = replica.config.models
+        if pinned is not None:
+            mismatch = learnt if learnt != frozenset(pinned) else None
+            if mismatch is not None and mismatch != replica.mismatch:
+                log.warning(
+                    "replica %d lists models %s but is pinned to %s: the pinned list is used",
+                    index,
+                    sorted(learnt),
+                    sorted(pinned),
+                )
+            replica.mismatch = mismatch
+        elif learnt != before:  # news when it changes, not when first learnt
+            log.log(
+                logging.WARNING if before else logging.INFO,
+                "replica %d serves models %s",
+                index,
+                sorted(learnt),
+            )
+        self.router.set_models(replica.id, replica.served)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(r) for r in self.replicas))
@@ -266,7 +331,11 @@ def _model_entries(body: bytes) -> list[dict[str, Any]]:
     if not isinstance(data, list):
         return []
     return [
-        {"id": m["id"], "object": "model", "created": m.get("created", 0), "owned_by": "saltgate"}
+        _model_entry(m["id"], m.get("created", 0))
         for m in data
         if isinstance(m, dict) and isinstance(m.get("id"), str)
     ]
+
+
+def _model_entry(name: str, created: object) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "saltgate"}

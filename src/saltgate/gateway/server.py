@@ -25,9 +25,15 @@ from saltgate.gateway.exchange import Exchange, Meter
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.http import Request, Response
-from saltgate.policy.errors import ApiError
+from saltgate.policy.errors import ApiError, missing_parameter, model_not_found
 from saltgate.policy.headers import credential, forward_request_headers
-from saltgate.policy.request import inspect, parse_body, prepare, resolve_route
+from saltgate.policy.request import (
+    ANTHROPIC_ROUTES,
+    inspect,
+    parse_body,
+    prepare,
+    resolve_route,
+)
 from saltgate.prices import price_versions
 from saltgate.store.errors import StoreUnavailableError
 from saltgate.store.ledger import UsageLedger
@@ -138,12 +144,12 @@ class Gateway:
         principal = self._authenticate(request)
         context.tenant_id = principal.tenant_id
         if route == "/v1/models":
-            return Response(
-                200, list(JSON), orjson.dumps({"object": "list", "data": self.replicas.models()})
-            )
+            listed = self.replicas.models(principal.models)
+            return Response(200, list(JSON), orjson.dumps({"object": "list", "data": listed}))
         body = parse_body(request.body, self.config.max_body_bytes)
         inspected = inspect(route, body.obj)
         context.model = inspected.model
+        self._check_model(route, inspected.model, principal)
         if (
             inspected.user_cache_secret
             and not body_encrypted
@@ -164,6 +170,17 @@ class Gateway:
             payload,
             client_wants_usage=inspected.client_wants_usage,
         )
+
+    def _check_model(self, route: str, model: str, principal: Principal) -> None:
+        """404 for a model no replica serves or one the tenant may not use, alike; a model
+        whose replicas are all down passes, to be answered 503 (no replica)."""
+        allowed = principal.models
+        if not model:  # /tokenize, /detokenize: the replica's default model
+            if allowed is not None:
+                raise missing_parameter("model", "one of the models this API key may use")
+            return
+        if not self.replicas.router.serves(model) or (allowed is not None and model not in allowed):
+            raise model_not_found(model, anthropic=route in ANTHROPIC_ROUTES)
 
     def _salt(self, principal: Principal, user_cache_secret: str | None) -> str:
         """The request's cache salt; tenant-wide salts are remembered (one HMAC per tenant

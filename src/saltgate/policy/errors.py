@@ -74,6 +74,15 @@ class ApiError(Exception):
         return orjson.dumps(self.to_dict())
 
 
+class AnthropicApiError(ApiError):
+    """An error on Anthropic's routes (/v1/messages), in Anthropic's shape
+    ``{"type": "error", "error": {"type", "message"}}``, which its clients parse."""
+
+    def body(self) -> bytes:
+        error = {"type": self.type, "message": self.message}
+        return orjson.dumps({"type": "error", "error": error})
+
+
 # -- constructors for the common cases ---------------------------------------------------
 
 
@@ -151,3 +160,18 @@ def method_not_allowed(method: str, path: str, allowed: Sequence[str]) -> ApiErr
         code="method_not_allowed",
         headers=((b"allow", allow.encode("ascii")),),
     )
+
+
+def model_not_found(model: str, *, anthropic: bool = False) -> ApiError:
+    """404 for a model no replica serves, or one outside the tenant's allowed models: the
+    same answer, so a tenant cannot tell the models it may not use from those not served."""
+    shown = model if len(model) <= _MAX_MODEL_ECHO else model[:_MAX_MODEL_ECHO] + "..."
+    message = f"The model `{shown}` does not exist or you do not have access to it."
+    if anthropic:
+        return AnthropicApiError(404, message, type="not_found_error")
+    return ApiError(
+        404, message, type="invalid_request_error", param="model", code="model_not_found"
+    )
+
+
+_MAX_MODEL_ECHO = 120

@@ -61,6 +61,8 @@ TOKENIZER_ROUTES: Final[frozenset[str]] = frozenset(
 )
 SALTED_ROUTES: Final[frozenset[str]] = GENERATION_ROUTES | POOLING_ROUTES
 ALLOWED_POST_ROUTES: Final[frozenset[str]] = SALTED_ROUTES | TOKENIZER_ROUTES
+# Anthropic's API: its clients read errors in Anthropic's shape (errors.AnthropicApiError).
+ANTHROPIC_ROUTES: Final[frozenset[str]] = frozenset({ROUTE_MESSAGES, "/v1/messages/count_tokens"})
 # vLLM picks its default model on these when the body names none.
 MODEL_OPTIONAL_ROUTES: Final[frozenset[str]] = frozenset({"/tokenize", "/detokenize"})
 # Routes vLLM serves that stay closed here, and why (the client is told).

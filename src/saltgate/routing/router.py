@@ -14,7 +14,9 @@ Policies (``RouterConfig.policy``):
   much more prefill than another replica (docs/routing.md).
 - ``consistent_hash``, ``round_robin``, ``least_loaded``: baselines to measure it against
   (baselines.py).
-Every policy skips replicas whose breaker is open or whose probes fail.
+Every policy skips replicas whose breaker is open or whose probes fail, and a request
+naming a model goes only to replicas that serve it (`set_models`): every rule above works
+within that set, so a key keeps its rendezvous order among the replicas of its model.
 """
 
 from __future__ import annotations
@@ -166,6 +168,9 @@ class Plan(NamedTuple):
     prefixes: tuple[PrefixDigest, ...] = ()
     prompt_bytes: int = 0
     owners: Mapping[ReplicaId, int] = MappingProxyType({})
+    # Only replicas serving this model may take the request; None: any replica (a
+    # request that names none, which the replica answers with its default model).
+    model: str | None = None
 
     def uncached_bytes(self, replica_id: ReplicaId) -> int:
         """The prompt bytes ``replica_id`` would have to prefill (its cached prefix aside)."""
@@ -174,7 +179,8 @@ class Plan(NamedTuple):
     def __repr__(self) -> str:
         return (
             f"Plan(key={'<set>' if self.key else None}, rate={self.rate:.3f}, "
-            f"prefixes={len(self.prefixes)}, prompt_bytes={self.prompt_bytes})"
+            f"prefixes={len(self.prefixes)}, prompt_bytes={self.prompt_bytes}, "
+            f"model={self.model!r})"
         )
 
 
@@ -219,7 +225,10 @@ class Router:
         self._rankings: dict[RouteKey, list[ReplicaId]] = {}
         self._namespaces: dict[tuple[str, str], NamespaceKeys] = {}
         self._retired: dict[ReplicaId, ReplicaState] = {}
-        self._turn = 0
+        self._served: frozenset[str] = frozenset()  # every member's models, healthy or not
+        # Where each model's rotation stands: one shared turn would stall when models
+        # with different replica sets alternate (a 1-replica model resets it each time).
+        self._turns: dict[str | None, int] = {}
         self._inflight_total = 0
         # Kept for the other gateways when a cluster bus runs (routing/cluster.py), until
         # the bus takes it (`take_shared`). None: this gateway routes alone.
@@ -246,6 +255,20 @@ class Router:
                 self._retired[rid] = state  # keeps counting until its requests finish
         self._states = states
         self._rankings.clear()  # members changed: every ranking may change
+        self._served = _union(states.values())
+
+    def set_models(self, replica_id: ReplicaId, models: Iterable[str]) -> None:
+        """The model names the replica serves now (its probe's or its pinned list). The
+        ranking does not change: only which replicas a model's requests may use."""
+        state = self._states.get(replica_id)
+        if state is not None:
+            state.models = frozenset(models)
+            self._served = _union(self._states.values())
+
+    def serves(self, model: str) -> bool:
+        """Whether some member serves ``model``, healthy or not: a model no member serves
+        does not exist here (404); one whose replicas are all down waits for them (503)."""
+        return model in self._served
 
     def _new_health(self) -> ReplicaHealth:
         c = self.config
@@ -287,10 +310,13 @@ class Router:
         remember: bool,
     ) -> Plan:
         """A request's routing input, from its body in its (model, salt) namespace: route
-        key and prefix digests under the policy; ``remember``: see `namespace`."""
+        key and prefix digests under the policy, for the replicas serving ``model`` (any
+        replica when it is empty); ``remember``: see `namespace`."""
         prompt = Prompt(body, route)
         keys = self.namespace(model, salt, remember=remember)
-        return self.plan(self.request_key(prompt, keys), now, self.prefixes(prompt, keys))
+        return self.plan(
+            self.request_key(prompt, keys), now, self.prefixes(prompt, keys), model or None
+        )
 
     def namespace(self, model: str, salt: str | None, *, remember: bool = True) -> NamespaceKeys:
         """The keyed states of a (model, salt) namespace; with ``remember``, kept for the
@@ -329,17 +355,22 @@ class Router:
         digests = keys.prefix_digests(flat, self.config.affinity_first_depth)
         return Prefixes(tuple(digests), len(flat))
 
-    def ranking(self, key: RouteKey, now: float) -> list[ReplicaId]:
-        """Available replicas by rendezvous rank for ``key`` (the retry order)."""
-        return [s.id for s in self._ranked(key, self._usable(now, ()))]
+    def ranking(self, key: RouteKey, now: float, model: str | None = None) -> list[ReplicaId]:
+        """Available replicas (serving ``model``, if given) by rendezvous rank for ``key``
+        (the retry order)."""
+        return [s.id for s in self._ranked(key, self._usable(now, (), model))]
 
-    def _usable(self, now: float, exclude: Collection[ReplicaId]) -> dict[ReplicaId, ReplicaState]:
-        """The replicas a request may go to now (not excluded, probes pass, breaker lets
-        it by), in configuration order: computed once per decision."""
+    def _usable(
+        self, now: float, exclude: Collection[ReplicaId], model: str | None
+    ) -> dict[ReplicaId, ReplicaState]:
+        """The replicas a request may go to now (not excluded, serve its model, probes
+        pass, breaker lets it by), in configuration order: computed once per decision."""
         return {
             rid: state
             for rid, state in self._states.items()
-            if rid not in exclude and state.health.available(now)
+            if rid not in exclude
+            and (model is None or model in state.models)
+            and state.health.available(now)
         }
 
     def _ranked(self, key: RouteKey, usable: dict[ReplicaId, ReplicaState]) -> list[ReplicaState]:
@@ -354,10 +385,17 @@ class Router:
         return [usable[rid] for rid in order if rid in usable]
 
     # -- decisions -------------------------------------------------------------------------
-    def plan(self, key: RouteKey | None, now: float, prefixes: Prefixes = NO_PREFIXES) -> Plan:
-        """Fix a request's routing input; counts it toward its key's rate (saltgate)."""
+    def plan(
+        self,
+        key: RouteKey | None,
+        now: float,
+        prefixes: Prefixes = NO_PREFIXES,
+        model: str | None = None,
+    ) -> Plan:
+        """Fix a request's routing input; counts it toward its key's rate (saltgate).
+        ``model``: only replicas serving it may take the request (None: any)."""
         if self.config.policy is not Policy.SALTGATE:
-            return Plan(key)
+            return Plan(key, model=model)
         rate = 0.0
         if key is not None:
             rate = self._hot.observe(key, now)
@@ -375,15 +413,16 @@ class Router:
                 rid: _shared_estimate(first << index, length, prefixes.prompt_bytes)
                 for rid, index, length in found
             }
-        return Plan(key, rate, prefixes.digests, prefixes.prompt_bytes, owners)
+        return Plan(key, rate, prefixes.digests, prefixes.prompt_bytes, owners, model)
 
     def pick(self, plan: Plan, now: float, exclude: Collection[ReplicaId] = ()) -> ReplicaId | None:
-        """The replica for a request not yet tried on ``exclude``; None if none is left.
+        """The replica for a request not yet tried on ``exclude``, among those serving its
+        model; None if none is left.
 
         Under ``saltgate`` the choice is remembered for the request's prefixes, so the next
         turn of the conversation follows it (`affinity.PrefixAffinity`).
         """
-        usable = self._usable(now, exclude)
+        usable = self._usable(now, exclude, plan.model)
         if not usable:
             return None
         policy = self.config.policy
@@ -392,7 +431,7 @@ class Router:
             return baseline_pick(
                 policy,
                 plan.key,
-                lambda: self._rotation(states),
+                lambda: self._rotation(states, plan.model),
                 lambda key: self._ranked(key, usable),
             ).id
         fresh = [s for s in usable.values() if not s.health.overload.overloaded]
@@ -416,7 +455,7 @@ class Router:
         ):
             return owner
         if plan.key is None:
-            return min(self._rotation(eligible), key=_load)
+            return min(self._rotation(eligible, plan.model), key=_load)
         ranked = self._ranked(plan.key, usable)
         if len(ranked) > len(eligible):
             ranked = [s for s in ranked if s in eligible]
@@ -484,11 +523,14 @@ class Router:
                 best, best_cost = state, other
         return chosen if cost <= best_cost + delta else best
 
-    def _rotation(self, states: Collection[ReplicaState]) -> list[ReplicaState]:
-        """``states`` (not empty), starting one further along at every call."""
+    def _rotation(self, states: Collection[ReplicaState], model: str | None) -> list[ReplicaState]:
+        """``states`` (not empty), starting one further along at every call for ``model``."""
         listed = list(states)
-        self._turn = (self._turn + 1) % len(listed)
-        return listed[self._turn :] + listed[: self._turn]
+        turns = self._turns
+        if model not in turns and len(turns) >= NAMESPACE_CACHE:
+            turns.clear()  # bounded whatever model names a caller sends
+        turn = turns[model] = (turns.get(model, 0) + 1) % len(listed)
+        return listed[turn:] + listed[:turn]
 
     # -- events ----------------------------------------------------------------------------
     def started(self, replica_id: ReplicaId, now: float, prefill: float = 0.0) -> None:
@@ -604,6 +646,10 @@ class Router:
         state = self._states.get(replica_id)
         if state is not None:
             state.health.overload.observed(waiting)
+
+
+def _union(states: Iterable[ReplicaState]) -> frozenset[str]:
+    return frozenset[str]().union(*(s.models for s in states))
 
 
 def _shared_estimate(depth: int, earlier_prompt: int, prompt: int) -> int:

@@ -27,6 +27,13 @@ class Migration:
     statements: tuple[str, ...]
 
 
+# The same statement on both backends. NULL: the tenant may use every model; else a JSON
+# array of the model names it may use (saltgate tenants set-models). The gateways see a
+# change through the auth generation, which every UPDATE of tenants bumps.
+TENANT_MODELS = Migration(
+    5, "tenants: allowed models", ("ALTER TABLE tenants ADD COLUMN allowed_models TEXT",)
+)
+
 SQLITE_VERSION_TABLE = (
     "CREATE TABLE IF NOT EXISTS schema_version ("
     "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL)"
@@ -141,6 +148,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
             )""",
         ),
     ),
+    TENANT_MODELS,
 )
 
 POSTGRES_VERSION_TABLE = (
@@ -217,6 +225,7 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
             )""",
         ),
     ),
+    TENANT_MODELS,
 )
 
 SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version

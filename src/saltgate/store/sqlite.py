@@ -34,9 +34,14 @@ def open_db(path: str | os.PathLike[str], *, check_same_thread: bool = True) -> 
     """
     p = Path(path)
     p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    # Create the file ourselves so it is never world-readable, whatever the umask.
-    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
-    os.close(fd)
+    # Create the file ourselves so it is never world-readable, whatever the umask. Only
+    # when it is new: closing any descriptor of a file releases every POSIX lock this
+    # process holds on it, so opening and closing an open database (the ledger's after the
+    # key index's) would drop their locks; another process could then delete the WAL
+    # index they map, and they would no longer see its commits
+    # (https://www.sqlite.org/howtocorrupt.html, 2.2).
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
     conn = sqlite3.connect(
         p, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=check_same_thread
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import os
 import re
 import secrets
@@ -61,6 +62,7 @@ class Tenant:
     name: str
     epoch: int
     created_at: float
+    models: tuple[str, ...] | None = None  # the models it may use; None: all
 
     @property
     def epoch_label(self) -> str:
@@ -86,6 +88,7 @@ class Principal:
     tenant_name: str
     key_id: str
     epoch: int
+    models: frozenset[str] | None = None  # the models it may use; None: all
 
     @property
     def epoch_label(self) -> str:
@@ -95,10 +98,23 @@ class Principal:
 
 # The live keys with what a request needs of their tenant: the gateway's snapshot.
 LIVE_KEYS_SQL = (
-    "SELECT k.key_hash, t.id, t.name, k.id, t.epoch "
+    "SELECT k.key_hash, t.id, t.name, k.id, t.epoch, t.allowed_models "
     "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
     "WHERE k.revoked_at IS NULL"
 )
+
+
+_SELECT_TENANTS = "SELECT id, name, epoch, created_at, allowed_models FROM tenants"
+
+
+def _allowed_models(stored: str | None) -> tuple[str, ...] | None:
+    """The ``allowed_models`` column: NULL for every model, else a JSON array of names."""
+    return None if stored is None else tuple(json.loads(stored))
+
+
+def _tenant(row: tuple[str, str, int, float, str | None]) -> Tenant:
+    tid, name, epoch, created_at, models = row
+    return Tenant(tid, name, epoch, created_at, _allowed_models(models))
 
 
 def db_path(state_dir: str | os.PathLike[str]) -> Path:
@@ -196,8 +212,8 @@ class TenantStore:
 
     def list_tenants(self) -> list[Tenant]:
         """All tenants, by name."""
-        rows = self._db.query("SELECT id, name, epoch, created_at FROM tenants ORDER BY name")
-        return [Tenant(*row) for row in rows]
+        rows = self._db.query(_SELECT_TENANTS + " ORDER BY name")
+        return [_tenant(row) for row in rows]
 
     def get_tenant(self, tenant: str) -> Tenant:
         """Look a tenant up by id (``tn_...``) or name."""
@@ -209,11 +225,8 @@ class TenantStore:
         return found
 
     def _find_tenant(self, ref: str) -> Tenant | None:
-        rows = self._db.query(
-            "SELECT id, name, epoch, created_at FROM tenants WHERE id = ? OR name = ?",
-            (ref, ref),
-        )
-        return Tenant(*rows[0]) if rows else None
+        rows = self._db.query(_SELECT_TENANTS + " WHERE id = ? OR name = ?", (ref, ref))
+        return _tenant(rows[0]) if rows else None
 
     def rotate_salt(self, tenant: str) -> int:
         """Move the tenant to a fresh cache namespace; returns the new epoch.
@@ -225,6 +238,23 @@ class TenantStore:
             self._db.execute("UPDATE tenants SET epoch = epoch + 1 WHERE id = ?", (t.id,))
             [(epoch,)] = self._db.query("SELECT epoch FROM tenants WHERE id = ?", (t.id,))
         return int(epoch)
+
+    def set_models(self, tenant: str, models: Iterable[str] | None) -> Tenant:
+        """Let the tenant use only ``models`` (None: every model); every gateway follows
+        within a second, as it does a key change (the auth generation moves)."""
+        names = None
+        if models is not None:
+            names = tuple(sorted(set(models)))
+            if not names or not all(n and n == n.strip() for n in names):
+                raise StoreError(
+                    "invalid model list: give one or more model names without spaces around "
+                    "them (or every model: --all)"
+                )
+        stored = None if names is None else json.dumps(list(names))
+        with self._db.transaction():
+            t = self.get_tenant(tenant)
+            self._db.execute("UPDATE tenants SET allowed_models = ? WHERE id = ?", (stored, t.id))
+        return Tenant(t.id, t.name, t.epoch, t.created_at, names)
 
     # keys
 
@@ -294,12 +324,16 @@ class KeySnapshot:
 
     __slots__ = ("_by_hash",)
 
-    def __init__(self, rows: Iterable[tuple[bytes, str, str, str, int]] = ()) -> None:
+    def __init__(self, rows: Iterable[tuple[bytes, str, str, str, int, str | None]] = ()) -> None:
         """`rows` as LIVE_KEYS_SQL returns them."""
-        self._by_hash: dict[bytes, tuple[bytes, Principal]] = {
-            bytes(h): (bytes(h), Principal(tid, tname, kid, int(epoch)))
-            for h, tid, tname, kid, epoch in rows
-        }
+        allowed: dict[str, frozenset[str] | None] = {}  # one set per tenant, not per key
+        self._by_hash: dict[bytes, tuple[bytes, Principal]] = {}
+        for h, tid, tname, kid, epoch, models in rows:
+            if tid not in allowed:
+                names = _allowed_models(models)
+                allowed[tid] = None if names is None else frozenset(names)
+            principal = Principal(tid, tname, kid, int(epoch), allowed[tid])
+            self._by_hash[bytes(h)] = (bytes(h), principal)
 
     def __len__(self) -> int:
         return len(self._by_hash)
