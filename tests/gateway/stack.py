@@ -19,6 +19,7 @@ from tests.support.http import async_client
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
 from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.http import HttpServer, Request, Response, UpstreamPool
+from saltgate.policy.forwarded import TrustedProxies
 from saltgate.prices import Price
 from saltgate.routing import RouterConfig
 from saltgate.serving.run import RunningGateway, start_gateway
@@ -128,6 +129,7 @@ async def stack(
     require_encrypted_secret: bool = False,
     access_log: str = "off",
     log_format: str = "text",
+    trusted_proxies: TrustedProxies | None = None,
 ) -> AsyncIterator[Stack]:
     sims = [await start_sim(sim or SimConfig(port=0)) for _ in range(replicas)]
     taps = [Tap(s) for s in sims]
@@ -148,6 +150,7 @@ async def stack(
         require_encrypted_secret=require_encrypted_secret,
         access_log=access_log,
         log_format=log_format,
+        trusted_proxies=trusted_proxies or TrustedProxies(),
     )
     gateway = await start_gateway(config)
     try:
