@@ -3,8 +3,9 @@
 A line names the request (the gateway's own id, and the client's `x-request-id` as a
 separate field: a client chooses it, so it is never an identity), the client's address
 (the TCP peer, or the client a trusted balancer names: policy/forwarded.py), the tenant
-(its id, never a key), the route, model, status, tokens and timings. Nothing a request carries
-that could be secret or private reaches it: no key, salt, user secret or prompt text.
+(its id, never a key), the route, model, status, tokens and timings. Nothing a request
+carries that could be secret or private reaches it: no key, salt, user secret or prompt
+text.
 Strings a client chose (model, its request id) are written JSON-quoted in both formats,
 so no client can forge a line or a field.
 
