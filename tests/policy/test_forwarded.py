@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from saltgate.policy.forwarded import MAX_HOPS, TrustedProxies, client_address, parse_address
+from saltgate.policy.forwarded import (
+    HOP_CACHE,
+    MAX_HOPS,
+    TrustedProxies,
+    client_address,
+    parse_address,
+)
 
 BALANCERS = TrustedProxies.parse(["127.0.0.1", "10.0.0.0/8", "fd00::/8"])
 
@@ -80,6 +86,16 @@ def test_the_result_is_always_an_address() -> None:
     for header in ("a" * 10_000, "\x00", "1.2.3.4, <script>", "é"):
         found = client_address("127.0.0.1", xff(header), BALANCERS)
         assert parse_address(found) is not None
+
+
+def test_what_is_remembered_is_bounded_and_changes_nothing() -> None:
+    trusted = TrustedProxies.parse(["10.0.0.0/8"])
+    for i in range(HOP_CACHE + 10):
+        client = f"198.51.{i // 256}.{i % 256}"
+        assert client_address("10.0.0.5", xff(client), trusted) == client
+        assert len(trusted._hops) <= HOP_CACHE
+    assert client_address("10.0.0.5", xff("198.51.0.1"), trusted) == "198.51.0.1"  # again
+    assert trusted == TrustedProxies.parse(["10.0.0.0/8"])  # the memory is not the value
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -28,6 +28,10 @@ XFF: Final = b"x-forwarded-for"
 # Hops read from the right at most: a chain of proxies is a few long; a longer header is
 # a client padding it, and is not walked to its end.
 MAX_HOPS: Final = 32
+# Hops classified are remembered (the balancers', the clients' that come back): parsing
+# and matching with the standard library costs microseconds, a hit a dict lookup. Cleared
+# when full, so a client sending new addresses costs the parse, never memory.
+HOP_CACHE: Final = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,10 @@ class TrustedProxies:
     """The networks whose connections may say who the client is; empty: nobody's."""
 
     networks: tuple[IPNetwork, ...] = ()
+    # text -> (the address as written back, trusted?), None if not an address
+    _hops: dict[str, tuple[str, bool] | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def parse(cls, items: Sequence[str]) -> TrustedProxies:
@@ -51,6 +59,18 @@ class TrustedProxies:
     def trusts(self, address: IPAddress) -> bool:
         return any(address in network for network in self.networks)
 
+    def hop(self, text: str) -> tuple[str, bool] | None:
+        """`text` as an address written back by this module, and whether it is trusted;
+        None when it is no address (`parse_address`). Remembered."""
+        if text in self._hops:
+            return self._hops[text]
+        address = parse_address(text)
+        found = None if address is None else (str(address), self.trusts(address))
+        if len(self._hops) >= HOP_CACHE:
+            self._hops.clear()
+        self._hops[text] = found
+        return found
+
 
 def client_address(
     peer: str, headers: Iterable[tuple[bytes, bytes]], trusted: TrustedProxies
@@ -63,22 +83,22 @@ def client_address(
     """
     if not trusted.networks:
         return peer
-    hop = parse_address(peer)
-    if hop is None or not trusted.trusts(hop):
+    hop = trusted.hop(peer)
+    if hop is None or not hop[1]:
         return peer
     values = [value for name, value in headers if name == XFF]
     if not values:
-        return str(hop)
+        return hop[0]
     # Several X-Forwarded-For fields are one list, in order (RFC 9110, section 5.3).
     entries = b",".join(values).rsplit(b",", MAX_HOPS)
     for entry in reversed(entries[-MAX_HOPS:]):
-        found = parse_address(entry.decode("ascii", "replace"))
+        found = trusted.hop(entry.decode("ascii", "replace"))
         if found is None:
             break
         hop = found
-        if not trusted.trusts(hop):
+        if not hop[1]:
             break
-    return str(hop)
+    return hop[0]
 
 
 def parse_address(text: str) -> IPAddress | None:
