@@ -54,6 +54,7 @@ COMPILED_MODULES: Final = (
     "saltgate.http.client",
     "saltgate.http.server",
     "saltgate.policy.errors",
+    "saltgate.policy.forwarded",
     "saltgate.policy.headers",
     "saltgate.policy.request",
     "saltgate.routing.affinity",

@@ -90,6 +90,12 @@ def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         default=1,
         help="worker processes serving the one port (default 1: a single process; docs/workers.md)",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the configuration and the files it names, then exit without serving "
+        "(exit status 0 if valid, 2 if not; no network)",
+    )
     p.set_defaults(func=_run_serve)
 
     p = sub.add_parser("up", help="run the gateway on its embedded default: simulated replicas")
@@ -173,13 +179,19 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _run_serve(args: argparse.Namespace) -> int:
     from saltgate.config import ConfigError, load_config
+    from saltgate.store.errors import StoreError
 
     if args.workers < 1:
         print("saltgate serve: --workers must be at least 1", file=sys.stderr)
         return 2
     try:
         config = load_config(args.config)
-    except ConfigError as exc:
+        if args.check:  # like `nginx -t`: the files only, never the network
+            from saltgate.serving.check import check_config
+
+            print(f"saltgate: config {args.config} is valid ({check_config(config)})")
+            return 0
+    except (ConfigError, StoreError) as exc:
         print(f"saltgate serve: {exc}", file=sys.stderr)
         return 2
     if args.workers > 1:

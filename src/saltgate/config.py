@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from saltgate.derivations.derive import MASTER_KEY_MIN_BYTES
 from saltgate.kvevents.settings import KvRelaySettings, KvUpstream, client_key_lines
+from saltgate.policy.forwarded import TrustedProxies
 from saltgate.prices import Price, parse_prices
 from saltgate.routing.cluster import ClusterSettings
 from saltgate.routing.router import RouterConfig
@@ -147,6 +148,8 @@ class GatewayConfig:
     # The access log: one line per request ("stderr", "off" or a file), text or JSON.
     access_log: str = "stderr"
     log_format: str = "text"
+    # Balancers whose X-Forwarded-For names the client in the access log (policy/forwarded.py).
+    trusted_proxies: TrustedProxies = field(default_factory=TrustedProxies)
     # [cluster]: share routing state with the other gateways over a bus (docs/deployment.md);
     # None: this gateway routes on what it sees alone.
     cluster: ClusterSettings | None = None
@@ -337,6 +340,14 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
         kwargs["access_log"] = (
             target if target in ("stderr", "off") else str(_relative_to(base, target))
         )
+    if "trusted_proxies" in gw:
+        items = _expect(gw, "trusted_proxies", list, "gateway")
+        if not all(isinstance(item, str) for item in items):
+            raise ConfigError('gateway.trusted_proxies: expected strings ("10.0.0.0/8")')
+        try:
+            kwargs["trusted_proxies"] = TrustedProxies.parse(items)
+        except ValueError as exc:
+            raise ConfigError(f"gateway.trusted_proxies: {exc}") from None
     unknown = set(gw) - {*kwargs, "state_dir", "master_key_file"}
     if unknown:
         raise ConfigError(f"gateway: unknown keys {sorted(unknown)}")

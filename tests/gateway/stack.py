@@ -20,6 +20,7 @@ from tests.support.http import async_client
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
 from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.http import HttpServer, Request, Response, UpstreamPool
+from saltgate.policy.forwarded import TrustedProxies
 from saltgate.prices import Price
 from saltgate.routing import RouterConfig
 from saltgate.serving.run import RunningGateway, start_gateway
@@ -130,6 +131,7 @@ async def stack(
     require_encrypted_secret: bool = False,
     access_log: str = "off",
     log_format: str = "text",
+    trusted_proxies: TrustedProxies | None = None,
 ) -> AsyncIterator[Stack]:
     """``models``: replica i serves models[i] (else every replica serves MODEL)."""
     base = sim or SimConfig(port=0)
@@ -153,6 +155,7 @@ async def stack(
         require_encrypted_secret=require_encrypted_secret,
         access_log=access_log,
         log_format=log_format,
+        trusted_proxies=trusted_proxies or TrustedProxies(),
     )
     gateway = await start_gateway(config)
     try:

@@ -6,21 +6,26 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, ledger_rows, run, stack
+from tests.support.gateways import GatewayProcess, write_gateway_config
+from tests.support.http import async_client
 from tests.support.leaks import Secret, leaks
 from tests.support.waiting import eventually
 
-from saltgate.config import load_master_key
+from saltgate.config import create_master_key, load_master_key
 from saltgate.gateway.access_log import AccessLog, _pieces
 from saltgate.gateway.context import RequestContext
 from saltgate.gateway.usage import Usage
+from saltgate.policy.forwarded import TrustedProxies
 from saltgate.store.tenants import new_api_key
 
 
@@ -74,8 +79,10 @@ def test_one_line_per_request_and_no_secret_in_it(tmp_path: Path, fmt: str) -> N
             assert docs[2]["ttfb_ms"] <= docs[2]["total_ms"]
             assert {d["client_request_id"] for d in docs} == {planted, None}
             assert docs[0]["route"] == "/v1/completions" and docs[0]["model"] == MODEL
+            assert {d["client_addr"] for d in docs} == {"127.0.0.1"}
         else:
             assert re.search(r"status=200 prompt=[1-9]\d* cached=\d+ completion=2 ", lines[0])
+            assert all(" client=127.0.0.1 " in line for line in lines)
             assert f"tenant={tenant}" in lines[0] and "tenant=- " in lines[4]
         secrets: dict[str, Secret] = {
             "prompt": marker,
@@ -90,6 +97,100 @@ def test_one_line_per_request_and_no_secret_in_it(tmp_path: Path, fmt: str) -> N
         assert leaks(text, planted=planted)
 
     run(main)
+
+
+@pytest.mark.parametrize("trusted", [["127.0.0.1"], ["10.0.0.0/8"]])
+def test_the_client_address_is_read_from_x_forwarded_for_only_from_a_trusted_proxy(
+    tmp_path: Path, trusted: list[str]
+) -> None:
+    """The test client stands for a balancer on loopback: trusted, its X-Forwarded-For
+    names the client; not trusted, the header is ignored (a client cannot choose its
+    address). Either way the header does not reach the replica."""
+    log = tmp_path / "access.log"
+
+    async def main() -> None:
+        async with (
+            stack(
+                tmp_path,
+                replicas=1,
+                access_log=str(log),
+                log_format="json",
+                trusted_proxies=TrustedProxies.parse(trusted),
+            ) as s,
+            s.client("alice") as alice,
+        ):
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+            xff = {"x-forwarded-for": "6.6.6.6, 203.0.113.7"}
+            assert (await alice.post("/v1/completions", json=body, headers=xff)).is_success
+            assert (await alice.get("/health", headers=xff)).is_success
+            [forwarded] = s.forwarded()
+            assert forwarded.header(b"x-forwarded-for") is None
+
+    run(main)
+    docs = [orjson.loads(line) for line in log.read_text().splitlines()]
+    expected = "203.0.113.7" if trusted == ["127.0.0.1"] else "127.0.0.1"
+    assert [d["client_addr"] for d in docs] == [expected, expected]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sighup_reopens_the_access_log_after_rotation(tmp_path: Path, workers: int) -> None:
+    """`mv gw.log gw.log.1` and SIGHUP, as logrotate does, under traffic: the lines after
+    the reopen go to a new gw.log, in every worker, and each request has exactly one line
+    across the two files."""
+    log = tmp_path / "gw.log"
+    master = tmp_path / "master.key"
+    create_master_key(master)
+    config = write_gateway_config(
+        tmp_path / "gw.toml",
+        state_dir=tmp_path / "state",
+        master_key_file=master,
+        replicas=["http://127.0.0.1:9"],  # /health needs no replica
+        gateway_extra=f'access_log = "{log}"\nlog_format = "json"\n',
+    )
+
+    async def main() -> tuple[list[str], list[str]]:
+        gateway = await GatewayProcess.start(config, tmp_path / "stderr.log", workers=workers)
+        sent: list[str] = []
+        stop = asyncio.Event()
+        try:
+            async with async_client(base_url=gateway.url, timeout=10) as http:
+
+                async def traffic() -> None:
+                    while not stop.is_set():
+                        resp = await http.get("/health")
+                        assert resp.status_code == 200
+                        sent.append(resp.headers["x-request-id"])
+
+                senders = [asyncio.create_task(traffic()) for _ in range(4)]
+                await eventually(lambda: log.exists() and log.stat().st_size > 0, what="lines")
+                log.rename(tmp_path / "gw.log.1")
+                gateway.proc.send_signal(signal.SIGHUP)
+                assert gateway.proc.stdout is not None
+                while b"reopened the access log" not in (
+                    line := await asyncio.wait_for(gateway.proc.stdout.readline(), 30)
+                ):
+                    assert line, "the gateway exited"
+                assert f"in {workers} of {workers} workers".encode() in line or workers == 1
+                after = []
+                for _ in range(20):
+                    resp = await http.get("/health")
+                    after.append(resp.headers["x-request-id"])
+                stop.set()
+                await asyncio.gather(*senders)
+        finally:
+            await gateway.stop()  # flushes what the workers hold
+        return sent + after, after
+
+    sent, after = asyncio.run(main())
+
+    def ids(path: Path) -> list[str]:
+        return [orjson.loads(line)["request_id"] for line in path.read_text().splitlines()]
+
+    old, new = ids(tmp_path / "gw.log.1"), ids(log)
+    assert old and new
+    assert set(after) <= set(new)  # after the reopen: the new file only
+    counts = Counter(old + new)
+    assert set(counts) == set(sent) and max(counts.values()) == 1  # none lost, none twice
 
 
 def test_client_chosen_strings_cannot_forge_a_line(tmp_path: Path) -> None:

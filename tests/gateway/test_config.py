@@ -56,6 +56,10 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     cluster = load_config(path).cluster
     assert cluster is not None and cluster.gateway_id == "node-a"
     assert cluster.password_file == tmp_path / "secrets" / "bus"
+    assert config.trusted_proxies.networks == ()  # nobody's X-Forwarded-For is read
+    path.write_text(GOOD.replace("[gateway]", '[gateway]\ntrusted_proxies = ["127.0.0.1", "::1"]'))
+    networks = load_config(path).trusted_proxies.networks
+    assert [str(n) for n in networks] == ["127.0.0.1/32", "::1/128"]
 
 
 @pytest.mark.parametrize(
@@ -79,6 +83,12 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         ('[gateway]\non_client_gone = "x"\n[[replicas]]\nurl = "http://h:1"\n', "finish, abort"),
         ('[[replicas]]\nurl = "http://h:1"\n[cluster]\ngateway_id = "a"\n', "cluster.url"),
         ('[[replicas]]\nurl = "http://h:1"\n[cluster]\npassword = "inline"\n', "cluster.password"),
+        ('[gateway]\ntrusted_proxies = "10.0.0.0/8"\n[[replicas]]\nurl = "http://h:1"\n', "list"),
+        ('[gateway]\ntrusted_proxies = [10]\n[[replicas]]\nurl = "http://h:1"\n', "strings"),
+        (
+            '[gateway]\ntrusted_proxies = ["10.0.0.1/8"]\n[[replicas]]\nurl = "http://h:1"\n',
+            "gateway.trusted_proxies: '10.0.0.1/8'",
+        ),
     ],
 )
 def test_bad_configs_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:

@@ -5,8 +5,8 @@
   file both poll; PostgreSQL: LISTEN/NOTIFY).
 - PostgreSQL stopped with `pg_ctl stop -m immediate` under load and started again: every
   response delivered with a 200 has exactly one usage record (none lost, none doubled).
-- Past `store_outage_grace_s` a gateway answers 503 with a clear message, and serves again
-  once the store is back.
+- Past `store_outage_grace_s` a gateway answers 503 with a clear message, and /ready 503
+  (so a balancer stops sending), and serves again once the store is back.
 """
 
 from __future__ import annotations
@@ -344,6 +344,8 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
             async with async_client(base_url=gateway.url, headers=headers, timeout=10) as http:
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
                 delivered += 1
+                ready = await http.get("/ready")
+                assert ready.status_code == 200 and ready.json()["store"] == "ok"
                 await asyncio.to_thread(private_postgres.stop, "immediate")
                 down_at = time.monotonic()
                 resp = await http.post("/v1/completions", json=body)
@@ -357,6 +359,11 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
                 # before the stop.
                 assert time.monotonic() - down_at >= 1.5 - 1.0
                 assert resp.status_code == 503
+                ready = await http.get("/ready")
+                assert ready.status_code == 503, ready.text
+                assert ready.json()["store"] == "unreachable"
+                assert ready.json()["replicas"]["healthy"] == 1  # the store alone says no
+                assert "postgresql://" not in ready.text
                 assert _gauge(await http.get(gateway.metrics_url), "unreachable") >= 1.5
                 error = resp.json()["error"]
                 assert error["code"] == "store_unavailable"
@@ -376,6 +383,8 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
                     return ok
 
                 await eventually(serving, what="serving again after the store is back")
+                ready = await http.get("/ready")
+                assert ready.status_code == 200 and ready.json()["store"] == "ok"
                 metrics = await http.get(gateway.metrics_url)
                 assert _gauge(metrics, "unreachable") == 0.0
                 assert _gauge(metrics, "spooled") >= delivered - 2  # all but the first, last

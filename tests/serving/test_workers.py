@@ -7,6 +7,7 @@
   by request id (the response's x-request-id).
 - Connections queued in the listening socket when a worker dies are served by the others.
 - SIGHUP changes the replicas of every worker; SIGTERM lets a long stream finish.
+- Every worker answers /ready for itself, from its own view of the replicas.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import ehbp
 import httpx
 import orjson
 from tests.gateway.stack import MODEL, Tap, run
+from tests.routing.test_routing_gateway import kill
 from tests.support.gateways import SALTGATE, GatewayProcess, write_gateway_config
 from tests.support.http import async_client
 from tests.support.leaks import leaks
@@ -430,6 +432,37 @@ def test_sighup_changes_the_replicas_of_every_worker(tmp_path: Path) -> None:
             after = per_worker(await f.metrics(), "saltgate_worker_requests_total")
             assert all(after[i] > before[i] for i in range(WORKERS)), (before, after)
             assert (f.posts(0), f.posts(1)) == (20, 40)  # every worker sends to the new one
+
+    run(main)
+
+
+async def _ready_everywhere(f: Fleet, n: int = 20) -> set[int]:
+    """The /ready statuses of `n` checks, each on a connection of its own, and that both
+    workers answered some (each answers for itself)."""
+    before = per_worker(await f.metrics(), "saltgate_worker_requests_total")
+
+    async def one() -> int:
+        async with async_client(base_url=f.gateway.url, timeout=30) as http:
+            return (await http.get("/ready")).status_code
+
+    statuses = set(await asyncio.gather(*(one() for _ in range(n))))
+    after = per_worker(await f.metrics(), "saltgate_worker_requests_total")
+    assert all(after[i] > before[i] for i in range(WORKERS)), (before, after)
+    return statuses
+
+
+def test_every_worker_answers_ready_for_itself(tmp_path: Path) -> None:
+    store = StoreSettings.in_state_dir(tmp_path / "state")
+
+    async def main() -> None:
+        async with fleet(tmp_path, store, sims=1) as f:
+            assert await _ready_everywhere(f) == {200}
+            await kill(f.taps[0])  # the only replica: no worker can serve now
+
+            async def every_worker_refuses() -> bool:
+                return await _ready_everywhere(f) == {503}
+
+            await eventually(every_worker_refuses, what="both workers see it down", timeout_s=30)
 
     run(main)
 

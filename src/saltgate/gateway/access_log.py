@@ -1,9 +1,11 @@
 """The access log: one line per request, as text or JSON, written in batches.
 
 A line names the request (the gateway's own id, and the client's `x-request-id` as a
-separate field: a client chooses it, so it is never an identity), the tenant (its id,
-never a key), the route, model, status, tokens and timings. Nothing a request carries
-that could be secret or private reaches it: no key, salt, user secret or prompt text.
+separate field: a client chooses it, so it is never an identity), the client's address
+(the TCP peer, or the client a trusted balancer names: policy/forwarded.py), the tenant
+(its id, never a key), the route, model, status, tokens and timings. Nothing a request
+carries that could be secret or private reaches it: no key, salt, user secret or prompt
+text.
 Strings a client chose (model, its request id) are written JSON-quoted in both formats,
 so no client can forge a line or a field.
 
@@ -12,6 +14,9 @@ gateway makes one write a batch, not one per request. To a pipe or socket (stder
 a supervisor, say), which the worker processes of `serve --workers N` share, a write
 carries whole lines and at most PIPE_BUF bytes, the size the kernel writes atomically,
 so lines of different workers never interleave mid-line.
+
+A log file is reopened on SIGHUP (`reopen`, in every worker), for log rotation: logrotate
+renames the file, then signals; no line is lost or written twice across the rename.
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ _NO_USAGE: Final = Usage()
 class AccessLog:
     """Writes entries to a file descriptor (stderr, or a file opened for appending)."""
 
-    def __init__(self, fd: int | None, fmt: str = "text") -> None:
+    def __init__(self, fd: int | None, fmt: str = "text", path: str | None = None) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"log format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
         self.fd = fd
+        self.path = path  # the file `reopen` opens anew; None: stderr, or off
         self.json = fmt == "json"
         self._atomic = fd is not None and _is_pipe(fd)
         self._buffer: list[bytes] = []
@@ -58,7 +64,21 @@ class AccessLog:
             return cls(None, fmt)
         if target == "stderr":
             return cls(2, fmt)
-        return cls(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640), fmt)
+        return cls(_open_append(target), fmt, target)
+
+    def reopen(self) -> bool:
+        """Log rotation (SIGHUP, after logrotate renamed the file): the lines so far go to
+        the file as it was, later ones to a file opened anew at the path. False when there
+        is no file to reopen (stderr, off); OSError, the old file kept, if it cannot be
+        opened."""
+        if self.path is None or self.fd is None:
+            return False
+        self.flush()
+        fd = _open_append(self.path)
+        old, self.fd = self.fd, fd
+        self._atomic = _is_pipe(fd)
+        os.close(old)
+        return True
 
     def write(self, entry: RequestContext, status: int, usage: Usage | None = None) -> None:
         """The line of a request that ended (`RequestContext.end`)."""
@@ -77,6 +97,7 @@ class AccessLog:
                     "time": self._time(),
                     "request_id": entry.request_id,
                     "client_request_id": client,
+                    "client_addr": entry.client_addr or None,
                     "tenant_id": entry.tenant_id or None,
                     "method": entry.method.decode("ascii", "replace"),
                     "route": entry.route or None,
@@ -91,7 +112,8 @@ class AccessLog:
             )
         else:
             line = (
-                f"{self._time()} {entry.request_id} tenant={entry.tenant_id or '-'} "
+                f"{self._time()} {entry.request_id} client={entry.client_addr or '-'} "
+                f"tenant={entry.tenant_id or '-'} "
                 f"{entry.method.decode('ascii', 'replace')} {entry.route or '-'} "
                 f"model={_quoted(entry.model)} status={status} prompt={used.prompt_tokens} "
                 f"cached={'-' if used.cached_tokens is None else used.cached_tokens} "
@@ -134,6 +156,10 @@ class AccessLog:
             self._second = second
             self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         return f"{self._stamp}.{int((now - second) * 1000):03d}Z"
+
+
+def _open_append(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
 
 
 def _is_pipe(fd: int) -> bool:

@@ -28,6 +28,7 @@ class RequestContext:
     __slots__ = (
         "_ended",
         "_log",
+        "client_addr",
         "client_request_id",
         "first_byte",
         "method",
@@ -45,6 +46,7 @@ class RequestContext:
         self.request_id = new_request_id()
         self.method = method
         self.client_request_id = client_request_id
+        self.client_addr = ""  # the TCP peer, or whom a trusted proxy names (policy/forwarded.py)
         self.started = started
         self.route = ""
         self.tenant_id = ""

@@ -169,6 +169,11 @@ def load_or_create_server_key(path: Path) -> ServerKey:
     read). The key's bytes never appear in an error.
     """
     create_secret_file(path, "EHBP key file", ServerKey.generate().private_bytes().hex() + "\n")
+    return load_server_key(path)
+
+
+def load_server_key(path: Path) -> ServerKey:
+    """The key in an existing key file (`saltgate serve --check` reads it, makes none)."""
     data = read_secret_file(path, "EHBP key file")
     raw = b""
     with contextlib.suppress(ValueError, UnicodeDecodeError):

@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 
@@ -23,12 +26,16 @@ from saltgate.gateway.context import RequestContext
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
 from saltgate.gateway.metrics import Metrics
+from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError, missing_parameter, model_not_found
+from saltgate.policy.forwarded import client_address
 from saltgate.policy.headers import credential, forward_request_headers
 from saltgate.policy.request import (
     ANTHROPIC_ROUTES,
+    ROUTE_HEALTH,
+    ROUTE_READY,
     inspect,
     parse_body,
     prepare,
@@ -65,6 +72,7 @@ class Gateway:
         replicas: ReplicaSet,
         metrics: Metrics | None = None,
         access_log: AccessLog | None = None,
+        store_down_for: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
         self.subkeys = subkeys
@@ -74,6 +82,8 @@ class Gateway:
         self.metrics = metrics or Metrics()
         self.meter = Meter(ledger, self.metrics, price_versions(config.prices))
         self._log = access_log or AccessLog(None)
+        # Seconds the store has been out of reach (GatewayStore.unreachable_for), for /ready.
+        self._store_down_for = store_down_for or (lambda: 0.0)
         self._tenant_salts: dict[tuple[str, int], str] = {}
         self._routes: dict[tuple[bytes, bytes], str] = {}
         self._request_labels: dict[tuple[bytes, int], tuple[tuple[str, str], ...]] = {}
@@ -110,11 +120,35 @@ class Gateway:
         self._log.close()
         await self.keys.aclose()
 
+    def reopen_log(self) -> bool:
+        """Reopen the access log file (SIGHUP, log rotation); False when it is no file or
+        cannot be reopened (said in the log; lines keep going to the old file)."""
+        try:
+            return self._log.reopen()
+        except OSError as exc:
+            log.warning(
+                "saltgate: cannot reopen the access log %s (%s); still writing to the old file",
+                self._log.path,
+                exc.strerror,
+            )
+            return False
+
+    def readiness(self, model: str | None = None) -> tuple[bool, dict[str, Any]]:
+        """What /ready answers (gateway/readiness.py), from the router's health."""
+        views = [
+            ReplicaView(ok, tuple(str(m.get("id")) for m in r.models))
+            for _, r, ok in self.replicas.available()
+        ]
+        return readiness(self._store_down_for(), self.config.store_outage_grace_s, views, model)
+
     # -- the request path ----------------------------------------------------------------
     async def handle(self, request: Request, body_encrypted: bool = False) -> Response:
         """A request's response; ``body_encrypted``: the EHBP edge opened its body."""
         context = RequestContext(
             self._log, request.method, request.header(b"x-request-id"), time.monotonic()
+        )
+        context.client_addr = client_address(
+            request.client.peer, request.headers, self.config.trusted_proxies
         )
         try:
             response = await self._handle(request, context, body_encrypted)
@@ -139,8 +173,12 @@ class Gateway:
             route = resolve_route(request.method, request.path)
             self._routes[(request.method, request.path)] = route  # bounded: allowed routes only
         context.route = route
-        if route == "/health":
+        if route == ROUTE_HEALTH:
             return Response(200, list(JSON), b'{"status":"ok"}')
+        if route == ROUTE_READY:
+            models = parse_qs(request.query.decode("utf-8", "replace")).get("model")
+            ready, answer = self.readiness(models[-1] if models else None)
+            return Response(200 if ready else 503, list(JSON), orjson.dumps(answer))
         principal = self._authenticate(request)
         context.tenant_id = principal.tenant_id
         if route == "/v1/models":

@@ -3,12 +3,14 @@
 A Unix socket pair per worker, made by the parent; the worker gets its end as an
 inherited file descriptor. Frames are a 4-byte big-endian length and a body.
 
-- Parent to worker: a pickled order (`Start`, `SendMetrics`, `Reload`). The parent is the
-  trusted side: it hands the worker its configuration, secrets included (a replica's API
-  key, the EHBP private key), as a single process would have read them itself.
+- Parent to worker: a pickled order (`Start`, `SendMetrics`, `Reload`, `ReopenLog`). The
+  parent is the trusted side: it hands the worker its configuration, secrets included (a
+  replica's API key, the EHBP private key), as a single process would have read them
+  itself.
 - Worker to parent: a tag byte and data (`READY`, `FAILED` + a UTF-8 message, `METRICS` +
-  a JSON snapshot, `RELOADED`). The parent parses it as data only: a worker faces the
-  network, and must not be able to run code in its parent.
+  a JSON snapshot, `RELOADED`, `LOG_REOPENED` + "1" or "0": whether a log file was). The
+  parent parses it as data only: a worker faces the network, and must not be able to run
+  code in its parent.
 
 Every order but `Start` gets exactly one answer, in order, so the parent pairs answers
 with the orders it sent by position.
@@ -34,6 +36,7 @@ FAILED: Final = b"F"  # could not start: one line for the operator follows
 USAGE_FAILED: Final = b"U"  # could not start because of the configuration or the store
 METRICS: Final = b"M"  # a metrics snapshot (gateway/metrics.py Snapshot.to_json) follows
 RELOADED: Final = b"L"  # the new replicas are in use
+LOG_REOPENED: Final = b"O"  # then b"1": the access log file was reopened, b"0": none was
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +59,12 @@ class Reload:
     replicas: tuple[ReplicaConfig, ...]
 
 
-Order = Start | SendMetrics | Reload
+@dataclass(frozen=True, slots=True)
+class ReopenLog:
+    """SIGHUP: reopen the access log file (log rotation)."""
+
+
+Order = Start | SendMetrics | Reload | ReopenLog
 
 
 def frame(body: bytes) -> bytes:
@@ -102,6 +110,6 @@ async def read_order(reader: asyncio.StreamReader) -> Order | None:
     if body is None:
         return None
     order = pickle.loads(body)  # noqa: S301 - from the parent, the trusted side (above)
-    if not isinstance(order, Start | SendMetrics | Reload):
+    if not isinstance(order, Start | SendMetrics | Reload | ReopenLog):
         raise TypeError(f"unknown order {type(order).__name__}")
     return order

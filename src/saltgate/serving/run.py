@@ -124,6 +124,7 @@ async def start_gateway(
         replicas=replicas,
         metrics=metrics,
         access_log=AccessLog.open(config.access_log, config.log_format),
+        store_down_for=store.unreachable_for,
     )
     ehbp = _ehbp_edge(config, gateway, metrics, ehbp_key)
     handler: Handler = gateway.handle if ehbp is None else ehbp.handle
@@ -192,6 +193,9 @@ def reread_config(path: Path) -> GatewayConfig | None:
 
 
 def _reload_from(running: RunningGateway, path: Path) -> None:
+    """SIGHUP: reopen the access log (log rotation), then take the file's [[replicas]]."""
+    if running.gateway.reopen_log():
+        print(f"saltgate: reopened the access log {running.gateway.config.access_log}", flush=True)
     config = reread_config(path)
     if config is None:
         return

@@ -11,8 +11,9 @@ The parent serves no request. It starts each worker as a fresh interpreter
 (serving/worker.py), hands it its configuration over a control channel
 (serving/control.py), restarts a worker that dies (with a backoff if it dies young),
 serves the one admin port (metrics merged from every worker), runs the KV-event relay
-if configured, and turns signals into orders: SIGHUP re-reads [[replicas]] for every
-worker, SIGTERM or SIGINT drains every worker and then exits.
+if configured, and turns signals into orders: SIGHUP has every worker reopen its access
+log file (log rotation) and re-reads [[replicas]] for every worker, SIGTERM or SIGINT
+drains every worker and then exits.
 """
 
 from __future__ import annotations
@@ -317,7 +318,18 @@ class Supervisor:
         task.add_done_callback(self._tasks.discard)
 
     async def reload(self, path: Path) -> None:
-        """SIGHUP: the file's [[replicas]] for every worker (and the ones started later)."""
+        """SIGHUP: every worker reopens its access log, whatever the file now says; then
+        the file's [[replicas]] for every worker (and the ones started later)."""
+        answers = await asyncio.gather(
+            *(w.ask(control.ReopenLog(), RELOAD_TIMEOUT_S) for w in list(self.alive.values()))
+        )
+        reopened = sum(a == control.LOG_REOPENED + b"1" for a in answers)
+        if reopened:
+            print(
+                f"saltgate: reopened the access log {self.config.access_log} in {reopened} of "
+                f"{self.workers} workers",
+                flush=True,
+            )
         config = reread_config(path)
         if config is None:
             return

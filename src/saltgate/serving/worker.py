@@ -9,9 +9,9 @@ itself, and serves until the parent tells it to stop.
 
 Signals: SIGTERM drains (requests in flight finish, within the HTTP server's grace),
 like a single `saltgate serve`; SIGINT and SIGHUP are ignored, because a terminal sends
-them to the whole process group and the parent decides (it drains or reloads every
-worker). When the parent's end of the channel closes (the parent died), the worker
-drains and exits.
+them to the whole process group and the parent decides (it drains every worker, or has
+each reopen its access log and reload). When the parent's end of the channel closes (the
+parent died), the worker drains and exits.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ async def _serve_orders(
             gateway = running.gateway
             running.reload(dataclasses.replace(gateway.config, replicas=order.replicas))
             writer.write(control.frame(control.RELOADED))
+        elif isinstance(order, control.ReopenLog):
+            reopened = running.gateway.reopen_log()
+            writer.write(control.frame(control.LOG_REOPENED + (b"1" if reopened else b"0")))
         await writer.drain()
 
 

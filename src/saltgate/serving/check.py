@@ -1,0 +1,51 @@
+"""`saltgate serve --check --config FILE`: what `serve` reads before it serves, checked
+without serving, as `nginx -t` checks its configuration.
+
+The file itself (load_config: every key, the replicas' key files with their modes), the
+master key, the EHBP key file when it exists (serve makes a missing one), the store's
+password file or variable, and that the access log can be written. Nothing here touches
+the network: whether the store and the replicas answer is for the running gateway to
+say, on `/ready` (gateway/readiness.py); a check that connected would pass or fail with
+the network of the moment, not with the file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from saltgate.config import ConfigError, GatewayConfig, load_master_key
+from saltgate.gateway.ehbp import load_server_key
+
+
+def check_config(config: GatewayConfig) -> str:
+    """What the configuration runs, in a few words; ConfigError or StoreError (the same
+    messages `serve` would stop with) if it could not start."""
+    load_master_key(config.master_key_file)
+    notes = [f"{len(config.replicas)} replicas", f"store {config.store_settings.describe()}"]
+    key_file = config.ehbp_key_file
+    if config.ehbp and key_file is not None:
+        if os.path.lexists(key_file):
+            load_server_key(key_file)
+        else:
+            notes.append(f"EHBP key file {key_file} will be created")
+    settings = config.store_settings
+    if settings.backend == "postgresql":
+        from saltgate.store.postgres import conninfo  # noqa: PLC0415 - psycopg only when configured
+
+        conninfo(settings)  # reads the password from its file or variable, to be dropped
+    elif settings.sqlite_path is not None and not settings.sqlite_path.exists():
+        notes.append(f"{settings.sqlite_path} will be created, with no tenants")
+    if config.access_log not in ("stderr", "off"):
+        _check_writable(Path(config.access_log))
+    notes.append(f"access log {config.access_log}")
+    return ", ".join(notes)
+
+
+def _check_writable(path: Path) -> None:
+    if path.is_dir():
+        raise ConfigError(f"gateway.access_log: {path} is a directory; name a file in it")
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        reason = "not writable" if target.exists() else "no such directory"
+        raise ConfigError(f"gateway.access_log: cannot write {path}: {reason}")
