@@ -26,8 +26,8 @@ def doc_files(root: Path) -> list[Path]:
 
 def relative_links(text: str) -> Iterator[tuple[int, str]]:
     """(line, target) of each relative link outside code, its #anchor removed."""
-    blank = _INLINE_CODE.sub(lambda m: " " * len(m[0]), text)
-    blank = _FENCE.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), blank)
+    blank = _FENCE.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), text)
+    blank = _INLINE_CODE.sub(lambda m: " " * len(m[0]), blank)
     for m in _LINK.finditer(blank):
         target = m[1].split("#", 1)[0]
         if target and not _SCHEME.match(target):
@@ -58,4 +58,4 @@ def test_a_link_written_from_the_wrong_directory_is_caught(tmp_path: Path) -> No
         "`[in code](nowhere.md)`\n```\n[fenced](nowhere.md)\n```\n"
         "broken: [w](docs/workers.md)\n"
     )
-    assert broken_links(tmp_path) == ["docs/config.md:5: docs/workers.md"]
+    assert broken_links(tmp_path) == ["docs/config.md:6: docs/workers.md"]
