@@ -39,6 +39,11 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--tls-cert", default=None, help="serve https with this PEM certificate")
+    p.add_argument("--tls-key", default=None, help="its PEM private key (else in --tls-cert)")
+    p.add_argument(
+        "--tls-client-ca", default=None, help="require client certificates from this CA (mTLS)"
+    )
     p.set_defaults(func=_run_sim)
 
 
@@ -61,6 +66,9 @@ def _run_sim(args: argparse.Namespace) -> int:
         decode_ms_per_token=args.decode_ms_per_token,
         max_concurrency=args.max_concurrency,
         max_model_len=args.max_model_len,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
     )
     return serve_forever(config)
 

@@ -23,6 +23,7 @@ from saltgate.audit.deployment import (
     judge_canary,
     judge_hash_algo,
     judge_kv_endpoint,
+    judge_plaintext_upstream,
     judge_replica_access,
     judge_response_headers,
     parse_cache_config_info,
@@ -115,6 +116,24 @@ def test_canary_judgement_needs_its_control() -> None:
     # without usage in the response, the replicas' hit counters decide
     assert judge("unsalted", 496, None, 496.0) is Severity.HIGH
     assert judge("unsalted", 496, None, 0.0) is Severity.OK
+
+
+def test_plaintext_links_off_loopback_are_high_findings(tmp_path: Path) -> None:
+    """What only allow_plaintext_upstream lets load is reported; https and loopback are ok."""
+    path = tmp_path / "g.toml"
+    path.write_text(
+        "[gateway]\nallow_plaintext_upstream = true\n"
+        '[[replicas]]\nurl = "http://10.0.0.5:8000"\nkv_events_endpoint = "tcp://10.0.0.5:5557"\n'
+        '[[replicas]]\nurl = "https://10.0.0.6:8443"\n'
+        '[[replicas]]\nurl = "http://127.0.0.1:8000"\nkv_events_endpoint = "tcp://127.0.0.1:5557"\n'
+    )
+    found = [(f.target, f.severity) for f in judge_plaintext_upstream(load_config(path))]
+    assert found == [
+        ("http://10.0.0.5:8000", Severity.HIGH),
+        ("tcp://10.0.0.5:5557", Severity.HIGH),
+        ("https://10.0.0.6:8443", Severity.OK),
+        ("http://127.0.0.1:8000", Severity.OK),
+    ]
 
 
 # -- deployments --------------------------------------------------------------------------
@@ -237,6 +256,7 @@ def test_careful_deployment_has_no_high_finding(
         checks = by_check(report)
         assert report.worst is not Severity.HIGH, report.to_json()
         assert checks["replica-direct-access"] == [Severity.LOW]
+        assert checks["plaintext-upstream"] == [Severity.OK]  # a replica on loopback
         assert checks["prefix-caching-hash"] == [Severity.OK]
         assert checks["kv-events-endpoint"] == [Severity.OK]
         assert checks["client-salt-stripped"] == [Severity.OK]

@@ -34,6 +34,7 @@ __all__ = [
     "judge_hash_algo",
     "judge_kv_endpoint",
     "judge_metrics_exposure",
+    "judge_plaintext_upstream",
     "judge_replica_access",
     "judge_response_headers",
     "judge_salting_config",
@@ -106,6 +107,39 @@ def judge_salting_config(config: GatewayConfig) -> Finding:
             "tenant shares one cache namespace",
         )
     return Finding("salting", "config", Severity.OK, "the gateway derives every cache salt")
+
+
+def judge_plaintext_upstream(config: GatewayConfig) -> list[Finding]:
+    """How each replica's links leave the gateway: verified TLS, loopback, or in clear
+    across a network (what only `[gateway] allow_plaintext_upstream = true` lets load)."""
+    findings = []
+    for replica in config.replicas:
+        if replica.plaintext_remote:
+            findings.append(
+                Finding(
+                    "plaintext-upstream",
+                    replica.url,
+                    Severity.HIGH,
+                    "plain http:// across the network (allow_plaintext_upstream): prompts, "
+                    "derived cache salts and the replica's API key cross in clear. Use "
+                    "https:// with tls_ca_file (docs/deployment.md)",
+                )
+            )
+        else:
+            how = "https, certificate and name verified" if replica.tls else "loopback"
+            findings.append(Finding("plaintext-upstream", replica.url, Severity.OK, how))
+        if replica.kv_plaintext_remote:
+            findings.append(
+                Finding(
+                    "plaintext-upstream",
+                    str(replica.kv_events_endpoint),
+                    Severity.HIGH,
+                    "KV events over tcp:// across the network without CURVE "
+                    "(allow_plaintext_upstream): cache salts and token ids in clear. Set "
+                    "kv_events_curve_server_key_file (docs/kv-relay.md)",
+                )
+            )
+    return findings
 
 
 def judge_replica_access(url: str, status: int | None, error: str | None) -> Finding:
@@ -543,6 +577,7 @@ async def run_deployment_audit(
     async with httpx.AsyncClient(timeout=timeout) as client:
         checks = _Checks(config, client, gateway or gateway_url(config), api_key, timeout)
         checks.add(judge_salting_config(config))
+        checks.report.findings += judge_plaintext_upstream(config)
         for replica in config.replicas:
             await checks.replica(replica)
         endpoints = list(dict.fromkeys(kv_endpoints))

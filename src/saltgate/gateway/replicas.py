@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -18,8 +19,9 @@ from typing import Any
 
 import orjson
 
-from saltgate.config import ReplicaConfig
+from saltgate.config import ConfigError, ReplicaConfig
 from saltgate.http.client import UpstreamError, UpstreamPool
+from saltgate.http.tls import client_context, tls_failure
 from saltgate.routing import Member, Plan, ReplicaId, ReplicaState, Router, parse_waiting
 
 log = logging.getLogger(__name__)
@@ -117,16 +119,30 @@ class ReplicaSet:
     # -- membership ------------------------------------------------------------------------
     def reload(self, configs: tuple[ReplicaConfig, ...]) -> None:
         """Switch to a new replica list without a restart; replicas that stay keep their
-        pools, load and health, and removed ones finish what they are serving."""
+        pools, load and health, and removed ones finish what they are serving.
+
+        TLS files are read again (a rotated certificate is taken on the next connection),
+        all of them before anything changes: ConfigError if one cannot be used."""
+        contexts = [tls_context(cfg, i) for i, cfg in enumerate(configs)]
         replicas: dict[str, Replica] = {}
-        for cfg in configs:
+        for index, (cfg, tls) in enumerate(zip(configs, contexts, strict=True)):
             replica = self._replicas.get(cfg.url)
             if replica is None:
                 host, port, prefix = cfg.authority
                 pool = UpstreamPool(
-                    host, port, response_timeout=self.timeout, read_timeout=self.timeout
+                    host, port, tls=tls, response_timeout=self.timeout, read_timeout=self.timeout
                 )
                 replica = Replica(cfg, pool, prefix.encode())
+                if cfg.plaintext_remote:
+                    log.warning(
+                        "replica %d (%s:%d) is reached over plain http across the network: "
+                        "prompts, cache salts and its API key cross in clear "
+                        "(allow_plaintext_upstream = true)",
+                        index,
+                        host,
+                        port,
+                    )
+            replica.pool.tls = tls
             replica.configure(cfg)
             replicas[cfg.url] = replica
         self.router.set_members(Member(ReplicaId(cfg.url), cfg.weight) for cfg in configs)
@@ -195,10 +211,13 @@ class ReplicaSet:
 
     # -- probes ----------------------------------------------------------------------------
     async def probe(self, replica: Replica) -> bool:
+        why = "its probes fail"
         try:
             ok = await asyncio.wait_for(self._probe(replica), self.router.config.probe_timeout_s)
-        except (UpstreamError, TimeoutError):
+        except (UpstreamError, TimeoutError) as exc:
             ok = False
+            if isinstance(exc, UpstreamError):
+                why = str(exc)  # no secret: the cause, such as a certificate's verdict
         state = self.router.state(replica.id)
         if state is None:
             return ok  # removed while the probe ran
@@ -206,7 +225,7 @@ class ReplicaSet:
         self.router.probed(replica.id, ok)
         if state.health.probe.up != was_up:
             index = self.replicas.index(replica)
-            log.warning("replica %d is %s", index, "back" if ok else "down: its probes fail")
+            log.warning("replica %d is %s", index, "back" if ok else f"down: {why}")
         return ok
 
     async def _probe(self, replica: Replica) -> bool:
@@ -247,6 +266,25 @@ class ReplicaSet:
         await asyncio.gather(*retiring, return_exceptions=True)
         for replica in self._replicas.values():
             await replica.pool.close()
+
+
+def tls_context(config: ReplicaConfig, index: int) -> ssl.SSLContext | None:
+    """The client context of an https:// replica (its CA bundle, else the system's; its
+    client certificate for mutual TLS), None for http://; ConfigError names the file."""
+    if not config.tls:
+        return None
+    try:
+        return client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file)
+    except OSError as exc:  # ssl.SSLError included
+        if isinstance(exc, ssl.SSLError):
+            reason = tls_failure(exc)
+        else:
+            reason = exc.strerror or exc.__class__.__name__
+        raise ConfigError(
+            f"replicas[{index}]: cannot use its TLS files ({reason}): a PEM CA bundle in "
+            "tls_ca_file, a PEM certificate and its unencrypted key in tls_cert_file and "
+            "tls_key_file"
+        ) from None
 
 
 def _model_entries(body: bytes) -> list[dict[str, Any]]:
