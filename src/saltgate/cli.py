@@ -297,6 +297,11 @@ def _add_kv_relay(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--print-server-key", action="store_true", help="print the public key consumers pin"
     )
+    p.add_argument(
+        "--allow-plaintext-upstream",
+        action="store_true",
+        help="accept --upstream endpoints off loopback (no CURVE: salts in clear)",
+    )
     p.set_defaults(func=_run_kv_relay)
 
 
@@ -309,7 +314,7 @@ def _kv_relay_from_args(
     """
     from pathlib import Path
 
-    from saltgate.config import kv_relay_settings, load_config
+    from saltgate.config import kv_plaintext_remote, kv_relay_settings, load_config
     from saltgate.kvevents.settings import KvUpstream
 
     if args.config:
@@ -329,6 +334,13 @@ def _kv_relay_from_args(
         upstreams.append(KvUpstream(endpoint, replay or None))
     if not upstreams:
         raise ValueError("--upstream: give at least one replica's KV-event endpoint")
+    remote = [u.endpoint for u in upstreams if kv_plaintext_remote(u)]
+    if remote and not args.allow_plaintext_upstream:
+        raise ValueError(
+            f"--upstream {remote[0]}: off loopback without CURVE, salts and token ids cross "
+            "in clear; pin a forwarder's key with --config (kv_events_curve_server_key_file) "
+            "or pass --allow-plaintext-upstream"
+        )
     table: dict[str, object] = {
         "publish_endpoint": args.publish,
         "replay_endpoint": args.replay,

@@ -70,6 +70,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def kv_plaintext_remote(upstream: KvUpstream) -> bool:
+    """A KV-event link (or its replay link) that crosses a network without CURVE."""
+    if upstream.curve_server_key is not None:
+        return False
+    links = (upstream.endpoint, upstream.replay_endpoint or "")
+    return any(plaintext_zmq_remote(e) for e in links)
+
+
 def plaintext_zmq_remote(endpoint: str) -> bool:
     """A tcp:// ZMQ endpoint off loopback (``*`` and 0.0.0.0 included: bound on every
     interface); ipc:// and inproc:// never leave the machine."""
@@ -169,11 +177,8 @@ class ReplicaConfig:
 
     @property
     def kv_plaintext_remote(self) -> bool:
-        """The KV-event link (or its replay link) crosses a network without CURVE."""
-        if self.kv_events_endpoint is None or self.kv_events_curve_server_key is not None:
-            return False
-        links = (self.kv_events_endpoint, self.kv_events_replay_endpoint or "")
-        return any(plaintext_zmq_remote(e) for e in links)
+        upstream = self.kv_upstream
+        return upstream is not None and kv_plaintext_remote(upstream)
 
     @property
     def kv_upstream(self) -> KvUpstream | None:

@@ -238,10 +238,12 @@ def test_an_allowed_plaintext_replica_is_warned_once_and_counted(
                 metrics = running.metrics.render()
             finally:
                 await running.close()
-        warnings = [r.getMessage() for r in caplog.records if "plain http" in r.getMessage()]
+        warnings = [r.getMessage() for r in caplog.records if "in clear" in r.getMessage()]
         assert warnings == [
             "replica 0 (192.0.2.1:8000) is reached over plain http across the network: "
-            "prompts, cache salts and its API key cross in clear (allow_plaintext_upstream = true)"
+            "prompts, cache salts and its API key cross in clear (allow_plaintext_upstream = true)",
+            "replica 0 (192.0.2.1:8000): its KV events cross the network without CURVE: cache "
+            "salts and token ids in clear (allow_plaintext_upstream = true)",
         ]
         assert _plaintext_gauge(metrics) == {"http": 1.0, "kv_events": 1.0}
         assert REPLICA_KEY not in caplog.text + metrics.decode()

@@ -133,15 +133,7 @@ class ReplicaSet:
                     host, port, tls=tls, response_timeout=self.timeout, read_timeout=self.timeout
                 )
                 replica = Replica(cfg, pool, prefix.encode())
-                if cfg.plaintext_remote:
-                    log.warning(
-                        "replica %d (%s:%d) is reached over plain http across the network: "
-                        "prompts, cache salts and its API key cross in clear "
-                        "(allow_plaintext_upstream = true)",
-                        index,
-                        host,
-                        port,
-                    )
+                _warn_plaintext(cfg, index)
             replica.pool.tls = tls
             replica.configure(cfg)
             replicas[cfg.url] = replica
@@ -266,6 +258,27 @@ class ReplicaSet:
         await asyncio.gather(*retiring, return_exceptions=True)
         for replica in self._replicas.values():
             await replica.pool.close()
+
+
+def _warn_plaintext(config: ReplicaConfig, index: int) -> None:
+    """Said once per replica, when it joins: what allow_plaintext_upstream lets through."""
+    host, port, _ = config.authority
+    if config.plaintext_remote:
+        log.warning(
+            "replica %d (%s:%d) is reached over plain http across the network: prompts, "
+            "cache salts and its API key cross in clear (allow_plaintext_upstream = true)",
+            index,
+            host,
+            port,
+        )
+    if config.kv_plaintext_remote:
+        log.warning(
+            "replica %d (%s:%d): its KV events cross the network without CURVE: cache "
+            "salts and token ids in clear (allow_plaintext_upstream = true)",
+            index,
+            host,
+            port,
+        )
 
 
 def tls_context(config: ReplicaConfig, index: int) -> ssl.SSLContext | None:
