@@ -350,11 +350,7 @@ def _curve_server_key(item: dict[str, Any], where: str, base: Path, kv: dict[str
     if "kv_events_endpoint" not in kv or kv.get("kv_events_bind"):
         raise ConfigError(f"{key}: needs a kv_events_endpoint the relay connects to (not bind)")
     path = _relative_to(base, _expect(item, "kv_events_curve_server_key_file", str, where))
-    try:
-        lines = client_key_lines(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"{key}: cannot read {path}: {reason}") from None
+    lines = _public_key_lines(path, key)
     try:
         return parse_client_key(lines[0] if len(lines) == 1 else "")
     except ValueError as exc:
@@ -520,16 +516,20 @@ def kv_relay_settings(table: dict[str, Any], base: Path, where: str = "") -> KvR
     file_keys: list[str] = []
     if "client_keys_file" in table:
         name = _expect(table, "client_keys_file", str, where.rstrip(".") or "kv_relay")
-        path = _relative_to(base, name)
-        try:
-            file_keys = client_key_lines(path.read_text())
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(f"{where}client_keys_file: cannot read {path}: {reason}") from None
+        file_keys = _public_key_lines(_relative_to(base, name), f"{where}client_keys_file")
     try:
         return KvRelaySettings.from_table(rest, file_keys)
     except ValueError as exc:
         raise ConfigError(f"{where}{exc}") from None
+
+
+def _public_key_lines(path: Path, what: str) -> list[str]:
+    """The CURVE public keys in a file, one a line (public: any file mode)."""
+    try:
+        return client_key_lines(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"{what}: cannot read {path}: {reason}") from None
 
 
 def _store(table: Any, base: Path, state_dir: Path) -> StoreSettings | None:

@@ -15,6 +15,7 @@ import pytest
 import zmq
 from tests.gateway.stack import run, stack
 from tests.support.gateways import write_gateway_config
+from tests.support.tls import make_pki
 
 from saltgate.audit.deployment import (
     CanaryObservation,
@@ -137,6 +138,37 @@ def test_plaintext_links_off_loopback_are_high_findings(tmp_path: Path) -> None:
 
 
 # -- deployments --------------------------------------------------------------------------
+
+
+def test_https_replicas_are_audited_through_their_ca(tmp_path: Path) -> None:
+    """A replica verified against tls_ca_file is reached by the audit too (not reported
+    "not reachable" because the system's trust store does not know its CA)."""
+
+    async def body() -> None:
+        pki = make_pki(tmp_path / "pki")
+        sim = await start_sim(
+            SimConfig(
+                port=0,
+                api_key=REPLICA_KEY,
+                tls_cert=str(pki.server.cert),
+                tls_key=str(pki.server.key),
+            )
+        )
+        try:
+            config = GatewayConfig(
+                replicas=(ReplicaConfig(sim.url, api_key=REPLICA_KEY, tls_ca_file=pki.ca),),
+                state_dir=tmp_path,
+                master_key_file=tmp_path / "master.key",
+            )
+            report = await run_deployment_audit(config, probe_default_kv_port=False)
+        finally:
+            await sim.close()
+        checks = by_check(report)
+        assert checks["plaintext-upstream"] == [Severity.OK]
+        assert checks["replica-direct-access"] == [Severity.LOW], report.to_json()
+        assert checks["prefix-caching-hash"] == [Severity.OK]
+
+    run(body)
 
 
 def write_config(path: Path, config: GatewayConfig, gateway_port: int, env_key: str | None) -> Path:

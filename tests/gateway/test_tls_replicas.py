@@ -20,7 +20,8 @@ import pytest
 from tests.gateway.stack import MODEL, new_state_dir, run
 from tests.support.tls import Pair, Pki, make_pki
 
-from saltgate.config import GatewayConfig, ReplicaConfig
+from saltgate.config import ConfigError, GatewayConfig, ReplicaConfig
+from saltgate.gateway.replicas import tls_context
 from saltgate.http import Request, Response, UpstreamError, UpstreamPool
 from saltgate.http.tls import client_context
 from saltgate.routing import RouterConfig
@@ -167,6 +168,25 @@ def test_the_same_replica_is_refused_without_its_ca_in_the_bundle(tmp_path: Path
         assert replica.seen == []
 
     run(body)
+
+
+def test_tls_files_that_do_not_load_are_a_config_error_naming_the_replica(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Checked at load only for existence; what OpenSSL cannot use stops the start (and
+    refuses a reload) with one line, never the key's content."""
+    not_pem = tmp_path / "not-a-ca.pem"
+    not_pem.write_text("hello")
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"tls_ca_file": not_pem}, "cannot use its TLS files"),
+        ({"tls_cert_file": pki.server.cert, "tls_key_file": pki.client.key}, "key values mismatch"),
+    ]
+    for tls, needle in cases:
+        with pytest.raises(ConfigError, match=needle) as info:
+            tls_context(ReplicaConfig("https://127.0.0.1:1", **tls), 3)
+        assert str(info.value).startswith("replicas[3]: ")
+        assert "PRIVATE KEY" not in str(info.value)
+    assert tls_context(ReplicaConfig("http://127.0.0.1:1"), 0) is None
 
 
 def test_mutual_tls_replica_refuses_a_gateway_without_a_client_certificate(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+import ssl
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -24,6 +25,7 @@ import httpx
 import orjson
 
 from saltgate.config import GatewayConfig, ReplicaConfig
+from saltgate.http.tls import client_context
 
 __all__ = [
     "CANARY_TOKENS",
@@ -396,6 +398,16 @@ def gateway_url(config: GatewayConfig) -> str:
     return f"http://{host}:{config.port}"
 
 
+def _trust(config: GatewayConfig) -> ssl.SSLContext:
+    """What the audit verifies https replicas against: the system's trust store and every
+    replica's tls_ca_file, as the gateway does; it presents no client certificate, as an
+    outsider would not."""
+    context = client_context(None)
+    for ca_file in sorted({r.tls_ca_file for r in config.replicas if r.tls_ca_file}):
+        context.load_verify_locations(cafile=str(ca_file))
+    return context
+
+
 def _err(exc: BaseException) -> str:
     return type(exc).__name__
 
@@ -574,7 +586,7 @@ async def run_deployment_audit(
     timeout: float = 5.0,
 ) -> DeploymentReport:
     """Every check, in order; a check that cannot run says so as an `info` finding."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with httpx.AsyncClient(timeout=timeout, verify=_trust(config)) as client:
         checks = _Checks(config, client, gateway or gateway_url(config), api_key, timeout)
         checks.add(judge_salting_config(config))
         checks.report.findings += judge_plaintext_upstream(config)

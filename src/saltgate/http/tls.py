@@ -2,8 +2,9 @@
 
 Python's ssl module does all of it (OpenSSL underneath); this module only picks the
 settings: certificate and hostname verification always on, TLS 1.2 at least, HTTP/1.1
-by ALPN. A context is built once per replica configuration and shared by every
-connection of its pool (OpenSSL reads the files then, not per connection).
+by ALPN. A context is built when a replica joins (and again on a reload, to take renewed
+files) and shared by every connection of its pool: OpenSSL reads the files then, not per
+connection.
 """
 
 from __future__ import annotations
