@@ -17,7 +17,7 @@ WHEEL_DIR := build/wheel
 WHEEL := $(WHEEL_DIR)/.built
 SOURCES := $(shell find src -name '*.py') setup.py pyproject.toml
 
-.PHONY: install install-compiled up test lint typecheck pytest pytest-compiled pytest-pure \
+.PHONY: install install-compiled dist up test lint typecheck pytest pytest-compiled pytest-pure \
 	vllm-env bench-tools services flakes lock clean
 
 install: $(PURE)
@@ -47,6 +47,23 @@ $(COMPILED): $(WHEEL)
 	$(BIN)/saltgate --version
 	touch $@
 
+# What a node installs (docs/install.md): saltgate's compiled wheel (the one
+# install-compiled installs) and its sdist, and saltgate-client's pure wheel and sdist,
+# built from a copy of src/ beside packaging/client/pyproject.toml (setuptools builds one
+# project per directory). The wheels install with `--require-hashes -r
+# requirements-runtime.lock` (or requirements-client.lock) and `--no-deps`.
+CLIENT_STAGE := build/client
+dist: $(WHEEL)
+	rm -rf dist $(CLIENT_STAGE)
+	mkdir -p dist $(CLIENT_STAGE)/src
+	cp $(WHEEL_DIR)/saltgate-*.whl dist/
+	$(BIN)/python -m build --sdist --no-isolation --outdir dist . > /dev/null
+	cp packaging/client/pyproject.toml packaging/client/README.md LICENSE $(CLIENT_STAGE)/
+	tar -C src --exclude=__pycache__ --exclude='*.egg-info' -cf - saltgate \
+		| tar -C $(CLIENT_STAGE)/src -xf -
+	$(BIN)/python -m build --no-isolation --outdir dist $(CLIENT_STAGE) > /dev/null
+	ls dist
+
 up: install
 	$(BIN)/saltgate up $(UP_ARGS)
 
@@ -73,12 +90,13 @@ services:
 	bash scripts/services-setup.sh
 
 # The whole suite on the compiled build, which deployments run and which alone shows what
-# compiling breaks; then all but the real-vLLM conformance tests (FAST_TESTS: ~5 of the
-# suite's ~15 minutes) on the pure build, which development runs. In that order .venv
+# compiling breaks; then all but the real-vLLM conformance tests and the install of the
+# built distributions into fresh environments, which .venv's build does not change
+# (FAST_TESTS: ~5 of the suite's ~15 minutes), on the pure build, which development runs. In that order .venv
 # ends editable. Each step installs its build first (a sub-make, since the other build's
 # install undoes it), and the suite checks it runs the build it was told to
 # (tests/architecture/test_builds.py).
-FAST_TESTS := -m "not vllm"
+FAST_TESTS := -m "not vllm and not dist"
 
 pytest: pytest-compiled pytest-pure
 
@@ -100,9 +118,16 @@ flakes:
 	test -x $(BIN)/pytest || $(MAKE) install
 	$(BIN)/python scripts/flakes.py --runs $(RUNS) --hogs $(HOGS) -- $(SELECT)
 
-# Regenerate the lock after changing dependencies in pyproject.toml (needs `uv`).
+# Regenerate the locks after changing dependencies in pyproject.toml or
+# packaging/client/pyproject.toml (needs `uv`: pip install uv). requirements.lock: all
+# extras, what `make install` and the tests use; requirements-runtime.lock: the gateway's
+# runtime alone (the wheel's dependencies); requirements-client.lock: saltgate-client's.
+# uv keeps the versions a lock already pins unless a specifier moved.
+LOCK := uv pip compile --generate-hashes --python-version 3.11 --quiet
 lock:
-	uv pip compile pyproject.toml --extra dev --generate-hashes --python-version 3.11 -o requirements.lock
+	$(LOCK) pyproject.toml --extra dev -o requirements.lock
+	$(LOCK) pyproject.toml -o requirements-runtime.lock
+	$(LOCK) packaging/client/pyproject.toml -o requirements-client.lock
 
 clean:
 	rm -rf $(VENV) build dist .mypy_cache .pytest_cache .ruff_cache

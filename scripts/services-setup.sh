@@ -2,6 +2,8 @@
 # Install the servers the store and fleet tests start for themselves, idempotently:
 #   - PostgreSQL 15 (initdb, pg_ctl, postgres in /usr/lib/postgresql/15/bin), Redis 7 and
 #     HAProxy from Debian/Ubuntu packages; no system service of theirs is started;
+#   - systemd-analyze (package systemd), which checks packaging/saltgate.service in
+#     tests/dist; the package is installed, no systemd is started;
 #   - when run as root, the unprivileged system user PostgreSQL runs as in the tests
 #     (PostgreSQL refuses to run as root): $SALTGATE_PG_USER, default saltgate-pg.
 # The tests start their own servers in temporary directories on free loopback ports and
@@ -18,11 +20,13 @@ have_postgres() { [ -x "$PG_BINDIR/initdb" ] && [ -x "$PG_BINDIR/pg_ctl" ] && [ 
 redis_major() { redis-server --version 2>/dev/null | sed -n 's/.* v=\([0-9]*\)\..*/\1/p'; }
 have_redis() { command -v redis-server >/dev/null 2>&1 && [ "$(redis_major)" -ge "$REDIS_MIN_MAJOR" ] 2>/dev/null; }
 have_haproxy() { command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; }
+have_systemd_analyze() { command -v systemd-analyze >/dev/null 2>&1; }
 
 need_apt=()
 have_postgres || need_apt+=("postgresql-$PG_MAJOR")
 have_redis || need_apt+=(redis-server)
 have_haproxy || need_apt+=(haproxy)
+have_systemd_analyze || need_apt+=(systemd)
 
 if [ "${#need_apt[@]}" -gt 0 ]; then
     if ! command -v apt-get >/dev/null 2>&1; then
@@ -52,7 +56,7 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
     cleanup
     trap - EXIT
 else
-    echo "services-setup: PostgreSQL $PG_MAJOR, Redis $REDIS_MIN_MAJOR+ and HAProxy already installed"
+    echo "services-setup: PostgreSQL $PG_MAJOR, Redis $REDIS_MIN_MAJOR+, HAProxy and systemd-analyze already installed"
 fi
 
 if [ "$(id -u)" -eq 0 ] && ! id -u "$PG_USER" >/dev/null 2>&1; then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -32,6 +33,19 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV-cache capacity")
     p.add_argument("--hash-algo", choices=("sha256", "sha256_cbor"), default=d.hash_algo)
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1")
+    on_off = argparse.BooleanOptionalAction
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action=on_off,
+        default=d.enable_prompt_tokens_details,
+        help="report cached tokens in usage (vLLM's flag; on by default here, off in vLLM)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=on_off,
+        default=d.enable_prefix_caching,
+        help="cache prompt blocks (vLLM's flag; on by default in both)",
+    )
     p.add_argument("--kv-events-endpoint", default=None, help="ZMQ endpoint, e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None)
     p.add_argument("--kv-events-topic", default=d.kv_events_topic)
@@ -59,6 +73,8 @@ def _run_sim(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         hash_algo=args.hash_algo,
         api_key=args.api_key,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_prefix_caching=args.enable_prefix_caching,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
@@ -129,9 +145,22 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _state_dir_arg(p)
     p.set_defaults(func=_keys_revoke)
 
-    p = sub.add_parser("usage", help="per-tenant usage and cost (prices from --config)")
+    p = sub.add_parser(
+        "usage",
+        help="usage and recorded cost per tenant (or --group-by); docs/billing.md",
+    )
     _state_dir_arg(p)
-    p.add_argument("--since", help="a duration back (24h, 7d) or an ISO date")
+    p.add_argument(
+        "--since", help="from (inclusive): a duration back (24h, 7d) or an ISO date/time, UTC"
+    )
+    p.add_argument(
+        "--until", help="to (exclusive): a duration back or an ISO date/time, UTC (default: no end)"
+    )
+    p.add_argument(
+        "--group-by",
+        default="tenant",
+        help="any of tenant,key,model,day, comma-separated (default tenant)",
+    )
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_const", const="json", dest="fmt")
     fmt.add_argument("--csv", action="store_const", const="csv", dest="fmt")
@@ -256,20 +285,26 @@ def _usage(args: argparse.Namespace) -> int:
     from saltgate.config import ConfigError
     from saltgate.store.backends import open_database
     from saltgate.store.errors import StoreError
-    from saltgate.store.pricing import format_usage, parse_since, usage_report
+    from saltgate.store.pricing import format_usage, parse_group_by, parse_time, usage_report
 
     try:
         settings, config = _store_settings(args)
-        since = parse_since(args.since, time.time()) if args.since else None
+        now = time.time()
+        since = parse_time(args.since, now, "--since") if args.since else None
+        until = parse_time(args.until, now, "--until") if args.until else None
+        if since is not None and until is not None and since >= until:
+            raise ValueError("--since must be before --until (the range is [since, until))")
+        group_by = parse_group_by(args.group_by)
         db = open_database(settings, create=False)
         try:
-            rows = usage_report(db, since, config.prices if config is not None else {})
+            prices = config.prices if config is not None else {}
+            rows = usage_report(db, since, prices, until=until, group_by=group_by)
         finally:
             db.close()
     except (ConfigError, StoreError, ValueError) as exc:
         print(f"saltgate usage: {exc}", file=sys.stderr)
         return 1
-    print(format_usage(rows, args.fmt))
+    print(format_usage(rows, args.fmt, group_by))
     return 0
 
 
@@ -392,10 +427,10 @@ BENCHMARKS = {
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`saltgate bench NAME`: one sub-command per benchmark (docs/benchmarks.md)."""
+    modules = {name: importlib.import_module(m) for name, m in BENCHMARKS.items()}
     bench = sub.add_parser("bench", help="benchmarks (docs/benchmarks.md)")
     bsub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    for name, module_name in BENCHMARKS.items():
-        module = importlib.import_module(module_name)
+    for name, module in modules.items():
         p = bsub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
         p.set_defaults(func=module.run)
@@ -469,21 +504,81 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_gateway(sub)
     _add_admin(sub)
-    _add_sim(sub)
+    _add_needing_modules(sub, "sim", _add_sim)
     _add_kv_relay(sub)
-    _add_bench(sub)
+    _add_needing_modules(sub, "bench", _add_bench)
     _add_proxy(sub)
     _add_audit(sub)
     return parser
 
 
+# The install that brings what a command needs (pyproject.toml, docs/install.md): a tool's
+# extra, or else the server's dependencies, which saltgate-client leaves out.
+SERVER_INSTALL = "saltgate"
+TOOL_EXTRAS = {
+    "audit": ("numpy", "scipy", "matplotlib", "tqdm"),
+    "bench": ("numpy", "matplotlib", "tqdm"),
+}
+
+
+def install_hint(command: str) -> str:
+    extra = f"saltgate[{command}]" if command in TOOL_EXTRAS else SERVER_INSTALL
+    return f"pip install '{extra}'"
+
+
+def _missing_module(command: str, module: str) -> int:
+    print(
+        f"saltgate {command}: needs {module}, not installed: {install_hint(command)}",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _add_needing_modules(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    add: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None],
+) -> None:
+    """Add a command whose arguments come from modules that need the server's dependencies;
+    without them (saltgate-client) the command is still listed and says what to install."""
+    try:
+        add(sub)
+    except ModuleNotFoundError as exc:
+        if not _third_party(exc):
+            raise
+        missing = _library(exc)
+        p = sub.add_parser(name, help=f"(not installed: {install_hint(name)})", add_help=False)
+        # Whatever follows (--help too) gets the same answer: main lets it through.
+        p.set_defaults(func=lambda _: _missing_module(name, missing), any_arguments=True)
+
+
+def _library(exc: ModuleNotFoundError) -> str:
+    return str(exc.name).partition(".")[0]
+
+
+def _third_party(exc: ModuleNotFoundError) -> bool:
+    """A library left out of this install, not a saltgate module (that would be a bug)."""
+    return exc.name is not None and _library(exc) != "saltgate"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args does
     func: Command = args.func
+    # Checked before the tool starts: a benchmark would otherwise fail after minutes of setup.
+    for module in TOOL_EXTRAS.get(args.command, ()):
+        if importlib.util.find_spec(module) is None:
+            return _missing_module(args.command, module)
     try:
         return func(args)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        if not _third_party(exc):
+            raise
+        return _missing_module(args.command, _library(exc))
 
 
 if __name__ == "__main__":

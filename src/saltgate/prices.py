@@ -1,19 +1,38 @@
-"""Per-model prices, as the config file's ``[prices.MODEL]`` tables give them.
+"""Per-model prices, as the config file's ``[prices.MODEL]`` tables give them, and the
+integer arithmetic that bills a request with them.
 
-Pure: the type and its parser. The usage report (store/pricing.py) applies them.
+Pure: the types, the parser and the cost. The gateway prices each request when it records
+it (gateway/exchange.py) and the store keeps every price version it used
+(store/pricing.py); docs/billing.md says how the pieces fit.
+
+Money is integers: a price is held in micro-dollars per million tokens, which is
+pico-dollars per token, so tokens x price is exact; a request's cost is rounded once, to
+the nearest micro-dollar (half up), and reports only add those integers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 
 _PRICE_FIELDS = {
     "input": "input_per_mtok",
     "cached_input": "cached_input_per_mtok",
     "output": "output_per_mtok",
 }
+MICRO = 1_000_000  # micro-dollars per dollar; also pico-dollars per micro-dollar
+
+
+def micro_per_mtok(value: float) -> int:
+    """USD per million tokens as whole micro-dollars per million tokens (exact, from the
+    number's shortest decimal form); ValueError past six decimal places."""
+    scaled = Decimal(repr(value)) * MICRO
+    if scaled != scaled.to_integral_value():
+        raise ValueError(f"{value!r} has more than 6 decimal places (USD per million tokens)")
+    return int(scaled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,18 +50,52 @@ class Price:
                 raise ValueError(f"price {name} must be a number, got {value!r}")
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"price {name} must be finite and >= 0, got {value!r}")
+            try:
+                micro_per_mtok(value)
+            except ValueError as exc:
+                raise ValueError(f"price {name}: {exc}") from None
 
-    def cost(self, prompt: int, cached: int, completion: int) -> float:
-        """USD for one request (or for token sums)."""
-        return self.cost_split(max(prompt - cached, 0), cached, completion)
 
-    def cost_split(self, uncached: int, cached: int, completion: int) -> float:
-        """USD given uncached input tokens directly (for sums floored per request)."""
-        return (
-            uncached * self.input_per_mtok
-            + cached * self.cached_input_per_mtok
-            + completion * self.output_per_mtok
-        ) / 1_000_000
+@dataclass(frozen=True, slots=True)
+class PriceVersion:
+    """One model's price as requests are billed with it: micro-dollars per million tokens.
+
+    `version` is a hash of the model and the three prices, so every gateway given the same
+    price names it alike without asking anyone, and a changed price is a new version.
+    """
+
+    version: str
+    model: str
+    input: int
+    cached_input: int
+    output: int
+
+    @classmethod
+    def of(cls, model: str, price: Price) -> PriceVersion:
+        amounts = (
+            micro_per_mtok(price.input_per_mtok),
+            micro_per_mtok(price.cached_input_per_mtok),
+            micro_per_mtok(price.output_per_mtok),
+        )
+        text = "\0".join((model, *map(str, amounts))).encode()
+        return cls("pv_" + hashlib.sha256(text).hexdigest()[:16], model, *amounts)
+
+    def cost_micro_usd(self, prompt: int, cached: int | None, completion: int) -> int:
+        """A request's cost. Unknown cached tokens (None) bill the whole prompt at the
+        input price, an upper bound; over-reported cached tokens never make uncached
+        input negative."""
+        known = cached or 0
+        pico = (
+            max(prompt - known, 0) * self.input
+            + known * self.cached_input
+            + completion * self.output
+        )
+        return (pico + MICRO // 2) // MICRO
+
+
+def price_versions(prices: Mapping[str, Price]) -> dict[str, PriceVersion]:
+    """Each priced model's current version."""
+    return {model: PriceVersion.of(model, price) for model, price in prices.items()}
 
 
 def parse_prices(config: Mapping[str, Mapping[str, object]]) -> dict[str, Price]:

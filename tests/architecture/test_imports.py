@@ -10,6 +10,7 @@ that needs a new entry should say why in its commit.
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,3 +276,58 @@ def test_the_checks_see_what_they_guard_against() -> None:
     found = purity_problems(deep)
     assert "saltgate.config loads zmq.utils (via saltgate.derivations.encoding)" in found
     assert "saltgate.routing.router loads time (via saltgate.routing.health)" in found
+
+
+# What the two installs of docs/install.md bring beyond the standard library: the tools'
+# libraries (extras) and saltgate-client's dependencies, by import name.
+TOOL_LIBRARIES = ("numpy", "scipy", "matplotlib", "tqdm")
+TOOL_PACKAGES = ("saltgate.audit", "saltgate.bench")
+CLIENT_LIBRARIES = frozenset(
+    {"httpx", "orjson", "cryptography", "pyhpke", "httptools", "uvloop", "openai"}
+)
+CLIENT_ENTRIES = ("saltgate.client", "saltgate.client.proxy")
+
+
+def third_party(graph: Graph, modules: set[str]) -> dict[str, set[str]]:
+    """Top-level names of the non-standard libraries each module loads (lazy imports too)."""
+    found: dict[str, set[str]] = {}
+    for module in sorted(modules):
+        for lib in graph.libraries[module]:
+            top = lib.partition(".")[0]
+            if top not in sys.stdlib_module_names and top != "__future__":
+                found.setdefault(top, set()).add(module)
+    return found
+
+
+def tool_library_problems(graph: Graph) -> list[str]:
+    outside = {m for m in graph.modules if not _is_in(m, TOOL_PACKAGES)}
+    found = third_party(graph, outside)
+    return [f"{m} loads {lib}" for lib in TOOL_LIBRARIES for m in sorted(found.get(lib, ()))]
+
+
+def client_library_problems(graph: Graph) -> list[str]:
+    """Libraries the client's modules reach that saltgate-client does not install. The CLI
+    is an entry, its subcommands' modules not: they are imported when run, and say what to
+    install when missing (cli.main)."""
+    reached = {"saltgate.cli"}
+    for entry in CLIENT_ENTRIES:
+        reached |= graph.closure(entry)
+    found = third_party(graph, reached)
+    return [f"{sorted(found[lib])} load {lib}" for lib in sorted(set(found) - CLIENT_LIBRARIES)]
+
+
+def test_only_the_tools_load_the_tools_libraries() -> None:
+    """`saltgate serve`, `up` and the SDK run without the `audit` and `bench` extras."""
+    assert tool_library_problems(GRAPH) == []
+
+
+def test_the_client_loads_only_what_saltgate_client_installs() -> None:
+    assert client_library_problems(GRAPH) == []
+
+
+def test_the_install_checks_see_a_stray_import() -> None:
+    """Positive controls: the gateway loading numpy, the SDK reaching zmq via the relay."""
+    numpy = _with({}, {"saltgate.gateway.metrics": {"numpy"}})
+    assert tool_library_problems(numpy) == ["saltgate.gateway.metrics loads numpy"]
+    relay = _with({"saltgate.client.transport": {"saltgate.kvevents.relay"}}, {})
+    assert any(p.endswith(" load zmq") for p in client_library_problems(relay))

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, long_prompt, run, stack
+from tests.support.http import async_client
 
 from saltgate.client.proxy import ProxyConfig, start_proxy
 from saltgate.client.secret import ENV_VAR
@@ -134,7 +134,7 @@ def test_the_saltgate_proxy_command(tmp_path: Path) -> None:
                 banner = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
                 assert f"http://127.0.0.1:{port}/v1" in banner
                 assert "trust-on-first-use" in banner
-                async with httpx.AsyncClient(timeout=30) as client:
+                async with async_client(timeout=30) as client:
                     resp = await client.post(
                         f"http://127.0.0.1:{port}/v1/completions",
                         json={"model": MODEL, "prompt": "hello", "max_tokens": 2},

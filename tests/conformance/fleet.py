@@ -4,9 +4,11 @@ scripts/vllm_env.py (``make vllm-env``, part of ``make test``) builds them into 
 they are missing, or vLLM does not come up, every conformance test FAILS with the reason:
 these tests are the proof against the real thing and must never pass by being skipped.
 
-Both replicas start at once (45-60 s each when idle, about 2.5 GiB) with prefix caching,
-cached-token details, block size 32, an API key, and KV events on ipc:// sockets that vLLM
-binds (so the tests' raw taps and the relay can all connect). They are stopped, by their
+Both replicas start at once (45-60 s each when idle, about 2.5 GiB) with exactly the
+`vllm serve` line of docs/deployment.md (saltgate.audit.vllm_line: prefix caching with
+sha256, cached-token details, an API key, bound to 127.0.0.1), plus block size 32 and KV
+events on ipc:// sockets that vLLM binds (so the tests' raw taps and the relay can all
+connect). They are stopped, by their
 process group, when the session ends.
 
 The pooling routes need a pooling model: ``pooling_fleet`` starts, only when a test asks
@@ -34,6 +36,7 @@ import httpx
 import pytest
 from tests.support.kv_relay import first_seq_since, raw_stream
 
+from saltgate.audit.vllm_line import vllm_serve_argv
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
 from saltgate.derivations.derive import SubKeys, derive_subkeys
 from saltgate.kvevents.wire import BlockStored, KVEvent, decode_batch
@@ -46,6 +49,8 @@ MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 NUM_BLOCKS = 160  # small enough that a few distinct prompts evict (BlockRemoved events)
 START_TIMEOUT_S = 420.0
+CPU_VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
+"""`vllm` itself, run where the CPU wheel's own entry point cannot start (vllm_cli.py)."""
 TENANTS = ("alice", "bob")
 
 
@@ -125,18 +130,25 @@ def _start(
         VLLM_CPU_OMP_THREADS_BIND="nobind",
         VLLM_HOST_IP="127.0.0.1",
     )
-    cmd = [
-        # SIGTERM when pytest dies, even by SIGKILL (util-linux's setpriv sets the parent-death
-        # signal before exec): a killed run leaves no replica burning the next run's CPU.
-        "setpriv", "--pdeathsig", "TERM", "--",
-        str(VLLM_DIR / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(VLLM_DIR / "model"), "--served-model-name", MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy",
+    # The line docs/deployment.md gives operators (saltgate.audit.vllm_line), filled in...
+    line = vllm_serve_argv(
+        {"MODEL": str(VLLM_DIR / "model"), "HOST": "127.0.0.1", "PORT": str(port),
+         "API_KEY": api_key},
+        executable=str(CPU_VLLM_CLI),
+    )  # fmt: skip
+    # ...then what only this suite adds: one model name for both replicas, a weightless tiny
+    # model, bfloat16 and no torch.compile on CPU (docs/conformance.md), small blocks and a
+    # small pool so tests can evict, and KV events on sockets the tests tap.
+    test_only = [
+        "--served-model-name", MODEL_NAME, "--load-format", "dummy",
         "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
-        "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-        "--api-key", api_key, "--kv-events-config", json.dumps(events), *extra,
+        "--kv-events-config", json.dumps(events), *extra,
     ]  # fmt: skip
+    # SIGTERM when pytest dies, even by SIGKILL (util-linux's setpriv sets the parent-death
+    # signal before exec): a killed run leaves no replica burning the next run's CPU.
+    python = str(VLLM_DIR / "venv" / "bin" / "python")
+    cmd = ["setpriv", "--pdeathsig", "TERM", "--", python, *line, *test_only]
     log = workdir / f"vllm{index}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(

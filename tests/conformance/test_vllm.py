@@ -29,6 +29,7 @@ from tests.conformance.fleet import (
 from tests.gateway.stack import long_prompt
 from tests.support import completions
 from tests.support.completions import cached
+from tests.support.http import async_client
 from tests.support.kv_relay import assert_nothing_leaks, collect, raw_stream
 
 from saltgate.derivations.derive import cache_salt
@@ -55,12 +56,12 @@ def derived_salt(tenancy: Tenancy, tenant: str) -> str:
 
 def as_tenant(url: str, tenancy: Tenancy, tenant: str) -> httpx.AsyncClient:
     headers = {"authorization": f"Bearer {tenancy.keys[tenant]}"}
-    return httpx.AsyncClient(base_url=url, headers=headers, timeout=120)
+    return async_client(base_url=url, headers=headers, timeout=120)
 
 
 def direct(replica: VllmReplica, fleet: Fleet) -> httpx.AsyncClient:
     headers = {"authorization": f"Bearer {fleet.api_key}"}
-    return httpx.AsyncClient(base_url=replica.url, headers=headers, timeout=120)
+    return async_client(base_url=replica.url, headers=headers, timeout=120)
 
 
 complete = partial(completions.complete, model=MODEL_NAME, max_tokens=1)
@@ -228,7 +229,7 @@ def test_3_client_cache_salt_and_vllm_xargs_never_reach_vllm(
 def test_4_replicas_refuse_requests_without_their_api_key(fleet: Fleet, tenancy: Tenancy) -> None:
     async def main() -> None:
         for replica in fleet.replicas:
-            async with httpx.AsyncClient(base_url=replica.url, timeout=60) as anonymous:
+            async with async_client(base_url=replica.url, timeout=60) as anonymous:
                 body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1}
                 assert (await anonymous.post("/v1/completions", json=body)).status_code == 401
                 wrong = {"authorization": "Bearer not-the-key"}
@@ -275,7 +276,7 @@ def test_5_simulator_and_vllm_agree_on_block_hashes(fleet: Fleet, tenancy: Tenan
                     await complete(client, tokens, **extra)
                 real = stored(events_since(replica, start))
                 sim_start = len(raw_stream(sim_replay))
-                async with httpx.AsyncClient(base_url=sim.url, timeout=60) as client:
+                async with async_client(base_url=sim.url, timeout=60) as client:
                     await complete(client, tokens, **extra)
                 simulated = stored(
                     [

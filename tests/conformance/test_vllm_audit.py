@@ -1,16 +1,20 @@
-"""The timing audit against real vLLM: it sees the leak without salts, and none via saltgate."""
+"""The audits against real vLLM: the timing audit sees the leak without salts, and none via
+saltgate; the deployment audit finds every flag saltgate relies on."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from tests.conformance.fleet import MODEL_NAME, Fleet, Tenancy, gateway
 
+from saltgate.audit.deployment import Severity, run_deployment_audit
 from saltgate.audit.plan import Identity, TimingAuditConfig
 from saltgate.audit.stats import Verdict
 from saltgate.audit.timing import TimingReport, run_timing_audit
+from saltgate.config import GatewayConfig, ReplicaConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -70,3 +74,32 @@ def test_7_audit_detects_unsalted_vllm_and_passes_saltgate(fleet: Fleet, tenancy
 
     salted = asyncio.run(through_gateway())
     assert salted.verdict is Verdict.PASS, summary(salted)
+
+
+def test_14_deployment_audit_finds_no_missing_flag_on_the_documented_line(fleet: Fleet) -> None:
+    """Both replicas run docs/deployment.md's `vllm serve` line (fleet.py): the audit's
+    probes of each flag saltgate relies on come back clean. Their positive controls, a
+    replica missing each flag, are the simulator's (tests/audit/test_audit_vllm_flags.py)."""
+    config = GatewayConfig(
+        replicas=tuple(ReplicaConfig(r.url, api_key=fleet.api_key) for r in fleet.replicas),
+        state_dir=Path("unused"),
+        master_key_file=Path("unused"),
+    )
+    report = asyncio.run(run_deployment_audit(config, probe_default_kv_port=False, timeout=60))
+    doc = json.dumps(report.to_json(), indent=1)
+    for replica in fleet.replicas:
+        found = {f.check: f for f in report.findings if f.target == replica.url}
+        # --api-key: no answer without it (401), and nothing else to fix
+        assert found["replica-direct-access"].severity is Severity.LOW, doc
+        for check in (
+            "prefix-caching-hash",
+            "prompt-tokens-details",
+            "prefix-caching",
+            "replica-bind-address",
+        ):
+            assert found[check].severity is Severity.OK, doc
+        # the probe saw vLLM's own answer: cached tokens on the repeat, not just /metrics
+        assert "cached_tokens=" in found["prefix-caching"].summary, doc
+        assert "no other address" not in found["replica-bind-address"].summary, doc
+        assert not any(f.fix for f in found.values()), doc
+    assert fleet.api_key not in doc

@@ -29,6 +29,7 @@ from tests.conformance.fleet import (
     stored,
 )
 from tests.gateway.stack import long_prompt
+from tests.support.http import async_client
 from tests.support.kv_relay import raw_stream
 
 from saltgate.kvevents.wire import decode_batch
@@ -62,7 +63,7 @@ async def sim_like(fleet: Fleet, *, events: bool = False) -> AsyncIterator[Runni
 
 def client(url: str, api_key: str) -> httpx.AsyncClient:
     headers = {"authorization": f"Bearer {api_key}"}
-    return httpx.AsyncClient(base_url=url, headers=headers, timeout=120)
+    return async_client(base_url=url, headers=headers, timeout=120)
 
 
 # ------------------------------------------------------------------------------ shapes
@@ -388,7 +389,7 @@ async def other_routes(url: str, api_key: str) -> dict[str, Any]:
         detok = await c.post(
             "/detokenize", json={"model": MODEL_NAME, "tokens": tokenized.json()["tokens"][:5]}
         )
-        async with httpx.AsyncClient(base_url=url, timeout=60) as anonymous:
+        async with async_client(base_url=url, timeout=60) as anonymous:
             open_routes = [
                 (await anonymous.post(path, json=body)).status_code
                 for path, body in (

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import ehbp
-import httpx
 from tests.gateway.stack import MODEL, stack
 from tests.policy.bench_parse import chat_body
+from tests.support.http import async_client
 
 from saltgate.client.transport import AsyncSaltgateTransport
 from saltgate.ehbp.frames import (
@@ -129,7 +129,7 @@ async def end_to_end(requests: int) -> None:
     sim = SimConfig(port=0, prefill_ms_per_1k_tokens=0, decode_ms_per_token=0)
     with tempfile.TemporaryDirectory() as tmp:
         async with stack(Path(tmp), replicas=1, sim=sim) as s:
-            async with httpx.AsyncClient() as plain_fetch:
+            async with async_client() as plain_fetch:
                 config = (await plain_fetch.get(s.url + KEYS_PATH)).content
             identity = ehbp.ServerIdentity.unmarshal_public_config(config)
             headers = {"authorization": f"Bearer {s.keys['alice']}"}
@@ -140,13 +140,13 @@ async def end_to_end(requests: int) -> None:
                 "stream": True,
             }
             arms = {
-                "plaintext": httpx.AsyncClient(base_url=s.url, headers=headers),
-                "EHBP (tinfoil-ehbp transport)": httpx.AsyncClient(
+                "plaintext": async_client(base_url=s.url, headers=headers),
+                "EHBP (tinfoil-ehbp transport)": async_client(
                     base_url=s.url,
                     headers=headers,
                     transport=ehbp.AsyncEHBPTransport(identity),
                 ),
-                "EHBP (saltgate client transport)": httpx.AsyncClient(
+                "EHBP (saltgate client transport)": async_client(
                     base_url=s.url,
                     headers=headers,
                     transport=AsyncSaltgateTransport(

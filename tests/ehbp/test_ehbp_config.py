@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 
 import ehbp
-import httpx
 import pytest
 from tests.gateway.stack import MODEL
+from tests.support.http import async_client
 from tests.support.up import saltgate_up
 
 from saltgate.config import ConfigError, parse_config
@@ -64,16 +64,14 @@ def test_saltgate_up_serves_ehbp_and_plaintext_alike(tmp_path: Path) -> None:
         async with saltgate_up(tmp_path / "state") as up:
             fingerprint = re.search(r"EHBP key: (sha256:[0-9a-f]{64})", up.banner)
             assert fingerprint
-            async with httpx.AsyncClient(base_url=up.url, timeout=30) as plain:
+            async with async_client(base_url=up.url, timeout=30) as plain:
                 config = (await plain.get(KEYS_PATH)).content
                 assert KeyConfig.decode(config).fingerprint == fingerprint.group(1)
                 body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
                 auth = {"authorization": f"Bearer {up.api_key()}"}
                 assert (await plain.post("/v1/completions", json=body, headers=auth)).is_success
             transport = ehbp.AsyncEHBPTransport(ehbp.ServerIdentity.unmarshal_public_config(config))
-            async with httpx.AsyncClient(
-                base_url=up.url, transport=transport, timeout=30
-            ) as sealed:
+            async with async_client(base_url=up.url, transport=transport, timeout=30) as sealed:
                 resp = await sealed.post("/v1/completions", json=body, headers=auth)
                 assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
 

@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, Stack, ledger_rows, long_prompt, run, stack
+from tests.support.http import async_client
 from tests.support.waiting import eventually
 
 from saltgate.config import load_master_key
@@ -35,10 +36,10 @@ SECRET = "s3cr3t-" + "a" * 40
 
 async def tinfoil_client(s: Stack, tenant: str = "alice") -> httpx.AsyncClient:
     """The real tinfoil-ehbp httpx transport, given the key config the gateway serves."""
-    async with httpx.AsyncClient() as plain:
+    async with async_client() as plain:
         config = (await plain.get(s.url + KEYS_PATH)).content
     identity = ehbp.ServerIdentity.unmarshal_public_config(config)
-    return httpx.AsyncClient(
+    return async_client(
         base_url=s.url,
         transport=ehbp.AsyncEHBPTransport(identity),
         headers={"authorization": f"Bearer {s.keys[tenant]}"},
@@ -151,7 +152,7 @@ async def send(s: Stack, enc: str | list[str], body: bytes, **headers: str) -> h
     encs = enc if isinstance(enc, list) else [enc]
     pairs = [(ENCAPSULATED_KEY_HEADER, e) for e in encs] + list(headers.items())
     pairs.append(("authorization", f"Bearer {s.keys['alice']}"))
-    async with httpx.AsyncClient(base_url=s.url, timeout=30) as client:
+    async with async_client(base_url=s.url, timeout=30) as client:
         return await client.post("/v1/completions", content=body, headers=pairs)
 
 
@@ -275,7 +276,7 @@ def test_an_encrypted_request_whose_client_left_is_still_metered(tmp_path: Path)
             enc, frames = sealed_request(s, orjson.dumps({**doc, "stream": True}))
             with pytest.raises(httpx.ReadTimeout):
                 read_only = httpx.Timeout(10, read=0.05)  # a slow connect is no leaving
-                async with httpx.AsyncClient(base_url=s.url, timeout=read_only) as client:
+                async with async_client(base_url=s.url, timeout=read_only) as client:
                     await client.post(
                         "/v1/completions",
                         content=b"".join(frames),

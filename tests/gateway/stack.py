@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from tests.support.http import async_client
 
 from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
 from saltgate.derivations.derive import cache_salt, derive_subkeys
@@ -74,7 +75,7 @@ class Stack:
 
     def client(self, tenant: str | None = None, **kw: object) -> httpx.AsyncClient:
         headers = {"authorization": f"Bearer {self.keys[tenant]}"} if tenant else {}
-        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30, **kw)  # type: ignore[arg-type]
+        return async_client(base_url=self.url, headers=headers, timeout=30, **kw)
 
     def forwarded(self) -> list[Request]:
         """The generation requests replicas received (health probes left out)."""

@@ -28,6 +28,7 @@ from tests.gateway.stack import MODEL, new_state_dir, run
 from tests.support import completions
 from tests.support.completions import cached
 from tests.support.exceptions import ExceptionWatch
+from tests.support.http import async_client
 from tests.support.waiting import eventually
 
 from saltgate.bench.services import RedisServer
@@ -54,7 +55,7 @@ class Fleet:
     redis: RedisServer | None
 
     def client(self, i: int) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
+        return async_client(
             base_url=self.gateways[i].url,
             headers={"authorization": f"Bearer {self.key}"},
             timeout=30,
@@ -62,7 +63,7 @@ class Fleet:
 
     async def metrics(self, i: int) -> str:
         port = self.gateways[i].admin_port
-        async with httpx.AsyncClient(timeout=10) as http:
+        async with async_client(timeout=10) as http:
             return (await http.get(f"http://127.0.0.1:{port}/metrics")).text
 
 

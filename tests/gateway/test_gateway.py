@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import httpx
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, ledger_rows, long_prompt, run, stack
 from tests.support.completions import cached, complete
+from tests.support.http import async_client
 from tests.support.leaks import leaks
 from tests.support.waiting import eventually
 
@@ -254,7 +254,7 @@ def test_metrics_carry_no_secrets(tmp_path: Path) -> None:
             }
 
             async def scrape() -> str:
-                async with httpx.AsyncClient() as admin:
+                async with async_client() as admin:
                     port = s.gateway.admin_port
                     return (await admin.get(f"http://127.0.0.1:{port}/metrics")).text
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 from tests.gateway.stack import new_state_dir
 from tests.support.gateways import spawn
+from tests.support.http import async_client
 from tests.support.waiting import eventually
 
 
@@ -43,9 +44,7 @@ def test_sigkill_under_load_loses_no_delivered_record(tmp_path: Path) -> None:
     async def load() -> None:
         headers = {"authorization": f"Bearer {key}"}
         limits = httpx.Limits(max_connections=32)
-        async with httpx.AsyncClient(
-            base_url=url, headers=headers, timeout=5, limits=limits
-        ) as http:
+        async with async_client(base_url=url, headers=headers, timeout=5, limits=limits) as http:
             tasks = [asyncio.create_task(client(http)) for _ in range(32)]
             await eventually(lambda: len(delivered) > 20, timeout_s=60, what="the load runs")
             os.kill(gateway.pid, signal.SIGKILL)  # mid-flight: requests are in every stage

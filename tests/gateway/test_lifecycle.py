@@ -23,6 +23,7 @@ import orjson
 import pytest
 from tests.gateway.stack import MODEL, long_prompt, new_state_dir
 from tests.support.exceptions import ExceptionWatch
+from tests.support.http import async_client
 from tests.support.http11 import responses
 from tests.support.waiting import eventually
 
@@ -90,7 +91,7 @@ class Gateway:
     state: Path
 
     def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
+        return async_client(
             base_url=self.running.url, headers={"authorization": f"Bearer {self.key}"}, timeout=30
         )
 

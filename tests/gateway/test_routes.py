@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, ledger_rows, run, stack
 from tests.policy.test_request import SALTED
+from tests.support.http import async_client
 
 from saltgate.config import load_master_key
 from saltgate.derivations.derive import cache_salt, derive_subkeys
@@ -98,7 +98,7 @@ def test_positive_control_a_tap_would_see_a_client_salt_that_got_through(
 
     async def main() -> None:
         async with stack(tmp_path, replicas=1) as s:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{s.taps[0].port}") as direct:
+            async with async_client(base_url=f"http://127.0.0.1:{s.taps[0].port}") as direct:
                 body = {"model": MODEL, **ROUTE_BODIES[route], **SMUGGLED}
                 resp = await direct.post(route, json=body)
                 assert resp.status_code == 200, resp.text

@@ -24,6 +24,7 @@ import orjson
 import pytest
 from tests.gateway.stack import MODEL, Tap, run
 from tests.support.gateways import SALTGATE, GatewayProcess, cli, spawn, write_gateway_config
+from tests.support.http import async_client
 from tests.support.leaks import leaks
 from tests.support.postgres import new_database
 from tests.support.waiting import eventually
@@ -89,7 +90,7 @@ def test_store_changes_reach_every_gateway_within_a_second(
         gateways = [
             await GatewayProcess.start(c, tmp_path / f"gw{i}.log") for i, c in enumerate(configs)
         ]
-        http = httpx.AsyncClient(timeout=10)
+        http = async_client(timeout=10)
 
         async def status(g: GatewayProcess, key: str) -> int:
             body = {"model": MODEL, "prompt": "hello", "max_tokens": 1}
@@ -175,7 +176,7 @@ async def _load(
     async def client(key_id: str, key: str, seed: int) -> None:
         rng = random.Random(seed)
         headers = {"authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
+        async with async_client(base_url=url, headers=headers, timeout=30) as http:
             while not stop.is_set():
                 stream = rng.random() < 0.5
                 body: dict[str, object] = {
@@ -329,7 +330,7 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
         body = {"model": MODEL, "prompt": "grace", "max_tokens": 1}
         delivered = 0
         try:
-            async with httpx.AsyncClient(base_url=gateway.url, headers=headers, timeout=10) as http:
+            async with async_client(base_url=gateway.url, headers=headers, timeout=10) as http:
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
                 delivered += 1
                 await asyncio.to_thread(private_postgres.stop, "immediate")

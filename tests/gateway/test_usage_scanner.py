@@ -59,13 +59,19 @@ def test_usage_shapes_of_the_three_apis() -> None:
     anthropic = {"input_tokens": 10, "cache_read_input_tokens": 30, "output_tokens": 2}
     assert usage_from_object(anthropic) == Usage(40, 30, 2)
     # vLLM's first answer to a 434-token prompt: 18 uncached, 416 written to the cache.
-    written = {"input_tokens": 18, "cache_creation_input_tokens": 416, "output_tokens": 4}
+    written = {
+        "input_tokens": 18,
+        "cache_creation_input_tokens": 416,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 4,
+    }
     assert usage_from_object(written) == Usage(434, 0, 4)
     repeat = {**written, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 416}
     assert usage_from_object(repeat) == Usage(434, 416, 4)
-    assert usage_from_object({"prompt_tokens": "many"}) == Usage(0, 0, 0)
+    assert usage_from_object({"prompt_tokens": "many"}) == Usage(0, None, 0)
     # Counts no ledger column can hold are garbage, like negative ones.
-    assert usage_from_object({"prompt_tokens": 10**30, "completion_tokens": 2**31}) == Usage()
+    too_big = {"prompt_tokens": 10**30, "completion_tokens": 2**31}
+    assert usage_from_object(too_big) == Usage(0, None, 0)
     huge = {"input_tokens": 10**9, "cache_read_input_tokens": 10**9, "output_tokens": 1}
     assert usage_from_object(huge) == Usage(2 * 10**9, 10**9, 1)  # still < 2**31
     assert usage_from_object(None) is None
@@ -79,10 +85,38 @@ def test_anthropic_stream_usage_is_merged_across_events() -> None:
     ) + _event({"type": "message_delta", "usage": {"output_tokens": 9}})
     out, usage = _scan([stream], drop=True)
     assert out == stream  # only OpenAI usage-only chunks are ever removed
-    assert usage == Usage(7, 0, 9)
+    assert usage == Usage(7, None, 9)  # no event said anything of the cache
     # vLLM's shape: message_start has the whole prompt, message_delta the split usage.
     split = {"input_tokens": 18, "cache_read_input_tokens": 416, "output_tokens": 9}
     stream = _event(
         {"type": "message_start", "message": {"usage": {"input_tokens": 434, "output_tokens": 0}}}
     ) + _event({"type": "message_delta", "usage": split})
     assert _scan([stream], drop=True)[1] == Usage(434, 416, 9)
+
+
+def test_unreported_cached_tokens_are_unknown_never_0() -> None:
+    """vLLM without --enable-prompt-tokens-details: no count (or null) is None, on every
+    shape; a reported 0 stays 0."""
+    plain = {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43}
+    assert usage_from_object(plain) == Usage(40, None, 3)
+    assert usage_from_object({**plain, "prompt_tokens_details": None}) == Usage(40, None, 3)
+    null = {**plain, "prompt_tokens_details": {"cached_tokens": None}}
+    assert usage_from_object(null) == Usage(40, None, 3)
+    garbage = {**plain, "prompt_tokens_details": {"cached_tokens": -1}}
+    assert usage_from_object(garbage) == Usage(40, None, 3)
+    zero = {**plain, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert usage_from_object(zero) == Usage(40, 0, 3)
+    # Anthropic from vLLM without the flag: no cache fields, input_tokens the whole prompt.
+    anthropic = {"input_tokens": 434, "output_tokens": 4}
+    assert usage_from_object(anthropic) == Usage(434, None, 4)
+    responses = {"input_tokens": 50, "output_tokens": 5, "input_tokens_details": {}}
+    assert usage_from_object(responses) == Usage(50, None, 5)
+    # A chat stream's usage chunk without the details key.
+    stream = _event({"choices": [], "usage": plain}) + b"data: [DONE]\n\n"
+    assert _scan([stream], drop=True)[1] == Usage(40, None, 3)
+    # Anthropic stream: message_start says nothing of the cache, message_delta does.
+    split = {"input_tokens": 18, "cache_read_input_tokens": 0, "output_tokens": 9}
+    stream = _event(
+        {"type": "message_start", "message": {"usage": {"input_tokens": 18, "output_tokens": 0}}}
+    ) + _event({"type": "message_delta", "usage": split})
+    assert _scan([stream], drop=True)[1] == Usage(18, 0, 9)

@@ -13,10 +13,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import zmq
 from tests.gateway.stack import MODEL, long_prompt, run, stack
+from tests.support.http import async_client
 from tests.support.kv_relay import assert_nothing_leaks, collect, raw_stream
 from tests.support.waiting import eventually
 
@@ -153,7 +153,7 @@ def test_the_relay_runs_inside_serve_and_on_its_own(tmp_path: Path, command: str
             else:  # no gateway: a client salt goes straight to the replica
                 url, headers = sims[0].url, {}
                 body["cache_salt"] = "sg1_client-chosen-salt-sent-straight-to-vllm"
-            async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+            async with async_client(base_url=url, headers=headers, timeout=30) as client:
                 for seed in ("x", "y", "z"):
                     r = await client.post("/v1/completions", json={**body, "prompt": prompt(seed)})
                     assert r.status_code == 200, r.text
@@ -209,7 +209,7 @@ def test_a_gateway_reload_changes_the_relays_upstreams(tmp_path: Path) -> None:
             running.reload(load_config(config_with((0, 1))))
             await eventually(lambda: set(relay.replica_ids) == {u.endpoint for u in ups})
             before = relay.stats.published
-            async with httpx.AsyncClient(base_url=sims[1].url, timeout=30) as client:
+            async with async_client(base_url=sims[1].url, timeout=30) as client:
                 r = await client.post(
                     "/v1/completions", json={"model": MODEL, "prompt": prompt("n"), "max_tokens": 2}
                 )

@@ -12,6 +12,7 @@ import orjson
 import pytest
 from tests.gateway.stack import MODEL, Stack, Tap, long_prompt, run, stack
 from tests.support.completions import cached, complete
+from tests.support.http import async_client
 from tests.support.waiting import eventually
 
 from saltgate.config import ReplicaConfig
@@ -269,7 +270,7 @@ def test_two_gateways_with_the_same_master_key_choose_the_same_replicas(tmp_path
             second = await start_gateway(s.gateway.gateway.config)
             try:
                 headers = {"authorization": f"Bearer {s.keys['alice']}"}
-                async with httpx.AsyncClient(base_url=second.url, headers=headers) as other:
+                async with async_client(base_url=second.url, headers=headers) as other:
                     for i in range(8):
                         text = prompt(f"twin{i}_")
                         first, _ = await send(s, alice, text)
@@ -303,7 +304,7 @@ def test_no_response_or_error_names_the_replica(tmp_path: Path) -> None:
             assert len(header_sets) > 1
             assert len({tuple(h) for h in header_sets.values()}) == 1  # same header names
             # Positive control: the replicas themselves do name themselves per response.
-            async with httpx.AsyncClient() as direct:
+            async with async_client() as direct:
                 raw = await direct.get(f"{s.sims[0].url}/health")
             assert {"server", "x-request-id"} <= set(raw.headers)
             assert "server" not in header_sets[next(iter(header_sets))]

@@ -8,9 +8,9 @@ import signal
 import sys
 from pathlib import Path
 
-import httpx
 from tests.gateway.stack import MODEL, long_prompt, new_state_dir, run
 from tests.support.gateways import write_gateway_config
+from tests.support.http import async_client
 
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 
@@ -55,7 +55,7 @@ def test_sighup_reloads_the_replica_list(tmp_path: Path) -> None:
         try:
             url = (await line_with(proc.stdout, "serving on")).split()[3]
             headers = {"authorization": f"Bearer {key}"}
-            async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+            async with async_client(base_url=url, headers=headers, timeout=30) as client:
 
                 async def burst(tag: str) -> list[int]:
                     before = [s.server.engine.requests_finished for s in sims]

@@ -31,6 +31,7 @@ import httpx
 import orjson
 from tests.gateway.stack import MODEL, Tap, run
 from tests.support.gateways import SALTGATE, GatewayProcess, write_gateway_config
+from tests.support.http import async_client
 from tests.support.leaks import leaks
 from tests.support.waiting import eventually
 
@@ -108,10 +109,10 @@ class Fleet:
 
     def client(self, **kw: object) -> httpx.AsyncClient:
         headers = {"authorization": f"Bearer {self.key}"}
-        return httpx.AsyncClient(base_url=self.gateway.url, headers=headers, timeout=30, **kw)  # type: ignore[arg-type]
+        return async_client(base_url=self.gateway.url, headers=headers, timeout=30, **kw)
 
     async def metrics(self) -> dict[str, float]:
-        async with httpx.AsyncClient(timeout=10) as http:
+        async with async_client(timeout=10) as http:
             return series((await http.get(self.gateway.metrics_url)).text)
 
     def posts(self, tap: int) -> int:
@@ -560,13 +561,13 @@ def test_every_worker_opens_ehbp_with_the_one_key_clients_fetched(tmp_path: Path
 
     async def main() -> None:
         async with fleet(tmp_path, store) as f:
-            async with httpx.AsyncClient() as plain:
+            async with async_client() as plain:
                 config = (await plain.get(f.gateway.url + KEYS_PATH)).content
             identity = ehbp.ServerIdentity.unmarshal_public_config(config)
             before = per_worker(await f.metrics(), "saltgate_worker_requests_total")
 
             async def sealed() -> None:
-                async with httpx.AsyncClient(
+                async with async_client(
                     base_url=f.gateway.url,
                     transport=ehbp.AsyncEHBPTransport(identity),  # a connection of its own
                     headers={"authorization": f"Bearer {f.key}"},

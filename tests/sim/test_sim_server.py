@@ -18,6 +18,7 @@ from tests.support.completions import SIM_MODEL as MODEL
 from tests.support.completions import cached
 from tests.support.sim import run, sim
 
+from saltgate.audit.deployment import parse_counter
 from saltgate.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from saltgate.sim import block_hashes, event_hash
 from saltgate.sim.engine import Generation
@@ -371,5 +372,40 @@ def test_a_chat_streams_role_chunk_comes_with_its_first_token() -> None:
         empty = [c async for c in shape.sse(tokens(0), Generation(3), 2, include_usage=False)]
         assert b'"role":"assistant"' in empty[0]
         assert b'"finish_reason":"length"' in empty[1]  # cut short: still says how it ended
+
+    run(main)
+
+
+def test_vllms_flags_turn_off_cached_token_details_and_prefix_caching() -> None:
+    """`--no-enable-prompt-tokens-details`: vLLM's null details (absent from a stream's
+    usage); `--no-enable-prefix-caching`: a repeat finds nothing, no block is stored."""
+
+    async def main() -> None:
+        prompt = list(range(100, 200))
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 40}]}
+        streamed = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True}
+        streamed["stream_options"] = {"include_usage": True}
+        async with sim(block_size=16, enable_prompt_tokens_details=False) as (_, client):
+            for _ in range(2):  # the repeat hits, and still says nothing
+                doc = await complete(client, prompt)
+                assert doc["usage"]["prompt_tokens_details"] is None
+                assert doc["usage"]["prompt_tokens"] == 100
+            resp = await client.post("/v1/chat/completions", json=chat)
+            assert resp.json()["usage"]["prompt_tokens_details"] is None
+            usage = orjson.loads((await stream_events(client, "/v1/completions", streamed))[-2])
+            assert "prompt_tokens_details" not in usage["usage"]
+            hits = parse_counter(
+                (await client.get("/metrics")).text, "vllm:prefix_cache_hits_total"
+            )
+            assert hits == 2 * 96  # the repeats did hit: it is only unsaid
+        async with sim(block_size=16, enable_prefix_caching=False) as (running, client):
+            assert cached(await complete(client, prompt)) == 0
+            assert cached(await complete(client, prompt)) == 0
+            assert running.server.engine.pool.num_cached_blocks == 0
+            assert 'enable_prefix_caching="False"' in (await client.get("/metrics")).text
+        async with sim(block_size=16) as (_, client):  # the control: both on by default
+            await complete(client, prompt)
+            assert cached(await complete(client, prompt)) == 96
+            assert 'enable_prefix_caching="True"' in (await client.get("/metrics")).text
 
     run(main)

@@ -57,7 +57,21 @@ def test_admin_commands_work_on_the_configured_store(
         1,
         1010,
     )
-    assert row["cost_usd"] == pytest.approx((1010 * 1.0 + 20 * 2.0) / 1e6)
+    # Recorded without a cost (no prices given to the ledger): priced now, and flagged.
+    assert row["cost_usd"] == "0.001050" and row["priced_at_report_requests"] == 2
+    # Closing a month: [since, until) in UTC, any grouping, exact decimal strings.
+    month = ("usage", "--since", "1970-01-01", "--group-by", "day,model", "--csv", *c)
+    code, out, _ = _saltgate(capsys, *month, "--until", "1970-01-01T00:00:05")
+    assert code == 0 and out.splitlines()[1:] == []  # the records' ts 5.0 is the until
+    code, out, _ = _saltgate(capsys, *month, "--until", "1970-01-01T00:00:05.001")
+    header, line = out.splitlines()
+    assert header.split(",")[:4] == ["model", "day", "requests", "errors"]
+    assert line.split(",")[:4] == ["m", "1970-01-01", "2", "1"] and "0.001050" in line
+    code, out, _ = _saltgate(capsys, "usage", "--until", "1970-01-02", "--group-by", "key,day", *c)
+    assert code == 0 and out.splitlines()[1].split()[:3] == ["key_x", "1970-01-01", "2"]
+    for bad in (("--group-by", "week"), ("--since", "2026-02-01", "--until", "2026-01-01")):
+        code, _, err = _saltgate(capsys, "usage", *bad, *c)
+        assert code == 1 and err.startswith("saltgate usage: --")
     code, _, err = _saltgate(capsys, "tenants", "create", "acme", *c)
     assert code == 1 and "'acme' already exists" in err
 

@@ -10,6 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
+import orjson
 import psycopg
 import pytest
 from tests.support.crash import acknowledged_before_sigkill
@@ -138,7 +139,7 @@ def test_an_outage_spools_fsynced_records_and_replays_them_once(
     try:
         with pytest.raises(psycopg.errors.UniqueViolation):
             db.conn.execute(
-                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ({', '.join(['%s'] * 11)})",
                 tuple(during[0]),
             )
     finally:
@@ -189,6 +190,32 @@ def test_a_spool_left_by_an_earlier_process_is_replayed_at_start(pg_store: Store
 
     asyncio.run(run())
     assert postgres_rows(pg_store) == [tuple(r) for r in leftover]
+
+
+def test_a_spool_replays_unknown_cached_tokens_as_null_and_lines_of_older_releases(
+    pg_store: StoreSettings,
+) -> None:
+    """A record whose cached tokens are unknown and that has a cost reaches PostgreSQL as
+    NULL and as recorded; a nine-field line spooled before the cost columns replays too."""
+    PostgresDatabase(pg_store).close()
+    assert pg_store.spool_dir is not None
+    pg_store.spool_dir.mkdir(mode=0o700)
+    unknown = usage_record(1)._replace(cached_tokens=None, cost_micro_usd=101, price_version="pv_a")
+    old = usage_record(2)
+    old_line = orjson.dumps(list(old)[:9]) + b"\n"
+    (pg_store.spool_dir / "usage-00000000000000000001-1-aaaa.spool").write_bytes(
+        encode([unknown]) + old_line
+    )
+
+    async def run() -> None:
+        ledger = PgLedger(pg_store)
+        await ledger.start()
+        await eventually(lambda: not _spooled(pg_store), what="the replay")
+        await ledger.aclose()
+
+    asyncio.run(run())
+    assert postgres_rows(pg_store) == [tuple(unknown), tuple(old)]
+    assert postgres_rows(pg_store)[0][6:11] == (None, 7, 200, 101, "pv_a")
 
 
 def test_a_refused_record_is_set_aside_without_taking_good_ones_or_the_ledger_down(
@@ -286,6 +313,11 @@ def test_spool_lines_that_are_not_records_are_skipped() -> None:
     data = good + b'["x", "not a float"]\n' + b"[1,2]\n" + b"{}\n" + encode([usage_record(3)])
     records, skipped = read_records(data + b'["torn')
     assert records == [usage_record(1), usage_record(2), usage_record(3)] and skipped == 4
+    # Null where unknown or unpriced, and only there; ten fields is no release's line.
+    nulls = usage_record(4)._replace(cached_tokens=None)
+    no_status = orjson.dumps([*list(usage_record(5))[:8], None]) + b"\n"
+    ten = orjson.dumps(list(usage_record(6))[:10]) + b"\n"
+    assert read_records(encode([nulls]) + no_status + ten) == ([nulls], 2)
 
 
 def test_records_are_refused_when_neither_store_nor_spool_takes_them(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import psycopg
 import pytest
 from tests.support.postgres import new_database
 from tests.support.waiting import eventually
@@ -16,8 +17,8 @@ from tests.support.waiting import eventually
 from saltgate.bench.services import PostgresServer
 from saltgate.store.backends import open_database
 from saltgate.store.errors import StoreError, StoreUnavailableError
-from saltgate.store.postgres import PgKeyIndex, PostgresDatabase
-from saltgate.store.schema import POSTGRES_MIGRATIONS, SCHEMA_VERSION
+from saltgate.store.postgres import PgKeyIndex, PostgresDatabase, conninfo
+from saltgate.store.schema import POSTGRES_MIGRATIONS, POSTGRES_VERSION_TABLE, SCHEMA_VERSION
 from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore
 
@@ -242,3 +243,27 @@ def test_a_gateway_cannot_start_without_its_store(tmp_path: Path) -> None:
             await PgKeyIndex(settings).start()
 
     asyncio.run(run())
+
+
+def test_a_version_3_database_migrates_keeping_its_usage_rows(pg_store: StoreSettings) -> None:
+    """Version 4: old rows keep their counts and have no recorded cost; cached tokens may
+    now be NULL (unknown)."""
+    with psycopg.connect(conninfo(pg_store), autocommit=True) as conn:
+        conn.execute(POSTGRES_VERSION_TABLE)
+        for stmt in POSTGRES_MIGRATIONS[0].statements:
+            conn.execute(stmt)
+        conn.execute("INSERT INTO schema_version VALUES (3, 'baseline', 0)")
+        conn.execute("INSERT INTO usage VALUES ('r1', 1.0, 't', 'k', 'm', 10, 4, 2, 200)")
+    db = PostgresDatabase(pg_store)
+    try:
+        db.execute(
+            "INSERT INTO usage (request_id, ts, tenant_id, key_id, model, prompt_tokens, "
+            "cached_tokens, completion_tokens, status) VALUES ('r2', 2.0, 't', 'k', 'm', 5, "
+            "NULL, 1, 200)"
+        )
+        assert db.query(
+            "SELECT request_id, cached_tokens, cost_micro_usd, price_version FROM usage ORDER BY ts"
+        ) == [("r1", 4, None, None), ("r2", None, None, None)]
+        assert db.query("SELECT count(*) FROM prices") == [(0,)]
+    finally:
+        db.close()

@@ -96,21 +96,27 @@ def test_an_older_schema_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
     recorded = conn.execute(
         "SELECT version, applied_at IS NULL FROM schema_version ORDER BY version"
     ).fetchall()
-    assert recorded == [(1, 1), (2, 0), (3, 0)]  # version 1 was applied before the table
+    # Version 1 was applied before the table; every later one by this open.
+    assert recorded == [(1, 1)] + [(m.version, 0) for m in SQLITE_MIGRATIONS[1:]]
     conn.close()
 
     # The old row has no request id; new ones do, and a second record with the same id is
     # dropped rather than counted twice.
     async def meter() -> None:
         ledger = Ledger(path)
-        rec = UsageRecord(new_request_id(), 2.0, "t", "k", "m", 5, 0, 1, 200)
+        rec = UsageRecord(new_request_id(), 2.0, "t", "k", "m", 5, None, 1, 200, 9, "pv_x")
         await ledger.record(rec)
         await ledger.record(rec._replace(prompt_tokens=99))
         await ledger.aclose()
 
     asyncio.run(meter())
     conn = sqlite3.connect(path)
-    assert conn.execute("SELECT prompt_tokens FROM usage ORDER BY ts").fetchall() == [(10,), (5,)]
+    # Version 4: the old row kept (its id too) without a recorded cost; cached tokens may
+    # now be unknown (NULL).
+    assert conn.execute(
+        "SELECT id, prompt_tokens, cached_tokens, cost_micro_usd, price_version FROM usage "
+        "ORDER BY ts"
+    ).fetchall() == [(1, 10, 4, None, None), (2, 5, None, 9, "pv_x")]
     conn.close()
 
 

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+from tests.support.http import async_client
 
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 
@@ -16,7 +17,7 @@ from saltgate.sim.run import RunningSim, SimConfig, start_sim
 async def sim(**kw: Any) -> AsyncIterator[tuple[RunningSim, httpx.AsyncClient]]:
     """`saltgate sim` in-process with ``SimConfig(**kw)``; closed when the block ends."""
     running = await start_sim(SimConfig(port=0, **kw))
-    async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+    async with async_client(base_url=running.url, timeout=30) as client:
         try:
             yield running, client
         finally:

@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +39,16 @@ def free_port_pair() -> int:
 
 
 @asynccontextmanager
-async def saltgate_up(state_dir: Path, replicas: int = 1) -> AsyncIterator[Up]:
-    """Run `saltgate up`; yields once it printed its banner, stops it (SIGINT) after."""
+async def saltgate_up(
+    state_dir: Path,
+    replicas: int = 1,
+    command: Sequence[str] = (sys.executable, "-m", "saltgate.cli"),
+) -> AsyncIterator[Up]:
+    """Run `saltgate up` (by default this environment's; `command` names another install's
+    `saltgate`); yields once it printed its banner, stops it (SIGINT) after."""
     port = free_port_pair()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "saltgate.cli", "up", "--port", str(port),
+        *command, "up", "--port", str(port),
         "--replicas", str(replicas), "--state-dir", str(state_dir),
         stdout=subprocess.PIPE,
     )  # fmt: skip

@@ -195,8 +195,8 @@ def _run_deployment(args: argparse.Namespace) -> int:
             timeout=args.timeout,
         )
     )
-    rows = [[f.severity.value, f.check, f.target, f.summary] for f in report.findings]
-    print(render_table(("severity", "check", "target", "finding"), rows))
+    rows = [[f.severity.value, f.check, f.target, f.summary, f.fix] for f in report.findings]
+    print(render_table(("severity", "check", "target", "finding", "fix"), rows))
     if args.json:
         write_json(report.to_json(), args.json)
     return 1 if report.worst is Severity.HIGH else 0

@@ -2,8 +2,10 @@
 
 Questions (docs/audit.md): can a replica be reached without the gateway's credentials;
 are its metrics or KV-event endpoints readable; which prefix-caching hash algorithm the
-replicas run; does a client-chosen cache_salt (or no salt at all) reach a replica
-through the gateway; do responses reveal the replica.
+replicas run; were they started with the flags saltgate relies on (saltgate.audit.vllm_line:
+cached-token details, prefix caching, a private bind address); does a client-chosen
+cache_salt (or no salt at all) reach a replica through the gateway; do responses reveal
+the replica.
 
 Each judgement is a pure function from what was observed to a Finding; the `_Checks`
 class only gathers the observations (HTTP, TCP) and calls them.
@@ -12,8 +14,10 @@ class only gathers the observations (HTTP, TCP) and calls them.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import re
 import secrets
+import socket
 import ssl
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,19 +28,32 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
+from saltgate.audit.vllm_line import (
+    API_KEY,
+    EXPECTED_HASH_ALGOS,
+    HASH_ALGO,
+    HOST,
+    PREFIX_CACHING,
+    PROMPT_TOKENS_DETAILS,
+)
 from saltgate.config import GatewayConfig, ReplicaConfig
 from saltgate.http.tls import client_context
 
 __all__ = [
     "CANARY_TOKENS",
+    "BindObservation",
     "DeploymentReport",
     "Finding",
+    "RepeatProbe",
     "Severity",
+    "judge_bind_address",
     "judge_canary",
     "judge_hash_algo",
     "judge_kv_endpoint",
     "judge_metrics_exposure",
     "judge_plaintext_upstream",
+    "judge_prefix_caching",
+    "judge_prompt_tokens_details",
     "judge_replica_access",
     "judge_response_headers",
     "judge_salting_config",
@@ -69,6 +86,7 @@ class Finding:
     target: str
     severity: Severity
     summary: str
+    fix: str = ""  # what to change, e.g. the vLLM flag to add; empty when nothing to do
 
     def to_json(self) -> dict[str, str]:
         return {
@@ -76,6 +94,7 @@ class Finding:
             "target": self.target,
             "severity": self.severity.value,
             "summary": self.summary,
+            "fix": self.fix,
         }
 
 
@@ -164,6 +183,7 @@ def judge_replica_access(url: str, status: int | None, error: str | None) -> Fin
             Severity.HIGH,
             "answers without credentials: anyone who reaches it bypasses the gateway and "
             "chooses its own cache_salt (or none). Set the replica's --api-key and firewall it",
+            f"start vLLM with {API_KEY} (the key in [[replicas]] api_key_file)",
         )
     return Finding(check, url, Severity.INFO, f"reachable; /v1/models answered {status}")
 
@@ -247,7 +267,116 @@ def judge_hash_algo(url: str, labels: dict[str, str] | None) -> Finding:
     severity, why = _HASH_ALGO_VERDICTS.get(
         algo, (Severity.INFO, "an algorithm this audit does not know")
     )
-    return Finding(check, url, severity, f"{algo}: {why}")
+    fix = "" if algo in EXPECTED_HASH_ALGOS else f"start vLLM with {HASH_ALGO} sha256"
+    return Finding(check, url, severity, f"{algo}: {why}", fix)
+
+
+# -- the flags of saltgate's vLLM line (vllm_line.py), seen from outside -------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RepeatProbe:
+    """One random prompt sent twice straight to a replica (with its key), nothing between."""
+
+    status: int | None  # the repeat's HTTP status; None when it could not be sent
+    cached: int | None  # the repeat's usage.prompt_tokens_details.cached_tokens, if reported
+    hits_delta: float | None  # growth of vllm:prefix_cache_hits over the repeat, if readable
+
+
+def judge_prompt_tokens_details(url: str, probe: RepeatProbe) -> Finding:
+    """vLLM leaves usage.prompt_tokens_details null without --enable-prompt-tokens-details."""
+    check = "prompt-tokens-details"
+    if probe.status != 200:
+        return Finding(check, url, Severity.INFO, _not_probed(probe.status))
+    if probe.cached is None:
+        return Finding(
+            check,
+            url,
+            Severity.MEDIUM,
+            "answers carry no usage.prompt_tokens_details.cached_tokens: the ledger cannot "
+            "tell cached tokens from uncached ones, so they are billed at the full price",
+            f"start vLLM with {PROMPT_TOKENS_DETAILS}",
+        )
+    return Finding(check, url, Severity.OK, "answers report their cached tokens")
+
+
+def judge_prefix_caching(url: str, labels: dict[str, str] | None, probe: RepeatProbe) -> Finding:
+    """The repeat of a prompt must find it cached; cache_config_info says so without one."""
+    check = "prefix-caching"
+    fix = f"start vLLM with {PREFIX_CACHING}"
+    off = (
+        "a repeated prompt is computed again: no cache hits, so none of saltgate's "
+        "cache-aware routing or cached-token prices apply"
+    )
+    if labels is not None and labels.get("enable_prefix_caching", "True").lower() != "true":
+        return Finding(check, url, Severity.MEDIUM, f"prefix caching is off: {off}", fix)
+    if probe.status == 200 and probe.cached is not None:  # the answer's own count decides
+        hit, how = probe.cached > 0, f"cached_tokens={probe.cached}"
+    elif probe.status == 200 and probe.hits_delta is not None:
+        hit, how = probe.hits_delta > 0, f"vllm:prefix_cache_hits +{probe.hits_delta:g}"
+    elif labels is not None:
+        return Finding(check, url, Severity.OK, "cache_config_info: enable_prefix_caching=True")
+    else:
+        why = "answers carry no cached tokens" if probe.status == 200 else _not_probed(probe.status)
+        return Finding(check, url, Severity.INFO, f"{why}; /metrics had no cache_config_info")
+    if hit:
+        return Finding(check, url, Severity.OK, f"a repeated prompt hits the cache ({how})")
+    return Finding(check, url, Severity.MEDIUM, f"{off} ({how} on the repeat)", fix)
+
+
+def _not_probed(status: int | None) -> str:
+    if status in (401, 403):
+        return f"not checked: the replica refused the probe ({status}); give the audit its key"
+    answer = "could not be reached" if status is None else f"answered {status}"
+    return f"not checked: a completion straight to the replica {answer}"
+
+
+@dataclass(frozen=True, slots=True)
+class BindObservation:
+    """Where a replica's URL points, and which other addresses of this host also answer."""
+
+    host: str
+    addresses: tuple[str, ...]  # what the URL's host resolves to
+    tried: tuple[str, ...] = ()  # this host's non-loopback addresses tried (loopback URLs)
+    answering: tuple[str, ...] = ()  # those of them where the replica's port accepted
+    error: str | None = None
+
+
+def judge_bind_address(url: str, obs: BindObservation) -> Finding:
+    """A replica should listen on loopback or a private network, never on a public one."""
+    check = "replica-bind-address"
+    if obs.error is not None or not obs.addresses:
+        return Finding(check, url, Severity.INFO, f"not checked: {obs.host} ({obs.error})")
+    ips = [ipaddress.ip_address(a) for a in obs.addresses]
+    public = [str(ip) for ip in ips if ip.is_global]
+    if public:
+        return Finding(
+            check,
+            url,
+            Severity.MEDIUM,
+            f"{obs.host} is a public address ({', '.join(public)}): the replica's port faces "
+            "the internet, where anyone can try its key and reach it around the gateway",
+            f"start vLLM with {HOST} set to a private address, and firewall its port",
+        )
+    if not all(ip.is_loopback for ip in ips):
+        return Finding(
+            check,
+            url,
+            Severity.OK,
+            f"a private address ({', '.join(obs.addresses)}); from here the audit cannot see "
+            "whether its host also listens on other interfaces",
+        )
+    if obs.answering:
+        return Finding(
+            check,
+            url,
+            Severity.MEDIUM,
+            "the gateway uses loopback, yet the replica's port also answers on "
+            f"{', '.join(obs.answering)}: it listens on every interface (vLLM's default)",
+            f"start vLLM with {HOST} 127.0.0.1",
+        )
+    tried = ", ".join(obs.tried) or "none: this host has no other address"
+    return Finding(check, url, Severity.OK, f"loopback only (also tried: {tried})")
 
 
 _ZMTP_SIGNATURE_END = 0x7F
@@ -412,6 +541,37 @@ def _err(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def _random_prompt() -> list[int]:
+    """CANARY_TOKENS random token ids inside any real vocabulary: cached by nobody yet."""
+    return [16 + secrets.randbelow(900) for _ in range(CANARY_TOKENS)]
+
+
+def _first_model_id(body: bytes) -> str | None:
+    try:
+        return str(orjson.loads(body)["data"][0]["id"])
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _local_addresses() -> tuple[str, ...]:
+    """This host's non-loopback addresses: those its host name resolves to, and the source
+    address of its default route (a UDP connect sends nothing)."""
+    found: dict[str, None] = {}
+    try:
+        for *_, sockaddr in socket.getaddrinfo(socket.gethostname(), None):
+            found[str(sockaddr[0])] = None
+    except OSError:
+        pass
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                found[str(s.getsockname()[0])] = None
+        except OSError:
+            continue
+    return tuple(a for a in found if not ipaddress.ip_address(a).is_loopback)
+
+
 class _Checks:
     def __init__(
         self,
@@ -455,8 +615,60 @@ class _Checks:
         if status != 200:
             status, body, _ = await self._get(base + "/metrics", self._replica_headers(replica))
         text = body.decode("utf-8", "replace") if status == 200 else ""
-        self.add(judge_hash_algo(replica.url, parse_cache_config_info(text) if text else None))
+        labels = parse_cache_config_info(text) if text else None
+        self.add(judge_hash_algo(replica.url, labels))
+        probe = await self.repeat_probe(replica)
+        self.add(judge_prompt_tokens_details(replica.url, probe))
+        self.add(judge_prefix_caching(replica.url, labels, probe))
+        self.add(judge_bind_address(replica.url, await self.bind_observation(replica.url)))
         return text
+
+    async def repeat_probe(self, replica: ReplicaConfig) -> RepeatProbe:
+        """A random prompt (under a random salt: no one else's namespace) sent twice."""
+        base, headers = replica.url.rstrip("/"), self._replica_headers(replica)
+        status, body, _ = await self._get(base + "/v1/models", headers)
+        model = _first_model_id(body) if status == 200 else None
+        if model is None:
+            return RepeatProbe(status if status != 200 else None, None, None)
+        request = {
+            "model": model,
+            "prompt": _random_prompt(),
+            "max_tokens": 1,
+            "cache_salt": f"sgaudit-{secrets.token_hex(8)}",
+        }
+        status, _, _ = await self._post(base + "/v1/completions", request, headers)
+        if status != 200:
+            return RepeatProbe(status, None, None)
+        before = await self._hits([replica])
+        status, cached, _ = await self._post(base + "/v1/completions", request, headers)
+        after = await self._hits([replica])
+        delta = after - before if after is not None and before is not None else None
+        return RepeatProbe(status, cached, delta)
+
+    async def bind_observation(self, url: str) -> BindObservation:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM
+            )
+        except OSError as exc:
+            return BindObservation(host, (), error=_err(exc))
+        addresses = tuple(dict.fromkeys(str(info[4][0]) for info in infos))
+        if not all(ipaddress.ip_address(a).is_loopback for a in addresses):
+            return BindObservation(host, addresses)
+        tried = _local_addresses()
+        answering = [a for a in tried if await self._accepts(a, port)]
+        return BindObservation(host, addresses, tried, tuple(answering))
+
+    async def _accepts(self, address: str, port: int) -> bool:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(address, port), self.timeout)
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return True
 
     async def kv_endpoint(self, endpoint: str) -> None:
         parts = urlsplit(endpoint)
@@ -526,12 +738,7 @@ class _Checks:
 
     async def model(self) -> str | None:
         status, body, _ = await self._get(self.gateway + "/v1/models", self._gateway_headers())
-        if status != 200:
-            return None
-        try:
-            return str(orjson.loads(body)["data"][0]["id"])
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
-            return None
+        return _first_model_id(body) if status == 200 else None
 
     def _gateway_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -540,8 +747,7 @@ class _Checks:
         """Prime a random prompt on every replica directly (with the canary salt, or none),
         confirm a direct repeat hits, then send it through the gateway and look for a hit."""
         salt = f"sgaudit-{secrets.token_hex(8)}" if kind == "client-salt" else None
-        prompt = [16 + secrets.randbelow(900) for _ in range(CANARY_TOKENS)]
-        body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": 1}
+        body: dict[str, Any] = {"model": model, "prompt": _random_prompt(), "max_tokens": 1}
         if salt is not None:
             body["cache_salt"] = salt
         control = 0

@@ -94,7 +94,8 @@ class AccessLog:
                 f"{self._time()} {entry.request_id} tenant={entry.tenant_id or '-'} "
                 f"{entry.method.decode('ascii', 'replace')} {entry.route or '-'} "
                 f"model={_quoted(entry.model)} status={status} prompt={used.prompt_tokens} "
-                f"cached={used.cached_tokens} completion={used.completion_tokens} "
+                f"cached={'-' if used.cached_tokens is None else used.cached_tokens} "
+                f"completion={used.completion_tokens} "
                 f"ttfb_ms={ttfb_ms} total_ms={total_ms} client_request_id={_quoted(client)}"
             ).encode()
         self._buffer.append(line + b"\n")

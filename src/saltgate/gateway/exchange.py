@@ -28,20 +28,27 @@ answer is recorded before its first byte is written, so under the replica's stat
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Mapping
 from typing import Final
+from urllib.parse import urlsplit
 
 from saltgate.derivations.derive import ROUTE_RESPONSES
 from saltgate.gateway.context import RequestContext
-from saltgate.gateway.metrics import Metrics
+from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.replicas import Attempt, ReplicaSet
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
 from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import scrub_response_headers
+from saltgate.policy.request import GENERATION_ROUTES
+from saltgate.prices import PriceVersion
 from saltgate.routing import Plan, ReplicaId
 from saltgate.store.ledger import UsageLedger, UsageRecord
 from saltgate.store.tenants import Principal
+
+log = logging.getLogger(__name__)
 
 DONE: Final = b"data: [DONE]\n\n"
 CLIENT_CLOSED: Final = 499  # nginx's convention: the client went away before the response ended
@@ -53,6 +60,7 @@ _PROMPT: Final = (("kind", "prompt"),)
 _CACHED: Final = (("kind", "cached"),)
 _COMPLETION: Final = (("kind", "completion"),)
 _FAILURES: Final = "saltgate_upstream_failures_total"
+_UNREPORTED: Final = "saltgate_replica_cached_tokens_unreported_total"
 _STREAM_FAILED: Final = (
     b"data: "
     + ApiError(502, "The replica failed during the stream; retry the request.").body()
@@ -85,15 +93,49 @@ def _prefilled(route: str, chunk: bytes) -> bool:
 
 
 class Meter:
-    """Where exchanges report: the usage ledger, the token and latency metrics."""
+    """Where exchanges report: the usage ledger, the token and latency metrics; and the
+    prices each record is billed at when it is recorded (docs/billing.md)."""
 
-    __slots__ = ("ledger", "metrics")
+    __slots__ = ("_unreported", "ledger", "metrics", "prices")
 
-    def __init__(self, ledger: UsageLedger, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        ledger: UsageLedger,
+        metrics: Metrics,
+        prices: Mapping[str, PriceVersion] | None = None,
+    ) -> None:
         self.ledger = ledger
         self.metrics = metrics
+        self.prices: Mapping[str, PriceVersion] = prices or {}
+        self._unreported: dict[str, Labels] = {}  # replica URL -> its labels, once warned
         metrics.describe("saltgate_tokens_total", "counter", "Tokens metered, by kind.")
         metrics.describe(_FAILURES, "counter", "Failed upstream exchanges.")
+        metrics.describe(
+            _UNREPORTED,
+            "counter",
+            "Generation answers whose usage had no cached-token count (vLLM without "
+            "--enable-prompt-tokens-details), by replica URL.",
+        )
+
+    def cached_unreported(self, url: str) -> None:
+        """Count an answer of the replica at `url` without cached tokens; the first one
+        of each replica is logged: its cached tokens are billed at the full input price."""
+        labels = self._unreported.get(url)
+        if labels is None:
+            labels = self._unreported[url] = (("replica", replica_label(url)),)
+            log.warning(
+                "saltgate: replica %s reports no cached tokens in its usage (start vLLM with "
+                "--enable-prompt-tokens-details); its requests are recorded with cached "
+                "tokens unknown and priced at the full input price (docs/billing.md)",
+                labels[0][1],
+            )
+        self.metrics.inc(_UNREPORTED, labels)
+
+
+def replica_label(url: str) -> str:
+    """A replica's URL as a metric label and in logs: stable, without any user:password."""
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 class Exchange:
@@ -276,6 +318,15 @@ class Exchange:
         used = usage or _NO_USAGE
         p = self._principal
         context = self._context
+        meter = self._meter
+        if (
+            usage is not None
+            and usage.cached_tokens is None
+            and self._attempt is not None
+            and context.route in GENERATION_ROUTES  # pooling answers never carry them
+        ):
+            meter.cached_unreported(self._attempt.replica.config.url)
+        price = meter.prices.get(context.model)
         record = UsageRecord(
             request_id=context.request_id,  # this exchange's one record, however often committed
             ts=time.time(),
@@ -286,12 +337,17 @@ class Exchange:
             cached_tokens=used.cached_tokens,
             completion_tokens=used.completion_tokens,
             status=status,
+            cost_micro_usd=None
+            if price is None
+            else price.cost_micro_usd(
+                used.prompt_tokens, used.cached_tokens, used.completion_tokens
+            ),
+            price_version=None if price is None else price.version,
         )
-        meter = self._meter
         await meter.ledger.record(record)
         tokens = meter.metrics.series("saltgate_tokens_total")
         tokens[_PROMPT] += record.prompt_tokens
-        tokens[_CACHED] += record.cached_tokens
+        tokens[_CACHED] += record.cached_tokens or 0
         tokens[_COMPLETION] += record.completion_tokens
         meter.metrics.observe_latency((), time.monotonic() - context.started)
         context.end(status, usage)

@@ -203,13 +203,13 @@ class ReplicaSet:
 
     # -- probes ----------------------------------------------------------------------------
     async def probe(self, replica: Replica) -> bool:
-        why = "its probes fail"
         try:
-            ok = await asyncio.wait_for(self._probe(replica), self.router.config.probe_timeout_s)
-        except (UpstreamError, TimeoutError) as exc:
-            ok = False
-            if isinstance(exc, UpstreamError):
-                why = str(exc)  # no secret: the cause, such as a certificate's verdict
+            why = await asyncio.wait_for(self._probe(replica), self.router.config.probe_timeout_s)
+        except TimeoutError:
+            why = f"no answer within {self.router.config.probe_timeout_s:g} s"
+        except UpstreamError as exc:
+            why = str(exc)
+        ok = why is None
         state = self.router.state(replica.id)
         if state is None:
             return ok  # removed while the probe ran
@@ -217,14 +217,18 @@ class ReplicaSet:
         self.router.probed(replica.id, ok)
         if state.health.probe.up != was_up:
             index = self.replicas.index(replica)
-            log.warning("replica %d is %s", index, "back" if ok else f"down: {why}")
+            if ok:
+                log.warning("replica %d (%s) is back", index, replica.id)
+            else:
+                log.warning("replica %d (%s) is down: its probes fail (%s)", index, replica.id, why)
         return ok
 
-    async def _probe(self, replica: Replica) -> bool:
+    async def _probe(self, replica: Replica) -> str | None:
+        """None when the replica is healthy, else what was wrong (for the operator)."""
         resp = await replica.pool.request(b"GET", replica.prefix + b"/health", replica.auth)
         await resp.read()
         if resp.status != 200:
-            return False
+            return f"/health answered {resp.status}"
         resp = await replica.pool.request(b"GET", replica.prefix + b"/v1/models", replica.auth)
         body = await resp.read()
         if resp.status == 200:
@@ -232,7 +236,7 @@ class ReplicaSet:
         resp = await replica.pool.request(b"GET", replica.prefix + b"/metrics", replica.auth)
         body = await resp.read()
         self.router.observed_queue(replica.id, parse_waiting(body) if resp.status == 200 else None)
-        return True
+        return None
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(r) for r in self.replicas))

@@ -28,6 +28,7 @@ from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import credential, forward_request_headers
 from saltgate.policy.request import inspect, parse_body, prepare, resolve_route
+from saltgate.prices import price_versions
 from saltgate.store.errors import StoreUnavailableError
 from saltgate.store.ledger import UsageLedger
 from saltgate.store.tenants import KeySource, Principal
@@ -65,7 +66,7 @@ class Gateway:
         self.ledger = ledger
         self.replicas = replicas
         self.metrics = metrics or Metrics()
-        self.meter = Meter(ledger, self.metrics)
+        self.meter = Meter(ledger, self.metrics, price_versions(config.prices))
         self._log = access_log or AccessLog(None)
         self._tenant_salts: dict[tuple[str, int], str] = {}
         self._routes: dict[tuple[bytes, bytes], str] = {}

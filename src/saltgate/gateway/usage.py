@@ -15,8 +15,12 @@ import orjson
 
 
 class Usage(NamedTuple):
+    """What a replica reported. `cached_tokens` is None when it did not say: vLLM reports
+    them only with `--enable-prompt-tokens-details`, and an unreported count is unknown,
+    not 0 (billing it as 0 would charge cache hits at the full input price)."""
+
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = 0
     completion_tokens: int = 0
 
 
@@ -25,8 +29,13 @@ class Usage(NamedTuple):
 MAX_REPORTED_TOKENS = 1_000_000_000
 
 
+def _count(value: Any) -> int | None:
+    """A token count as reported, or None if absent, null or garbage."""
+    return value if type(value) is int and 0 <= value <= MAX_REPORTED_TOKENS else None
+
+
 def _int(value: Any) -> int:
-    return value if type(value) is int and 0 <= value <= MAX_REPORTED_TOKENS else 0
+    return _count(value) or 0
 
 
 def usage_from_object(usage: Any) -> Usage | None:
@@ -35,19 +44,20 @@ def usage_from_object(usage: Any) -> Usage | None:
         return None
     if "prompt_tokens" in usage:
         details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-        return Usage(
-            _int(usage.get("prompt_tokens")), _int(cached), _int(usage.get("completion_tokens"))
-        )
+        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        return Usage(_int(usage.get("prompt_tokens")), cached, _int(usage.get("completion_tokens")))
     if "input_tokens" in usage or "output_tokens" in usage:
         details = usage.get("input_tokens_details")
         if isinstance(details, dict):
-            cached = _int(details.get("cached_tokens"))
+            cached = _count(details.get("cached_tokens"))
             prompt = _int(usage.get("input_tokens"))
-        else:  # Anthropic: input_tokens is what neither read nor wrote the cache
-            cached = _int(usage.get("cache_read_input_tokens"))
+        else:
+            # Anthropic: input_tokens is what neither read nor wrote the cache. vLLM
+            # leaves both cache fields out without --enable-prompt-tokens-details (its
+            # input_tokens is then the whole prompt): cache reads unknown, not 0.
+            cached = _count(usage.get("cache_read_input_tokens"))
             written = _int(usage.get("cache_creation_input_tokens"))
-            prompt = _int(usage.get("input_tokens")) + cached + written
+            prompt = _int(usage.get("input_tokens")) + (cached or 0) + written
         return Usage(prompt, cached, _int(usage.get("output_tokens")))
     return None
 
@@ -70,9 +80,12 @@ def _merge(old: Usage | None, new: Usage) -> Usage:
     """Anthropic streams split usage over message_start and message_delta events."""
     if old is None:
         return new
+    cached = old.cached_tokens
+    if cached is None or (new.cached_tokens is not None and new.cached_tokens > cached):
+        cached = new.cached_tokens  # an event that says nothing of the cache keeps what one did
     return Usage(
         max(old.prompt_tokens, new.prompt_tokens),
-        max(old.cached_tokens, new.cached_tokens),
+        cached,
         max(old.completion_tokens, new.completion_tokens),
     )
 

@@ -26,6 +26,7 @@ from saltgate.gateway.server import Gateway, error_response
 from saltgate.http import Handler, HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
+from saltgate.prices import price_versions
 from saltgate.routing import Router
 from saltgate.runtime import run_service, until_stopped
 from saltgate.serving.acceptor import AcceptGate, Acceptor
@@ -107,7 +108,10 @@ async def start_gateway(
     router = Router(config.router, subkeys.route)
     # Under load, let one commit carry the records of requests about to finish.
     store = await open_gateway_store(
-        config.store_settings, busy=router.busy, outage_grace_s=config.store_outage_grace_s
+        config.store_settings,
+        busy=router.busy,
+        outage_grace_s=config.store_outage_grace_s,
+        prices=price_versions(config.prices).values(),
     )
     replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s, router=router)
     metrics = Metrics()
@@ -198,17 +202,40 @@ def _reload_from(running: RunningGateway, path: Path) -> None:
     print(f"saltgate: reloaded {path}: {len(config.replicas)} replicas", flush=True)
 
 
+def announce(
+    config: GatewayConfig,
+    url: str,
+    *,
+    admin_port: int | None,
+    ehbp_fingerprint: str | None,
+    parts: tuple[str | None, ...],
+    workers: int | None = None,
+) -> None:
+    """The lines an operator reads at start: where it serves, where metrics are, the EHBP
+    key clients pin, and a line per running part (relay, cluster bus)."""
+    served = f"{len(config.replicas)} replicas" + (f", {workers} workers" if workers else "")
+    print(f"saltgate: serving on {url} ({served})", flush=True)
+    if admin_port is not None:
+        print(f"saltgate: metrics on http://{config.admin_host}:{admin_port}/metrics")
+    if ehbp_fingerprint is not None:
+        print(f"saltgate: EHBP key {ehbp_fingerprint} at {KEYS_PATH}")
+    for part in parts:
+        if part is not None:
+            print(f"saltgate: {part}", flush=True)
+
+
 async def _serve(config: GatewayConfig) -> None:
     running = await start_gateway(config)
-    print(f"saltgate: serving on {running.url} ({len(config.replicas)} replicas)", flush=True)
-    if running.admin_port is not None:
-        print(f"saltgate: metrics on http://{config.admin_host}:{running.admin_port}/metrics")
-    if running.ehbp is not None:
-        print(f"saltgate: EHBP key {running.ehbp.key.config.fingerprint} at {KEYS_PATH}")
-    if running.kv_relay is not None:
-        print(f"saltgate: {running.kv_relay.describe()}", flush=True)
-    if running.cluster is not None:
-        print(f"saltgate: {running.cluster.describe()}", flush=True)
+    announce(
+        config,
+        running.url,
+        admin_port=running.admin_port,
+        ehbp_fingerprint=running.ehbp.key.config.fingerprint if running.ehbp else None,
+        parts=(
+            running.kv_relay.describe() if running.kv_relay else None,
+            running.cluster.describe() if running.cluster else None,
+        ),
+    )
     if config.config_file is not None:
         path = config.config_file
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_from, running, path)

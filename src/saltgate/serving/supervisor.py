@@ -29,14 +29,13 @@ from typing import Final
 
 from saltgate.config import ConfigError, GatewayConfig, load_master_key
 from saltgate.derivations.derive import derive_subkeys
-from saltgate.ehbp.frames import KEYS_PATH
 from saltgate.gateway.metrics import Counter, Gauge, Snapshot, merge_workers, render
 from saltgate.http import HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
 from saltgate.runtime import run_service, until_stopped
 from saltgate.serving import control
 from saltgate.serving.balance import ConnectionBoard
-from saltgate.serving.run import ehbp_key, kv_upstreams, reread_config, start_kv_relay
+from saltgate.serving.run import announce, ehbp_key, kv_upstreams, reread_config, start_kv_relay
 from saltgate.store.errors import StoreError
 
 # A worker that dies sooner than this after it started is restarted after a backoff
@@ -401,19 +400,19 @@ async def _serve_workers(config: GatewayConfig, workers: int) -> None:
     """Run until SIGTERM or SIGINT, then drain every worker."""
     supervisor = Supervisor(config, workers)
     await supervisor.start()
-    print(
-        f"saltgate: serving on {supervisor.url} ({len(config.replicas)} replicas, "
-        f"{workers} workers)",
-        flush=True,
+    announce(
+        config,
+        supervisor.url,
+        admin_port=supervisor.admin_port,
+        ehbp_fingerprint=supervisor.ehbp_fingerprint,
+        parts=(
+            supervisor.relay.describe() if supervisor.relay else None,
+            f"cluster bus {config.cluster.url}, every worker a peer on it"
+            if config.cluster
+            else None,
+        ),
+        workers=workers,
     )
-    if supervisor.admin_port is not None:
-        print(f"saltgate: metrics on http://{config.admin_host}:{supervisor.admin_port}/metrics")
-    if supervisor.ehbp_fingerprint is not None:
-        print(f"saltgate: EHBP key {supervisor.ehbp_fingerprint} at {KEYS_PATH}")
-    if supervisor.relay is not None:
-        print(f"saltgate: {supervisor.relay.describe()}", flush=True)
-    if config.cluster is not None:
-        print(f"saltgate: cluster bus {config.cluster.url}, every worker a peer on it", flush=True)
     if config.config_file is not None:
         path = config.config_file
         asyncio.get_running_loop().add_signal_handler(

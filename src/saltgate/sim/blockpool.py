@@ -98,6 +98,8 @@ class BlockPool:
         block_size: int,
         algo: str = "sha256",
         hash_seed: str | None = None,
+        *,
+        enable_caching: bool = True,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(
@@ -107,6 +109,8 @@ class BlockPool:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
+        """False is vLLM's --no-enable-prefix-caching: nothing is found, nothing stored."""
         self.hasher: BlockHasher = get_hasher(algo, hash_seed)
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # Block 0 is the null block: never free, never allocated.
@@ -153,7 +157,7 @@ class BlockPool:
     # ------------------------------------------------------------------ lookup
 
     def _hits(self, hashes: Sequence[bytes], num_tokens: int) -> list[_Block]:
-        limit = (num_tokens - 1) // self.block_size
+        limit = (num_tokens - 1) // self.block_size if self.enable_caching else 0
         hits: list[_Block] = []
         for h in hashes[:limit]:
             blk = self._cached.get(h)
@@ -250,6 +254,9 @@ class BlockPool:
 
     def _store_settled(self, req: _Request, upto: int) -> None:
         """Store full blocks [num_settled, upto) and emit one BlockStored per stored run."""
+        if not self.enable_caching:
+            req.num_settled = max(req.num_settled, upto)
+            return
         bs = self.block_size
         run: list[int] = []  # indices of blocks stored in the current contiguous run
 

@@ -54,6 +54,10 @@ class SimConfig:
     num_blocks: int = 4096
     hash_algo: str = "sha256"
     api_key: str | None = None
+    # vLLM's flags of the same names; on by default here (vLLM's prompt-token details are
+    # off by default) so answers carry what saltgate needs unless a test turns one off.
+    enable_prompt_tokens_details: bool = True
+    enable_prefix_caching: bool = True
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
@@ -84,7 +88,12 @@ class SimServer:
         self.config = config
         self.limits = p.Limits(config.model, config.max_model_len)
         self.engine = ReplicaEngine(
-            pool=BlockPool(config.num_blocks, config.block_size, config.hash_algo),
+            pool=BlockPool(
+                config.num_blocks,
+                config.block_size,
+                config.hash_algo,
+                enable_caching=config.enable_prefix_caching,
+            ),
             time_model=TimeModel(config.prefill_ms_per_1k_tokens, config.decode_ms_per_token),
             max_concurrency=config.max_concurrency,
             max_model_len=config.max_model_len,
@@ -202,10 +211,14 @@ class SimServer:
             )
             stream = shape.sse(tokens, gen) if req.stream else None
         elif route == b"/v1/messages":
-            shape = shapes.MessagesShape(model)
+            shape = shapes.MessagesShape(model, details=self.config.enable_prompt_tokens_details)
             stream = shape.sse(tokens, gen) if req.stream else None
         else:
-            shape = shapes.CompletionShape(route == b"/v1/chat/completions", model)
+            shape = shapes.CompletionShape(
+                route == b"/v1/chat/completions",
+                model,
+                details=self.config.enable_prompt_tokens_details,
+            )
             stream = (
                 shape.sse(tokens, gen, req.max_tokens, req.include_usage) if req.stream else None
             )
@@ -308,7 +321,7 @@ class SimServer:
         info = {
             "block_size": str(cfg.block_size),
             "cache_dtype": "auto",
-            "enable_prefix_caching": "True",
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
             "kv_cache_size_tokens": str(cfg.num_blocks * cfg.block_size),
             "num_gpu_blocks": str(cfg.num_blocks),
             "prefix_caching_hash_algo": cfg.hash_algo,

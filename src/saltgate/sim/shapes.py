@@ -54,7 +54,9 @@ def _id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:16]
 
 
-def _openai_usage(gen: Generation, *, chat: bool, stream: bool) -> dict[str, Any]:
+def _openai_usage(gen: Generation, *, chat: bool, stream: bool, details_on: bool) -> dict[str, Any]:
+    """vLLM's usage object; without --enable-prompt-tokens-details (``details_on``) it has
+    no cached-token count: `prompt_tokens_details` null, or left out of a stream's."""
     details: dict[str, Any] = {
         "cached_tokens": gen.cached_tokens,
         "created_cache_tokens": gen.created_cache_tokens if chat else None,
@@ -66,9 +68,10 @@ def _openai_usage(gen: Generation, *, chat: bool, stream: bool) -> dict[str, Any
         "completion_tokens": gen.completion_tokens,
     }
     if stream:  # vLLM drops the unset fields of a stream's usage chunk
-        usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
+        if details_on:
+            usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
     else:
-        usage["prompt_tokens_details"] = details
+        usage["prompt_tokens_details"] = details if details_on else None
         usage["completion_tokens_details"] = None
     return usage
 
@@ -76,10 +79,11 @@ def _openai_usage(gen: Generation, *, chat: bool, stream: bool) -> dict[str, Any
 class CompletionShape:
     """/v1/completions (``chat=False``) and /v1/chat/completions bodies and SSE chunks."""
 
-    __slots__ = ("chat", "created", "id", "model", "object")
+    __slots__ = ("chat", "created", "details", "id", "model", "object")
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, *, details: bool = True) -> None:
         self.chat = chat
+        self.details = details  # --enable-prompt-tokens-details
         self.model = model
         self.created = int(time.time())
         self.id = _id("chatcmpl-" if chat else "cmpl-")
@@ -113,7 +117,7 @@ class CompletionShape:
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": _openai_usage(gen, chat=self.chat, stream=False),
+            "usage": _openai_usage(gen, chat=self.chat, stream=False, details_on=self.details),
         }
         if self.chat:
             body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
@@ -186,7 +190,7 @@ class CompletionShape:
             if count < max_tokens:  # cut short: still say how it finished
                 yield self._last(self._delta("", gen.finish_reason), include_usage)
             if include_usage:
-                usage = _openai_usage(gen, chat=self.chat, stream=True)
+                usage = _openai_usage(gen, chat=self.chat, stream=True, details_on=self.details)
                 yield self._chunk([], usage=usage, system_fingerprint=SYSTEM_FINGERPRINT)
             yield b"data: [DONE]\n\n"
         finally:  # the client may leave: end the engine's request too
@@ -357,15 +361,19 @@ class ResponsesShape:
 class MessagesShape:
     """/v1/messages in Anthropic's shape (vLLM names the message like a chat completion)."""
 
-    __slots__ = ("id", "model")
+    __slots__ = ("details", "id", "model")
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, *, details: bool = True) -> None:
         self.model = model
+        self.details = details  # --enable-prompt-tokens-details
         self.id = _id("chatcmpl-")
 
-    @staticmethod
-    def usage(gen: Generation) -> dict[str, Any]:
-        """Anthropic counts the uncached, unwritten rest as input_tokens (vLLM's split)."""
+    def usage(self, gen: Generation) -> dict[str, Any]:
+        """Anthropic counts the uncached, unwritten rest as input_tokens (vLLM's split);
+        without prompt-token details vLLM leaves the cache fields out, and input_tokens
+        is the whole prompt."""
+        if not self.details:
+            return {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens}
         rest = gen.prompt_tokens - gen.cached_tokens - gen.created_cache_tokens
         return {
             "input_tokens": max(0, rest),

@@ -7,9 +7,10 @@ psycopg is imported only when a PostgreSQL store is opened, so the embedded defa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from saltgate.prices import PriceVersion
 from saltgate.store.db import Database
 from saltgate.store.errors import StoreError
 from saltgate.store.ledger import Ledger, UsageLedger
@@ -71,16 +72,18 @@ async def open_gateway_store(
     *,
     busy: Callable[[], bool] | None = None,
     outage_grace_s: float = 60.0,
+    prices: Iterable[PriceVersion] = (),
 ) -> GatewayStore:
     """Keys and ledger, migrated and loaded; StoreError if the store cannot be used.
 
     `busy` (SQLite) lets a ledger commit wait a moment for records about to arrive;
-    `outage_grace_s` (PostgreSQL) is how long authentication goes on without the store.
+    `outage_grace_s` (PostgreSQL) is how long authentication goes on without the store;
+    `prices` are the versions the gateway bills with, kept in the store's `prices` table.
     """
     if settings.backend == "sqlite":
         assert settings.sqlite_path is not None
         keys = KeyIndex(settings.sqlite_path)
-        return GatewayStore(keys, Ledger(settings.sqlite_path, busy=busy))
+        return GatewayStore(keys, Ledger(settings.sqlite_path, busy=busy, prices=prices))
 
     from saltgate.store.pg_ledger import PgLedger
     from saltgate.store.postgres import PgKeyIndex, PostgresDatabase
@@ -89,7 +92,7 @@ async def open_gateway_store(
     await asyncio.to_thread(lambda: PostgresDatabase(settings).close())
     pg_keys = PgKeyIndex(settings, outage_grace_s=outage_grace_s)
     await pg_keys.start()
-    ledger = PgLedger(settings)
+    ledger = PgLedger(settings, prices=prices)
     await ledger.start()
     return GatewayStore(
         pg_keys, ledger, unreachable_for=pg_keys.down_for, spooled=lambda: ledger.spooled

@@ -30,19 +30,31 @@ import random
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol
 
-from saltgate.store.sqlite import open_db
+from saltgate.prices import PriceVersion
+from saltgate.store.sqlite import open_db, transaction
 
 # A record already there (same request id: a retried commit, a replayed spool) is dropped.
 _INSERT = (
     "INSERT INTO usage (request_id, ts, tenant_id, key_id, model, prompt_tokens, "
-    "cached_tokens, completion_tokens, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
-    "ON CONFLICT (request_id) DO NOTHING"
+    "cached_tokens, completion_tokens, status, cost_micro_usd, price_version) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO NOTHING"
 )
+# A price version is kept from the first time a gateway billed with it (its effective_from).
+PRICE_INSERT = (
+    "INSERT INTO prices (version, model, input_micro_usd_per_mtok, "
+    "cached_input_micro_usd_per_mtok, output_micro_usd_per_mtok, effective_from) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (version) DO NOTHING"
+)
+
+
+def price_rows(prices: Iterable[PriceVersion], now: float) -> list[tuple[object, ...]]:
+    """The `prices` rows of the versions a gateway bills with, first used `now`."""
+    return [(p.version, p.model, p.input, p.cached_input, p.output, now) for p in prices]
 
 
 class LedgerError(Exception):
@@ -54,6 +66,9 @@ class UsageRecord(NamedTuple):
 
     `request_id` is unique per request (`new_request_id`): the ledger keeps one record per
     id, so committing a record twice (a retry after an unknown outcome) counts it once.
+    `cached_tokens` is None when the replica did not report it (unknown, not 0); the cost
+    is what the request was billed when recorded, with the price version it used (both
+    None for a model without a price). docs/billing.md describes every column.
     """
 
     request_id: str
@@ -62,9 +77,11 @@ class UsageRecord(NamedTuple):
     key_id: str
     model: str
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None
     completion_tokens: int
     status: int
+    cost_micro_usd: int | None = None
+    price_version: str | None = None
 
 
 def new_request_id() -> str:
@@ -132,6 +149,7 @@ class Ledger:
         max_delay_s: float = 0.001,
         wal_rewind_frames: int | None = WAL_REWIND_FRAMES,
         checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S,
+        prices: Iterable[PriceVersion] = (),
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -152,6 +170,8 @@ class Ledger:
         # must not wait for. A thread with its own connection does them (PASSIVE: writers
         # are never blocked); the loop only appends to the WAL.
         self._conn.execute("PRAGMA wal_autocheckpoint=0")
+        with transaction(self._conn):  # the versions the records will name, before them
+            self._conn.executemany(PRICE_INSERT, price_rows(prices, time.time()))
         self._stop = threading.Event()
         self._checkpointer = threading.Thread(
             target=self._checkpoint_loop, name="saltgate-ledger-checkpoint", daemon=True

@@ -24,14 +24,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from saltgate.prices import PriceVersion
 from saltgate.store.errors import StoreError
-from saltgate.store.ledger import LedgerError, LedgerStats, UsageRecord, release
+from saltgate.store.ledger import (
+    PRICE_INSERT,
+    LedgerError,
+    LedgerStats,
+    UsageRecord,
+    price_rows,
+    release,
+)
 from saltgate.store.postgres import UNREACHABLE, conninfo, describe_error
 from saltgate.store.settings import StoreSettings
 from saltgate.store.spool import Spool
@@ -40,11 +48,12 @@ log = logging.getLogger(__name__)
 
 _INSERT = (
     "INSERT INTO usage (request_id, ts, tenant_id, key_id, model, prompt_tokens, "
-    "cached_tokens, completion_tokens, status) "
+    "cached_tokens, completion_tokens, status, cost_micro_usd, price_version) "
     "SELECT * FROM unnest(%s::text[], %s::float8[], %s::text[], %s::text[], %s::text[], "
-    "%s::int4[], %s::int4[], %s::int4[], %s::int4[]) "
+    "%s::int4[], %s::int4[], %s::int4[], %s::int4[], %s::int8[], %s::text[]) "
     "ON CONFLICT (request_id) DO NOTHING"
 )
+_PRICE_INSERT = PRICE_INSERT.replace("?", "%s")
 # The database did not answer (or cannot be asked: StoreError from reading its password).
 _DOWN = (*UNREACHABLE, PoolTimeout, StoreError)
 
@@ -70,6 +79,7 @@ class PgLedger:
         max_batch: int = 2048,
         commit_timeout_s: float = 2.0,
         retry_interval_s: float = 0.5,
+        prices: Iterable[PriceVersion] = (),
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -82,6 +92,7 @@ class PgLedger:
         self.max_batch = max_batch
         self.commit_timeout_s = commit_timeout_s
         self.retry_interval_s = retry_interval_s
+        self.prices = tuple(prices)
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[tuple[Any, ...]]] | None = None
         self._pending: list[_Item] = []
         self._wakeup = asyncio.Event()
@@ -339,6 +350,12 @@ class PgLedger:
         )
         try:
             await pool.open(wait=True, timeout=self.commit_timeout_s)
+            # The versions records name, before any record (a spool's replay included).
+            async with (
+                pool.connection(timeout=self.commit_timeout_s) as conn,
+                conn.cursor() as cursor,
+            ):
+                await cursor.executemany(_PRICE_INSERT, price_rows(self.prices, time.time()))
         except BaseException:
             await pool.close(timeout=0)
             raise

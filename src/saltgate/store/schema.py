@@ -104,6 +104,43 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
             "CREATE UNIQUE INDEX usage_request_id ON usage(request_id)",
         ),
     ),
+    Migration(
+        4,
+        "usage: cached tokens may be unknown (NULL), each record's cost and price version",
+        # SQLite cannot drop a NOT NULL: the table is rebuilt, ids and rows kept. Rows
+        # from before have no recorded cost (NULL): reports price them and say so.
+        (
+            """CREATE TABLE usage_v4 (
+                id INTEGER PRIMARY KEY,
+                ts REAL NOT NULL,
+                tenant_id TEXT NOT NULL,
+                key_id TEXT NOT NULL,
+                model TEXT NOT NULL,
+                prompt_tokens INTEGER NOT NULL,
+                cached_tokens INTEGER,
+                completion_tokens INTEGER NOT NULL,
+                status INTEGER NOT NULL,
+                request_id TEXT,
+                cost_micro_usd INTEGER,
+                price_version TEXT
+            )""",
+            "INSERT INTO usage_v4 (id, ts, tenant_id, key_id, model, prompt_tokens, "
+            "cached_tokens, completion_tokens, status, request_id) SELECT id, ts, tenant_id, "
+            "key_id, model, prompt_tokens, cached_tokens, completion_tokens, status, "
+            "request_id FROM usage",
+            "DROP TABLE usage",
+            "ALTER TABLE usage_v4 RENAME TO usage",
+            "CREATE UNIQUE INDEX usage_request_id ON usage(request_id)",
+            """CREATE TABLE prices (
+                version TEXT PRIMARY KEY,
+                model TEXT NOT NULL,
+                input_micro_usd_per_mtok INTEGER NOT NULL,
+                cached_input_micro_usd_per_mtok INTEGER NOT NULL,
+                output_micro_usd_per_mtok INTEGER NOT NULL,
+                effective_from REAL NOT NULL
+            )""",
+        ),
+    ),
 )
 
 POSTGRES_VERSION_TABLE = (
@@ -160,6 +197,23 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
                 cached_tokens INTEGER NOT NULL,
                 completion_tokens INTEGER NOT NULL,
                 status INTEGER NOT NULL
+            )""",
+        ),
+    ),
+    Migration(
+        4,
+        "usage: cached tokens may be unknown (NULL), each record's cost and price version",
+        (
+            "ALTER TABLE usage ALTER COLUMN cached_tokens DROP NOT NULL",
+            "ALTER TABLE usage ADD COLUMN cost_micro_usd BIGINT",
+            "ALTER TABLE usage ADD COLUMN price_version TEXT",
+            """CREATE TABLE prices (
+                version TEXT PRIMARY KEY,
+                model TEXT NOT NULL,
+                input_micro_usd_per_mtok BIGINT NOT NULL,
+                cached_input_micro_usd_per_mtok BIGINT NOT NULL,
+                output_micro_usd_per_mtok BIGINT NOT NULL,
+                effective_from DOUBLE PRECISION NOT NULL
             )""",
         ),
     ),

@@ -7,7 +7,9 @@ answer. When the database is back the ledger replays the sealed segments into it
 ON CONFLICT DO NOTHING on the request id, so a record replayed twice (a crash between
 the replay's commit and the file's removal) still counts once, then deletes them.
 
-Format: one JSON array per line, the UsageRecord's fields in order. A crash can leave
+Format: one JSON array per line, the UsageRecord's fields in order (null for an unknown
+cached-token count or a record without a price; lines of releases before the cost
+columns have nine fields and still replay). A crash can leave
 the last line torn (no newline); that record was never acknowledged, and reading stops
 before it. Segment files are 0600 in a 0700 directory; they hold tenant and key ids and
 token counts, never a key or a prompt.
@@ -38,10 +40,25 @@ from saltgate.store.ledger import UsageRecord
 log = logging.getLogger(__name__)
 
 SEGMENT_GLOB = "usage-*.spool"
-_FIELD_TYPES: tuple[tuple[type, ...], ...] = tuple(
-    (int, float) if name == "ts" else (int,) if name.endswith(("tokens", "status")) else (str,)
-    for name in UsageRecord._fields
-)
+_NULLABLE = ("cached_tokens", "cost_micro_usd", "price_version")
+
+
+def _kinds(name: str) -> tuple[type, ...]:
+    """The JSON types a UsageRecord field may have in a spooled line."""
+    kinds: tuple[type, ...] = (
+        (int, float)
+        if name == "ts"
+        else (int,)
+        if name.endswith(("tokens", "status", "usd"))
+        else (str,)
+    )
+    return (*kinds, type(None)) if name in _NULLABLE else kinds
+
+
+_FIELD_TYPES = tuple(_kinds(name) for name in UsageRecord._fields)
+# Lines spooled before records carried their cost (schema version 4) have nine fields;
+# they replay as records priced at report time.
+_FIELDS_BEFORE_COST = 9
 
 
 def encode(records: Sequence[UsageRecord]) -> bytes:
@@ -54,9 +71,12 @@ def decode_line(line: bytes) -> UsageRecord | None:
         fields = orjson.loads(line)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(fields, list) or len(fields) != len(_FIELD_TYPES):
+    if not isinstance(fields, list) or len(fields) not in (
+        _FIELDS_BEFORE_COST,
+        len(_FIELD_TYPES),
+    ):
         return None
-    for value, kinds in zip(fields, _FIELD_TYPES, strict=True):
+    for value, kinds in zip(fields, _FIELD_TYPES, strict=False):
         if isinstance(value, bool) or not isinstance(value, kinds):
             return None
     return UsageRecord(*fields)
