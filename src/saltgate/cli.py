@@ -53,6 +53,11 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--tls-cert", default=None, help="serve https with this PEM certificate")
+    p.add_argument("--tls-key", default=None, help="its PEM private key (else in --tls-cert)")
+    p.add_argument(
+        "--tls-client-ca", default=None, help="require client certificates from this CA (mTLS)"
+    )
     p.set_defaults(func=_run_sim)
 
 
@@ -77,6 +82,9 @@ def _run_sim(args: argparse.Namespace) -> int:
         decode_ms_per_token=args.decode_ms_per_token,
         max_concurrency=args.max_concurrency,
         max_model_len=args.max_model_len,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
     )
     return serve_forever(config)
 
@@ -365,6 +373,11 @@ def _add_kv_relay(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--print-server-key", action="store_true", help="print the public key consumers pin"
     )
+    p.add_argument(
+        "--allow-plaintext-upstream",
+        action="store_true",
+        help="accept --upstream endpoints off loopback (no CURVE: salts in clear)",
+    )
     p.set_defaults(func=_run_kv_relay)
 
 
@@ -377,7 +390,7 @@ def _kv_relay_from_args(
     """
     from pathlib import Path
 
-    from saltgate.config import kv_relay_settings, load_config
+    from saltgate.config import kv_plaintext_remote, kv_relay_settings, load_config
     from saltgate.kvevents.settings import KvUpstream
 
     if args.config:
@@ -397,6 +410,13 @@ def _kv_relay_from_args(
         upstreams.append(KvUpstream(endpoint, replay or None))
     if not upstreams:
         raise ValueError("--upstream: give at least one replica's KV-event endpoint")
+    remote = [u.endpoint for u in upstreams if kv_plaintext_remote(u)]
+    if remote and not args.allow_plaintext_upstream:
+        raise ValueError(
+            f"--upstream {remote[0]}: off loopback without CURVE, salts and token ids cross "
+            "in clear; pin a forwarder's key with --config (kv_events_curve_server_key_file) "
+            "or pass --allow-plaintext-upstream"
+        )
     table: dict[str, object] = {
         "publish_endpoint": args.publish,
         "replay_endpoint": args.replay,
