@@ -101,6 +101,11 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=d.max_model_len,
         help="longest prompt plus output, in tokens",
     )
+    p.add_argument("--tls-cert", default=None, help="serve https with this PEM certificate")
+    p.add_argument("--tls-key", default=None, help="its PEM private key (else in --tls-cert)")
+    p.add_argument(
+        "--tls-client-ca", default=None, help="require client certificates from this CA (mTLS)"
+    )
     p.set_defaults(func=_run_sim)
 
 
@@ -125,6 +130,9 @@ def _run_sim(args: argparse.Namespace) -> int:
         decode_ms_per_token=args.decode_ms_per_token,
         max_concurrency=args.max_concurrency,
         max_model_len=args.max_model_len,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
     )
     return serve_forever(config)
 
@@ -153,11 +161,20 @@ def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(func=_run_up)
 
 
-def _state_dir_arg(p: argparse.ArgumentParser) -> None:
-    """Where the store is: the gateway's config ([store]), or a state directory (SQLite)."""
-    p.add_argument("--config", help="the gateway's TOML file: its [store] (docs/store.md)")
+def _state_dir_arg(p: argparse.ArgumentParser, *, nested: bool = False) -> None:
+    """Where the store is: the gateway's config ([store]), or a state directory (SQLite).
+
+    `nested`: a sub-command of a command that takes them too (`usage prune`); left out,
+    they keep what was given before the sub-command instead of resetting it.
+    """
+    default = argparse.SUPPRESS if nested else None
     p.add_argument(
-        "--state-dir", help="directory holding saltgate.db, without --config (default .state)"
+        "--config", default=default, help="the gateway's TOML file: its [store] (docs/store.md)"
+    )
+    p.add_argument(
+        "--state-dir",
+        default=default,
+        help="directory holding saltgate.db, without --config (default .state)",
     )
 
 
@@ -203,6 +220,8 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _state_dir_arg(p)
     p.set_defaults(func=_keys_revoke)
 
+
+def _add_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "usage",
         help="usage and recorded cost per tenant (or --group-by); docs/billing.md",
@@ -227,6 +246,62 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--csv", action="store_const", const="csv", dest="fmt", help="CSV instead of a table"
     )
     p.set_defaults(func=_usage, fmt="table")
+    usub = p.add_subparsers(
+        dest="action", metavar="prune", help="optional: delete old records (prune --help)"
+    )
+    p = usub.add_parser(
+        "prune",
+        help="delete usage records older than a date (export them first; docs/upgrading.md)",
+        description="Deletes the usage records with ts < --before. Without --yes it only says "
+        "how many would go. Export them first: saltgate usage --until DATE --csv.",
+    )
+    p.add_argument(
+        "--before",
+        required=True,
+        metavar="DATE",
+        help="delete records before this (exclusive): an ISO date/time, UTC, or a duration "
+        "back (400d)",
+    )
+    p.add_argument("--yes", action="store_true", help="delete (default: only count)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help=f"allow a --before within the last {PRUNE_PROTECTED_DAYS} days",
+    )
+    _state_dir_arg(p, nested=True)
+    p.set_defaults(func=_usage_prune)
+
+
+def _add_store(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    store = sub.add_parser("store", help="copy a store to another (SQLite, PostgreSQL)")
+    ssub = store.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = ssub.add_parser(
+        "copy",
+        help="copy tenants, hashed keys, prices and usage into a new store",
+        description="Copies tenants, hashed API keys (every key keeps working), prices and "
+        "the usage ledger from one store to another, in one transaction on the destination, "
+        "then counts both. A PostgreSQL password comes from the --*-password-* options, or "
+        "as libpq finds it (PGPASSWORD, ~/.pgpass), never from the URL. docs/upgrading.md.",
+    )
+    for end, what in (("from", "the store to copy"), ("to", "the new store")):
+        p.add_argument(
+            f"--{end}",
+            required=True,
+            metavar="URL",
+            help=f"{what}: sqlite:///path/saltgate.db or postgresql://user@host:5432/db",
+        )
+        pw = p.add_mutually_exclusive_group()
+        pw.add_argument(f"--{end}-password-file", metavar="FILE", help="its password, in a file")
+        pw.add_argument(
+            f"--{end}-password-env", metavar="VAR", help="its password, in this variable"
+        )
+    p.add_argument(
+        "--since",
+        metavar="T",
+        help="a second pass: only usage from then on (a duration back or an ISO date/time, "
+        "UTC), into the store an earlier copy filled; rows already there are skipped",
+    )
+    p.set_defaults(func=_store_copy)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -393,6 +468,120 @@ def _usage(args: argparse.Namespace) -> int:
     return 0
 
 
+PRUNE_PROTECTED_DAYS = 31  # `usage prune` keeps the last month unless --force
+
+
+def _usage_prune(args: argparse.Namespace) -> int:
+    import time
+    from datetime import UTC, datetime
+
+    from saltgate.config import ConfigError
+    from saltgate.store.backends import open_database
+    from saltgate.store.errors import StoreError
+    from saltgate.store.lifecycle import count_usage_before, prune_usage
+    from saltgate.store.pricing import parse_time
+
+    try:
+        settings, _ = _store_settings(args)
+        now = time.time()
+        before = parse_time(args.before, now, "--before")
+        if before > now:
+            raise ValueError(f"--before {args.before!r} is in the future")
+        if before > now - PRUNE_PROTECTED_DAYS * 86400 and not args.force:
+            raise ValueError(
+                f"--before {args.before!r} is within the last {PRUNE_PROTECTED_DAYS} days, "
+                "which may not be billed yet; give --force to prune it anyway"
+            )
+        when = datetime.fromtimestamp(before, UTC).isoformat()
+        db = open_database(settings, create=False)
+        try:
+            if not args.yes:
+                n = count_usage_before(db, before)
+                print(
+                    f"{n} usage records before {when} would be deleted from "
+                    f"{db.describe()}. Export them first (saltgate usage --until "
+                    f"{args.before} --csv), then run again with --yes."
+                )
+                return 0
+            result = prune_usage(db, before)
+        finally:
+            db.close()
+    except (ConfigError, StoreError, ValueError) as exc:
+        print(f"saltgate usage prune: {exc}", file=sys.stderr)
+        return 1
+    longest_ms = result.longest_transaction_s * 1e3
+    print(
+        f"deleted {result.deleted} usage records before {when} in {result.seconds:.1f} s "
+        f"({len(result.held_s)} transactions, the longest {longest_ms:.1f} ms)"
+    )
+    return 0
+
+
+def _store_copy(args: argparse.Namespace) -> int:
+    import time
+    from datetime import UTC, datetime
+    from pathlib import Path
+
+    from saltgate.store.backends import open_database
+    from saltgate.store.errors import StoreError
+    from saltgate.store.lifecycle import copy_store
+    from saltgate.store.pricing import parse_time
+    from saltgate.store.settings import StoreSettings
+
+    def settings(end: str) -> StoreSettings:
+        table = {"url": getattr(args, end)}
+        for key in ("password_file", "password_env"):
+            if (value := getattr(args, f"{end}_{key}")) is not None:
+                table[key] = value
+        try:
+            return StoreSettings.from_table(table, Path.cwd(), Path.cwd())
+        except ValueError as exc:
+            raise ValueError(f"--{end}: {exc}") from None
+
+    def iso(ts: float) -> str:
+        return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
+
+    try:
+        source, destination = settings("from"), settings("to")
+        if _same_store(source, destination):
+            raise ValueError("--from and --to name the same store")
+        since = parse_time(args.since, time.time(), "--since") if args.since else None
+        src = open_database(source, create=False)
+        try:
+            dst = open_database(destination)
+            try:
+                result = copy_store(src, dst, since=since)
+            finally:
+                dst.close()
+        finally:
+            src.close()
+    except (StoreError, ValueError) as exc:
+        print(f"saltgate store copy: {exc}", file=sys.stderr)
+        return 1
+    print(f"copied {source.describe()} -> {destination.describe()}")
+    scope = "" if since is None else f" (usage: ts >= {iso(since)})"
+    print(f"{'table':<10} {'source':>12} {'destination':>12}{scope}")
+    for c in result.counts:
+        print(f"{c.table:<10} {c.source:>12} {c.destination:>12}")
+    print("verified: the destination holds every row copied")
+    if result.source_gained:
+        print(
+            f"the source gained {result.source_gained} usage records during the copy: stop "
+            "its gateways or point them at the new store, then copy them too"
+        )
+    # An hour of overlap: rows committed late (a group commit, a spool replay) keep an
+    # earlier ts, and rows already copied are skipped anyway.
+    since_next = iso(result.started_at - 3600)
+    print(f"a second pass copies what the source gains from now: --since {since_next}")
+    return 0
+
+
+def _same_store(a: StoreSettings, b: StoreSettings) -> bool:
+    if a.sqlite_path is not None and b.sqlite_path is not None:
+        return a.sqlite_path.resolve() == b.sqlite_path.resolve()
+    return a.url == b.url
+
+
 def _add_kv_relay(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "kv-relay",
@@ -417,6 +606,11 @@ def _add_kv_relay(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--print-server-key", action="store_true", help="print the public key consumers pin"
     )
+    p.add_argument(
+        "--allow-plaintext-upstream",
+        action="store_true",
+        help="accept --upstream endpoints off loopback (no CURVE: salts in clear)",
+    )
     p.set_defaults(func=_run_kv_relay)
 
 
@@ -429,7 +623,7 @@ def _kv_relay_from_args(
     """
     from pathlib import Path
 
-    from saltgate.config import kv_relay_settings, load_config
+    from saltgate.config import kv_plaintext_remote, kv_relay_settings, load_config
     from saltgate.kvevents.settings import KvUpstream
 
     if args.config:
@@ -449,6 +643,13 @@ def _kv_relay_from_args(
         upstreams.append(KvUpstream(endpoint, replay or None))
     if not upstreams:
         raise ValueError("--upstream: give at least one replica's KV-event endpoint")
+    remote = [u.endpoint for u in upstreams if kv_plaintext_remote(u)]
+    if remote and not args.allow_plaintext_upstream:
+        raise ValueError(
+            f"--upstream {remote[0]}: off loopback without CURVE, salts and token ids cross "
+            "in clear; pin a forwarder's key with --config (kv_events_curve_server_key_file) "
+            "or pass --allow-plaintext-upstream"
+        )
     table: dict[str, object] = {
         "publish_endpoint": args.publish,
         "replay_endpoint": args.replay,
@@ -577,6 +778,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_gateway(sub)
     _add_admin(sub)
+    _add_usage(sub)
+    _add_store(sub)
     _add_needing_modules(sub, "sim", _add_sim)
     _add_kv_relay(sub)
     _add_needing_modules(sub, "bench", _add_bench)

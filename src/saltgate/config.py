@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import ipaddress
 import os
 import secrets
 import stat
@@ -23,7 +24,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from saltgate.derivations.derive import MASTER_KEY_MIN_BYTES
-from saltgate.kvevents.settings import KvRelaySettings, KvUpstream, client_key_lines
+from saltgate.kvevents.settings import (
+    KvRelaySettings,
+    KvUpstream,
+    client_key_lines,
+    parse_client_key,
+)
 from saltgate.policy.forwarded import TrustedProxies
 from saltgate.prices import Price, parse_prices
 from saltgate.routing.cluster import ClusterSettings
@@ -33,18 +39,55 @@ from saltgate.store.settings import StoreSettings
 SECRET_FILE_MAX_BYTES = 4096
 CLIENT_GONE_MODES = ("finish", "abort")
 LOG_FORMATS = ("text", "json")
+TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 
 
 class ConfigError(ValueError):
     """A configuration problem a person can fix; the message says where and how."""
 
 
+UPSTREAM_SCHEMES = {"http": 80, "https": 443}
+LOOPBACK_NAMES = ("localhost",)
+
+
 def parse_authority(url: str) -> tuple[str, int, str]:
-    """Split http://host:port/prefix into (host, port, prefix); only plain http is pooled."""
+    """Split http(s)://host:port/prefix into (host, port, prefix)."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"upstream URL must look like http://host:port, got {url!r}")
-    return parts.hostname, parts.port or 80, parts.path.rstrip("/")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("no credentials in the URL: give the replica's key as api_key_file")
+    if parts.scheme not in UPSTREAM_SCHEMES or not parts.hostname:
+        raise ValueError(f"upstream URL must look like https://host:port, got {url!r}")
+    return parts.hostname, parts.port or UPSTREAM_SCHEMES[parts.scheme], parts.path.rstrip("/")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (127.0.0.0/8, ::1, localhost), the
+    one place a plaintext link to a replica crosses no network."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def kv_plaintext_remote(upstream: KvUpstream) -> bool:
+    """A KV-event link (or its replay link) that crosses a network without CURVE."""
+    if upstream.curve_server_key is not None:
+        return False
+    links = (upstream.endpoint, upstream.replay_endpoint or "")
+    return any(plaintext_zmq_remote(e) for e in links)
+
+
+def plaintext_zmq_remote(endpoint: str) -> bool:
+    """A tcp:// ZMQ endpoint off loopback (``*`` and 0.0.0.0 included: bound on every
+    interface); ipc:// and inproc:// never leave the machine."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return False
+    host = rest.rpartition(":")[0] or rest
+    host = host.rpartition(";")[2]  # "tcp://source;host:port": the remote is after ';'
+    return not is_loopback(host)
 
 
 # -- secret files ------------------------------------------------------------------------
@@ -58,6 +101,19 @@ def read_secret_file(path: Path, what: str) -> bytes:
     fstat on the descriptor that is read, so the file cannot be swapped in between.
     Errors name the file and the rule, never the content.
     """
+    fd = open_secret_file(path, what)
+    try:
+        data = os.read(fd, SECRET_FILE_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > SECRET_FILE_MAX_BYTES:
+        raise ConfigError(f"{what} {path} is over {SECRET_FILE_MAX_BYTES} bytes")
+    return data
+
+
+def open_secret_file(path: Path, what: str) -> int:
+    """A descriptor on ``path`` once it passed `read_secret_file`'s rules (also those of
+    a TLS private key, which OpenSSL then reads by name)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -69,12 +125,10 @@ def read_secret_file(path: Path, what: str) -> bytes:
             raise ConfigError(f"{what} {path} must be a regular file of mode 0600")
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ConfigError(f"{what} {path} is readable by others: it must have mode 0600")
-        data = os.read(fd, SECRET_FILE_MAX_BYTES + 1)
-    finally:
+    except BaseException:
         os.close(fd)
-    if len(data) > SECRET_FILE_MAX_BYTES:
-        raise ConfigError(f"{what} {path} is over {SECRET_FILE_MAX_BYTES} bytes")
-    return data
+        raise
+    return fd
 
 
 def create_secret_file(path: Path, what: str, text: str) -> bool:
@@ -103,17 +157,41 @@ class ReplicaConfig:
     kv_events_bind: bool = False
     # The model names it serves, pinned by the operator; None: learnt from its /v1/models.
     models: tuple[str, ...] | None = None
+    # The CURVE server key (Z85) the relay pins on kv_events_endpoint: docs/kv-relay.md.
+    kv_events_curve_server_key: str | None = None
+    # https:// replicas: the CA bundle to verify them against (None: the system's trust
+    # store) and the client certificate for mutual TLS; read by the I/O layer (http/tls.py).
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
     @property
     def authority(self) -> tuple[str, int, str]:
         return parse_authority(self.url)
 
     @property
+    def tls(self) -> bool:
+        return urlsplit(self.url).scheme == "https"
+
+    @property
+    def plaintext_remote(self) -> bool:
+        """Plain http to a host off loopback: prompts, salts and the API key in clear."""
+        return not self.tls and not is_loopback(self.authority[0])
+
+    @property
+    def kv_plaintext_remote(self) -> bool:
+        upstream = self.kv_upstream
+        return upstream is not None and kv_plaintext_remote(upstream)
+
+    @property
     def kv_upstream(self) -> KvUpstream | None:
         if self.kv_events_endpoint is None:
             return None
         return KvUpstream(
-            self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_events_bind
+            self.kv_events_endpoint,
+            self.kv_events_replay_endpoint,
+            self.kv_events_bind,
+            curve_server_key=self.kv_events_curve_server_key,
         )
 
 
@@ -153,6 +231,9 @@ class GatewayConfig:
     # [cluster]: share routing state with the other gateways over a bus (docs/deployment.md);
     # None: this gateway routes on what it sees alone.
     cluster: ClusterSettings | None = None
+    # Accept plain http:// replicas (and kv endpoints without CURVE) off loopback: warned
+    # at start, counted in a metric, reported by `saltgate audit deployment`.
+    allow_plaintext_upstream: bool = False
 
     @property
     def db_path(self) -> Path:
@@ -225,7 +306,17 @@ def _replica(item: Any, index: int, base: Path) -> ReplicaConfig:
     if weight <= 0:
         raise ConfigError(f"{where}.weight: must be positive")
     kv_keys = {"kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_bind"}
-    known = {"url", "weight", "api_key_file", "api_key_env", "api_key", "models", *kv_keys}
+    known = {
+        "url",
+        "weight",
+        "api_key_file",
+        "api_key_env",
+        "api_key",
+        "models",
+        "kv_events_curve_server_key_file",
+        *kv_keys,
+        *TLS_KEYS,
+    }
     unknown = set(item) - known
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
@@ -234,9 +325,12 @@ def _replica(item: Any, index: int, base: Path) -> ReplicaConfig:
         kv[key] = _expect(item, key, bool if key == "kv_events_bind" else str, where)
     if kv and "kv_events_endpoint" not in kv:
         raise ConfigError(f"{where}.kv_events_endpoint: missing (the other kv_events_* need it)")
+    if "kv_events_curve_server_key_file" in item:
+        kv["kv_events_curve_server_key"] = _curve_server_key(item, where, base, kv)
+    tls = _replica_tls(item, where, base, url)
     models = _pinned_models(item["models"], where) if "models" in item else None
     api_key = _secret_ref(item, "api_key", where, base)
-    return ReplicaConfig(url, weight, api_key, **kv, models=models)
+    return ReplicaConfig(url, weight, api_key, **kv, **tls, models=models)
 
 
 def _pinned_models(value: Any, where: str) -> tuple[str, ...]:
@@ -248,6 +342,38 @@ def _pinned_models(value: Any, where: str) -> tuple[str, ...]:
     if len(set(value)) != len(value):
         raise ConfigError(f"{where}.models: a model is listed twice")
     return tuple(value)
+
+
+def _replica_tls(item: dict[str, Any], where: str, base: Path, url: str) -> dict[str, Any]:
+    """The tls_* files of an https:// replica, checked to exist (the private key also to
+    be private, like every secret file); their content is the I/O layer's to load."""
+    paths = {
+        key: _relative_to(base, _expect(item, key, str, where)) for key in TLS_KEYS if key in item
+    }
+    if paths and urlsplit(url).scheme != "https":
+        raise ConfigError(f"{where}.{min(paths)}: TLS settings need an https:// url")
+    if ("tls_cert_file" in paths) != ("tls_key_file" in paths):
+        raise ConfigError(f"{where}: tls_cert_file and tls_key_file go together (mutual TLS)")
+    for key, path in paths.items():
+        if key == "tls_key_file":
+            os.close(open_secret_file(path, f"{where}.{key}"))
+        elif not path.is_file():
+            raise ConfigError(f"{where}.{key}: {path} is not a readable file")
+    return paths
+
+
+def _curve_server_key(item: dict[str, Any], where: str, base: Path, kv: dict[str, Any]) -> str:
+    """The Z85 public key of the CURVE server the relay subscribes to (a public key: any
+    file mode), for an endpoint the relay connects to."""
+    key = f"{where}.kv_events_curve_server_key_file"
+    if "kv_events_endpoint" not in kv or kv.get("kv_events_bind"):
+        raise ConfigError(f"{key}: needs a kv_events_endpoint the relay connects to (not bind)")
+    path = _relative_to(base, _expect(item, "kv_events_curve_server_key_file", str, where))
+    lines = _public_key_lines(path, key)
+    try:
+        return parse_client_key(lines[0] if len(lines) == 1 else "")
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {path} must hold one key: {exc}") from None
 
 
 def _prices(table: Any) -> dict[str, Price]:
@@ -296,7 +422,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
     salting = True
     if isinstance(testing, dict) and "disable_salting" in testing:
         salting = not _expect(testing, "disable_salting", bool, "testing")
-    return GatewayConfig(
+    config = GatewayConfig(
         replicas=replicas,
         state_dir=state_dir,
         master_key_file=path("master_key_file", str(state_dir / "master.key")),
@@ -309,6 +435,26 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         **_ehbp(doc.get("ehbp", {}), base),
         **kwargs,
     )
+    if not config.allow_plaintext_upstream:
+        _refuse_plaintext(replicas)
+    return config
+
+
+def _refuse_plaintext(replicas: tuple[ReplicaConfig, ...]) -> None:
+    for i, replica in enumerate(replicas):
+        if replica.plaintext_remote:
+            raise ConfigError(
+                f"replicas[{i}].url: plain http:// to {replica.authority[0]}, off loopback, "
+                "sends prompts, cache salts and the replica's API key in clear: use "
+                "https:// (tls_ca_file), or set [gateway] allow_plaintext_upstream = true"
+            )
+        if replica.kv_plaintext_remote:
+            raise ConfigError(
+                f"replicas[{i}].kv_events_endpoint: a tcp:// link off loopback without "
+                "CURVE carries salts and token ids in clear: set "
+                "kv_events_curve_server_key_file (docs/kv-relay.md), or set "
+                "[gateway] allow_plaintext_upstream = true"
+            )
 
 
 def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
@@ -322,6 +468,7 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
         ("max_body_bytes", int),
         ("upstream_timeout_s", (int, float)),
         ("store_outage_grace_s", (int, float)),
+        ("allow_plaintext_upstream", bool),
     ):
         if key in gw:
             kwargs[key] = _expect(gw, key, kind, "gateway")
@@ -396,16 +543,20 @@ def kv_relay_settings(table: dict[str, Any], base: Path, where: str = "") -> KvR
     file_keys: list[str] = []
     if "client_keys_file" in table:
         name = _expect(table, "client_keys_file", str, where.rstrip(".") or "kv_relay")
-        path = _relative_to(base, name)
-        try:
-            file_keys = client_key_lines(path.read_text())
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(f"{where}client_keys_file: cannot read {path}: {reason}") from None
+        file_keys = _public_key_lines(_relative_to(base, name), f"{where}client_keys_file")
     try:
         return KvRelaySettings.from_table(rest, file_keys)
     except ValueError as exc:
         raise ConfigError(f"{where}{exc}") from None
+
+
+def _public_key_lines(path: Path, what: str) -> list[str]:
+    """The CURVE public keys in a file, one a line (public: any file mode)."""
+    try:
+        return client_key_lines(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"{what}: cannot read {path}: {reason}") from None
 
 
 def _store(table: Any, base: Path, state_dir: Path) -> StoreSettings | None:

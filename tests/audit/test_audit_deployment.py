@@ -15,6 +15,7 @@ import pytest
 import zmq
 from tests.gateway.stack import run, stack
 from tests.support.gateways import write_gateway_config
+from tests.support.tls import make_pki
 
 from saltgate.audit.deployment import (
     CanaryObservation,
@@ -23,6 +24,7 @@ from saltgate.audit.deployment import (
     judge_canary,
     judge_hash_algo,
     judge_kv_endpoint,
+    judge_plaintext_upstream,
     judge_replica_access,
     judge_response_headers,
     parse_cache_config_info,
@@ -117,7 +119,56 @@ def test_canary_judgement_needs_its_control() -> None:
     assert judge("unsalted", 496, None, 0.0) is Severity.OK
 
 
+def test_plaintext_links_off_loopback_are_high_findings(tmp_path: Path) -> None:
+    """What only allow_plaintext_upstream lets load is reported; https and loopback are ok."""
+    path = tmp_path / "g.toml"
+    path.write_text(
+        "[gateway]\nallow_plaintext_upstream = true\n"
+        '[[replicas]]\nurl = "http://10.0.0.5:8000"\nkv_events_endpoint = "tcp://10.0.0.5:5557"\n'
+        '[[replicas]]\nurl = "https://10.0.0.6:8443"\n'
+        '[[replicas]]\nurl = "http://127.0.0.1:8000"\nkv_events_endpoint = "tcp://127.0.0.1:5557"\n'
+    )
+    found = [(f.target, f.severity) for f in judge_plaintext_upstream(load_config(path))]
+    assert found == [
+        ("http://10.0.0.5:8000", Severity.HIGH),
+        ("tcp://10.0.0.5:5557", Severity.HIGH),
+        ("https://10.0.0.6:8443", Severity.OK),
+        ("http://127.0.0.1:8000", Severity.OK),
+    ]
+
+
 # -- deployments --------------------------------------------------------------------------
+
+
+def test_https_replicas_are_audited_through_their_ca(tmp_path: Path) -> None:
+    """A replica verified against tls_ca_file is reached by the audit too (not reported
+    "not reachable" because the system's trust store does not know its CA)."""
+
+    async def body() -> None:
+        pki = make_pki(tmp_path / "pki")
+        sim = await start_sim(
+            SimConfig(
+                port=0,
+                api_key=REPLICA_KEY,
+                tls_cert=str(pki.server.cert),
+                tls_key=str(pki.server.key),
+            )
+        )
+        try:
+            config = GatewayConfig(
+                replicas=(ReplicaConfig(sim.url, api_key=REPLICA_KEY, tls_ca_file=pki.ca),),
+                state_dir=tmp_path,
+                master_key_file=tmp_path / "master.key",
+            )
+            report = await run_deployment_audit(config, probe_default_kv_port=False)
+        finally:
+            await sim.close()
+        checks = by_check(report)
+        assert checks["plaintext-upstream"] == [Severity.OK]
+        assert checks["replica-direct-access"] == [Severity.LOW], report.to_json()
+        assert checks["prefix-caching-hash"] == [Severity.OK]
+
+    run(body)
 
 
 def write_config(path: Path, config: GatewayConfig, gateway_port: int, env_key: str | None) -> Path:
@@ -237,6 +288,7 @@ def test_careful_deployment_has_no_high_finding(
         checks = by_check(report)
         assert report.worst is not Severity.HIGH, report.to_json()
         assert checks["replica-direct-access"] == [Severity.LOW]
+        assert checks["plaintext-upstream"] == [Severity.OK]  # a replica on loopback
         assert checks["prefix-caching-hash"] == [Severity.OK]
         assert checks["kv-events-endpoint"] == [Severity.OK]
         assert checks["client-salt-stripped"] == [Severity.OK]

@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 
 from saltgate.bench.cpu import CpuUse, proc_ticks, process_tree, tree_ticks
-from saltgate.bench.overhead import Options, fixed_completion, nginx_conf
+from saltgate.bench.gateway_setup import (
+    gateway_config,
+    prepare_gateway_state,
+    write_gateway_config,
+)
+from saltgate.bench.overhead import (
+    Backends,
+    Options,
+    bench_certificate,
+    fixed_completion,
+    nginx_conf,
+)
 from saltgate.bench.overhead_report import (
     Meta,
     OverheadResult,
@@ -26,6 +37,8 @@ from saltgate.bench.overhead_report import (
 )
 from saltgate.bench.procs import Machine, Tools, pinned
 from saltgate.bench.wrk import WrkResult, chat_body, parse_time_ms, parse_wrk_output, wrk_script
+from saltgate.config import load_config
+from saltgate.http.tls import client_context
 
 WRK_OK = """\
 Running 5s test @ http://127.0.0.1:40001/v1/chat/completions
@@ -119,6 +132,26 @@ def test_nginx_answer_is_openai_shaped_and_quoted() -> None:
     assert "listen 127.0.0.1:1111;" in conf
     assert "listen 127.0.0.1:2222;" in conf
     assert "$" not in conf
+    assert "ssl" not in conf
+
+
+def test_upstream_tls_serves_nginx_over_tls_and_saltgate_verifies_it(tmp_path: Path) -> None:
+    """--upstream-tls: nginx listens on more ports with a certificate made for the run, and
+    saltgate's replicas are those https ports with the certificate as tls_ca_file (a
+    config `saltgate serve` loads); direct stays on the plain ports."""
+    cert = bench_certificate(tmp_path)
+    assert cert.with_suffix(".key").stat().st_mode & 0o077 == 0
+    conf = nginx_conf(tmp_path, [1111, 2222], [3333, 4444], cert)
+    assert "listen 127.0.0.1:1111;" in conf and "listen 127.0.0.1:3333 ssl;" in conf
+    assert f"ssl_certificate {cert};" in conf
+    backends = Backends([1111, 2222], [], [3333, 4444], cert)
+    assert backends.urls == ["https://127.0.0.1:3333", "https://127.0.0.1:4444"]
+    state = prepare_gateway_state(tmp_path / "state", ["bench"], None)
+    text = gateway_config(state, backends.urls, port=1, admin_port=2, tls_ca_file=cert)
+    path = write_gateway_config(tmp_path / "gw.toml", text)
+    replicas = load_config(path).replicas
+    assert [(r.tls, r.tls_ca_file) for r in replicas] == [(True, cert), (True, cert)]
+    client_context(cert)  # the certificate is one a client context can trust
 
 
 def _sample(target: str, conc: int, rps: float, p50: float, p99: float) -> Sample:

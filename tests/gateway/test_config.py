@@ -140,7 +140,7 @@ def test_api_key_file_is_relative_to_the_config_file(
     _private(elsewhere / "replica.key", "the-wrong-key\n")
     monkeypatch.chdir(elsewhere)
     path = etc / "g.toml"
-    path.write_text('[[replicas]]\nurl = "http://h:1"\napi_key_file = "replica.key"\n')
+    path.write_text('[[replicas]]\nurl = "http://localhost:1"\napi_key_file = "replica.key"\n')
     assert load_config(path).replicas[0].api_key == "backend-secret"
 
 
@@ -163,3 +163,107 @@ def test_secret_files_must_be_private_regular_files(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=needle) as info:
             load_config(config)
         assert "replicas[0].api_key_file" in str(info.value) and content not in str(info.value)
+
+
+# -- links to the replicas: TLS, or plaintext on loopback only -----------------------------
+
+REMOTE_HTTP = '[[replicas]]\nurl = "http://10.0.0.5:8000"\n'
+
+
+def test_plain_http_off_loopback_is_refused_unless_allowed(tmp_path: Path) -> None:
+    path = tmp_path / "g.toml"
+    path.write_text(REMOTE_HTTP)
+    with pytest.raises(ConfigError, match=r"replicas\[0\].url: plain http:// to 10.0.0.5"):
+        load_config(path)
+    path.write_text("[gateway]\nallow_plaintext_upstream = true\n" + REMOTE_HTTP)
+    config = load_config(path)
+    assert config.allow_plaintext_upstream
+    assert config.replicas[0].plaintext_remote
+    for host in ("127.0.0.1", "127.3.2.1", "[::1]", "localhost"):
+        path.write_text(f'[[replicas]]\nurl = "http://{host}:8000"\n')
+        assert not load_config(path).replicas[0].plaintext_remote, host
+
+
+def test_kv_events_off_loopback_need_curve_unless_allowed(tmp_path: Path) -> None:
+    path = tmp_path / "g.toml"
+    kv = '[[replicas]]\nurl = "http://127.0.0.1:8000"\nkv_events_endpoint = "tcp://10.0.0.5:5557"\n'
+    path.write_text(kv)
+    with pytest.raises(ConfigError, match=r"replicas\[0\].kv_events_endpoint: a tcp:// link"):
+        load_config(path)
+    bound = kv.replace("tcp://10.0.0.5:5557", "tcp://*:5557") + "kv_events_bind = true\n"
+    path.write_text(bound)
+    with pytest.raises(ConfigError, match="kv_events_endpoint"):
+        load_config(path)  # bound on every interface: vLLM may connect from anywhere
+    path.write_text(kv.replace("10.0.0.5", "127.0.0.1"))
+    assert not load_config(path).replicas[0].kv_plaintext_remote
+    (tmp_path / "server.pub").write_text(
+        "# the forwarder's key\n" + "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7" + "\n"
+    )
+    path.write_text(kv + 'kv_events_curve_server_key_file = "server.pub"\n')
+    replica = load_config(path).replicas[0]
+    assert replica.kv_events_curve_server_key == "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+    assert replica.kv_upstream is not None
+    assert replica.kv_upstream.curve_server_key == replica.kv_events_curve_server_key
+    (tmp_path / "server.pub").write_text("not a key\n")
+    with pytest.raises(ConfigError, match=r"kv_events_curve_server_key_file: .* one key"):
+        load_config(path)
+    path.write_text("[gateway]\nallow_plaintext_upstream = true\n" + kv)
+    assert load_config(path).replicas[0].kv_plaintext_remote
+
+
+def test_https_replicas_take_a_ca_bundle_and_a_client_certificate(tmp_path: Path) -> None:
+    for name in ("ca.pem", "client.pem"):
+        (tmp_path / name).write_text("PEM")  # config.py checks the files, http/tls.py reads them
+    key = _private(tmp_path / "client.key", "PEM")
+    path = tmp_path / "g.toml"
+    https = '[[replicas]]\nurl = "https://vllm-0.internal:8443/v1"\n'
+    path.write_text(https)
+    replica = load_config(path).replicas[0]
+    assert replica.tls and not replica.plaintext_remote and replica.tls_ca_file is None
+    assert replica.authority == ("vllm-0.internal", 8443, "/v1")
+    path.write_text(
+        https
+        + 'tls_ca_file = "ca.pem"\ntls_cert_file = "client.pem"\ntls_key_file = "client.key"\n'
+    )
+    replica = load_config(path).replicas[0]
+    assert (replica.tls_ca_file, replica.tls_cert_file, replica.tls_key_file) == (
+        tmp_path / "ca.pem",
+        tmp_path / "client.pem",
+        key,
+    )
+    path.write_text('[[replicas]]\nurl = "https://vllm-0.internal"\n')
+    assert load_config(path).replicas[0].authority == ("vllm-0.internal", 443, "")
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ('tls_ca_file = "missing.pem"\n', "tls_ca_file: "),
+        ('tls_cert_file = "client.pem"\n', "tls_cert_file and tls_key_file go together"),
+        ('tls_cert_file = "client.pem"\ntls_key_file = "loose.key"\n', "readable by others"),
+        ("tls_ca_file = 3\n", "tls_ca_file: expected str"),
+        ('tls_ca_fil = "ca.pem"\n', "unknown keys"),
+    ],
+)
+def test_bad_tls_settings_name_the_problem(tmp_path: Path, extra: str, needle: str) -> None:
+    (tmp_path / "client.pem").write_text("PEM")
+    (tmp_path / "loose.key").write_text("-----BEGIN PRIVATE KEY-----")
+    (tmp_path / "loose.key").chmod(0o644)
+    path = tmp_path / "g.toml"
+    path.write_text('[[replicas]]\nurl = "https://127.0.0.1:8443"\n' + extra)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert needle in str(info.value)
+    assert "BEGIN PRIVATE KEY" not in str(info.value)
+
+
+def test_tls_settings_need_https_and_urls_carry_no_credentials(tmp_path: Path) -> None:
+    (tmp_path / "ca.pem").write_text("PEM")
+    path = tmp_path / "g.toml"
+    path.write_text('[[replicas]]\nurl = "http://127.0.0.1:8000"\ntls_ca_file = "ca.pem"\n')
+    with pytest.raises(ConfigError, match="tls_ca_file: TLS settings need an https:// url"):
+        load_config(path)
+    path.write_text('[[replicas]]\nurl = "https://user:hunter2@127.0.0.1:8443"\n')
+    with pytest.raises(ConfigError, match="no credentials in the URL") as info:
+        load_config(path)
+    assert "hunter2" not in str(info.value)

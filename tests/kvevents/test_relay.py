@@ -18,6 +18,7 @@ import zmq
 from tests.support.kv_relay import receive_until
 from tests.support.waiting import eventually_blocking
 
+from saltgate.cli import _kv_relay_from_args, build_parser, main
 from saltgate.config import ConfigError, kv_relay_settings, parse_config
 from saltgate.kvevents.publisher import KvEventPublisher
 from saltgate.kvevents.relay import KvRelay, relay_server_keys
@@ -399,6 +400,52 @@ def test_a_late_relay_and_an_upstream_gap_are_filled_from_replay() -> None:
         upstream.close()
 
 
+def curve_forwarder(keys: CurveKeyPair) -> tuple[KvEventPublisher, zmq.Context[zmq.Socket[bytes]]]:
+    """A publisher whose sockets are CURVE servers holding ``keys``: what an operator puts
+    beside vLLM (whose own publisher has no CURVE) to carry its events off the host."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx.setsockopt(zmq.CURVE_SERVER, 1)
+    ctx.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode())
+    publisher = KvEventPublisher(
+        "tcp://127.0.0.1:*", "kv", replay_endpoint="tcp://127.0.0.1:*", context=ctx
+    )
+    return publisher, ctx
+
+
+def test_a_curve_upstream_is_followed_only_with_its_pinned_server_key() -> None:
+    """kv_events_curve_server_key_file: the relay subscribes as a CURVE client to the key
+    it pins. The forwarder holding it delivers (live and replayed); an impostor on the
+    same kind of endpoint, with another key, completes no handshake and delivers nothing."""
+    genuine_keys, impostor_keys, allowed = client_keys(), client_keys(), client_keys()
+    genuine, genuine_ctx = curve_forwarder(genuine_keys)
+    impostor, impostor_ctx = curve_forwarder(impostor_keys)
+    monitor = impostor._pub.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    settings = KvRelaySettings("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", (allowed.public,))
+    pinned = genuine_keys.public
+    try:
+        genuine.publish([STORED])  # before the relay: it comes by the (CURVE) replay link
+        specs = [
+            KvUpstream(p.bound_endpoint or "", p.bound_replay_endpoint, curve_server_key=pinned)
+            for p in (genuine, impostor)
+        ]
+        with KvRelay(specs, K_KV, settings) as relay:
+            assert relay.wait_ready(10)
+            eventually_blocking(lambda: relay.stats.replayed_upstream == 1)
+            assert monitor.poll(10_000), "the impostor saw no handshake to refuse"
+            genuine.publish([REMOVED])
+            eventually_blocking(lambda: relay.stats.published == 2)
+            impostor.publish([STORED])
+            impostor.publish([CHILD])
+            genuine.publish([REMOVED])  # after the impostor's, on its own link
+            eventually_blocking(lambda: relay.stats.published == 3)
+            assert relay.stats.received == 2  # the genuine live batches: none of the impostor's
+    finally:
+        monitor.close(linger=0)
+        for publisher, ctx in ((genuine, genuine_ctx), (impostor, impostor_ctx)):
+            publisher.close()
+            ctx.term()
+
+
 def test_upstreams_change_while_the_relay_runs(harness: Harness) -> None:
     """A replica added by a reload is followed (what it sent before is fetched too), one
     removed is dropped, and the one that stays keeps its place in the stream."""
@@ -550,3 +597,23 @@ def test_gateway_config_reads_replica_event_endpoints_and_the_kv_relay_section(
     ):
         with pytest.raises(ConfigError, match=message):
             parse_config(bad, tmp_path)
+
+
+def test_the_standalone_relay_refuses_plaintext_upstreams_off_loopback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`saltgate kv-relay --upstream` has no key to pin: off loopback it needs
+    --allow-plaintext-upstream (or --config with kv_events_curve_server_key_file)."""
+    key = tmp_path / "master.key"
+    key.write_text("ab" * 32 + "\n")
+    key.chmod(0o600)
+    common = ["kv-relay", "--master-key-file", str(key), "--client-key", client_keys().public]
+    common += ["--publish", "tcp://127.0.0.1:*", "--replay", "tcp://127.0.0.1:*"]
+    assert main([*common, "--upstream", "tcp://10.0.0.5:5557,tcp://127.0.0.1:5558"]) == 2
+    assert "--upstream tcp://10.0.0.5:5557: off loopback without CURVE" in capsys.readouterr().err
+    args = build_parser().parse_args([*common, "--upstream", "tcp://10.0.0.5:5557"])
+    args.allow_plaintext_upstream = True
+    _, upstreams, _ = _kv_relay_from_args(args)
+    assert [u.endpoint for u in upstreams] == ["tcp://10.0.0.5:5557"]
+    args = build_parser().parse_args([*common, "--upstream", "tcp://127.0.0.1:5557"])
+    assert [u.endpoint for u in _kv_relay_from_args(args)[1]] == ["tcp://127.0.0.1:5557"]

@@ -123,3 +123,16 @@ def test_keyless_requests_of_alternating_models_each_rotate_over_their_replicas(
         seen.add(r.pick(r.plan(None, 0.0, model="alpha"), 0.0))
         assert r.pick(r.plan(None, 0.0, model="solo"), 0.0) == MEMBERS[1].id
     assert seen == ALPHA
+
+
+def test_a_model_is_ruled_out_only_once_every_replica_has_said_what_it_serves() -> None:
+    """Before a replica has answered a probe its models are unknown: any name may be one
+    of them, so a request waits for a replica (503) instead of hearing the model does not
+    exist (404); and no request goes to the unknown replica meanwhile."""
+    r = Router(RouterConfig(), SECRET, MEMBERS[:2])
+    r.set_models(MEMBERS[0].id, ["alpha"])
+    assert r.serves("alpha") and r.serves("gamma")  # replica 1 might serve gamma
+    assert r.pick(r.plan(key(r, 1, "gamma"), 0.0, model="gamma"), 0.0) is None
+    assert r.pick(r.plan(key(r, 1, "alpha"), 0.0, model="alpha"), 0.0) == MEMBERS[0].id
+    r.set_models(MEMBERS[1].id, ["beta"])
+    assert r.serves("beta") and not r.serves("gamma")

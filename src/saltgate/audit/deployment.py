@@ -18,6 +18,7 @@ import ipaddress
 import re
 import secrets
 import socket
+import ssl
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -36,6 +37,7 @@ from saltgate.audit.vllm_line import (
     PROMPT_TOKENS_DETAILS,
 )
 from saltgate.config import GatewayConfig, ReplicaConfig
+from saltgate.http.tls import client_context
 
 __all__ = [
     "CANARY_TOKENS",
@@ -49,6 +51,7 @@ __all__ = [
     "judge_hash_algo",
     "judge_kv_endpoint",
     "judge_metrics_exposure",
+    "judge_plaintext_upstream",
     "judge_prefix_caching",
     "judge_prompt_tokens_details",
     "judge_replica_access",
@@ -125,6 +128,39 @@ def judge_salting_config(config: GatewayConfig) -> Finding:
             "tenant shares one cache namespace",
         )
     return Finding("salting", "config", Severity.OK, "the gateway derives every cache salt")
+
+
+def judge_plaintext_upstream(config: GatewayConfig) -> list[Finding]:
+    """How each replica's links leave the gateway: verified TLS, loopback, or in clear
+    across a network (what only `[gateway] allow_plaintext_upstream = true` lets load)."""
+    findings = []
+    for replica in config.replicas:
+        if replica.plaintext_remote:
+            findings.append(
+                Finding(
+                    "plaintext-upstream",
+                    replica.url,
+                    Severity.HIGH,
+                    "plain http:// across the network (allow_plaintext_upstream): prompts, "
+                    "derived cache salts and the replica's API key cross in clear. Use "
+                    "https:// with tls_ca_file (docs/deployment.md)",
+                )
+            )
+        else:
+            how = "https, certificate and name verified" if replica.tls else "loopback"
+            findings.append(Finding("plaintext-upstream", replica.url, Severity.OK, how))
+        if replica.kv_plaintext_remote:
+            findings.append(
+                Finding(
+                    "plaintext-upstream",
+                    str(replica.kv_events_endpoint),
+                    Severity.HIGH,
+                    "KV events over tcp:// across the network without CURVE "
+                    "(allow_plaintext_upstream): cache salts and token ids in clear. Set "
+                    "kv_events_curve_server_key_file (docs/kv-relay.md)",
+                )
+            )
+    return findings
 
 
 def judge_replica_access(url: str, status: int | None, error: str | None) -> Finding:
@@ -491,6 +527,16 @@ def gateway_url(config: GatewayConfig) -> str:
     return f"http://{host}:{config.port}"
 
 
+def _trust(config: GatewayConfig) -> ssl.SSLContext:
+    """What the audit verifies https replicas against: the system's trust store and every
+    replica's tls_ca_file, as the gateway does; it presents no client certificate, as an
+    outsider would not."""
+    context = client_context(None)
+    for ca_file in sorted({r.tls_ca_file for r in config.replicas if r.tls_ca_file}):
+        context.load_verify_locations(cafile=str(ca_file))
+    return context
+
+
 def _err(exc: BaseException) -> str:
     return type(exc).__name__
 
@@ -746,9 +792,10 @@ async def run_deployment_audit(
     timeout: float = 5.0,
 ) -> DeploymentReport:
     """Every check, in order; a check that cannot run says so as an `info` finding."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with httpx.AsyncClient(timeout=timeout, verify=_trust(config)) as client:
         checks = _Checks(config, client, gateway or gateway_url(config), api_key, timeout)
         checks.add(judge_salting_config(config))
+        checks.report.findings += judge_plaintext_upstream(config)
         for replica in config.replicas:
             await checks.replica(replica)
         endpoints = list(dict.fromkeys(kv_endpoints))

@@ -59,15 +59,18 @@ def gateway_config(
     policy: str | None = None,
     router_settings: Sequence[str] = (),
     cluster: ClusterSettings | None = None,
+    tls_ca_file: Path | None = None,
 ) -> str:
     """`saltgate serve` TOML: the replicas, and a [router] section with ``policy`` plus
     ``router_settings`` (KEY = VALUE lines) when either is given; ``cluster``: the
-    [cluster] section of a gateway that shares routing state."""
+    [cluster] section of a gateway that shares routing state; ``tls_ca_file``: the CA
+    that https:// replicas are verified against."""
     router = ""
     if policy is not None or router_settings:
         lines = [*([f"policy = {toml_string(policy)}"] if policy else []), *router_settings]
         router = "\n[router]\n" + "".join(f"{line}\n" for line in lines)
-    replicas = "".join(f"\n[[replicas]]\nurl = {toml_string(u)}\n" for u in replica_urls)
+    ca = f"tls_ca_file = {toml_string(str(tls_ca_file))}\n" if tls_ca_file else ""
+    replicas = "".join(f"\n[[replicas]]\nurl = {toml_string(u)}\n{ca}" for u in replica_urls)
     return (
         "[gateway]\n"
         'host = "127.0.0.1"\n'

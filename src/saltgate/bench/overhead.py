@@ -40,12 +40,13 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
@@ -133,14 +134,25 @@ def fixed_completion() -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def nginx_conf(workdir: Path, ports: Sequence[int]) -> str:
-    """One worker, keep-alive, both upstream ports answering every route from memory."""
+def nginx_conf(
+    workdir: Path, ports: Sequence[int], tls_ports: Sequence[int] = (), cert: Path | None = None
+) -> str:
+    """One worker, keep-alive, both upstream ports answering every route from memory; the
+    same on ``tls_ports`` over TLS with ``cert`` (its key beside it, `bench_certificate`)."""
     models = json.dumps(
         {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]},
         separators=(",", ":"),
     )
     health = _nginx_string(json.dumps({"status": "ok"}, separators=(",", ":")))
     listens = "".join(f"        listen 127.0.0.1:{p};\n" for p in ports)
+    listens += "".join(f"        listen 127.0.0.1:{p} ssl;\n" for p in tls_ports)
+    if cert is not None:
+        listens += (
+            f"        ssl_certificate {cert};\n"
+            f"        ssl_certificate_key {cert.with_suffix('.key')};\n"
+            "        ssl_protocols TLSv1.3;\n"
+            "        ssl_session_cache shared:tls:1m;\n"
+        )
     temps = "".join(
         f"    {kind}_temp_path {workdir / (kind + '_temp')};\n"
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
@@ -202,13 +214,39 @@ def _check_stream(content_type: str, body: bytes) -> str | None:
 # -- targets ---------------------------------------------------------------------------------
 
 
+def bench_certificate(workdir: Path) -> Path:
+    """A self-signed certificate for 127.0.0.1 (its own CA: what saltgate's tls_ca_file
+    names) and its key, made by the openssl CLI in ``workdir``; the certificate's path."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise BenchError("missing tool: openssl (apt-get install -y openssl)")
+    cert = workdir / "backend-tls.pem"
+    argv = [
+        openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+        "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+        "-addext", "subjectAltName=IP:127.0.0.1",
+        "-keyout", str(cert.with_suffix(".key")), "-out", str(cert),
+    ]  # fmt: skip
+    done = subprocess.run(  # noqa: S603 - fixed argv
+        argv, capture_output=True, text=True, timeout=30, check=False
+    )
+    if done.returncode != 0:
+        raise BenchError(f"openssl could not make the backend certificate: {done.stderr}")
+    return cert
+
+
 @dataclass(slots=True)
 class Backends:
     ports: list[int]
     procs: list[Proc]
+    # --upstream-tls: the same backends over TLS, for the routers ("direct" stays plain)
+    tls_ports: list[int] = field(default_factory=list)
+    ca: Path | None = None
 
     @property
     def urls(self) -> list[str]:
+        if self.tls_ports:
+            return [f"https://127.0.0.1:{p}" for p in self.tls_ports]
         return [f"http://127.0.0.1:{p}" for p in self.ports]
 
 
@@ -236,6 +274,7 @@ class Options:
     store: str = "sqlite"  # or "postgres"
     saltgate_workers: int = 1
     build: str = "compiled"  # or "pure" (bench/builds.py)
+    upstream_tls: bool = False  # the routers reach nginx over TLS (--upstream-tls)
 
     @property
     def router_cpus(self) -> tuple[int, ...] | None:
@@ -295,11 +334,16 @@ class Bench:
     def start_nginx(self) -> Backends:
         nginx = self.tools.need("nginx")
         ports = [free_port(), free_port()]
+        tls_ports: list[int] = []
+        cert = None
+        if self.o.upstream_tls:
+            tls_ports = [free_port(), free_port()]
+            cert = bench_certificate(self.workdir)
         conf = self.workdir / "nginx.conf"
-        conf.write_text(nginx_conf(self.workdir, ports))
+        conf.write_text(nginx_conf(self.workdir, ports, tls_ports, cert))
         argv = [nginx, "-p", str(self.workdir), "-e", str(self.workdir / "nginx-error.log")]
         proc = self.spawn("nginx", pinned(self.tools, self.o.load_cpu, [*argv, "-c", str(conf)]))
-        backends = Backends(ports, [proc])
+        backends = Backends(ports, [proc], tls_ports, cert)
         self._wait_backends(backends)
         return backends
 
@@ -360,7 +404,11 @@ class Bench:
         if target == "saltgate":
             assert self.gateway_state is not None, "prepare_saltgate() first"
             text = gateway_config(
-                self.gateway_state, backends.urls, port=port, admin_port=free_port()
+                self.gateway_state,
+                backends.urls,
+                port=port,
+                admin_port=free_port(),
+                tls_ca_file=backends.ca,
             )
             config = write_gateway_config(self.workdir / f"saltgate-{port}.toml", text)
             argv = with_build(self._build_path, serve_argv(config))
@@ -596,6 +644,7 @@ class Bench:
             body_bytes={s: len(chat_body(stream=s == "sim-stream")) for s in SCENARIOS},
             versions=tool_versions(self.tools),
             saltgate_source=f"{source_state()}, {self.o.build} build",
+            upstream="https" if self.o.upstream_tls else "http",
         )
         return OverheadResult(
             meta, self.support, points, ratios(points), self.profiles, self.notes, self.samples
@@ -673,6 +722,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="compiled",
         help="saltgate's build: compiled (make install-compiled) or pure Python",
     )
+    p.add_argument(
+        "--upstream-tls",
+        action="store_true",
+        help="saltgate reaches nginx over https (a certificate made for the run, verified "
+        "with tls_ca_file); direct stays plain http. Targets direct,saltgate; scenario nginx",
+    )
 
 
 def probe_bench(workdir: Path) -> Bench:
@@ -749,7 +804,16 @@ def run(args: argparse.Namespace) -> int:
         store=args.store,
         saltgate_workers=args.saltgate_workers,
         build=args.build,
+        upstream_tls=args.upstream_tls,
     )
+    if options.upstream_tls and (
+        set(options.targets) - {"direct", "saltgate"} or options.scenarios != ("nginx",)
+    ):
+        print(
+            "overhead: --upstream-tls measures --targets direct,saltgate --scenarios nginx",
+            file=sys.stderr,
+        )
+        return 2
     tools = find_tools(args.tools_venv or default_tools_venv())
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

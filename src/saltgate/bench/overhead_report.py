@@ -158,6 +158,7 @@ class Meta:
     body_bytes: dict[str, int]
     versions: dict[str, str]
     saltgate_source: str
+    upstream: str = "http"  # how the routers reach the backends: http, or https (TLS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +293,7 @@ def markdown(result: OverheadResult) -> str:
         f"backend on CPU {meta.pinning.load_and_backend_cpu}, routers on CPU "
         f"{_cpus(meta.pinning.router_cpus)}; saltgate's store: {meta.store}; "
         f"saltgate workers: {meta.saltgate_workers}; "
+        f"routers to backends: {meta.upstream}; "
         f"saltgate source {meta.saltgate_source}.",
         "",
         "Scenario support (a target is run in every scenario; this is how it went):",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ from typing import Any
 
 import orjson
 
-from saltgate.config import ReplicaConfig
+from saltgate.config import ConfigError, ReplicaConfig
 from saltgate.http.client import UpstreamError, UpstreamPool
+from saltgate.http.tls import client_context, tls_failure
 from saltgate.routing import Member, Plan, ReplicaId, ReplicaState, Router, parse_waiting
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class Replica:
     prefix: bytes
     # What its last good /v1/models probe listed (public fields only: `_model_entries`).
     models: list[dict[str, Any]] = field(default_factory=list)
+    probed: bool = False  # a /v1/models probe has answered: `models` is known
     # The probe's list that disagreed with the pinned one, last logged (logged once).
     mismatch: frozenset[str] | None = None
     # The replica's identity in the ranking: its URL, the same on every gateway.
@@ -60,10 +63,13 @@ class Replica:
         return frozenset(str(m["id"]) for m in self.models)
 
     @property
-    def served(self) -> frozenset[str]:
-        """The models requests may be sent here for: pinned, else learnt."""
+    def served(self) -> frozenset[str] | None:
+        """The models requests may be sent here for: pinned, else learnt; None while
+        neither is known (no probe has reached it yet)."""
         pinned = self.config.models
-        return frozenset(pinned) if pinned is not None else self.learnt
+        if pinned is not None:
+            return frozenset(pinned)
+        return self.learnt if self.probed else None
 
 
 class Attempt:
@@ -138,16 +144,22 @@ class ReplicaSet:
         """Switch to a new replica list without a restart; replicas that stay keep their
         pools, load and health, and removed ones finish what they are serving. Once the
         probes run, an added replica is probed at once: it takes requests only for the
-        models it is known to serve."""
+        models it is known to serve.
+
+        TLS files are read again (a rotated certificate is taken on the next connection),
+        all of them before anything changes: ConfigError if one cannot be used."""
+        contexts = [tls_context(cfg, i) for i, cfg in enumerate(configs)]
         replicas: dict[str, Replica] = {}
-        for cfg in configs:
+        for index, (cfg, tls) in enumerate(zip(configs, contexts, strict=True)):
             replica = self._replicas.get(cfg.url)
             if replica is None:
                 host, port, prefix = cfg.authority
                 pool = UpstreamPool(
-                    host, port, response_timeout=self.timeout, read_timeout=self.timeout
+                    host, port, tls=tls, response_timeout=self.timeout, read_timeout=self.timeout
                 )
                 replica = Replica(cfg, pool, prefix.encode())
+                _warn_plaintext(cfg, index)
+            replica.pool.tls = tls
             replica.configure(cfg)
             replicas[cfg.url] = replica
         self.router.set_members(Member(ReplicaId(cfg.url), cfg.weight) for cfg in configs)
@@ -224,7 +236,7 @@ class ReplicaSet:
             if not ok:
                 continue
             learnt = {str(m["id"]): m for m in replica.models}
-            for name in sorted(replica.served):
+            for name in sorted(replica.served or ()):
                 if allowed is None or name in allowed:
                     seen.setdefault(name, learnt.get(name) or _model_entry(name, 0))
         return list(seen.values())
@@ -273,6 +285,7 @@ class ReplicaSet:
             return  # removed while its probe ran
         before = replica.served
         replica.models = entries
+        replica.probed = True
         learnt = replica.learnt
         index = self.replicas.index(replica)
         pinned = replica.config.models
@@ -319,6 +332,46 @@ class ReplicaSet:
         await asyncio.gather(*retiring, return_exceptions=True)
         for replica in self._replicas.values():
             await replica.pool.close()
+
+
+def _warn_plaintext(config: ReplicaConfig, index: int) -> None:
+    """Said once per replica, when it joins: what allow_plaintext_upstream lets through."""
+    host, port, _ = config.authority
+    if config.plaintext_remote:
+        log.warning(
+            "replica %d (%s:%d) is reached over plain http across the network: prompts, "
+            "cache salts and its API key cross in clear (allow_plaintext_upstream = true)",
+            index,
+            host,
+            port,
+        )
+    if config.kv_plaintext_remote:
+        log.warning(
+            "replica %d (%s:%d): its KV events cross the network without CURVE: cache "
+            "salts and token ids in clear (allow_plaintext_upstream = true)",
+            index,
+            host,
+            port,
+        )
+
+
+def tls_context(config: ReplicaConfig, index: int) -> ssl.SSLContext | None:
+    """The client context of an https:// replica (its CA bundle, else the system's; its
+    client certificate for mutual TLS), None for http://; ConfigError names the file."""
+    if not config.tls:
+        return None
+    try:
+        return client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file)
+    except OSError as exc:  # ssl.SSLError included
+        if isinstance(exc, ssl.SSLError):
+            reason = tls_failure(exc)
+        else:
+            reason = exc.strerror or exc.__class__.__name__
+        raise ConfigError(
+            f"replicas[{index}]: cannot use its TLS files ({reason}): a PEM CA bundle in "
+            "tls_ca_file, a PEM certificate and its unencrypted key in tls_cert_file and "
+            "tls_key_file"
+        ) from None
 
 
 def _model_entries(body: bytes) -> list[dict[str, Any]]:

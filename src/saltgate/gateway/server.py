@@ -25,7 +25,7 @@ from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.context import RequestContext
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
-from saltgate.gateway.metrics import Metrics
+from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.http import Request, Response
@@ -105,6 +105,19 @@ class Gateway:
             "1 if the replica passes its health checks and its breaker is not open.",
             lambda: [((("replica", str(i)),), float(ok)) for i, _, ok in self.replicas.available()],
         )
+        m.gauge(
+            "saltgate_plaintext_upstream_replicas",
+            "Replicas reached in clear across a network (allow_plaintext_upstream), by link: "
+            "http (prompts, salts, API key) or kv_events (salts, token ids). 0 is the goal.",
+            self._plaintext_links,
+        )
+
+    def _plaintext_links(self) -> list[tuple[Labels, float]]:
+        configs = [r.config for r in self.replicas.replicas]
+        return [
+            ((("link", "http"),), float(sum(c.plaintext_remote for c in configs))),
+            ((("link", "kv_events"),), float(sum(c.kv_plaintext_remote for c in configs))),
+        ]
 
     # -- lifecycle -------------------------------------------------------------------------
     def reload(self, config: GatewayConfig) -> None:

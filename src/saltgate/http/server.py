@@ -20,6 +20,7 @@ import asyncio
 import enum
 import logging
 import socket
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -716,11 +717,14 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._listener: Listener | None = None
 
-    async def start(self, host: str, port: int, *, backlog: int = 1024) -> int:
-        """Bind and start serving; returns the bound port (useful with port 0)."""
+    async def start(
+        self, host: str, port: int, *, backlog: int = 1024, tls: ssl.SSLContext | None = None
+    ) -> int:
+        """Bind and start serving (over TLS with a server context: the simulator standing
+        in for an https replica); returns the bound port (useful with port 0)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True
+            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True, ssl=tls
         )
         listening: _Listening = self._server
         sockets = listening.sockets

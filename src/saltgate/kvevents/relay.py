@@ -212,10 +212,22 @@ class KvRelay:
         for spec in self._specs:
             self._upstreams.append(self._open_upstream(spec))
 
+    def _upstream_socket(self, kind: int, spec: KvUpstream) -> zmq.Socket[bytes]:
+        """A socket to a replica's stream; with ``curve_server_key`` a CURVE client that
+        completes a handshake only with the holder of that key (a forwarder beside vLLM,
+        docs/kv-relay.md), presenting the relay's own key pair, which such a forwarder can
+        allow-list: it is the public key consumers pin (`describe`)."""
+        sock = self._upstream_ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if spec.curve_server_key is not None:
+            sock.curve_serverkey = spec.curve_server_key.encode("ascii")
+            sock.curve_publickey = self.server_keys.public.encode("ascii")
+            sock.curve_secretkey = self.server_keys.secret.encode("ascii")
+        return sock
+
     def _open_upstream(self, spec: KvUpstream) -> _Upstream:
         topic = opaque_replica_id(self._k_kv, spec.name or spec.endpoint)
-        sub = self._upstream_ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self._upstream_socket(zmq.SUB, spec)
         sub.setsockopt(zmq.RCVHWM, self.settings.hwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         upstream = _Upstream(spec, topic.encode("ascii"), sub)
@@ -280,8 +292,7 @@ class KvRelay:
         assert upstream.spec.replay_endpoint is not None
         if upstream.replay is not None:
             upstream.replay.close(linger=0)
-        sock = self._upstream_ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._upstream_socket(zmq.DEALER, upstream.spec)
         sock.connect(upstream.spec.replay_endpoint)
         upstream.replay = sock
 

@@ -47,12 +47,15 @@ class KvUpstream:
     ``ipc://...``), unless ``bind`` is set: then the relay binds there and vLLM, configured
     with the relay's address, connects. ``replay_endpoint`` is vLLM's replay ROUTER, used to
     fill gaps. ``name`` (default: the endpoint) is what the opaque replica id is made from.
+    ``curve_server_key``: the Z85 public key of a CURVE server at ``endpoint`` (and at
+    ``replay_endpoint``): the relay connects as a CURVE client and so talks to no other.
     """
 
     endpoint: str
     replay_endpoint: str | None = None
     bind: bool = False
     name: str | None = None
+    curve_server_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -257,18 +257,21 @@ class Router:
         self._rankings.clear()  # members changed: every ranking may change
         self._served = _union(states.values())
 
-    def set_models(self, replica_id: ReplicaId, models: Iterable[str]) -> None:
-        """The model names the replica serves now (its probe's or its pinned list). The
-        ranking does not change: only which replicas a model's requests may use."""
+    def set_models(self, replica_id: ReplicaId, models: Iterable[str] | None) -> None:
+        """The model names the replica serves now (its probe's or its pinned list; None:
+        not known yet). The ranking does not change: only which replicas a model's
+        requests may use."""
         state = self._states.get(replica_id)
         if state is not None:
-            state.models = frozenset(models)
+            state.models = None if models is None else frozenset(models)
             self._served = _union(self._states.values())
 
     def serves(self, model: str) -> bool:
-        """Whether some member serves ``model``, healthy or not: a model no member serves
-        does not exist here (404); one whose replicas are all down waits for them (503)."""
-        return model in self._served
+        """Whether ``model`` may exist here: some member serves it, healthy or not, or
+        some member's models are not known yet (a replica never reached: what it serves
+        cannot be ruled out). A model that fails this does not exist (404); one that
+        passes with no replica able to take it waits for one (503)."""
+        return model in self._served or any(s.models is None for s in self._states.values())
 
     def _new_health(self) -> ReplicaHealth:
         c = self.config
@@ -369,7 +372,7 @@ class Router:
             rid: state
             for rid, state in self._states.items()
             if rid not in exclude
-            and (model is None or model in state.models)
+            and (model is None or (state.models is not None and model in state.models))
             and state.health.available(now)
         }
 
@@ -649,7 +652,7 @@ class Router:
 
 
 def _union(states: Iterable[ReplicaState]) -> frozenset[str]:
-    return frozenset[str]().union(*(s.models for s in states))
+    return frozenset[str]().union(*(s.models for s in states if s.models is not None))
 
 
 def _shared_estimate(depth: int, earlier_prompt: int, prompt: int) -> int:

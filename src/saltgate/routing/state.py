@@ -34,8 +34,8 @@ class ReplicaState:
         self.load = 0.0  # in-flight requests (all gateways') per unit of capacity weight
         self.prefill = 0.0  # prompt bytes sent here and not yet prefilled (estimated uncached)
         self.remote_prefill = 0.0  # ... by the other gateways of the cluster
-        # The model names it serves (`Router.set_models`); none until it is told.
-        self.models: frozenset[str] = frozenset()
+        # The model names it serves (`Router.set_models`); None (unknown) until it is told.
+        self.models: frozenset[str] | None = None
 
     def __repr__(self) -> str:
         return f"ReplicaState({self.id!r}, inflight={self._inflight}, prefill={self.prefill:.0f})"

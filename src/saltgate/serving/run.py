@@ -21,7 +21,7 @@ from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.cluster import ClusterBus, start_cluster_bus
 from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key
 from saltgate.gateway.metrics import Metrics
-from saltgate.gateway.replicas import ReplicaSet
+from saltgate.gateway.replicas import ReplicaSet, tls_context
 from saltgate.gateway.server import Gateway, error_response
 from saltgate.http import Handler, HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
@@ -186,10 +186,13 @@ def reread_config(path: Path) -> GatewayConfig | None:
     """The configuration file read again for a reload (SIGHUP); None, said on stderr, if
     it is refused."""
     try:
-        return load_config(path)
+        config = load_config(path)
+        for index, replica in enumerate(config.replicas):
+            tls_context(replica, index)  # TLS files that do not load refuse the reload here
     except ConfigError as exc:
         print(f"saltgate: reload refused, keeping the current replicas: {exc}", file=sys.stderr)
         return None
+    return config
 
 
 def _reload_from(running: RunningGateway, path: Path) -> None:

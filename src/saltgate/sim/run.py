@@ -33,7 +33,8 @@ class RunningSim:
 
     @property
     def url(self) -> str:
-        return f"http://{self.server.config.host}:{self.port}"
+        scheme = "https" if self.server.config.tls_cert else "http"
+        return f"{scheme}://{self.server.config.host}:{self.port}"
 
     async def close(self) -> None:
         await self.server.close()

@@ -18,11 +18,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from saltgate.http import HttpServer, Request, Response
+from saltgate.http.tls import server_context
 from saltgate.sim import protocol as p
 from saltgate.sim import shapes
 from saltgate.sim.blockpool import BlockPool
@@ -64,6 +66,11 @@ class SimConfig:
     max_concurrency: int = 64
     max_model_len: int = 32768
     max_body_bytes: int = 32 * 1024 * 1024
+    # Serve https (the TLS-terminating sidecar of a vLLM replica), requiring a client
+    # certificate from tls_client_ca when given (mutual TLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
 
 def error_response(status: int, message: str) -> Response:
@@ -137,7 +144,13 @@ class SimServer:
         }
 
     async def start(self) -> int:
-        return await self.http.start(self.config.host, self.config.port)
+        cfg = self.config
+        tls = None
+        if cfg.tls_cert is not None:
+            key = Path(cfg.tls_key) if cfg.tls_key else None  # None: in the cert's file
+            ca = Path(cfg.tls_client_ca) if cfg.tls_client_ca else None
+            tls = server_context(Path(cfg.tls_cert), key, ca)
+        return await self.http.start(cfg.host, cfg.port, tls=tls)
 
     async def close(self) -> None:
         await self.http.close()

@@ -7,7 +7,7 @@ message), constraint violations as ConflictError.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -24,6 +24,10 @@ class Database(Protocol):
     def query(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]: ...
 
     def execute(self, sql: str, params: Sequence[object] = ()) -> None: ...
+
+    def execute_many(self, sql: str, rows: Iterable[Sequence[object]]) -> None:
+        """One statement for many rows (a copy moves the ledger in pages)."""
+        ...
 
     def transaction(self) -> AbstractContextManager[None]:
         """Statements inside commit together, or not at all."""

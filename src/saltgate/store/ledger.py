@@ -39,7 +39,7 @@ from saltgate.prices import PriceVersion
 from saltgate.store.sqlite import open_db, transaction
 
 # A record already there (same request id: a retried commit, a replayed spool) is dropped.
-_INSERT = (
+USAGE_INSERT = (
     "INSERT INTO usage (request_id, ts, tenant_id, key_id, model, prompt_tokens, "
     "cached_tokens, completion_tokens, status, cost_micro_usd, price_version) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO NOTHING"
@@ -266,7 +266,7 @@ class Ledger:
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                self._conn.executemany(_INSERT, [rec for rec, _ in batch])
+                self._conn.executemany(USAGE_INSERT, [rec for rec, _ in batch])
                 self._conn.execute("COMMIT")
             except BaseException:
                 if self._conn.in_transaction:

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -144,16 +144,26 @@ class PostgresDatabase:
         return self.settings.describe()
 
     def query(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
-        try:
+        with self._errors():
             cur = self.conn.execute(sql.replace("?", "%s"), params)
             return cur.fetchall() if cur.description is not None else []
+
+    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
+        self.query(sql, params)
+
+    def execute_many(self, sql: str, rows: Iterable[Sequence[object]]) -> None:
+        with self._errors(), self.conn.cursor() as cur:
+            cur.executemany(sql.replace("?", "%s"), rows)
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Driver errors as the store's: a conflict, or a safe message."""
+        try:
+            yield
         except psycopg.errors.IntegrityError as exc:
             raise ConflictError(describe_error(exc)) from None
         except psycopg.Error as exc:
             raise StoreError(f"store {self.describe()}: {describe_error(exc)}") from None
-
-    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
-        self.query(sql, params)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:

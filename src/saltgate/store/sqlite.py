@@ -10,7 +10,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,15 +112,25 @@ class SqliteDatabase:
         return str(self.path)
 
     def query(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
-        try:
+        with self._errors():
             return self.conn.execute(sql, params).fetchall()
+
+    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
+        self.query(sql, params)
+
+    def execute_many(self, sql: str, rows: Iterable[Sequence[object]]) -> None:
+        with self._errors():
+            self.conn.executemany(sql, rows)
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Driver errors as the store's: a conflict, or a safe message."""
+        try:
+            yield
         except sqlite3.IntegrityError as conflict:
             raise ConflictError(str(conflict)) from None
         except sqlite3.Error as exc:
             raise StoreError(f"store {self.path}: {exc}") from None
-
-    def execute(self, sql: str, params: Sequence[object] = ()) -> None:
-        self.query(sql, params)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
