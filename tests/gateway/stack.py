@@ -16,7 +16,13 @@ from pathlib import Path
 import httpx
 from tests.support.http import async_client
 
-from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
+from saltgate.config import (
+    GatewayConfig,
+    ReplicaConfig,
+    TracingConfig,
+    create_master_key,
+    load_master_key,
+)
 from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.http import HttpServer, Request, Response, UpstreamPool
 from saltgate.prices import Price
@@ -128,6 +134,7 @@ async def stack(
     require_encrypted_secret: bool = False,
     access_log: str = "off",
     log_format: str = "text",
+    tracing: TracingConfig | None = None,
 ) -> AsyncIterator[Stack]:
     sims = [await start_sim(sim or SimConfig(port=0)) for _ in range(replicas)]
     taps = [Tap(s) for s in sims]
@@ -148,6 +155,7 @@ async def stack(
         require_encrypted_secret=require_encrypted_secret,
         access_log=access_log,
         log_format=log_format,
+        tracing=tracing,
     )
     gateway = await start_gateway(config)
     try:
