@@ -18,18 +18,19 @@ import bisect
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import orjson
 
 # Request durations end at the upstream timeout (`duration_buckets`): past it a request
-# has failed, so a bucket beyond it would never fill.
-DURATION_BUCKETS: Final = (
+# has failed, so a bucket beyond it would never fill. (Not `Final`: the compiled build
+# leaves a Final tuple unset when another compiled module imports it.)
+DURATION_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0
 )  # fmt: skip
 # Time to first token of an LLM: tens of milliseconds on an idle replica with the prefix
 # cached, seconds to a minute for a long prompt prefilled behind a queue.
-TTFT_BUCKETS: Final = (
+TTFT_BUCKETS = (
     0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0
 )  # fmt: skip
 
