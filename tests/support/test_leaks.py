@@ -33,6 +33,7 @@ class Holder:
         json.dumps(list(KEY), separators=(",", ":")),
         base64.b64encode(KEY).decode(),
         base64.urlsafe_b64encode(KEY).rstrip(b"=").decode(),
+        json.dumps(repr(KEY)),
     ],
     ids=[
         "hex",
@@ -45,6 +46,7 @@ class Holder:
         "compact-json",
         "b64",
         "b64url",
+        "json-of-repr",
     ],
 )
 def test_a_bytes_key_is_found_in_every_form(printed: str) -> None:
