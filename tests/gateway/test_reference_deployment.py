@@ -28,6 +28,7 @@ import httpx
 import pytest
 from tests.gateway.stack import run
 from tests.support.gateways import SALTGATE, GatewayProcess
+from tests.support.http import async_client
 from tests.support.tls import make_pki
 from tests.support.waiting import eventually
 
@@ -307,7 +308,7 @@ async def _through_haproxy(
     url = f"https://127.0.0.1:{front}{CHAT}"
     headers = {"authorization": f"Bearer {api_key}"}
 
-    async with httpx.AsyncClient(transport=transport, timeout=60) as client:
+    async with async_client(transport=transport, timeout=60) as client:
 
         async def chat(i: int, *, tokens: int = 8, started: asyncio.Event | None = None) -> str:
             body = {
