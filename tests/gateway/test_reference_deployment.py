@@ -106,9 +106,6 @@ class Haproxy(HaproxyServer):
         self._text = text
         self._fixed_port = port
 
-    def config(self) -> str:
-        return self._text
-
     def start(self) -> None:
         cfg = self.root / "haproxy.cfg"
         cfg.write_text(self._text)
@@ -302,11 +299,14 @@ async def _through_haproxy(
     logs = {node: tmp_path / node / "log" / "access.log" for node in ports}
     served: Counter[str] = Counter()  # request id -> 200 answers the client received
     # The client connects from 127.0.0.3: the gateways' TCP peer is HAProxy (127.0.0.1),
-    # so only X-Forwarded-For read from a trusted proxy can name 127.0.0.3.
+    # so only X-Forwarded-For read from a trusted proxy can name 127.0.0.3. It also sends
+    # an X-Forwarded-For of its own, which HAProxy passes on with 127.0.0.3 appended: the
+    # gateway must take HAProxy's entry, not the one the client wrote.
+    forged = "203.0.113.9"
     trust = ssl.create_default_context(cafile=pki.ca)
     transport = httpx.AsyncHTTPTransport(verify=trust, local_address="127.0.0.3")
     url = f"https://127.0.0.1:{front}{CHAT}"
-    headers = {"authorization": f"Bearer {api_key}"}
+    headers = {"authorization": f"Bearer {api_key}", "x-forwarded-for": forged}
 
     async with async_client(transport=transport, timeout=60) as client:
 
@@ -385,6 +385,10 @@ async def _through_haproxy(
     # Every answer the client received has exactly one usage row, and there are no others.
     assert len(served) == 16 + 4 + 8 and set(served.values()) == {1}
     with db.connect("saltgate") as conn:
-        rows = conn.execute("SELECT request_id, count(*) FROM usage GROUP BY request_id")
-        counted = {str(request_id): int(str(n)) for request_id, n in rows.fetchall()}
-    assert counted == dict.fromkeys(served, 1)
+
+        def usage() -> dict[str, int]:
+            rows = conn.execute("SELECT request_id, count(*) FROM usage GROUP BY request_id")
+            return {str(request_id): int(str(n)) for request_id, n in rows.fetchall()}
+
+        await eventually(lambda: len(usage()) >= len(served), what="a usage row per answer")
+        assert usage() == dict.fromkeys(served, 1)
