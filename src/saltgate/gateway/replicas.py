@@ -140,11 +140,13 @@ class ReplicaSet:
         return list(self._replicas.values())
 
     # -- membership ------------------------------------------------------------------------
-    def reload(self, configs: tuple[ReplicaConfig, ...]) -> None:
+    def reload(self, configs: tuple[ReplicaConfig, ...]) -> list[asyncio.Task[Any]]:
         """Switch to a new replica list without a restart; replicas that stay keep their
         pools, load and health, and removed ones finish what they are serving. Once the
         probes run, an added replica is probed at once: it takes requests only for the
-        models it is known to serve.
+        models it is known to serve. Returns those first probes (none before probing
+        starts): whoever announces the reload awaits them, so that a replica list
+        replaced whole is serving again when the reload is said done.
 
         TLS files are read again (a rotated certificate is taken on the next connection),
         all of them before anything changes: ConfigError if one cannot be used."""
@@ -170,14 +172,15 @@ class ReplicaSet:
         self._replicas = replicas
         for replica in removed:
             self._background(self._retire(replica))
-        if self._probe_task is not None:
-            for replica in added:
-                self._background(self.probe(replica))
+        if self._probe_task is None:
+            return []
+        return [self._background(self.probe(replica)) for replica in added]
 
-    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
+    def _background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(work)
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+        return task
 
     async def _retire(self, replica: Replica) -> None:
         deadline = time.monotonic() + self.timeout

@@ -136,11 +136,12 @@ class Gateway:
         ]
 
     # -- lifecycle -------------------------------------------------------------------------
-    def reload(self, config: GatewayConfig) -> None:
+    def reload(self, config: GatewayConfig) -> list[asyncio.Task[Any]]:
         """Take a new [[replicas]] list without a restart (SIGHUP); other settings wait
-        for the next start."""
-        self.replicas.reload(config.replicas)
+        for the next start. Returns the added replicas' first probes (`ReplicaSet.reload`)."""
+        probes = self.replicas.reload(config.replicas)
         self.config = dataclasses.replace(self.config, replicas=config.replicas)
+        return probes
 
     async def aclose(self) -> None:
         """Close what the gateway holds, once its server hands it no more requests."""

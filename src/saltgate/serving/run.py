@@ -13,6 +13,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from saltgate.config import ConfigError, GatewayConfig, load_config, load_master_key
 from saltgate.derivations.derive import derive_subkeys
@@ -60,12 +61,14 @@ class RunningGateway:
     def url(self) -> str:
         return f"http://{self.gateway.config.host}:{self.port}"
 
-    def reload(self, config: GatewayConfig) -> None:
+    def reload(self, config: GatewayConfig) -> list[asyncio.Task[Any]]:
         """Apply a new [[replicas]] list without a restart (SIGHUP), to the router and to
-        the KV-event relay's upstreams; other settings wait for the next start."""
-        self.gateway.reload(config)
+        the KV-event relay's upstreams; other settings wait for the next start. Returns
+        the added replicas' first probes, to await before saying the reload is done."""
+        probes = self.gateway.reload(config)
         if self.kv_relay is not None:
             self.kv_relay.set_upstreams(kv_upstreams(config))
+        return probes
 
     async def close(self) -> None:
         await self.server.close()
@@ -205,7 +208,21 @@ def _reload_from(running: RunningGateway, path: Path) -> None:
     config = reread_config(path)
     if config is None:
         return
-    running.reload(config)
+    probes = running.reload(config)
+    announced = asyncio.get_running_loop().create_task(_announce_reload(probes, path, config))
+    _RELOADS.add(announced)
+    announced.add_done_callback(_RELOADS.discard)
+
+
+_RELOADS: set[asyncio.Task[None]] = set()  # announcements under way (tasks need a holder)
+
+
+async def _announce_reload(
+    probes: list[asyncio.Task[Any]], path: Path, config: GatewayConfig
+) -> None:
+    """Say the reload is done once the added replicas have answered their first probe
+    (each bounded by probe_timeout_s), so a replaced list is serving when it is said."""
+    await asyncio.gather(*probes, return_exceptions=True)
     print(f"saltgate: reloaded {path}: {len(config.replicas)} replicas", flush=True)
 
 

@@ -42,7 +42,8 @@ async def _serve_orders(
             writer.write(control.frame(control.METRICS + running.metrics.snapshot().to_json()))
         elif isinstance(order, control.Reload):
             gateway = running.gateway
-            running.reload(dataclasses.replace(gateway.config, replicas=order.replicas))
+            probes = running.reload(dataclasses.replace(gateway.config, replicas=order.replicas))
+            await asyncio.gather(*probes, return_exceptions=True)  # serving before "done"
             writer.write(control.frame(control.RELOADED))
         elif isinstance(order, control.ReopenLog):
             reopened = running.gateway.reopen_log()
