@@ -22,6 +22,7 @@ import orjson
 from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog
+from saltgate.gateway.admission import Admission
 from saltgate.gateway.context import RequestContext
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
@@ -73,6 +74,7 @@ class Gateway:
         metrics: Metrics | None = None,
         access_log: AccessLog | None = None,
         store_down_for: Callable[[], float] | None = None,
+        limit_share: int = 1,
     ) -> None:
         self.config = config
         self.subkeys = subkeys
@@ -81,6 +83,7 @@ class Gateway:
         self.replicas = replicas
         self.metrics = metrics or Metrics()
         self.meter = Meter(ledger, self.metrics, price_versions(config.prices))
+        self.admission = Admission(dict(self.meter.prices), share=limit_share)
         self._log = access_log or AccessLog(None)
         # Seconds the store has been out of reach (GatewayStore.unreachable_for), for /ready.
         self._store_down_for = store_down_for or (lambda: 0.0)
@@ -212,8 +215,16 @@ class Gateway:
         plan = self.replicas.plan(
             route, body.obj, inspected.model, salt, remember=inspected.user_cache_secret is None
         )
-        exchange = Exchange(self.meter, principal, context, request.client)
-        return await exchange.forward(
+        admission = ticket = limit_headers = None
+        if principal.limits is not None or principal.key_limits is not None:
+            admission = self.admission  # no limits, no cost: all of this is skipped
+            ticket, limit_headers = admission.admit(
+                principal, route, inspected.model, len(request.body), inspected.max_tokens
+            )
+        exchange = Exchange(
+            self.meter, principal, context, request.client, admission=admission, ticket=ticket
+        )
+        response = await exchange.forward(
             self.replicas,
             plan,
             request.path,
@@ -221,6 +232,9 @@ class Gateway:
             payload,
             client_wants_usage=inspected.client_wants_usage,
         )
+        if limit_headers:
+            response.headers += limit_headers
+        return response
 
     def _check_model(self, route: str, model: str, principal: Principal) -> None:
         """404 for a model no replica serves or one the tenant may not use, alike; a model

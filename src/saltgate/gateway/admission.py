@@ -1,0 +1,200 @@
+"""Admission under the tenants' limits, in the request's lifecycle (docs/limits.md).
+
+The decisions are saltgate.governance.limits' (pure); this module holds the process's
+`Governor`, reads the clock, and turns a decision into what the caller's API expects: a 429
+in OpenAI's or Anthropic's shape with Retry-After, and the rate-limit headers on every
+answer to a tenant with limits. A request whose tenant and key have no limits skips all of
+it (gateway/server.py tests two attributes of the principal).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import UTC, datetime
+from typing import Final
+
+from saltgate.governance.limits import (
+    BUDGET,
+    CONCURRENCY,
+    INPUT_TOKENS,
+    OUTPUT_TOKENS,
+    REQUESTS,
+    Demand,
+    Denial,
+    Governor,
+    Limits,
+    Quota,
+    Ticket,
+    output_allowance,
+)
+from saltgate.http import Headers
+from saltgate.policy.errors import AnthropicApiError, ApiError
+from saltgate.policy.request import GENERATION_ROUTES
+from saltgate.prices import PriceVersion
+from saltgate.store.tenants import Principal
+
+# What OpenAI's message calls each limit.
+_NAMES: Final = {
+    REQUESTS: "requests per min (RPM)",
+    INPUT_TOKENS: "uncached input tokens per min (TPM)",
+    OUTPUT_TOKENS: "output tokens per min (TPM)",
+    CONCURRENCY: "concurrent requests",
+}
+# A concurrency lease frees when a request ends, which the log cannot foresee: the caller
+# is told to retry after this (or the lease's expiry, if sooner).
+CONCURRENCY_RETRY_S: Final = 1.0
+_ANTHROPIC_KINDS: Final = {
+    REQUESTS: b"requests",
+    INPUT_TOKENS: b"input-tokens",
+    OUTPUT_TOKENS: b"output-tokens",
+}
+
+
+def go_duration(seconds: float) -> str:
+    """A duration as OpenAI's x-ratelimit-reset-* write it (Go's style): "6m0s", "1.5s",
+    "120ms"; rounded up to the millisecond, so waiting that long is always enough."""
+    ms = max(math.ceil(seconds * 1000 - 1e-6), 0)
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+class Admission:
+    """The limits of the tenants and keys this process serves, and its share of them.
+
+    `share` > 1: the process cannot share its counts with the others that serve the same
+    tenants (workers or gateways without [cluster]), so it enforces L / share.
+    """
+
+    def __init__(self, prices: dict[str, PriceVersion], *, share: int = 1) -> None:
+        self.governor = Governor()
+        self.prices = prices
+        self.share = share
+        self._clock = time.monotonic
+
+    def _subjects(self, principal: Principal) -> list[tuple[str, str]]:
+        """Install the principal's current limits (they follow the store's snapshot)."""
+        tenant = ("tenant", principal.tenant_id)
+        key = ("key", principal.key_id)
+        self.governor.set_limits(tenant, _shared(principal.limits, self.share))
+        self.governor.set_limits(key, _shared(principal.key_limits, self.share))
+        return [tenant, key]
+
+    def admit(
+        self, principal: Principal, route: str, model: str, body_bytes: int, max_tokens: int | None
+    ) -> tuple[Ticket, Headers]:
+        """Reserve the request in every limit, or raise the 429 that says which refused.
+        Returns the ticket to settle and the headers for the answer."""
+        prompt = body_bytes // 4 + 1  # OpenAI's estimate: a token per 4 characters
+        allowance = output_allowance(max_tokens) if route in GENERATION_ROUTES else 0
+        price = self.prices.get(model)
+        cost = 0 if price is None else price.cost_micro_usd(prompt, None, allowance)
+        subjects = self._subjects(principal)
+        decision = self.governor.admit(subjects, Demand(prompt, allowance, cost), self._clock())
+        anthropic = route.startswith("/v1/messages")
+        headers = rate_headers(decision.quotas, anthropic)
+        if decision.ticket is None:
+            assert decision.denial is not None
+            raise denial_error(decision.denial, model, anthropic, headers)
+        return decision.ticket, headers
+
+    def settle(self, ticket: Ticket, uncached: int, output: int, cost: int) -> None:
+        """The request ended: correct its reservations to what it used, free its lease."""
+        self.governor.settle(ticket, Demand(uncached, output, cost), self._clock())
+
+
+def _shared(limits: Limits | None, share: int) -> Limits | None:
+    return None if limits is None else limits.share(share)
+
+
+def rate_headers(quotas: tuple[Quota, ...], anthropic: bool) -> Headers:
+    """x-ratelimit-* (OpenAI: requests, and tokens as the tighter of input and output) or
+    anthropic-ratelimit-* (RFC 3339 resets)."""
+    headers: Headers = []
+    if anthropic:
+        wall = time.time()
+        for q in quotas:
+            name = b"anthropic-ratelimit-" + _ANTHROPIC_KINDS[q.kind]
+            reset = datetime.fromtimestamp(wall + q.reset_s, UTC).isoformat(timespec="seconds")
+            headers += [
+                (name + b"-limit", str(q.limit).encode()),
+                (name + b"-remaining", str(q.remaining).encode()),
+                (name + b"-reset", reset.replace("+00:00", "Z").encode()),
+            ]
+        return headers
+    tokens: Quota | None = None
+    for q in quotas:
+        if q.kind == REQUESTS:
+            headers += _openai(b"requests", q)
+        elif tokens is None or q.remaining < tokens.remaining:
+            tokens = q
+    if tokens is not None:
+        headers += _openai(b"tokens", tokens)
+    return headers
+
+
+def _openai(name: bytes, q: Quota) -> Headers:
+    return [
+        (b"x-ratelimit-limit-" + name, str(q.limit).encode()),
+        (b"x-ratelimit-remaining-" + name, str(q.remaining).encode()),
+        (b"x-ratelimit-reset-" + name, go_duration(q.reset_s).encode()),
+    ]
+
+
+def denial_error(denial: Denial, model: str, anthropic: bool, headers: Headers) -> ApiError:
+    """The 429, worded as OpenAI words it; a spent budget is `insufficient_quota` with
+    x-should-retry: false and no Retry-After, so the official SDKs stop retrying."""
+    error_type = AnthropicApiError if anthropic else ApiError
+    scope = "this API key" if denial.scope == "key" else "this tenant"
+    if denial.kind == BUDGET:
+        message = (
+            "You exceeded your current quota, please check your plan and billing details. "
+            f"The spend budget of {scope} is used up."
+        )
+        return error_type(
+            429,
+            message,
+            type="rate_limit_error" if anthropic else "insufficient_quota",
+            code="insufficient_quota",
+            headers=[*headers, (b"x-should-retry", b"false")],
+        )
+    what = f"{model or 'requests'} on {_NAMES[denial.kind]} of {scope}"
+    retry = denial.retry_after_s
+    if denial.kind == CONCURRENCY and retry is not None:
+        retry = min(retry, CONCURRENCY_RETRY_S)
+    if retry is None:
+        message = (
+            f"Request too large for {what}: Limit {denial.limit}, Requested "
+            f"{denial.requested}. The input or output tokens must be reduced in order to "
+            "run successfully."
+        )
+        extra: Headers = [(b"x-should-retry", b"false")]
+    else:
+        message = (
+            f"Rate limit reached for {what}: Limit {denial.limit}, Used {denial.used}, "
+            f"Requested {denial.requested}. Please try again in {go_duration(retry)}."
+        )
+        ms = max(math.ceil(retry * 1000 - 1e-6), 1)
+        extra = [
+            (b"retry-after", str(math.ceil(ms / 1000)).encode()),
+            (b"retry-after-ms", str(ms).encode()),
+        ]
+    return error_type(
+        429,
+        message,
+        type="rate_limit_error"
+        if anthropic
+        else (
+            "tokens" if denial.kind in _ANTHROPIC_KINDS and denial.kind != REQUESTS else "requests"
+        ),
+        code="rate_limit_exceeded",
+        headers=[*headers, *extra],
+    )

@@ -1,0 +1,154 @@
+"""Limits enforced by the real gateway over loopback (docs/limits.md): 429s in each API's
+shape with an exact Retry-After, rate-limit headers on every answer, a spent budget that
+tells the SDKs not to retry, and reservations returned whichever way a request ends."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any
+
+from tests.gateway.stack import MODEL, Stack, run, stack
+from tests.support.waiting import eventually
+
+from saltgate.governance.limits import Limits
+from saltgate.sim.run import SimConfig
+from saltgate.store.tenants import TenantStore
+
+
+async def limit(s: Stack, tenant: str, limits: Limits | None) -> None:
+    """Set the tenant's limits as the CLI does, and wait until the gateway has them."""
+    with TenantStore.from_state_dir(s.state_dir) as store:
+        store.set_limits(tenant, limits)
+    keys = s.gateway.gateway.keys
+
+    def arrived() -> bool:
+        principal = keys.authenticate(s.keys[tenant])
+        return principal is not None and principal.limits == limits
+
+    await eventually(arrived, what="the limits reach the gateway")
+
+
+def completion(max_tokens: int = 2, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "hello there", "max_tokens": max_tokens, **extra}
+
+
+def test_rpm_429_openai_shape_with_exact_retry_and_headers(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with stack(tmp_path) as s, s.client("alice") as c, s.client("bob") as b:
+            await limit(s, "alice", Limits(rpm=2))
+            remaining = []
+            for _ in range(2):
+                resp = await c.post("/v1/completions", json=completion())
+                assert resp.status_code == 200, resp.text
+                assert resp.headers["x-ratelimit-limit-requests"] == "2"
+                remaining.append(resp.headers["x-ratelimit-remaining-requests"])
+                assert re.fullmatch(
+                    r"(1m0s|\d+(\.\d+)?s)", resp.headers["x-ratelimit-reset-requests"]
+                )
+            assert remaining == ["1", "0"]  # counts the reservation at once
+            refused = await c.post("/v1/completions", json=completion())
+            assert refused.status_code == 429
+            error = refused.json()["error"]
+            assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+            assert re.fullmatch(
+                rf"Rate limit reached for {MODEL} on requests per min \(RPM\) of this tenant: "
+                r"Limit 2, Used 2, Requested 1\. Please try again in \d+(\.\d+)?s\.",
+                error["message"],
+            ), error["message"]
+            wait_ms = int(refused.headers["retry-after-ms"])
+            assert 55_000 < wait_ms <= 60_000
+            assert int(refused.headers["retry-after"]) == -(-wait_ms // 1000)
+            assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+            # Another tenant without limits: served, and no rate-limit headers at all.
+            other = await b.post("/v1/completions", json=completion())
+            assert other.status_code == 200 and "x-ratelimit-limit-requests" not in other.headers
+            # Limits cleared: served again at once.
+            await limit(s, "alice", None)
+            assert (await c.post("/v1/completions", json=completion())).status_code == 200
+
+    run(main)
+
+
+def test_anthropic_messages_429_and_headers(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with stack(tmp_path) as s, s.client("alice") as c:
+            await limit(s, "alice", Limits(rpm=1, output_tpm=1000))
+            body = {
+                "model": MODEL,
+                "max_tokens": 10,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            ok = await c.post("/v1/messages", json=body)
+            assert ok.status_code == 200, ok.text
+            assert ok.headers["anthropic-ratelimit-requests-limit"] == "1"
+            assert ok.headers["anthropic-ratelimit-requests-remaining"] == "0"
+            assert ok.headers["anthropic-ratelimit-output-tokens-remaining"] == "990"
+            reset = datetime.fromisoformat(ok.headers["anthropic-ratelimit-requests-reset"])
+            assert reset.tzinfo is not None
+            refused = await c.post("/v1/messages", json=body)
+            assert refused.status_code == 429
+            doc = refused.json()
+            assert doc["type"] == "error" and doc["error"]["type"] == "rate_limit_error"
+            assert "Limit 1, Used 1, Requested 1" in doc["error"]["message"]
+            assert int(refused.headers["retry-after"]) >= 1
+
+    run(main)
+
+
+def test_spent_budget_is_insufficient_quota_without_retry(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with stack(tmp_path) as s, s.client("alice") as c:
+            # A dollar per million input tokens, two per million output (stack's prices):
+            # one request reserves a few thousand micro-dollars, the budget is 1.
+            await limit(s, "alice", Limits(budget_micro_usd=1, budget_period_s=86400))
+            assert (await c.post("/v1/completions", json=completion())).status_code == 200
+            refused = await c.post("/v1/completions", json=completion())
+            assert refused.status_code == 429
+            error = refused.json()["error"]
+            assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
+            assert refused.headers["x-should-retry"] == "false"
+            assert "retry-after" not in refused.headers
+
+    run(main)
+
+
+def test_reservations_return_when_requests_end(tmp_path: Any) -> None:
+    """A request reserving 100 output tokens that uses 2 gives 98 back; a stream whose
+    client leaves, and one that fails, free their concurrency lease."""
+
+    async def main() -> None:
+        sim = SimConfig(port=0, decode_ms_per_token=20.0)
+        async with stack(tmp_path, replicas=1, sim=sim) as s, s.client("alice") as c:
+            await limit(s, "alice", Limits(output_tpm=150, concurrency=1))
+            first = await c.post("/v1/completions", json=completion(100))
+            assert first.status_code == 200
+            assert first.json()["usage"]["completion_tokens"] <= 100
+            used = first.json()["usage"]["completion_tokens"]
+            # Only possible if the unused part came back: 150 - 100 < 140.
+            second = await c.post("/v1/completions", json=completion(150 - used))
+            assert second.status_code == 200, second.text
+
+            await limit(s, "alice", Limits(concurrency=1))
+            stream = completion(200, stream=True)
+            async with c.stream("POST", "/v1/completions", json=stream) as resp:
+                assert resp.status_code == 200
+                async for _ in resp.aiter_bytes():
+                    break  # the client leaves mid-stream
+                busy = await c.post("/v1/completions", json=completion())
+                assert busy.status_code == 429
+                assert "concurrent requests" in busy.json()["error"]["message"]
+
+            async def admitted() -> bool:
+                return (await c.post("/v1/completions", json=completion())).status_code == 200
+
+            await eventually(admitted, what="the abandoned stream's lease freed")
+
+            # The replica fails (the tap before it answers 500): each failure frees its
+            # lease, or the second would be a 429.
+            await s.sims[0].close()
+            for _ in range(2):
+                resp = await c.post("/v1/completions", json=completion())
+                assert resp.status_code == 500, resp.text
+
+    run(main)
