@@ -231,6 +231,9 @@ class GatewayConfig:
     # [cluster]: share routing state with the other gateways over a bus (docs/deployment.md);
     # None: this gateway routes on what it sees alone.
     cluster: ClusterSettings | None = None
+    # [limits] share: how many gateways (without a shared limits engine) serve the same
+    # tenants; each enforces L / (share x --workers), never a silent N x L (docs/limits.md).
+    limits_share: int = 1
     # Accept plain http:// replicas (and kv endpoints without CURVE) off loopback: warned
     # at start, counted in a metric, reported by `saltgate audit deployment`.
     allow_plaintext_upstream: bool = False
@@ -397,6 +400,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         "kv_relay",
         "store",
         "cluster",
+        "limits",
     }
     unknown = set(doc) - known
     if unknown:
@@ -432,6 +436,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         kv_relay=_kv_relay(doc.get("kv_relay"), replicas, base),
         store=_store(doc.get("store"), base, state_dir),
         cluster=_cluster(doc.get("cluster"), base),
+        limits_share=_limits_share(doc.get("limits", {})),
         **_ehbp(doc.get("ehbp", {}), base),
         **kwargs,
     )
@@ -579,6 +584,18 @@ def _cluster(table: Any, base: Path) -> ClusterSettings | None:
         return ClusterSettings.from_table(table, base)
     except ValueError as exc:
         raise ConfigError(f"cluster.{exc}") from None
+
+
+def _limits_share(table: Any) -> int:
+    if not isinstance(table, dict):
+        raise ConfigError("limits: expected a table")
+    unknown = sorted(set(table) - {"share"})
+    if unknown:
+        raise ConfigError(f"limits: unknown keys {unknown}; expected ['share']")
+    share = _expect(table, "share", int, "limits") if "share" in table else 1
+    if share < 1:
+        raise ConfigError("limits.share: expected the number of gateways (1 or more)")
+    return int(share)
 
 
 def _router(table: Any) -> RouterConfig:

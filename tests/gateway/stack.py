@@ -132,6 +132,8 @@ async def stack(
     access_log: str = "off",
     log_format: str = "text",
     trusted_proxies: TrustedProxies | None = None,
+    workers: int = 1,
+    limits_share: int = 1,
 ) -> AsyncIterator[Stack]:
     """``models``: replica i serves models[i] (else every replica serves MODEL)."""
     base = sim or SimConfig(port=0)
@@ -156,8 +158,9 @@ async def stack(
         access_log=access_log,
         log_format=log_format,
         trusted_proxies=trusted_proxies or TrustedProxies(),
+        limits_share=limits_share,
     )
-    gateway = await start_gateway(config)
+    gateway = await start_gateway(config, workers=workers)
     try:
         yield Stack(gateway, sims, taps, keys, state)
     finally:

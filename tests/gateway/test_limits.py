@@ -152,3 +152,26 @@ def test_reservations_return_when_requests_end(tmp_path: Any) -> None:
                 assert resp.status_code == 500, resp.text
 
     run(main)
+
+
+def test_processes_without_a_shared_engine_each_enforce_an_explicit_share(
+    tmp_path: Any, caplog: Any
+) -> None:
+    """Two gateways ([limits] share = 2), each with 2 workers: each process enforces
+    rpm 8 / 4 = 2, says so in its log and in a metric, never 4 x 8 in total."""
+
+    async def main() -> None:
+        async with stack(tmp_path, workers=2, limits_share=2) as s, s.client("alice") as c:
+            await limit(s, "alice", Limits(rpm=8))
+            statuses = [
+                (await c.post("/v1/completions", json=completion())).status_code for _ in range(3)
+            ]
+            assert statuses == [200, 200, 429]
+            refused = await c.post("/v1/completions", json=completion())
+            assert "Limit 2, Used 2" in refused.json()["error"]["message"]
+            assert refused.headers["x-ratelimit-limit-requests"] == "2"
+            metrics = (await c.get(f"http://127.0.0.1:{s.gateway.admin_port}/metrics")).text
+            assert "saltgate_limits_share 4.0" in metrics
+
+    run(main)
+    assert "each enforces 1/4 of every tenant's and key's limit" in caplog.text

@@ -84,6 +84,15 @@ class Gateway:
         self.metrics = metrics or Metrics()
         self.meter = Meter(ledger, self.metrics, price_versions(config.prices))
         self.admission = Admission(dict(self.meter.prices), share=limit_share)
+        if limit_share > 1:
+            log.warning(
+                "saltgate: limits are not shared between this gateway's %d processes "
+                "([limits] share x --workers): each enforces 1/%d of every tenant's and "
+                "key's limit (rounded down), so together they never exceed it "
+                "(docs/limits.md)",
+                limit_share,
+                limit_share,
+            )
         self._log = access_log or AccessLog(None)
         # Seconds the store has been out of reach (GatewayStore.unreachable_for), for /ready.
         self._store_down_for = store_down_for or (lambda: 0.0)
@@ -107,6 +116,12 @@ class Gateway:
             "saltgate_replica_healthy",
             "1 if the replica passes its health checks and its breaker is not open.",
             lambda: [((("replica", str(i)),), float(ok)) for i, _, ok in self.replicas.available()],
+        )
+        m.gauge(
+            "saltgate_limits_share",
+            "The processes every tenant's and key's limits are split between, each "
+            "enforcing limit / share ([limits] share x --workers; 1: the whole limit here).",
+            lambda: [((), float(self.admission.share))],
         )
         m.gauge(
             "saltgate_plaintext_upstream_replicas",

@@ -99,9 +99,10 @@ async def start_gateway(
     *,
     listener: SharedListener | None = None,
     ehbp_key: ServerKey | None = None,
+    workers: int = 1,
 ) -> RunningGateway:
     """Open the store, probe the replicas and serve: on `config`'s host and port, or (a
-    worker) on `listener` with the EHBP key its parent gave every worker."""
+    worker, one of `workers`) on `listener` with the EHBP key its parent gave every worker."""
     master_key = load_master_key(config.master_key_file)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     subkeys = derive_subkeys(master_key)
@@ -125,6 +126,7 @@ async def start_gateway(
         metrics=metrics,
         access_log=AccessLog.open(config.access_log, config.log_format),
         store_down_for=store.unreachable_for,
+        limit_share=config.limits_share * workers,
     )
     ehbp = _ehbp_edge(config, gateway, metrics, ehbp_key)
     handler: Handler = gateway.handle if ehbp is None else ehbp.handle
