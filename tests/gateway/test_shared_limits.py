@@ -1,0 +1,95 @@
+"""The shared limits engine on a real Redis: one atomic script per admission, so
+concurrent gateways never admit past a limit, and Redis's clock decides the window."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from redis.asyncio import Redis
+from tests.gateway.stack import run
+
+from saltgate.bench.services import RedisServer
+from saltgate.gateway.shared_limits import SharedLimits
+from saltgate.governance.limits import CONCURRENCY, OUTPUT_TOKENS, REQUESTS, Demand, Limits
+
+TENANT = ("tenant", "tn_0000000000000001")
+KEY = ("key", "key_000000000001")
+
+
+@asynccontextmanager
+async def engines(server: RedisServer, n: int, **kw: float) -> AsyncIterator[list[SharedLimits]]:
+    """`n` engines, each on its own connection, as `n` gateways would hold them."""
+    password = server.password_file.read_text().strip()
+    clients = [Redis.from_url(server.url(), password=password) for _ in range(n)]
+    try:
+        yield [
+            SharedLimits(c, lease_ttl_s=kw.get("ttl", 600.0), window_s=kw.get("window", 60.0))
+            for c in clients
+        ]
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+def test_concurrent_admissions_from_two_gateways_never_pass_the_limit(
+    redis_server: RedisServer,
+) -> None:
+    async def main() -> None:
+        async with engines(redis_server, 2) as (a, b):
+            limited = [(TENANT, Limits(rpm=50, concurrency=64))]
+            results = await asyncio.gather(
+                *[(a if i % 2 else b).admit(limited, Demand(10, 10)) for i in range(200)]
+            )
+            admitted = [r for r in results if r[0] is not None]
+            assert len(admitted) == 50
+            denial = next(r[1] for r in results if r[1] is not None)
+            assert (denial.kind, denial.limit, denial.used) == (REQUESTS, 50, 50)
+            assert denial.retry_after_s is not None and 59 < denial.retry_after_s <= 60
+
+            # 64 simultaneous requests at a concurrency cap of 8: exactly 8 leases.
+            capped = [(KEY, Limits(concurrency=8))]
+            results = await asyncio.gather(
+                *[(a if i % 2 else b).admit(capped, Demand(0, 0)) for i in range(64)]
+            )
+            tickets = [r[0] for r in results if r[0] is not None]
+            assert len(tickets) == 8
+            assert next(r[1] for r in results if r[1] is not None).kind == CONCURRENCY
+            await a.settle(tickets[0], Demand(0, 0))
+            assert (await b.admit(capped, Demand(0, 0)))[0] is not None  # one freed, one in
+            assert (await b.admit(capped, Demand(0, 0)))[0] is None
+
+    run(main)
+
+
+def test_unused_output_returns_and_a_retry_at_retry_after_is_admitted(
+    redis_server: RedisServer,
+) -> None:
+    async def main() -> None:
+        async with engines(redis_server, 1, window=1.0) as (engine,):
+            limited = [(TENANT, Limits(output_tpm=100))]
+            ticket, _, quotas = await engine.admit(limited, Demand(0, 100))
+            assert ticket is not None and quotas[0].remaining == 0
+            ticket2, denial, _ = await engine.admit(limited, Demand(0, 60))
+            assert ticket2 is None and denial is not None and denial.kind == OUTPUT_TOKENS
+            await engine.settle(ticket, Demand(0, 30))  # used 30 of the 100 it reserved
+            ticket3, _, quotas = await engine.admit(limited, Demand(0, 60))
+            assert ticket3 is not None and quotas[0].remaining == 10
+            _, denial, _ = await engine.admit(limited, Demand(0, 60))
+            assert denial is not None and denial.retry_at is not None
+            # Redis's clock decides: wait until it reaches the Retry-After, then retry once.
+            client = Redis.from_url(
+                redis_server.url(), password=redis_server.password_file.read_text().strip()
+            )
+            try:
+                while True:
+                    seconds, micros = await client.time()
+                    if seconds + micros / 1e6 >= denial.retry_at:
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                await client.aclose()
+            assert (await engine.admit(limited, Demand(0, 60)))[0] is not None
+
+    run(main)
