@@ -4,15 +4,23 @@ concurrent gateways never admit past a limit, and Redis's clock decides the wind
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import httpx
 from redis.asyncio import Redis
-from tests.gateway.stack import run
+from tests.gateway.stack import MODEL, new_state_dir, run
+from tests.support.gateways import GatewayProcess, write_gateway_config
+from tests.support.http import async_client
+from tests.support.waiting import eventually
 
 from saltgate.bench.services import RedisServer
 from saltgate.gateway.shared_limits import SharedLimits
 from saltgate.governance.limits import CONCURRENCY, OUTPUT_TOKENS, REQUESTS, Demand, Limits
+from saltgate.sim.run import SimConfig, start_sim
+from saltgate.store.tenants import TenantStore
 
 TENANT = ("tenant", "tn_0000000000000001")
 KEY = ("key", "key_000000000001")
@@ -91,5 +99,70 @@ def test_unused_output_returns_and_a_retry_at_retry_after_is_admitted(
             finally:
                 await client.aclose()
             assert (await engine.admit(limited, Demand(0, 60)))[0] is not None
+
+    run(main)
+
+
+def test_two_gateway_processes_on_one_redis_hold_the_tenants_limit(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Two `saltgate serve` processes with [cluster]: 40 requests at rpm 10, spread over
+    both, admit exactly 10. Redis stopped: each falls back to its explicit share (rpm 5,
+    [limits] share = 2), says so in a metric; Redis back: the fleet's limit again."""
+
+    async def main() -> None:
+        sim = await start_sim(SimConfig(port=0))
+        state = tmp_path / "state"
+        key = new_state_dir(state, ("acme",))["acme"]
+        with TenantStore.from_state_dir(state) as store:
+            store.set_limits("acme", Limits(rpm=10))
+        cluster = (
+            f'[cluster]\nurl = "{redis_server.url()}"\n'
+            f'password_file = "{redis_server.password_file}"\n[limits]\nshare = 2\n'
+        )
+        gateways = []
+        http = async_client(timeout=30, headers={"authorization": f"Bearer {key}"})
+        try:
+            for i in range(2):
+                config = write_gateway_config(
+                    tmp_path / f"gw{i}.toml",
+                    state_dir=state,
+                    replicas=[sim.url],
+                    sections=cluster.replace("[limits]", f'gateway_id = "gw{i}"\n[limits]'),
+                )
+                gateways.append(await GatewayProcess.start(config, tmp_path / f"gw{i}.log"))
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+
+            async def post(i: int) -> httpx.Response:
+                return await http.post(f"{gateways[i % 2].url}/v1/completions", json=body)
+
+            statuses = [r.status_code for r in await asyncio.gather(*map(post, range(40)))]
+            assert Counter(statuses) == {200: 10, 429: 30}
+
+            redis_server.stop()
+            for i in range(2):
+                refused = await post(i)
+                assert (
+                    refused.status_code == 429
+                    or refused.headers["x-ratelimit-limit-requests"] == "5"
+                )
+                limits = [await post(i) for _ in range(6)]
+                assert [r.status_code for r in limits].count(200) <= 5
+                assert "Limit 5" in limits[-1].json()["error"]["message"]
+                metrics = (await http.get(gateways[i].metrics_url)).text
+                assert "saltgate_limits_shared_up 0.0" in metrics
+
+            redis_server.start()
+
+            async def shared_again() -> bool:
+                resp = await post(0)
+                return bool(resp.headers.get("x-ratelimit-limit-requests") == "10")
+
+            await eventually(shared_again, what="limits shared through Redis again")
+        finally:
+            await http.aclose()
+            for g in gateways:
+                await g.stop()
+            await sim.close()
 
     run(main)

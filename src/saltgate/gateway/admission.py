@@ -9,11 +9,16 @@ it (gateway/server.py tests two attributes of the principal).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from datetime import UTC, datetime
 from typing import Final
 
+from redis.exceptions import RedisError
+
+from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
 from saltgate.governance.limits import (
     BUDGET,
     CONCURRENCY,
@@ -34,6 +39,8 @@ from saltgate.policy.request import GENERATION_ROUTES
 from saltgate.prices import PriceVersion
 from saltgate.store.tenants import Principal
 
+log = logging.getLogger(__name__)
+
 # What OpenAI's message calls each limit.
 _NAMES: Final = {
     REQUESTS: "requests per min (RPM)",
@@ -41,6 +48,9 @@ _NAMES: Final = {
     OUTPUT_TOKENS: "output tokens per min (TPM)",
     CONCURRENCY: "concurrent requests",
 }
+# After Redis failed, the local shares hold this long before Redis is tried again, so a
+# request does not wait for a dead server's timeout each time.
+SHARED_RETRY_S: Final = 1.0
 # A concurrency lease frees when a request ends, which the log cannot foresee: the caller
 # is told to retry after this (or the lease's expiry, if sooner).
 CONCURRENCY_RETRY_S: Final = 1.0
@@ -68,17 +78,84 @@ def go_duration(seconds: float) -> str:
 
 
 class Admission:
-    """The limits of the tenants and keys this process serves, and its share of them.
+    """The limits of the tenants and keys this process serves.
 
-    `share` > 1: the process cannot share its counts with the others that serve the same
-    tenants (workers or gateways without [cluster]), so it enforces L / share.
+    With `shared` ([cluster]'s Redis) every gateway admits through one atomic script, so a
+    limit holds for the fleet; without it, or while Redis cannot be reached, this process
+    enforces its `share` of every limit (L / share) on its own counts.
     """
 
-    def __init__(self, prices: dict[str, PriceVersion], *, share: int = 1) -> None:
+    def __init__(
+        self,
+        prices: dict[str, PriceVersion],
+        *,
+        share: int = 1,
+        shared: SharedLimits | None = None,
+    ) -> None:
         self.governor = Governor()
         self.prices = prices
         self.share = share
+        self.shared = shared
+        self.shared_up = shared is not None
+        self._retry_shared_at = 0.0
+        self._settling: set[asyncio.Task[None]] = set()
         self._clock = time.monotonic
+
+    async def admit(
+        self, principal: Principal, route: str, model: str, body_bytes: int, max_tokens: int | None
+    ) -> tuple[Ticket | SharedTicket, Headers]:
+        """Reserve the request in every limit, or raise the 429 that says which refused.
+        Returns the ticket to settle and the headers for the answer."""
+        prompt = body_bytes // 4 + 1  # OpenAI's estimate: a token per 4 characters
+        allowance = output_allowance(max_tokens) if route in GENERATION_ROUTES else 0
+        price = self.prices.get(model)
+        cost = 0 if price is None else price.cost_micro_usd(prompt, None, allowance)
+        demand = Demand(prompt, allowance, cost)
+        anthropic = route.startswith("/v1/messages")
+        ticket: Ticket | SharedTicket | None = None
+        denial: Denial | None = None
+        quotas: tuple[Quota, ...] = ()
+        shared_answered = False
+        if self.shared is not None and (self.shared_up or self._clock() >= self._retry_shared_at):
+            limited = [
+                (subject, limits)
+                for subject, limits in (
+                    (("tenant", principal.tenant_id), principal.limits),
+                    (("key", principal.key_id), principal.key_limits),
+                )
+                if limits is not None
+            ]
+            failure: Exception | None = None
+            try:
+                ticket, denial, quotas = await self.shared.admit(limited, demand)
+            except (RedisError, OSError) as exc:
+                failure = exc
+            if failure is None:
+                shared_answered = True
+                if not self.shared_up:
+                    log.warning("saltgate: limits shared through Redis again")
+                    self.shared_up = True
+            else:
+                self._lost(failure)
+        if not shared_answered:
+            decision = self.governor.admit(self._subjects(principal), demand, self._clock())
+            ticket, denial, quotas = decision.ticket, decision.denial, decision.quotas
+        headers = rate_headers(quotas, anthropic)
+        if ticket is None:
+            assert denial is not None
+            raise denial_error(denial, model, anthropic, headers)
+        return ticket, headers
+
+    def _lost(self, exc: Exception) -> None:
+        if self.shared_up:
+            log.warning(
+                "saltgate: limits: Redis unreachable (%s); each process enforces 1/%d of "
+                "every limit on its own counts until it returns (docs/limits.md)",
+                type(exc).__name__,
+                self.share,
+            )
+        self.shared_up = False
+        self._retry_shared_at = self._clock() + SHARED_RETRY_S
 
     def _subjects(self, principal: Principal) -> list[tuple[str, str]]:
         """Install the principal's current limits (they follow the store's snapshot)."""
@@ -88,27 +165,24 @@ class Admission:
         self.governor.set_limits(key, _shared(principal.key_limits, self.share))
         return [tenant, key]
 
-    def admit(
-        self, principal: Principal, route: str, model: str, body_bytes: int, max_tokens: int | None
-    ) -> tuple[Ticket, Headers]:
-        """Reserve the request in every limit, or raise the 429 that says which refused.
-        Returns the ticket to settle and the headers for the answer."""
-        prompt = body_bytes // 4 + 1  # OpenAI's estimate: a token per 4 characters
-        allowance = output_allowance(max_tokens) if route in GENERATION_ROUTES else 0
-        price = self.prices.get(model)
-        cost = 0 if price is None else price.cost_micro_usd(prompt, None, allowance)
-        subjects = self._subjects(principal)
-        decision = self.governor.admit(subjects, Demand(prompt, allowance, cost), self._clock())
-        anthropic = route.startswith("/v1/messages")
-        headers = rate_headers(decision.quotas, anthropic)
-        if decision.ticket is None:
-            assert decision.denial is not None
-            raise denial_error(decision.denial, model, anthropic, headers)
-        return decision.ticket, headers
+    def settle(self, ticket: Ticket | SharedTicket, uncached: int, output: int, cost: int) -> None:
+        """The request ended: correct its reservations to what it used, free its lease.
+        In Redis this runs beside the request's end; if it fails, the lease's TTL and
+        the window free what it held."""
+        used = Demand(uncached, output, cost)
+        if isinstance(ticket, Ticket):
+            self.governor.settle(ticket, used, self._clock())
+        elif self.shared is not None:
+            task = asyncio.create_task(self._settle_shared(self.shared, ticket, used))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
 
-    def settle(self, ticket: Ticket, uncached: int, output: int, cost: int) -> None:
-        """The request ended: correct its reservations to what it used, free its lease."""
-        self.governor.settle(ticket, Demand(uncached, output, cost), self._clock())
+    @staticmethod
+    async def _settle_shared(shared: SharedLimits, ticket: SharedTicket, used: Demand) -> None:
+        try:
+            await shared.settle(ticket, used)
+        except (RedisError, OSError) as exc:
+            log.debug("saltgate: limits: settling in Redis failed (%s)", type(exc).__name__)
 
 
 def _shared(limits: Limits | None, share: int) -> Limits | None:

@@ -39,6 +39,7 @@ from saltgate.gateway.admission import Admission
 from saltgate.gateway.context import RequestContext
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.replicas import Attempt, ReplicaSet
+from saltgate.gateway.shared_limits import SharedTicket
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
 from saltgate.governance.limits import Ticket
 from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
@@ -167,7 +168,7 @@ class Exchange:
         client: Client,
         *,
         admission: Admission | None = None,
-        ticket: Ticket | None = None,
+        ticket: Ticket | SharedTicket | None = None,
     ) -> None:
         """`ticket`: the request's reservations under its tenant's limits, settled with
         `admission` when it ends (gateway/admission.py); None when it has no limits."""

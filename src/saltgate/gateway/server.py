@@ -29,6 +29,7 @@ from saltgate.gateway.exchange import Exchange, Meter
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
+from saltgate.gateway.shared_limits import SharedLimits
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError, missing_parameter, model_not_found
 from saltgate.policy.forwarded import client_address
@@ -75,6 +76,7 @@ class Gateway:
         access_log: AccessLog | None = None,
         store_down_for: Callable[[], float] | None = None,
         limit_share: int = 1,
+        shared_limits: SharedLimits | None = None,
     ) -> None:
         self.config = config
         self.subkeys = subkeys
@@ -83,8 +85,14 @@ class Gateway:
         self.replicas = replicas
         self.metrics = metrics or Metrics()
         self.meter = Meter(ledger, self.metrics, price_versions(config.prices))
-        self.admission = Admission(dict(self.meter.prices), share=limit_share)
-        if limit_share > 1:
+        self.admission = Admission(dict(self.meter.prices), share=limit_share, shared=shared_limits)
+        if shared_limits is not None:
+            log.info(
+                "saltgate: limits shared by the fleet through [cluster]'s Redis; while it is "
+                "unreachable each process enforces 1/%d of every limit (docs/limits.md)",
+                limit_share,
+            )
+        elif limit_share > 1:
             log.warning(
                 "saltgate: limits are not shared between this gateway's %d processes "
                 "([limits] share x --workers): each enforces 1/%d of every tenant's and "
@@ -123,6 +131,13 @@ class Gateway:
             "enforcing limit / share ([limits] share x --workers; 1: the whole limit here).",
             lambda: [((), float(self.admission.share))],
         )
+        if self.admission.shared is not None:
+            m.gauge(
+                "saltgate_limits_shared_up",
+                "1 while limits are checked in [cluster]'s Redis for the whole fleet; 0 while "
+                "it is unreachable and this process enforces limit / saltgate_limits_share.",
+                lambda: [((), float(self.admission.shared_up))],
+            )
         m.gauge(
             "saltgate_plaintext_upstream_replicas",
             "Replicas reached in clear across a network (allow_plaintext_upstream), by link: "
@@ -150,6 +165,8 @@ class Gateway:
         await self.ledger.aclose()
         self._log.close()
         await self.keys.aclose()
+        if self.admission.shared is not None:
+            await self.admission.shared.client.aclose()
 
     def reopen_log(self) -> bool:
         """Reopen the access log file (SIGHUP, log rotation); False when it is no file or
@@ -233,7 +250,7 @@ class Gateway:
         admission = ticket = limit_headers = None
         if principal.limits is not None or principal.key_limits is not None:
             admission = self.admission  # no limits, no cost: all of this is skipped
-            ticket, limit_headers = admission.admit(
+            ticket, limit_headers = await admission.admit(
                 principal, route, inspected.model, len(request.body), inspected.max_tokens
             )
         exchange = Exchange(

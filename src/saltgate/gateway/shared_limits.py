@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
+from saltgate.gateway.cluster import CONNECT_TIMEOUT_S, bus_password
 from saltgate.governance.limits import (
     BUDGET,
     CONCURRENCY,
@@ -37,8 +40,11 @@ from saltgate.governance.limits import (
     Limits,
     Quota,
 )
+from saltgate.routing.cluster import ClusterSettings
 
 _US: Final = 1_000_000
+# An admission waits at most this for Redis before the process falls back to its share.
+TIMEOUT_S: Final = 0.5
 
 # Numbers go to redis.call through %.0f: Lua's own conversion keeps 14 digits and a time
 # in microseconds has 16.
@@ -210,6 +216,7 @@ class SharedLimits:
     """The admission and settlement scripts on one Redis connection."""
 
     def __init__(self, client: Redis, *, lease_ttl_s: float, window_s: float = WINDOW_S) -> None:
+        self.client = client
         self._window_s = window_s
         self._admit = client.register_script(_ADMIT)
         self._settle = client.register_script(_SETTLE)
@@ -262,3 +269,16 @@ class SharedLimits:
         for s in ticket.specs:
             args += [s.code, amounts[s.kind]]
         await self._settle(keys=[s.key for s in ticket.specs], args=args)
+
+
+def connect_shared_limits(settings: ClusterSettings, *, lease_ttl_s: float) -> SharedLimits:
+    """The engine on its own connection to [cluster]'s Redis (connected on first use)."""
+    client: Redis = Redis.from_url(
+        settings.url,
+        password=bus_password(settings),
+        socket_connect_timeout=min(CONNECT_TIMEOUT_S, TIMEOUT_S),
+        socket_timeout=TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+        client_name="saltgate-limits",
+    )
+    return SharedLimits(client, lease_ttl_s=lease_ttl_s)
