@@ -43,7 +43,8 @@ async def main():
             await eng.settle(tk, Demand(50, 50))
         ts.sort()
         print(
-            f"redis admit (3000 entries in window): p50 {ts[1500] * 1e3:.3f} ms p99 {ts[2970] * 1e3:.3f} ms"
+            "redis admit (3000 entries in window): "
+            f"p50 {ts[1500] * 1e3:.3f} ms p99 {ts[2970] * 1e3:.3f} ms"
         )
         await c.aclose()
     finally:
