@@ -4,15 +4,20 @@ tells the SDKs not to retry, and reservations returned whichever way a request e
 
 from __future__ import annotations
 
+import asyncio
 import re
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
-from tests.gateway.stack import MODEL, Stack, run, stack
+import httpx
+from tests.gateway.stack import MODEL, Stack, new_state_dir, run, stack
+from tests.support.gateways import GatewayProcess, write_gateway_config
+from tests.support.http import async_client
 from tests.support.waiting import eventually
 
 from saltgate.governance.limits import Limits
-from saltgate.sim.run import SimConfig
+from saltgate.sim.run import SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
 
 
@@ -175,3 +180,39 @@ def test_processes_without_a_shared_engine_each_enforce_an_explicit_share(
 
     run(main)
     assert "each enforces 1/4 of every tenant's and key's limit" in caplog.text
+
+
+def test_serve_with_two_workers_enforces_half_in_each(tmp_path: Path) -> None:
+    """`saltgate serve --workers 2` without [cluster]: each worker enforces rpm 6 / 2, says
+    so in its log and its metric; 20 requests on several connections admit at most 6."""
+
+    async def main() -> None:
+        sim = await start_sim(SimConfig(port=0))
+        state = tmp_path / "state"
+        key = new_state_dir(state, ("acme",))["acme"]
+        with TenantStore.from_state_dir(state) as store:
+            store.set_limits("acme", Limits(rpm=6))
+        config = write_gateway_config(tmp_path / "gw.toml", state_dir=state, replicas=[sim.url])
+        gateway = await GatewayProcess.start(config, tmp_path / "gw.log", workers=2)
+        headers = {"authorization": f"Bearer {key}"}
+        clients = [async_client(timeout=30, headers=headers) for _ in range(4)]
+        try:
+
+            async def post(i: int) -> httpx.Response:
+                url = f"{gateway.url}/v1/completions"
+                return await clients[i % 4].post(url, json=completion())
+
+            answers = await asyncio.gather(*map(post, range(20)))
+            assert sum(r.status_code == 200 for r in answers) <= 6
+            refused = [r for r in answers if r.status_code == 429]
+            assert refused and all("Limit 3, Used 3" in r.text for r in refused)
+            metrics = (await clients[0].get(gateway.metrics_url)).text
+            assert re.search(r'saltgate_limits_share\{worker="[^"]+"\} 2\.0', metrics), metrics
+        finally:
+            for c in clients:
+                await c.aclose()
+            await gateway.stop()
+            await sim.close()
+        assert "each enforces 1/2 of every tenant's and key's limit" in gateway.log.read_text()
+
+    run(main)
