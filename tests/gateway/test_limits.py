@@ -68,6 +68,18 @@ def test_rpm_429_openai_shape_with_exact_retry_and_headers(tmp_path: Any) -> Non
             # Another tenant without limits: served, and no rate-limit headers at all.
             other = await b.post("/v1/completions", json=completion())
             assert other.status_code == 200 and "x-ratelimit-limit-requests" not in other.headers
+            # A request larger than a limit can never fit: no retry; a limit of 0 neither.
+            await limit(s, "alice", Limits(output_tpm=100, concurrency=0))
+            too_large = await c.post("/v1/completions", json=completion(101))
+            assert too_large.status_code == 429 and "retry-after" not in too_large.headers
+            assert too_large.headers["x-should-retry"] == "false"
+            assert too_large.json()["error"]["message"].startswith(
+                f"Request too large for {MODEL} on output tokens per min (TPM) of this tenant: "
+                "Limit 100, Requested 101."
+            )
+            nothing = await c.post("/v1/completions", json=completion(1))
+            assert nothing.status_code == 429 and "retry-after" not in nothing.headers
+            assert "Limit 0, Requested 1. This limit admits nothing" in nothing.text
             # Limits cleared: served again at once.
             await limit(s, "alice", None)
             assert (await c.post("/v1/completions", json=completion())).status_code == 200

@@ -244,13 +244,19 @@ def denial_error(denial: Denial, model: str, anthropic: bool, headers: Headers) 
     retry = denial.retry_after_s
     if denial.kind == CONCURRENCY and retry is not None:
         retry = min(retry, CONCURRENCY_RETRY_S)
-    if retry is None:
+    extra: Headers = [(b"x-should-retry", b"false")]
+    if retry is None and denial.limit == 0:
+        # Set to 0, or a limit smaller than the processes it is split between.
+        message = (
+            f"Rate limit reached for {what}: Limit 0, Requested {denial.requested}. This "
+            "limit admits nothing here; ask the operator to raise it."
+        )
+    elif retry is None:
         message = (
             f"Request too large for {what}: Limit {denial.limit}, Requested "
             f"{denial.requested}. The input or output tokens must be reduced in order to "
             "run successfully."
         )
-        extra: Headers = [(b"x-should-retry", b"false")]
     else:
         message = (
             f"Rate limit reached for {what}: Limit {denial.limit}, Used {denial.used}, "
