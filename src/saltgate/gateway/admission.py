@@ -22,6 +22,7 @@ from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
 from saltgate.governance.limits import (
     BUDGET,
     CONCURRENCY,
+    DEFAULT_LEASE_TTL_S,
     INPUT_TOKENS,
     OUTPUT_TOKENS,
     REQUESTS,
@@ -91,8 +92,9 @@ class Admission:
         *,
         share: int = 1,
         shared: SharedLimits | None = None,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     ) -> None:
-        self.governor = Governor()
+        self.governor = Governor(lease_ttl_s=lease_ttl_s)
         self.prices = prices
         self.share = share
         self.shared = shared

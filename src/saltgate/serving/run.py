@@ -24,7 +24,6 @@ from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet, tls_context
 from saltgate.gateway.server import Gateway, error_response
 from saltgate.gateway.shared_limits import connect_shared_limits
-from saltgate.governance.limits import DEFAULT_LEASE_TTL_S
 from saltgate.http import Handler, HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
@@ -131,7 +130,7 @@ async def start_gateway(
         limit_share=config.limits_share * workers,
         shared_limits=None
         if config.cluster is None
-        else connect_shared_limits(config.cluster, lease_ttl_s=DEFAULT_LEASE_TTL_S),
+        else connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s),
     )
     ehbp = _ehbp_edge(config, gateway, metrics, ehbp_key)
     handler: Handler = gateway.handle if ehbp is None else ehbp.handle
