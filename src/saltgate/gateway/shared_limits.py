@@ -30,15 +30,14 @@ from saltgate.gateway.cluster import CONNECT_TIMEOUT_S, bus_password
 from saltgate.governance.limits import (
     BUDGET,
     CONCURRENCY,
-    INPUT_TOKENS,
-    OUTPUT_TOKENS,
-    REQUESTS,
     WINDOW_S,
     WINDOWED,
     Demand,
     Denial,
     Limits,
     Quota,
+    amounts,
+    tightest,
 )
 from saltgate.routing.cluster import ClusterSettings
 
@@ -176,12 +175,7 @@ class SharedTicket:
 def _specs(
     limited: Sequence[tuple[tuple[str, str], Limits]], demand: Demand, window_s: float
 ) -> list[_Spec]:
-    amounts = {
-        REQUESTS: 1,
-        INPUT_TOKENS: demand.input_tokens,
-        OUTPUT_TOKENS: demand.output_tokens,
-        BUDGET: demand.cost_micro_usd,
-    }
+    counted = amounts(demand)
     window_us = int(window_s * _US)
     specs = []
     for (scope, ident), limits in limited:
@@ -190,7 +184,7 @@ def _specs(
             limit = limits.windowed(kind)
             if limit is not None:
                 specs.append(
-                    _Spec(prefix + kind, kind, "w", scope, limit, window_us, amounts[kind])
+                    _Spec(prefix + kind, kind, "w", scope, limit, window_us, counted[kind])
                 )
         if limits.concurrency is not None:
             specs.append(
@@ -206,7 +200,7 @@ def _specs(
                     scope,
                     limits.budget_micro_usd,
                     span,
-                    amounts[BUDGET],
+                    counted[BUDGET],
                 )
             )
     return specs
@@ -234,16 +228,11 @@ class SharedLimits:
         out = [int(v) for v in await self._admit(keys=[s.key for s in specs], args=args)]
         admitted, now_us, worst, retry_us = out[:4]
         now = now_us / _US
-        quotas: dict[str, Quota] = {}
-        for spec, total, reset_us in zip(specs, out[4::2], out[5::2], strict=True):
-            if spec.code != "w":
-                continue
-            quota = Quota(
-                spec.kind, spec.limit, max(spec.limit - total, 0), (reset_us - now_us) / _US
-            )
-            if spec.kind not in quotas or quota.remaining < quotas[spec.kind].remaining:
-                quotas[spec.kind] = quota
-        ordered = tuple(quotas[k] for k in WINDOWED if k in quotas)
+        ordered = tightest(
+            Quota(spec.kind, spec.limit, spec.limit - total, (reset_us - now_us) / _US)
+            for spec, total, reset_us in zip(specs, out[4::2], out[5::2], strict=True)
+            if spec.code == "w"
+        )
         if admitted:
             return SharedTicket(ticket_id, tuple(specs)), None, ordered
         spec = specs[worst - 1]
@@ -258,16 +247,10 @@ class SharedLimits:
 
     async def settle(self, ticket: SharedTicket, used: Demand) -> None:
         """Correct the reservations to what was used and free the lease."""
-        amounts = {
-            REQUESTS: 1,
-            INPUT_TOKENS: used.input_tokens,
-            OUTPUT_TOKENS: used.output_tokens,
-            BUDGET: used.cost_micro_usd,
-            CONCURRENCY: 0,
-        }
+        counted = amounts(used)
         args: list[str | int] = [ticket.id]
         for s in ticket.specs:
-            args += [s.code, amounts[s.kind]]
+            args += [s.code, 0 if s.code == "c" else counted[s.kind]]
         await self._settle(keys=[s.key for s in ticket.specs], args=args)
 
 

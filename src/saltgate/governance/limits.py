@@ -282,7 +282,8 @@ def _lateness(denial: Denial) -> float:
     return float("inf") if denial.retry_at is None else denial.retry_at
 
 
-def _amounts(demand: Demand) -> dict[str, int]:
+def amounts(demand: Demand) -> dict[str, int]:
+    """What a request counts in each kind of limit (a lease counts 1 while it is held)."""
     return {
         REQUESTS: 1,
         INPUT_TOKENS: demand.input_tokens,
@@ -332,13 +333,13 @@ class Governor:
             return Decision(None, max(denials, key=_lateness), self._quotas(present, now))
         self._last_id += 1
         ticket = Ticket(self._last_id, tuple(name for name, _ in present), {})
-        amounts = _amounts(demand)
+        counted = amounts(demand)
         for name, subject in present:
             limits = subject.limits
             for kind in (*WINDOWED, BUDGET):
                 limit = limits.budget_micro_usd if kind == BUDGET else limits.windowed(kind)
                 if limit is not None:
-                    ticket.entries[(name, kind)] = subject.log(kind).add(now, amounts[kind])
+                    ticket.entries[(name, kind)] = subject.log(kind).add(now, counted[kind])
             if limits.concurrency is not None:
                 subject.leases[ticket.id] = now + self.lease_ttl_s
         return Decision(ticket, None, self._quotas(present, now))
@@ -348,7 +349,7 @@ class Governor:
     ) -> list[Denial]:
         """Every limit of one subject this request does not fit."""
         limits = subject.limits
-        amounts = _amounts(demand)
+        counted = amounts(demand)
         denials: list[Denial] = []
         for kind in WINDOWED:
             limit = limits.windowed(kind)
@@ -356,9 +357,9 @@ class Governor:
                 continue
             log = subject.log(kind)
             log.prune(now)
-            at = log.fits_at(now, limit, amounts[kind])
+            at = log.fits_at(now, limit, counted[kind])
             if at != now:
-                denials.append(Denial(kind, name[0], limit, log.total, amounts[kind], at, now))
+                denials.append(Denial(kind, name[0], limit, log.total, counted[kind], at, now))
         if limits.concurrency is not None:
             leases = subject.leases
             for ticket_id in [t for t, expiry in leases.items() if expiry <= now]:
@@ -377,7 +378,7 @@ class Governor:
             # past the budget, and a request is never refused for its upper-bound price.
             if log.total >= budget:
                 at = log.fits_at(now, budget, 1) if budget > 0 else None
-                denials.append(Denial(BUDGET, name[0], budget, log.total, amounts[BUDGET], at, now))
+                denials.append(Denial(BUDGET, name[0], budget, log.total, counted[BUDGET], at, now))
         return denials
 
     def settle(self, ticket: Ticket, used: Demand, now: float) -> None:
@@ -386,11 +387,11 @@ class Governor:
         if ticket.settled:
             return
         ticket.settled = True
-        amounts = _amounts(used)
+        counted = amounts(used)
         for (name, kind), entry in ticket.entries.items():
             subject = self._subjects.get(name)
             if subject is not None and kind in subject.logs:
-                subject.logs[kind].correct(entry, amounts[kind])
+                subject.logs[kind].correct(entry, counted[kind])
         for name in ticket.subjects:
             subject = self._subjects.get(name)
             if subject is not None:
@@ -404,8 +405,7 @@ class Governor:
     def _quotas(
         self, present: Sequence[tuple[tuple[str, str], _Subject]], now: float
     ) -> tuple[Quota, ...]:
-        """Per windowed kind, the tightest of the subjects (least remaining)."""
-        best: dict[str, Quota] = {}
+        quotas = []
         for _, subject in present:
             for kind in WINDOWED:
                 limit = subject.limits.windowed(kind)
@@ -413,7 +413,17 @@ class Governor:
                     continue
                 log = subject.log(kind)
                 log.prune(now)
-                quota = Quota(kind, limit, max(limit - log.total, 0), log.reset_at(now) - now)
-                if kind not in best or quota.remaining < best[kind].remaining:
-                    best[kind] = quota
-        return tuple(best[k] for k in WINDOWED if k in best)
+                quotas.append(Quota(kind, limit, limit - log.total, log.reset_at(now) - now))
+        return tightest(quotas)
+
+
+def tightest(quotas: Iterable[Quota]) -> tuple[Quota, ...]:
+    """Per windowed kind, the quota of the subject with least remaining (never below 0)."""
+    best: dict[str, Quota] = {}
+    for quota in quotas:
+        if quota.kind not in best or quota.remaining < best[quota.kind].remaining:
+            best[quota.kind] = quota
+    return tuple(
+        Quota(q.kind, q.limit, max(q.remaining, 0), q.reset_s)
+        for q in (best[k] for k in WINDOWED if k in best)
+    )
