@@ -4,6 +4,8 @@
 #     HAProxy from Debian/Ubuntu packages; no system service of theirs is started;
 #   - systemd-analyze (package systemd), which checks packaging/saltgate.service in
 #     tests/dist; the package is installed, no systemd is started;
+#   - promtool (package prometheus), which checks the shipped alert rules
+#     (packaging/prometheus/) in tests/gateway/test_observability.py; no Prometheus is started;
 #   - when run as root, the unprivileged system user PostgreSQL runs as in the tests
 #     (PostgreSQL refuses to run as root): $SALTGATE_PG_USER, default saltgate-pg.
 # The tests start their own servers in temporary directories on free loopback ports and
@@ -21,12 +23,14 @@ redis_major() { redis-server --version 2>/dev/null | sed -n 's/.* v=\([0-9]*\)\.
 have_redis() { command -v redis-server >/dev/null 2>&1 && [ "$(redis_major)" -ge "$REDIS_MIN_MAJOR" ] 2>/dev/null; }
 have_haproxy() { command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; }
 have_systemd_analyze() { command -v systemd-analyze >/dev/null 2>&1; }
+have_promtool() { command -v promtool >/dev/null 2>&1; }
 
 need_apt=()
 have_postgres || need_apt+=("postgresql-$PG_MAJOR")
 have_redis || need_apt+=(redis-server)
 have_haproxy || need_apt+=(haproxy)
 have_systemd_analyze || need_apt+=(systemd)
+have_promtool || need_apt+=(prometheus)
 
 if [ "${#need_apt[@]}" -gt 0 ]; then
     if ! command -v apt-get >/dev/null 2>&1; then
@@ -38,7 +42,8 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
         command -v sudo >/dev/null 2>&1 || { echo "services-setup: need root or sudo for apt-get install ${need_apt[*]}" >&2; exit 1; }
         SUDO="sudo"
     fi
-    # The packages would start system services (PostgreSQL on 5432, Redis on 6379, HAProxy):
+    # The packages would start system services (PostgreSQL on 5432, Redis on 6379, HAProxy,
+    # Prometheus on 9090):
     # the tests do not use them, so a policy-rc.d that refuses service starts stays in place
     # for the install (unless the machine already has one, as containers often do).
     policy=/usr/sbin/policy-rc.d
@@ -56,7 +61,7 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
     cleanup
     trap - EXIT
 else
-    echo "services-setup: PostgreSQL $PG_MAJOR, Redis $REDIS_MIN_MAJOR+, HAProxy and systemd-analyze already installed"
+    echo "services-setup: PostgreSQL $PG_MAJOR, Redis $REDIS_MIN_MAJOR+, HAProxy, systemd-analyze and promtool already installed"
 fi
 
 if [ "$(id -u)" -eq 0 ] && ! id -u "$PG_USER" >/dev/null 2>&1; then
@@ -69,6 +74,8 @@ missing=()
 have_postgres || missing+=("PostgreSQL $PG_MAJOR ($PG_BINDIR/initdb, pg_ctl, postgres)")
 have_redis || missing+=("Redis >= $REDIS_MIN_MAJOR (redis-server)")
 have_haproxy || missing+=("HAProxy (haproxy)")
+have_systemd_analyze || missing+=("systemd-analyze (package systemd)")
+have_promtool || missing+=("promtool (package prometheus)")
 if [ "$(id -u)" -eq 0 ]; then
     id -u "$PG_USER" >/dev/null 2>&1 || missing+=("the system user $PG_USER")
     command -v runuser >/dev/null 2>&1 || missing+=("runuser (util-linux)")

@@ -8,7 +8,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -22,17 +22,44 @@ if TYPE_CHECKING:
 Command = Callable[[argparse.Namespace], int]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each option's default, so nobody reads the code to learn it; except
+    where the help text already speaks of its default, or there is none (unset, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if "default" in (action.help or "") or default is None or default is False:
+            return action.help
+        if default == [] or default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every saltgate parser: its sub-parsers are of this class too (argparse makes them of
+    the parent's), so one formatter covers every command."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from saltgate.sim.server import SimConfig
 
     d = SimConfig()
     p = sub.add_parser("sim", help="run a simulated vLLM replica (OpenAI API, prefix cache)")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--host", default=d.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=d.port, help="port to listen on")
     p.add_argument("--model", default=d.model, help="served model name")
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV-cache capacity")
-    p.add_argument("--hash-algo", choices=("sha256", "sha256_cbor"), default=d.hash_algo)
+    p.add_argument(
+        "--hash-algo",
+        choices=("sha256", "sha256_cbor"),
+        default=d.hash_algo,
+        help="block hash, as vLLM's --prefix-caching-hash-algo",
+    )
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1")
     on_off = argparse.BooleanOptionalAction
     p.add_argument(
@@ -48,12 +75,33 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="cache prompt blocks (vLLM's flag; on by default in both)",
     )
     p.add_argument("--kv-events-endpoint", default=None, help="ZMQ endpoint, e.g. tcp://*:5557")
-    p.add_argument("--kv-events-replay-endpoint", default=None)
-    p.add_argument("--kv-events-topic", default=d.kv_events_topic)
-    p.add_argument("--prefill-ms-per-1k-tokens", type=float, default=d.prefill_ms_per_1k_tokens)
-    p.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
-    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ endpoint answering replay requests for missed KV events",
+    )
+    p.add_argument("--kv-events-topic", default=d.kv_events_topic, help="KV-event topic")
+    p.add_argument(
+        "--prefill-ms-per-1k-tokens",
+        type=float,
+        default=d.prefill_ms_per_1k_tokens,
+        help="simulated prefill time of uncached prompt tokens (one prompt at a time)",
+    )
+    p.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=d.decode_ms_per_token,
+        help="simulated time per output token",
+    )
+    p.add_argument(
+        "--max-concurrency", type=int, default=d.max_concurrency, help="requests run at once"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="longest prompt plus output, in tokens",
+    )
     p.add_argument("--tls-cert", default=None, help="serve https with this PEM certificate")
     p.add_argument("--tls-key", default=None, help="its PEM private key (else in --tls-cert)")
     p.add_argument(
@@ -97,7 +145,7 @@ def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--workers",
         type=int,
         default=1,
-        help="worker processes serving the one port (default 1: a single process; docs/workers.md)",
+        help="worker processes serving the one port (1: a single process; docs/workers.md)",
     )
     p.add_argument(
         "--check",
@@ -137,21 +185,21 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     tsub = tenants.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = tsub.add_parser("create", help="create a tenant")
-    p.add_argument("name")
+    p.add_argument("name", help="the tenant's name (unique)")
     _state_dir_arg(p)
     p.set_defaults(func=_tenants_create)
     p = tsub.add_parser("list", help="list tenants")
     _state_dir_arg(p)
     p.set_defaults(func=_tenants_list)
     p = tsub.add_parser("rotate-salt", help="move a tenant to a fresh cache namespace")
-    p.add_argument("name")
+    p.add_argument("name", help="the tenant's name")
     _state_dir_arg(p)
     p.set_defaults(func=_tenants_rotate)
     p = tsub.add_parser(
         "set-models",
         help="let a tenant use only some models (m1,m2), or every model again (--all)",
     )
-    p.add_argument("name")
+    p.add_argument("name", help="the tenant's name")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("models", nargs="?", help="comma-separated model names, e.g. m1,m2")
     which.add_argument("--all", action="store_true", help="every model (clears the list)")
@@ -161,7 +209,7 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "set-limits",
         help="set a tenant's rate limits and budget (replacing the old ones), or --clear them",
     )
-    p.add_argument("name")
+    p.add_argument("name", help="the tenant's name")
     _limit_args(p)
     _state_dir_arg(p)
     p.set_defaults(func=_tenants_set_limits)
@@ -169,22 +217,22 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     ksub = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = ksub.add_parser("create", help="mint an API key (printed once, stored as a hash)")
-    p.add_argument("tenant")
+    p.add_argument("tenant", help="the tenant's name")
     _state_dir_arg(p)
     p.set_defaults(func=_keys_create)
     p = ksub.add_parser("list", help="list key ids (never the keys)")
-    p.add_argument("tenant", nargs="?")
+    p.add_argument("tenant", nargs="?", help="only this tenant's keys (default: every tenant)")
     _state_dir_arg(p)
     p.set_defaults(func=_keys_list)
     p = ksub.add_parser("revoke", help="revoke a key by its id")
-    p.add_argument("key_id")
+    p.add_argument("key_id", help="the key's id, as `keys list` shows it (key_...)")
     _state_dir_arg(p)
     p.set_defaults(func=_keys_revoke)
     p = ksub.add_parser(
         "set-limits",
         help="set a key's own limits, which narrow its tenant's (replacing the old), or --clear",
     )
-    p.add_argument("key_id")
+    p.add_argument("key_id", help="the key's id, as `keys list` shows it (key_...)")
     _limit_args(p)
     _state_dir_arg(p)
     p.set_defaults(func=_keys_set_limits)
@@ -216,11 +264,15 @@ def _add_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--group-by",
         default="tenant",
-        help="any of tenant,key,model,day, comma-separated (default tenant)",
+        help="any of tenant,key,model,day, comma-separated",
     )
     fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_const", const="json", dest="fmt")
-    fmt.add_argument("--csv", action="store_const", const="csv", dest="fmt")
+    fmt.add_argument(
+        "--json", action="store_const", const="json", dest="fmt", help="JSON instead of a table"
+    )
+    fmt.add_argument(
+        "--csv", action="store_const", const="csv", dest="fmt", help="CSV instead of a table"
+    )
     p.set_defaults(func=_usage, fmt="table")
     usub = p.add_subparsers(
         dest="action", metavar="prune", help="optional: delete old records (prune --help)"
@@ -827,7 +879,7 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = Parser(
         prog="saltgate", description="A secure prompt-caching gateway for multi-tenant LLMs."
     )
     parser.add_argument(

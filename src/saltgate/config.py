@@ -196,6 +196,15 @@ class ReplicaConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """[tracing]: OpenTelemetry spans sent over OTLP/HTTP (docs/observability.md)."""
+
+    otlp_endpoint: str  # the collector's base URL; spans go to its /v1/traces
+    service_name: str = "saltgate"
+    sample_ratio: float = 1.0  # of the traces the gateway starts; a client's choice is kept
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     replicas: tuple[ReplicaConfig, ...]
     state_dir: Path
@@ -240,6 +249,7 @@ class GatewayConfig:
     # Accept plain http:// replicas (and kv endpoints without CURVE) off loopback: warned
     # at start, counted in a metric, reported by `saltgate audit deployment`.
     allow_plaintext_upstream: bool = False
+    tracing: TracingConfig | None = None  # [tracing]; None: no spans, OpenTelemetry not loaded
 
     @property
     def db_path(self) -> Path:
@@ -403,6 +413,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         "kv_relay",
         "store",
         "cluster",
+        "tracing",
         "limits",
     }
     unknown = set(doc) - known
@@ -439,6 +450,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         kv_relay=_kv_relay(doc.get("kv_relay"), replicas, base),
         store=_store(doc.get("store"), base, state_dir),
         cluster=_cluster(doc.get("cluster"), base),
+        tracing=_tracing(doc.get("tracing")),
         **_limits(doc.get("limits", {})),
         **_ehbp(doc.get("ehbp", {}), base),
         **kwargs,
@@ -587,6 +599,37 @@ def _cluster(table: Any, base: Path) -> ClusterSettings | None:
         return ClusterSettings.from_table(table, base)
     except ValueError as exc:
         raise ConfigError(f"cluster.{exc}") from None
+
+
+def _tracing(table: Any) -> TracingConfig | None:
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ConfigError("tracing: expected a table")
+    unknown = set(table) - {"otlp_endpoint", "service_name", "sample_ratio"}
+    if unknown:
+        raise ConfigError(f"tracing: unknown keys {sorted(unknown)}")
+    if "otlp_endpoint" not in table:
+        raise ConfigError('tracing.otlp_endpoint: required, e.g. "http://collector:4318"')
+    endpoint = _expect(table, "otlp_endpoint", str, "tracing")
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f'tracing.otlp_endpoint: expected "http(s)://host:port", got {endpoint!r}'
+        )
+    if parts.username or parts.password:
+        raise ConfigError("tracing.otlp_endpoint: credentials in the URL are not supported")
+    ratio = (
+        float(_expect(table, "sample_ratio", (int, float), "tracing"))
+        if "sample_ratio" in table
+        else 1.0
+    )
+    if not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"tracing.sample_ratio: expected a number from 0 to 1, got {ratio:g}")
+    name = _expect(table, "service_name", str, "tracing") if "service_name" in table else "saltgate"
+    if not name:
+        raise ConfigError("tracing.service_name: must not be empty")
+    return TracingConfig(endpoint.rstrip("/"), name, ratio)
 
 
 def _limits(table: Any) -> dict[str, Any]:

@@ -75,9 +75,12 @@ def test_a_short_replay_of_two_policies_reports_sane_numbers(tmp_path: Path) -> 
 
 
 def test_killing_a_replica_mid_replay_fails_only_started_streams(tmp_path: Path) -> None:
+    """The replay lasts 15 s (150 trace seconds at x10) so that a replica revived at 3 s has
+    time to start, pass a probe and take requests on a loaded machine: with 6 s, a revival
+    slowed by CPU hogs left it nothing to serve (10 before the kill, 10 after)."""
     report = bench_replay(
         tmp_path,
-        "--policy", "saltgate", "--duration", "60",
+        "--policy", "saltgate", "--duration", "150",
         "--kill-replica-at", "1.5", "--revive-after", "1.5",
     )  # fmt: skip
     (r,) = report["results"]

@@ -17,7 +17,13 @@ from pathlib import Path
 import httpx
 from tests.support.http import async_client
 
-from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
+from saltgate.config import (
+    GatewayConfig,
+    ReplicaConfig,
+    TracingConfig,
+    create_master_key,
+    load_master_key,
+)
 from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.http import HttpServer, Request, Response, UpstreamPool
 from saltgate.policy.forwarded import TrustedProxies
@@ -132,8 +138,10 @@ async def stack(
     access_log: str = "off",
     log_format: str = "text",
     trusted_proxies: TrustedProxies | None = None,
+    tracing: TracingConfig | None = None,
     workers: int = 1,
     limits_share: int = 1,
+    limits_lease_ttl_s: float = 600.0,
 ) -> AsyncIterator[Stack]:
     """``models``: replica i serves models[i] (else every replica serves MODEL)."""
     base = sim or SimConfig(port=0)
@@ -158,7 +166,9 @@ async def stack(
         access_log=access_log,
         log_format=log_format,
         trusted_proxies=trusted_proxies or TrustedProxies(),
+        tracing=tracing,
         limits_share=limits_share,
+        limits_lease_ttl_s=limits_lease_ttl_s,
     )
     gateway = await start_gateway(config, workers=workers)
     try:

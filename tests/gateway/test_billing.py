@@ -86,6 +86,9 @@ def test_unreported_cached_tokens_are_recorded_unknown_counted_and_warned_once(
             counted = f'{UNREPORTED}{{replica="{url}"}} 5.0'
             text = await _metrics(s.gateway.admin_port)
             assert (counted in text) is not details, text
+            # An unknown cached count is not a 0: without the flag no cached tokens are
+            # counted at all; with it (the control) the repeat's hit is.
+            assert ('saltgate_tokens_total{kind="cached"' in text) is details, text
 
     run(main)
     warnings = [r.getMessage() for r in caplog.records if WARNING in r.getMessage()]

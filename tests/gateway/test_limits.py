@@ -228,3 +228,28 @@ def test_serve_with_two_workers_enforces_half_in_each(tmp_path: Path) -> None:
         assert "each enforces 1/2 of every tenant's and key's limit" in gateway.log.read_text()
 
     run(main)
+
+
+def test_a_lease_outliving_lease_ttl_frees_its_slot(tmp_path: Path) -> None:
+    """[limits] lease_ttl_s = 1: a stream still running after it no longer holds the
+    tenant's one concurrency slot (what frees a killed gateway's slots)."""
+
+    async def main() -> None:
+        # The stream lasts 20 s (200 tokens at 100 ms), far past the 5 s waited below.
+        sim = SimConfig(port=0, decode_ms_per_token=100.0)
+        async with (
+            stack(tmp_path, replicas=1, sim=sim, limits_lease_ttl_s=1.0) as s,
+            s.client("alice") as c,
+        ):
+            await limit(s, "alice", Limits(concurrency=1))
+            async with c.stream("POST", "/v1/completions", json=completion(200, stream=True)):
+                busy = await c.post("/v1/completions", json=completion())
+                assert busy.status_code == 429
+
+                async def admitted() -> bool:
+                    resp = await c.post("/v1/completions", json=completion())
+                    return resp.status_code == 200
+
+                await eventually(admitted, timeout_s=5.0, what="the lease expired")
+
+    run(main)

@@ -1,5 +1,5 @@
 """Where placements could come from, priced per request (not a test; run by hand, results
-in docs/benchmarks.md, "Fleet of gateways").
+in docs/dev/benchmarks-history.md, "Why N gateways are not yet one").
 
     .venv/bin/python tests/routing/bench_placement_sources.py [--tokens 7000] [--rounds 20]
 

@@ -209,15 +209,17 @@ def test_requests_spread_over_both_workers_and_metrics_sum_them(tmp_path: Path) 
             values = await f.metrics()
         assert sent["requests"] == 120
         assert values['saltgate_requests_total{method="POST",status="200"}'] == 120
-        assert values['saltgate_tokens_total{kind="prompt"}'] == sent["prompt"]
-        assert values['saltgate_tokens_total{kind="completion"}'] == sent["completion"]
-        assert values["saltgate_request_duration_seconds_count"] == 120
+        for kind in ("prompt", "completion"):  # over the tenant and model labels
+            prefix = f'saltgate_tokens_total{{kind="{kind}",'
+            assert sum(v for k, v in values.items() if k.startswith(prefix)) == sent[kind]
+        assert values['saltgate_request_duration_seconds_count{route="/v1/completions"}'] == 120
         served = per_worker(values, "saltgate_worker_requests_total")
         assert sum(served.values()) == 120 and all(served[i] > 0 for i in range(WORKERS)), served
         assert values["saltgate_workers_alive"] == WORKERS
         assert per_worker(values, "saltgate_worker_restarts_total") == {0: 0.0, 1: 0.0}
+        replica = f"http://127.0.0.1:{f.taps[0].port}"  # labelled by URL, not by index
         for i in range(WORKERS):  # a gauge is each worker's own view
-            assert values[f'saltgate_replica_healthy{{replica="0",worker="{i}"}}'] == 1.0
+            assert values[f'saltgate_replica_healthy{{replica="{replica}",worker="{i}"}}'] == 1.0
             assert f'saltgate_store_unreachable_seconds{{worker="{i}"}}' in values
 
     run(main)

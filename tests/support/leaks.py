@@ -27,6 +27,11 @@ def printed_forms(secret: Secret) -> dict[str, str]:
         "hex": raw.hex(),
         "HEX": raw.hex().upper(),
         "bytes repr": repr(raw)[2:-1],
+        # a bytearray's repr escapes a ' that a bytes repr leaves bare (it switches quotes)
+        "bytearray repr": repr(bytearray(raw))[len("bytearray(b'") : -2],
+        # a bytes repr inside a quoted string (JSON, a Prometheus label value): its
+        # backslashes and double quotes escaped, the same way in both
+        "escaped bytes repr": json.dumps(repr(raw)[2:-1])[1:-1],
         "list of ints": str(list(raw))[1:-1],
         "compact list of ints": ",".join(map(str, raw)),
     }

@@ -33,6 +33,7 @@ class Holder:
         json.dumps(list(KEY), separators=(",", ":")),
         base64.b64encode(KEY).decode(),
         base64.urlsafe_b64encode(KEY).rstrip(b"=").decode(),
+        json.dumps(repr(KEY)),
     ],
     ids=[
         "hex",
@@ -45,11 +46,21 @@ class Holder:
         "compact-json",
         "b64",
         "b64url",
+        "json-of-repr",
     ],
 )
 def test_a_bytes_key_is_found_in_every_form(printed: str) -> None:
     assert leaks(f"before {printed} after", key=KEY)
     assert leaks(f"before {printed} after".encode(), key=KEY)
+
+
+@pytest.mark.parametrize("quotes", [b"'", b'"', b"'\"", b"\\'"])
+def test_a_key_with_quotes_is_found_in_each_repr(quotes: bytes) -> None:
+    """Python picks a bytes repr's quotes by its content, and a bytearray's repr escapes
+    what a bytes repr leaves bare: a random key holds a quote about one run in four."""
+    key = KEY[:10] + quotes + KEY[10:]
+    for printed in (repr(key), repr(bytearray(key)), repr(Holder(key)), json.dumps(repr(key))):
+        assert leaks(printed, key=key), printed
 
 
 def test_a_bytes_key_is_found_as_it_is_in_bytes_output() -> None:

@@ -84,16 +84,46 @@ def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="shared prefix lengths, comma-separated (default %(default)s)",
     )
     p.add_argument("--tail-tokens", type=int, default=d.tail_tokens, help="tokens after it")
-    p.add_argument("--victim-requests", type=int, default=d.victim_requests)
+    p.add_argument(
+        "--victim-requests",
+        type=int,
+        default=d.victim_requests,
+        help="times the victim sends its prompt before each probe",
+    )
     p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
-    p.add_argument("--route", choices=("completions", "chat"), default=d.route)
-    p.add_argument("--prompt-format", choices=("tokens", "text"), default=d.prompt_format)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument(
+        "--route",
+        choices=("completions", "chat"),
+        default=d.route,
+        help="/v1/completions or /v1/chat/completions (chat needs --prompt-format text)",
+    )
+    p.add_argument(
+        "--prompt-format",
+        choices=("tokens", "text"),
+        default=d.prompt_format,
+        help="prompts as token-id lists or as text, one letter per token",
+    )
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
     p.add_argument("--batch", type=int, default=d.prime_batch, help="victim primes in flight")
-    p.add_argument("--alpha", type=float, default=d.alpha)
-    p.add_argument("--auc-bound", type=float, default=d.auc_bound)
-    p.add_argument("--control-alpha", type=float, default=d.control_alpha)
-    p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=d.alpha,
+        help="LEAK when the attack's adjusted p-value is below this",
+    )
+    p.add_argument(
+        "--auc-bound",
+        type=float,
+        default=d.auc_bound,
+        help="PASS needs the AUC interval's upper bound at or below this",
+    )
+    p.add_argument(
+        "--control-alpha",
+        type=float,
+        default=d.control_alpha,
+        help="the positive control must reach a p-value below this, else INVALID",
+    )
+    p.add_argument("--seed", type=int, help="seed of the random prompts (default: fresh)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per request")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="TTFT distributions and ROC curves")
@@ -117,7 +147,7 @@ def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="a KV-event endpoint to probe (repeatable); vLLM's default port 5557 on "
         "every replica host is always probed",
     )
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per probe")
     p.add_argument("--json", metavar="OUT", help="write the findings as JSON")
     p.set_defaults(func=_run_deployment)
 

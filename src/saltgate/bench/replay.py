@@ -495,13 +495,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompts as one-token words (default; smg refuses token ids) or token ids",
     )
     s = p.add_argument_group("simulated replicas")
-    s.add_argument("--sim-block-size", type=_positive(int), default=d.block_size)
-    s.add_argument("--num-blocks", type=_positive(int), default=d.num_blocks)
     s.add_argument(
-        "--prefill-ms-per-1k-tokens", type=_positive(float), default=d.prefill_ms_per_1k_tokens
+        "--sim-block-size", type=_positive(int), default=d.block_size, help="tokens per KV block"
     )
-    s.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
-    s.add_argument("--max-concurrency", type=_positive(int), default=d.max_concurrency)
+    s.add_argument(
+        "--num-blocks", type=_positive(int), default=d.num_blocks, help="KV blocks per replica"
+    )
+    s.add_argument(
+        "--prefill-ms-per-1k-tokens",
+        type=_positive(float),
+        default=d.prefill_ms_per_1k_tokens,
+        help="prefill time of uncached prompt tokens (serial per replica)",
+    )
+    s.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=d.decode_ms_per_token,
+        help="time per output token",
+    )
+    s.add_argument(
+        "--max-concurrency",
+        type=_positive(int),
+        default=d.max_concurrency,
+        help="requests a replica runs at once",
+    )
     r = p.add_argument_group("routers and faults")
     r.add_argument(
         "--router-set",
@@ -532,8 +549,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--kill-gateway", type=int, default=0, help="which gateway to kill")
     r.add_argument("--tools-venv", type=Path, help="venv with smg and vllm-router")
-    r.add_argument("--drain-timeout", type=_positive(float), default=120.0)
-    r.add_argument("--startup-timeout", type=_positive(float), default=60.0)
+    r.add_argument(
+        "--drain-timeout",
+        type=_positive(float),
+        default=120.0,
+        help="seconds to wait for answers after the last request is sent",
+    )
+    r.add_argument(
+        "--startup-timeout",
+        type=_positive(float),
+        default=60.0,
+        help="seconds a replica, router or gateway may take to come up",
+    )
     r.add_argument("--workdir", type=Path, help="keep logs and configs here (default: temp)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -3,9 +3,10 @@
 The gateway mints it when a request arrives: the request's id (also the id of its one
 usage record), the client's own `x-request-id`, and its start. The request path fills
 in what it learns (route, tenant, model, the first byte's time) and the request ends
-exactly once, in `end`, which writes its access-log line. A request answered by the
-gateway itself ends when its response is ready; a forwarded one ends with its exchange
-(gateway/exchange.py), which alone knows its final status and usage.
+exactly once, in `end`, which writes its access-log line (and ends its span, with
+[tracing]: gateway/tracing.py). A request answered by the gateway itself ends when its
+response is ready; a forwarded one ends with its exchange (gateway/exchange.py), which
+alone knows its final status and usage.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from saltgate.gateway.usage import Usage
+from saltgate.policy.headers import Headers
 from saltgate.store.ledger import new_request_id
 
 
@@ -20,6 +22,30 @@ class RequestLog(Protocol):
     """Where a request's line goes (gateway/access_log.py)."""
 
     def write(self, context: RequestContext, status: int, usage: Usage | None = None) -> None: ...
+
+
+class AttemptTrace(Protocol):
+    """The span of one attempt at a replica (gateway/tracing.py)."""
+
+    def upstream_headers(self, headers: Headers) -> Headers: ...
+
+    def end(self, status: int, usage: Usage | None = None) -> None: ...
+
+
+class RequestTrace(Protocol):
+    """The span of one request (gateway/tracing.py)."""
+
+    def attempt(self, context: RequestContext, url: str) -> AttemptTrace: ...
+
+    def end(self, context: RequestContext, status: int, usage: Usage | None) -> None: ...
+
+
+class Tracer(Protocol):
+    """Where requests' spans come from: gateway/tracing.py, loaded only with [tracing]."""
+
+    def request(self, method: bytes, headers: Headers) -> RequestTrace: ...
+
+    def shutdown(self) -> None: ...
 
 
 class RequestContext:
@@ -35,6 +61,7 @@ class RequestContext:
         "model",
         "request_id",
         "route",
+        "span",
         "started",
         "tenant_id",
     )
@@ -52,6 +79,7 @@ class RequestContext:
         self.tenant_id = ""
         self.model = ""
         self.first_byte = 0.0
+        self.span: RequestTrace | None = None
         self._ended = False
 
     def end(self, status: int, usage: Usage | None = None) -> None:
@@ -60,3 +88,5 @@ class RequestContext:
             return
         self._ended = True
         self._log.write(self, status, usage)
+        if self.span is not None:
+            self.span.end(self, status, usage)

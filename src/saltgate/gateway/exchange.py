@@ -36,8 +36,8 @@ from urllib.parse import urlsplit
 
 from saltgate.derivations.derive import ROUTE_RESPONSES
 from saltgate.gateway.admission import Admission
-from saltgate.gateway.context import RequestContext
-from saltgate.gateway.metrics import Labels, Metrics
+from saltgate.gateway.context import AttemptTrace, RequestContext
+from saltgate.gateway.metrics import TTFT_BUCKETS, Labels, Metrics, duration_buckets
 from saltgate.gateway.replicas import Attempt, ReplicaSet
 from saltgate.gateway.shared_limits import SharedTicket
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
@@ -59,10 +59,13 @@ NOT_SERVED: Final = 503
 REPLICA_FAILED: Final = 502
 _SSE: Final = b"text/event-stream"
 _NO_USAGE: Final = Usage()
-_PROMPT: Final = (("kind", "prompt"),)
-_CACHED: Final = (("kind", "cached"),)
-_COMPLETION: Final = (("kind", "completion"),)
+_TOKENS: Final = "saltgate_tokens_total"
+_REQUESTS: Final = "saltgate_tenant_requests_total"
+_DURATION: Final = "saltgate_request_duration_seconds"
+_TTFT: Final = "saltgate_time_to_first_token_seconds"
 _FAILURES: Final = "saltgate_upstream_failures_total"
+OTHER_MODEL: Final = "other"  # the model label of any model the gateway does not know
+_LABEL_CACHE: Final = 65_536  # (tenant, model, status) label sets remembered; cleared when full
 _UNREPORTED: Final = "saltgate_replica_cached_tokens_unreported_total"
 _STREAM_FAILED: Final = (
     b"data: "
@@ -96,22 +99,33 @@ def _prefilled(route: str, chunk: bytes) -> bool:
 
 
 class Meter:
-    """Where exchanges report: the usage ledger, the token and latency metrics; and the
-    prices each record is billed at when it is recorded (docs/billing.md)."""
+    """Where exchanges report: the usage ledger, the token, request and latency metrics;
+    and the prices each record is billed at when it is recorded (docs/billing.md)."""
 
-    __slots__ = ("_unreported", "ledger", "metrics", "prices")
+    __slots__ = ("_labels", "_unreported", "ledger", "metrics", "prices")
 
     def __init__(
         self,
         ledger: UsageLedger,
         metrics: Metrics,
         prices: Mapping[str, PriceVersion] | None = None,
+        *,
+        timeout_s: float = 600.0,
     ) -> None:
         self.ledger = ledger
         self.metrics = metrics
         self.prices: Mapping[str, PriceVersion] = prices or {}
         self._unreported: dict[str, Labels] = {}  # replica URL -> its labels, once warned
-        metrics.describe("saltgate_tokens_total", "counter", "Tokens metered, by kind.")
+        # (tenant id, model label, status) -> the labels of its request and token series
+        self._labels: dict[tuple[str, str, int], tuple[Labels, Labels, Labels, Labels]] = {}
+        metrics.describe(
+            _TOKENS,
+            "counter",
+            "Tokens metered, by kind (prompt, cached, completion), tenant id and model.",
+        )
+        metrics.describe(
+            _REQUESTS, "counter", "Forwarded requests by tenant id, model and final status."
+        )
         metrics.describe(_FAILURES, "counter", "Failed upstream exchanges.")
         metrics.describe(
             _UNREPORTED,
@@ -119,6 +133,52 @@ class Meter:
             "Generation answers whose usage had no cached-token count (vLLM without "
             "--enable-prompt-tokens-details), by replica URL.",
         )
+        metrics.histogram(
+            _DURATION,
+            "Time from a forwarded request's arrival to the end of its response, by route.",
+            duration_buckets(timeout_s),
+        )
+        metrics.histogram(
+            _TTFT,
+            "Time from a streamed request's arrival to its first output, by route and model.",
+            TTFT_BUCKETS,
+        )
+
+    def model_label(self, model: str, attempt: Attempt | None) -> str:
+        """`model` if the gateway knows it (it has a price, or the replica that answered
+        serves it), else "other": a client cannot add series by inventing model names."""
+        if model in self.prices:
+            return model
+        if attempt is not None and model in (attempt.replica.served or ()):
+            return model
+        return OTHER_MODEL
+
+    def ttft(self, route: str, model: str, seconds: float) -> None:
+        self.metrics.observe(_TTFT, (("route", route), ("model", model)), seconds)
+
+    def count(self, record: UsageRecord, model: str, route: str, seconds: float) -> None:
+        """A request's record in the metrics: its request, its tokens (cached ones only
+        when known: unknown is not zero) and its duration."""
+        key = (record.tenant_id, model, record.status)
+        labels = self._labels.get(key)
+        if labels is None:
+            if len(self._labels) >= _LABEL_CACHE:
+                self._labels.clear()
+            tenant_model = (("tenant", record.tenant_id), ("model", model))
+            labels = self._labels[key] = (
+                (*tenant_model, ("status", str(record.status))),
+                (("kind", "prompt"), *tenant_model),
+                (("kind", "cached"), *tenant_model),
+                (("kind", "completion"), *tenant_model),
+            )
+        metrics = self.metrics
+        metrics.inc(_REQUESTS, labels[0])
+        tokens = metrics.series(_TOKENS)
+        tokens[labels[1]] += record.prompt_tokens
+        if record.cached_tokens is not None:
+            tokens[labels[2]] += record.cached_tokens
+        tokens[labels[3]] += record.completion_tokens
+        metrics.observe(_DURATION, (("route", route),), seconds)
 
     def cached_unreported(self, url: str) -> None:
         """Count an answer of the replica at `url` without cached tokens; the first one
@@ -156,6 +216,7 @@ class Exchange:
         "_prefilling",
         "_principal",
         "_scanner",
+        "_span",
         "_ticket",
         "_upstream",
     )
@@ -181,6 +242,7 @@ class Exchange:
         self._attempt: Attempt | None = None
         self._upstream: UpstreamResponse | None = None
         self._scanner: SseUsageScanner | None = None
+        self._span: AttemptTrace | None = None  # the current attempt's, with [tracing]
         self._held = b""
         self._prefilling = True  # no output of the replica's yet: the prompt may be in prefill
         self._finished = False  # the stream has nothing more to give
@@ -199,6 +261,7 @@ class Exchange:
         """Send the request down the plan's ranking until a replica answers; a failure
         before any response moves on to the next replica."""
         tried: list[ReplicaId] = []
+        trace = self._context.span
         # Every ending awaits its record outside the handler that caught it: compiled code
         # must not suspend inside one (buildinfo.py).
         try:
@@ -211,14 +274,22 @@ class Exchange:
                         self._settle(None, None)
                     raise no_replica()
                 replica = attempt.replica
+                sent = headers
+                if trace is not None:
+                    span = self._span = trace.attempt(
+                        self._context, replica_label(replica.config.url)
+                    )
+                    sent = span.upstream_headers(headers)
                 try:
                     upstream = await replica.pool.request(
-                        b"POST", replica.prefix + path, headers + replica.auth, payload
+                        b"POST", replica.prefix + path, sent + replica.auth, payload
                     )
                     break
                 except UpstreamError as exc:
                     answered = not exc.before_response
                 self._failed()
+                if self._span is not None and not answered:
+                    self._span.end(REPLICA_FAILED)
                 if answered:
                     await self._end(REPLICA_FAILED)
                     raise replica_failed() from None
@@ -283,8 +354,15 @@ class Exchange:
                 context.first_byte = time.monotonic()
             if self._prefilling and _prefilled(context.route, chunk):
                 self._prefilling = False
-                if self._attempt is not None:
-                    self._attempt.first_output()
+                attempt = self._attempt
+                if attempt is not None:
+                    attempt.first_output()
+                meter = self._meter
+                meter.ttft(
+                    context.route,
+                    meter.model_label(context.model, attempt),
+                    time.monotonic() - context.started,
+                )
             out = scanner.feed(chunk)
             if out.endswith(DONE):
                 out, self._held = out[: -len(DONE)], DONE
@@ -346,6 +424,8 @@ class Exchange:
             self._upstream.release()
         if self._client.gone:
             status = CLIENT_CLOSED
+        if self._span is not None:
+            self._span.end(status, usage)
         used = usage or _NO_USAGE
         p = self._principal
         context = self._context
@@ -378,9 +458,10 @@ class Exchange:
         if self._admission is not None:
             self._settle(used, record.cost_micro_usd)
         await meter.ledger.record(record)
-        tokens = meter.metrics.series("saltgate_tokens_total")
-        tokens[_PROMPT] += record.prompt_tokens
-        tokens[_CACHED] += record.cached_tokens or 0
-        tokens[_COMPLETION] += record.completion_tokens
-        meter.metrics.observe_latency((), time.monotonic() - context.started)
+        meter.count(
+            record,
+            meter.model_label(context.model, self._attempt),
+            context.route,
+            time.monotonic() - context.started,
+        )
         context.end(status, usage)

@@ -10,6 +10,7 @@ for the commit). The gateway owns what it holds: `reload` and `aclose` are its o
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -23,9 +24,9 @@ from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.admission import Admission
-from saltgate.gateway.context import RequestContext
+from saltgate.gateway.context import RequestContext, Tracer
 from saltgate.gateway.ehbp import plaintext_secret_refused
-from saltgate.gateway.exchange import Exchange, Meter
+from saltgate.gateway.exchange import Exchange, Meter, replica_label
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
@@ -75,6 +76,7 @@ class Gateway:
         metrics: Metrics | None = None,
         access_log: AccessLog | None = None,
         store_down_for: Callable[[], float] | None = None,
+        tracer: Tracer | None = None,
         limit_share: int = 1,
         shared_limits: SharedLimits | None = None,
     ) -> None:
@@ -84,8 +86,18 @@ class Gateway:
         self.ledger = ledger
         self.replicas = replicas
         self.metrics = metrics or Metrics()
-        self.meter = Meter(ledger, self.metrics, price_versions(config.prices))
-        self.admission = Admission(dict(self.meter.prices), share=limit_share, shared=shared_limits)
+        self.meter = Meter(
+            ledger,
+            self.metrics,
+            price_versions(config.prices),
+            timeout_s=config.upstream_timeout_s,
+        )
+        self.admission = Admission(
+            dict(self.meter.prices),
+            share=limit_share,
+            shared=shared_limits,
+            lease_ttl_s=config.limits_lease_ttl_s,
+        )
         if shared_limits is not None:
             log.info(
                 "saltgate: limits shared by the fleet through [cluster]'s Redis; while it is "
@@ -104,6 +116,7 @@ class Gateway:
         self._log = access_log or AccessLog(None)
         # Seconds the store has been out of reach (GatewayStore.unreachable_for), for /ready.
         self._store_down_for = store_down_for or (lambda: 0.0)
+        self.tracer = tracer  # [tracing]: a span per request (gateway/tracing.py)
         self._tenant_salts: dict[tuple[str, int], str] = {}
         self._routes: dict[tuple[bytes, bytes], str] = {}
         self._request_labels: dict[tuple[bytes, int], tuple[tuple[str, str], ...]] = {}
@@ -112,18 +125,26 @@ class Gateway:
     def _describe_metrics(self) -> None:
         m = self.metrics
         m.describe("saltgate_requests_total", "counter", "Requests by method and status.")
+        # Replicas are labelled by URL (without userinfo), which stays theirs across a
+        # reload; their index in the list would shift.
         m.gauge(
             "saltgate_replica_inflight",
-            "Requests in flight per replica (index in the configuration).",
+            "Requests in flight per replica (its URL).",
             lambda: [
-                ((("replica", str(i)),), float(self.replicas.router.inflight(r.id)))
-                for i, r, _ in self.replicas.available()
+                (
+                    (("replica", replica_label(r.config.url)),),
+                    float(self.replicas.router.inflight(r.id)),
+                )
+                for _, r, _ in self.replicas.available()
             ],
         )
         m.gauge(
             "saltgate_replica_healthy",
             "1 if the replica passes its health checks and its breaker is not open.",
-            lambda: [((("replica", str(i)),), float(ok)) for i, _, ok in self.replicas.available()],
+            lambda: [
+                ((("replica", replica_label(r.config.url)),), float(ok))
+                for _, r, ok in self.replicas.available()
+            ],
         )
         m.gauge(
             "saltgate_limits_share",
@@ -165,6 +186,8 @@ class Gateway:
         await self.ledger.aclose()
         self._log.close()
         await self.keys.aclose()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # exports the last spans
         if self.admission.shared is not None:
             await self.admission.shared.client.aclose()
 
@@ -198,6 +221,8 @@ class Gateway:
         context.client_addr = client_address(
             request.client.peer, request.headers, self.config.trusted_proxies
         )
+        if self.tracer is not None:
+            context.span = self.tracer.request(request.method, request.headers)
         try:
             response = await self._handle(request, context, body_encrypted)
         except ApiError as error:

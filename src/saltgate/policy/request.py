@@ -119,7 +119,8 @@ def resolve_route(
 # Why this method: it is the fastest parse that refuses duplicate keys. Over the stdlib
 # parser with a duplicate-key hook it costs ~0.6x at 4.4 KB and ~0.85x at 100 KB; over the
 # unsafe orjson-only parse it adds ~8 us at 4.4 KB (measured with
-# tests/policy/bench_parse.py; the table is in docs/benchmarks.md, "Request body parsing").
+# tests/policy/bench_parse.py; the table is in docs/dev/benchmarks-history.md, "Request
+# body parsing").
 #
 # Chosen: orjson.loads does all validation it can (UTF-8, one value, no trailing bytes, no
 # NaN/Infinity, no lone surrogates, no float overflow, depth <= 1024), then a C-speed

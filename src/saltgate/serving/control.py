@@ -76,7 +76,8 @@ def frame(body: bytes) -> bytes:
 class _OrderPickler(pickle.Pickler):
     """Pickles a dataclass as a call of its class with its fields. The default restores a
     frozen dataclass by setting its attributes one by one, which a compiled class (mypyc:
-    docs/benchmarks.md, "The compiled build") refuses as an assignment to a frozen field."""
+    docs/dev/benchmarks-history.md, "The compiled build") refuses as an assignment to a
+    frozen field."""
 
     def reducer_override(self, obj: Any) -> Any:
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -24,6 +24,7 @@ from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet, tls_context
 from saltgate.gateway.server import Gateway, error_response
 from saltgate.gateway.shared_limits import connect_shared_limits
+from saltgate.gateway.tracing import start_tracer
 from saltgate.http import Handler, HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
@@ -104,6 +105,7 @@ async def start_gateway(
 ) -> RunningGateway:
     """Open the store, probe the replicas and serve: on `config`'s host and port, or (a
     worker, one of `workers`) on `listener` with the EHBP key its parent gave every worker."""
+    tracer = start_tracer(config.tracing) if config.tracing is not None else None
     master_key = load_master_key(config.master_key_file)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     subkeys = derive_subkeys(master_key)
@@ -127,6 +129,7 @@ async def start_gateway(
         metrics=metrics,
         access_log=AccessLog.open(config.access_log, config.log_format),
         store_down_for=store.unreachable_for,
+        tracer=tracer,
         limit_share=config.limits_share * workers,
         shared_limits=None
         if config.cluster is None

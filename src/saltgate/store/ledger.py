@@ -16,7 +16,7 @@ writer to prove it). Only a kernel crash or power loss could drop the last commi
 
 Group commit is what makes a record per request affordable: 64 writers share a commit,
 and a record's latency stays under a millisecond at p99 (tests/store/bench_ledger.py; the
-figures are in docs/benchmarks.md, "SQLite ledger group commit"). WAL checkpoints,
+figures are in docs/dev/benchmarks-history.md, "SQLite ledger group commit"). WAL checkpoints,
 which fsync, run on a thread of their own every second, so the loop seldom waits for one
 (`Ledger._checkpoint` says when it does, and why the WAL must be rewound).
 """
@@ -130,7 +130,7 @@ class Ledger:
     is released. A commit costs ~20-50 us of the loop's time (WAL, synchronous=NORMAL: no
     fsync), less than handing each record to a writer thread: that hand-off cost more CPU
     per request and, through the GIL, added milliseconds to the tail at low concurrency
-    (docs/benchmarks.md).
+    (docs/dev/benchmarks-history.md).
 
     ``busy`` (optional) says whether other requests are still being served, i.e. more
     records are on their way. Then the commit waits up to ``max_delay_s`` for them, so
@@ -241,7 +241,7 @@ class Ledger:
         after a checkpoint that left no frame behind, and under steady load the loop has
         always appended more before the copy ends: with PASSIVE alone the WAL grew
         without bound (200 MB in 9 s at 2,500 requests/s) and every page lookup in it
-        slowed, which doubled the gateway's p99 at c=1 (docs/benchmarks.md). RESTART
+        slowed, which doubled the gateway's p99 at c=1 (docs/dev/benchmarks-history.md). RESTART
         then copies only the frames written meanwhile and rewinds, holding the writer
         for that copy and one fsync: about one commit a second waits a millisecond or two.
         """

@@ -110,7 +110,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
         "usage: drop the ts index",
         # The ts index cost more than the row itself on every ledger commit (one more page
         # per commit: 47 -> 20 us for a one-row commit, 135 -> 52 us for 13 rows, on this
-        # machine); usage reports aggregate by scanning instead (docs/benchmarks.md).
+        # machine); usage reports aggregate by scanning instead (docs/dev/benchmarks-history.md).
         ("DROP INDEX usage_ts",),
     ),
     Migration(
