@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from saltgate.config import GatewayConfig
+    from saltgate.governance.limits import Limits
     from saltgate.kvevents.settings import KvRelaySettings, KvUpstream
     from saltgate.store.settings import StoreSettings
     from saltgate.store.tenants import TenantStore
@@ -204,6 +205,14 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     which.add_argument("--all", action="store_true", help="every model (clears the list)")
     _state_dir_arg(p)
     p.set_defaults(func=_tenants_set_models)
+    p = tsub.add_parser(
+        "set-limits",
+        help="set a tenant's rate limits and budget (replacing the old ones), or --clear them",
+    )
+    p.add_argument("name", help="the tenant's name")
+    _limit_args(p)
+    _state_dir_arg(p)
+    p.set_defaults(func=_tenants_set_limits)
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     ksub = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -219,6 +228,25 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("key_id", help="the key's id, as `keys list` shows it (key_...)")
     _state_dir_arg(p)
     p.set_defaults(func=_keys_revoke)
+    p = ksub.add_parser(
+        "set-limits",
+        help="set a key's own limits, which narrow its tenant's (replacing the old), or --clear",
+    )
+    p.add_argument("key_id", help="the key's id, as `keys list` shows it (key_...)")
+    _limit_args(p)
+    _state_dir_arg(p)
+    p.set_defaults(func=_keys_set_limits)
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    """The options of `tenants set-limits` and `keys set-limits` (docs/limits.md)."""
+    p.add_argument("--rpm", type=int, help="requests in any 60 s window")
+    p.add_argument("--input-tpm", type=int, help="uncached input tokens in any 60 s window")
+    p.add_argument("--output-tpm", type=int, help="output tokens in any 60 s window")
+    p.add_argument("--concurrency", type=int, help="requests in flight at once")
+    p.add_argument("--budget-usd", help="spend in any --budget-period, priced as billed")
+    p.add_argument("--budget-period", help="the budget's period, e.g. 30d, 7d, 24h")
+    p.add_argument("--clear", action="store_true", help="remove every limit")
 
 
 def _add_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -369,6 +397,7 @@ def _tenants_list(args: argparse.Namespace) -> int:
     def show(st: TenantStore) -> str:
         rows = [
             f"{t.id}\t{t.name}\tepoch {t.epoch}\tmodels {_models_label(t.models)}"
+            f"\tlimits {_limits_label(t.limits)}"
             for t in st.list_tenants()
         ]
         return "\n".join(rows)
@@ -392,6 +421,87 @@ def _tenants_set_models(args: argparse.Namespace) -> int:
     return _with_store(args, apply)
 
 
+def _tenants_set_limits(args: argparse.Namespace) -> int:
+    def apply(st: TenantStore) -> str:
+        t = st.set_limits(args.name, _limits_from_args(args))
+        return f"tenant {t.name} limits {_limits_label(t.limits)}"
+
+    return _with_store(args, apply)
+
+
+def _keys_set_limits(args: argparse.Namespace) -> int:
+    def apply(st: TenantStore) -> str:
+        k = st.set_key_limits(args.key_id, _limits_from_args(args))
+        return f"key {k.id} limits {_limits_label(k.limits)}"
+
+    return _with_store(args, apply)
+
+
+def _limits_from_args(args: argparse.Namespace) -> Limits | None:
+    """The limits the options give; ConfigError (one line on stderr) when wrong."""
+    from saltgate.config import ConfigError
+    from saltgate.governance.limits import Limits, parse_duration
+    from saltgate.prices import micro_per_mtok
+
+    given = [args.rpm, args.input_tpm, args.output_tpm, args.concurrency, args.budget_usd]
+    if args.clear:
+        if any(v is not None for v in (*given, args.budget_period)):
+            raise ConfigError("set-limits: give --clear alone, or the limits without it")
+        return None
+    if all(v is None for v in given):
+        raise ConfigError(
+            "set-limits: give at least one of --rpm, --input-tpm, --output-tpm, "
+            "--concurrency, --budget-usd (or --clear)"
+        )
+    budget = period = None
+    if (args.budget_usd is None) != (args.budget_period is None):
+        raise ConfigError("set-limits: --budget-usd and --budget-period go together")
+    if args.budget_usd is not None:
+        try:
+            budget = micro_per_mtok(float(args.budget_usd))  # dollars -> micro-dollars
+        except ValueError:
+            raise ConfigError(
+                f"--budget-usd {args.budget_usd!r}: expected dollars with at most 6 decimals"
+            ) from None
+        seconds = parse_duration(args.budget_period)
+        if seconds is None or seconds < 1 or seconds != int(seconds):
+            raise ConfigError(
+                f"--budget-period {args.budget_period!r}: expected a duration like 30d, 7d, 24h"
+            )
+        period = int(seconds)
+    try:
+        return Limits(args.rpm, args.input_tpm, args.output_tpm, args.concurrency, budget, period)
+    except ValueError as exc:
+        raise ConfigError(f"set-limits: {exc}") from None
+
+
+def _limits_label(limits: Limits | None) -> str:
+    """Limits as `tenants list` shows them: "rpm=60 input_tpm=10000 budget=$5/30d"."""
+    if limits is None:
+        return "none"
+    parts = [
+        f"{name}={value}"
+        for name, value in (
+            ("rpm", limits.rpm),
+            ("input_tpm", limits.input_tpm),
+            ("output_tpm", limits.output_tpm),
+            ("concurrency", limits.concurrency),
+        )
+        if value is not None
+    ]
+    if limits.budget_micro_usd is not None and limits.budget_period_s is not None:
+        dollars = limits.budget_micro_usd / 1_000_000
+        parts.append(f"budget=${dollars:g}/{_period_label(limits.budget_period_s)}")
+    return " ".join(parts)
+
+
+def _period_label(seconds: int) -> str:
+    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
 def _models_label(models: tuple[str, ...] | None) -> str:
     return "all" if models is None else ",".join(models)
 
@@ -410,7 +520,7 @@ def _keys_list(args: argparse.Namespace) -> int:
         rows = []
         for k in st.list_keys(args.tenant):
             state = "revoked" if k.revoked_at is not None else "active"
-            rows.append(f"{k.id}\t{k.tenant_id}\t{state}")
+            rows.append(f"{k.id}\t{k.tenant_id}\t{state}\tlimits {_limits_label(k.limits)}")
         return "\n".join(rows)
 
     return _with_store(args, show)

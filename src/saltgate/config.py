@@ -240,6 +240,12 @@ class GatewayConfig:
     # [cluster]: share routing state with the other gateways over a bus (docs/deployment.md);
     # None: this gateway routes on what it sees alone.
     cluster: ClusterSettings | None = None
+    # [limits] share: how many gateways (without a shared limits engine) serve the same
+    # tenants; each enforces L / (share x --workers), never a silent N x L (docs/limits.md).
+    limits_share: int = 1
+    # [limits] lease_ttl_s: a concurrency slot whose request never ended (a gateway killed)
+    # is free again after this; longer than the longest request.
+    limits_lease_ttl_s: float = 600.0
     # Accept plain http:// replicas (and kv endpoints without CURVE) off loopback: warned
     # at start, counted in a metric, reported by `saltgate audit deployment`.
     allow_plaintext_upstream: bool = False
@@ -408,6 +414,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         "store",
         "cluster",
         "tracing",
+        "limits",
     }
     unknown = set(doc) - known
     if unknown:
@@ -444,6 +451,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         store=_store(doc.get("store"), base, state_dir),
         cluster=_cluster(doc.get("cluster"), base),
         tracing=_tracing(doc.get("tracing")),
+        **_limits(doc.get("limits", {})),
         **_ehbp(doc.get("ehbp", {}), base),
         **kwargs,
     )
@@ -622,6 +630,26 @@ def _tracing(table: Any) -> TracingConfig | None:
     if not name:
         raise ConfigError("tracing.service_name: must not be empty")
     return TracingConfig(endpoint.rstrip("/"), name, ratio)
+
+
+def _limits(table: Any) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise ConfigError("limits: expected a table")
+    unknown = sorted(set(table) - {"share", "lease_ttl_s"})
+    if unknown:
+        raise ConfigError(f"limits: unknown keys {unknown}; expected ['lease_ttl_s', 'share']")
+    out: dict[str, Any] = {}
+    if "share" in table:
+        share = _expect(table, "share", int, "limits")
+        if share < 1:
+            raise ConfigError("limits.share: expected the number of gateways (1 or more)")
+        out["limits_share"] = share
+    if "lease_ttl_s" in table:
+        ttl = _expect(table, "lease_ttl_s", (int, float), "limits")
+        if not ttl >= 1:
+            raise ConfigError("limits.lease_ttl_s: expected seconds, at least 1")
+        out["limits_lease_ttl_s"] = float(ttl)
+    return out
 
 
 def _router(table: Any) -> RouterConfig:

@@ -20,7 +20,13 @@ ROOT = "saltgate"
 
 # The functional core: no sockets, no event loop, no database, no clock (docs/design.md),
 # so every decision there is testable without I/O. config.py is a parser.
-PURE_PACKAGES = ("saltgate.derivations", "saltgate.policy", "saltgate.routing", "saltgate.ehbp")
+PURE_PACKAGES = (
+    "saltgate.derivations",
+    "saltgate.policy",
+    "saltgate.routing",
+    "saltgate.ehbp",
+    "saltgate.governance",  # limits and budgets: the time is an argument (docs/limits.md)
+)
 PURE_MODULES = (
     "saltgate",  # the package's own __init__
     "saltgate.config",

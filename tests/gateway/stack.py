@@ -139,6 +139,9 @@ async def stack(
     log_format: str = "text",
     trusted_proxies: TrustedProxies | None = None,
     tracing: TracingConfig | None = None,
+    workers: int = 1,
+    limits_share: int = 1,
+    limits_lease_ttl_s: float = 600.0,
 ) -> AsyncIterator[Stack]:
     """``models``: replica i serves models[i] (else every replica serves MODEL)."""
     base = sim or SimConfig(port=0)
@@ -164,8 +167,10 @@ async def stack(
         log_format=log_format,
         trusted_proxies=trusted_proxies or TrustedProxies(),
         tracing=tracing,
+        limits_share=limits_share,
+        limits_lease_ttl_s=limits_lease_ttl_s,
     )
-    gateway = await start_gateway(config)
+    gateway = await start_gateway(config, workers=workers)
     try:
         yield Stack(gateway, sims, taps, keys, state)
     finally:

@@ -60,6 +60,10 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     path.write_text(GOOD.replace("[gateway]", '[gateway]\ntrusted_proxies = ["127.0.0.1", "::1"]'))
     networks = load_config(path).trusted_proxies.networks
     assert [str(n) for n in networks] == ["127.0.0.1/32", "::1/128"]
+    assert config.limits_share == 1  # one gateway: the whole limit
+    assert config.limits_lease_ttl_s == 600.0
+    path.write_text(GOOD + "[limits]\nshare = 4\nlease_ttl_s = 120\n")
+    assert (load_config(path).limits_share, load_config(path).limits_lease_ttl_s) == (4, 120.0)
 
 
 @pytest.mark.parametrize(
@@ -85,6 +89,10 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         ('[[replicas]]\nurl = "http://h:1"\n[cluster]\npassword = "inline"\n', "cluster.password"),
         ('[gateway]\ntrusted_proxies = "10.0.0.0/8"\n[[replicas]]\nurl = "http://h:1"\n', "list"),
         ('[gateway]\ntrusted_proxies = [10]\n[[replicas]]\nurl = "http://h:1"\n', "strings"),
+        ('[[replicas]]\nurl = "http://h:1"\n[limits]\nshare = 0\n', "limits.share"),
+        ('[[replicas]]\nurl = "http://h:1"\n[limits]\nshare = "2"\n', "limits.share"),
+        ('[[replicas]]\nurl = "http://h:1"\n[limits]\nshares = 2\n', "limits: unknown keys"),
+        ('[[replicas]]\nurl = "http://h:1"\n[limits]\nlease_ttl_s = 0\n', "limits.lease_ttl_s"),
         (
             '[gateway]\ntrusted_proxies = ["10.0.0.1/8"]\n[[replicas]]\nurl = "http://h:1"\n',
             "gateway.trusted_proxies: '10.0.0.1/8'",

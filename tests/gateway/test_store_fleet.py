@@ -129,13 +129,27 @@ def test_store_changes_reach_every_gateway_within_a_second(
             # Outside its allowed models, the model is 404 as if it did not exist.
             await admin(1, "tenants", "set-models", "acme", "other-model,another")
             [line] = (await admin(0, "tenants", "list")).splitlines()
-            assert line.endswith("\tmodels another,other-model")
+            assert line.endswith("\tmodels another,other-model\tlimits none")
             took = await _until_both(gateways, lambda g: _is(status(g, first), 404), "a model list")
             print(f"{store_settings.backend}: allowed models live everywhere in {took:.3f} s")
             await admin(0, "tenants", "set-models", "acme", "--all")
             [line] = (await admin(1, "tenants", "list")).splitlines()
-            assert line.endswith("\tmodels all")
+            assert line.endswith("\tmodels all\tlimits none")
             await _until_both(gateways, lambda g: _is(status(g, first), 200), "every model again")
+
+            # Limits travel the same way: every answer then carries them (docs/limits.md).
+            async def limited(g: GatewayProcess) -> bool:
+                body = {"model": MODEL, "prompt": "hello", "max_tokens": 1}
+                resp = await http.post(
+                    f"{g.url}/v1/completions",
+                    json=body,
+                    headers={"authorization": f"Bearer {first}"},
+                )
+                return bool(resp.headers.get("x-ratelimit-limit-requests") == "1000")
+
+            await admin(1, "tenants", "set-limits", "acme", "--rpm", "1000")
+            took = await _until_both(gateways, limited, "a tenant's limits")
+            print(f"{store_settings.backend}: limits live everywhere in {took:.3f} s")
         finally:
             await http.aclose()
             for g in gateways:

@@ -35,20 +35,61 @@ def test_admin_commands_work_on_the_configured_store(
     code, key, err = _saltgate(capsys, "keys", "create", "acme", *c)
     assert code == 0 and key.startswith("sg_") and err.startswith("created key_")
     code, listed, _ = _saltgate(capsys, "keys", "list", *c)
-    assert code == 0 and listed.endswith("\tactive") and key not in listed
+    assert code == 0 and listed.endswith("\tactive\tlimits none") and key not in listed
     code, tenants, _ = _saltgate(capsys, "tenants", "list", *c)
     tenant_id = tenants.split("\t")[0]
     assert _saltgate(capsys, "tenants", "rotate-salt", "acme", *c)[1].endswith("epoch 1")
-    assert tenants.endswith("\tmodels all")
+    assert tenants.endswith("\tmodels all\tlimits none")
     set_models = ("tenants", "set-models", "acme")
     assert _saltgate(capsys, *set_models, "m2, m1", *c)[1] == "tenant acme may use models m1,m2"
-    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tepoch 1\tmodels m1,m2")
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(
+        "\tepoch 1\tmodels m1,m2\tlimits none"
+    )
     code, _, err = _saltgate(capsys, *set_models, " , ", *c)
     assert code == 1 and "invalid model list" in err
     with pytest.raises(SystemExit):  # a list or --all, not both
         main([*set_models, "m1", "--all", *c])
     assert _saltgate(capsys, *set_models, "--all", *c)[1] == "tenant acme may use models all"
-    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tmodels all")
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tmodels all\tlimits none")
+
+    set_limits = ("tenants", "set-limits", "acme")
+    code, out, _ = _saltgate(
+        capsys,
+        *set_limits,
+        "--rpm",
+        "60",
+        "--input-tpm",
+        "10000",
+        "--output-tpm",
+        "2000",
+        "--concurrency",
+        "4",
+        "--budget-usd",
+        "12.5",
+        "--budget-period",
+        "30d",
+        *c,
+    )
+    expected = "rpm=60 input_tpm=10000 output_tpm=2000 concurrency=4 budget=$12.5/30d"
+    assert (code, out) == (0, f"tenant acme limits {expected}")
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(f"\tlimits {expected}")
+    for bad, message in (
+        (("--budget-usd", "5"), "--budget-usd and --budget-period go together"),
+        (("--budget-usd", "0.0000001", "--budget-period", "1d"), "at most 6 decimals"),
+        (("--budget-usd", "5", "--budget-period", "soon"), "expected a duration"),
+        (("--rpm", "-1"), "non-negative"),
+        (("--rpm", "5", "--clear"), "--clear alone"),
+        ((), "give at least one"),
+    ):
+        code, _, err = _saltgate(capsys, *set_limits, *bad, *c)
+        assert code == 1 and message in err, (bad, err)
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(f"\tlimits {expected}")
+    key_id = listed.split("\t")[0]
+    code, out, _ = _saltgate(capsys, "keys", "set-limits", key_id, "--rpm", "5", *c)
+    assert (code, out) == (0, f"key {key_id} limits rpm=5")
+    assert _saltgate(capsys, "keys", "list", *c)[1].endswith("\tlimits rpm=5")
+    assert _saltgate(capsys, *set_limits, "--clear", *c)[1] == "tenant acme limits none"
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tlimits none")
 
     async def meter() -> None:
         store = await open_gateway_store(store_settings)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from saltgate.cli import main
+from saltgate.governance.limits import Limits
 from saltgate.prices import Price, PriceVersion
 from saltgate.store.backends import open_database
 from saltgate.store.db import Database
@@ -89,6 +90,9 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     tenants.revoke_key(revoked_id)
     late_id, late_key = tenants.create_key("beta")  # revoked between the two passes
     tenants.rotate_salt("beta")
+    tenants.set_models("acme", ["m"])
+    tenants.set_limits("acme", Limits(rpm=60, budget_micro_usd=5, budget_period_s=86400))
+    tenants.set_key_limits(acme_key_id, Limits(concurrency=2))
     price = PriceVersion.of("m", Price(1.0, 0.5, 2.0))
     src.execute_many(PRICE_INSERT, price_rows([price], 1.0))
     src.execute_many(USAGE_INSERT, _records(12, 1000.0, acme.id, acme_key_id))
@@ -114,8 +118,11 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert "verified" in out
 
     dst = open_database(pg_store)
-    for sql in ("SELECT id, name, epoch, created_at FROM tenants", "SELECT * FROM api_keys"):
+    for sql in ("SELECT * FROM tenants", "SELECT * FROM api_keys"):
         assert _rows(dst, sql) == _rows(src, sql)
+    assert TenantStore(dst).get_tenant("acme").limits == Limits(
+        rpm=60, budget_micro_usd=5, budget_period_s=86400
+    )
     assert _rows(dst, PRICES_SQL) == _rows(src, PRICES_SQL)
     legacy = LEGACY_REQUEST_ID.format(legacy_id)
     expected = {(legacy, *r[1:]) if r[0] is None else r for r in _rows(src, USAGE_SQL)}
@@ -138,6 +145,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     src.execute_many(USAGE_INSERT, new)
     tenants.revoke_key(late_id)
     tenants.rotate_salt("acme")
+    tenants.set_limits("acme", None)
     since = ("--since", "1970-01-01T00:16:40")  # ts 1000: the first pass's rows too
     code, out, err = _saltgate(capsys, "store", "copy", "--from", source.url, *to, *since)
     assert (code, err) == (0, ""), err
@@ -146,6 +154,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert set(new) <= _rows(dst, USAGE_SQL)
     assert _authenticates(dst, late_key) is None
     assert _authenticates(dst, acme_key) == (acme.id, 1)
+    assert TenantStore(dst).get_tenant("acme").limits is None
 
     # And back: PostgreSQL to a new SQLite file, the same rows.
     back = StoreSettings.sqlite(tmp_path / "back.db")

@@ -22,6 +22,7 @@ import pytest
 from tests.support.leaks import leaks
 from tests.support.waiting import eventually_blocking
 
+from saltgate.governance.limits import Limits
 from saltgate.store.backends import open_database
 from saltgate.store.errors import (
     KeyNotFoundError,
@@ -100,7 +101,9 @@ def test_an_older_schema_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
     # Version 1 was applied before the table; every later one by this open.
     assert recorded == [(1, 1)] + [(m.version, 0) for m in SQLITE_MIGRATIONS[1:]]
     tenant_columns = [row[1] for row in conn.execute("PRAGMA table_info(tenants)")]
-    assert "allowed_models" in tenant_columns
+    assert "allowed_models" in tenant_columns and "limits" in tenant_columns
+    key_columns = [row[1] for row in conn.execute("PRAGMA table_info(api_keys)")]
+    assert "limits" in key_columns
     conn.close()
 
     # The old row has no request id; new ones do, and a second record with the same id is
@@ -258,6 +261,38 @@ def test_allowed_models_on_either_backend(store_settings: StoreSettings) -> None
         assert principal is not None and principal.models is None
         with pytest.raises(TenantNotFoundError):
             store.set_models("nobody", ["m1"])
+
+
+def test_limits_on_either_backend(store_settings: StoreSettings) -> None:
+    """Tenant and key limits are stored, listed and cleared; a change moves the auth
+    generation, and the gateway's snapshot carries both with each key."""
+    db = open_database(store_settings)
+    with TenantStore(db) as store:
+        store.create_tenant("acme")
+        key_id, key = store.create_key("acme")
+        assert store.get_tenant("acme").limits is None
+        [(before,)] = db.query("SELECT auth_generation FROM meta")
+        limits = Limits(rpm=60, output_tpm=1000, budget_micro_usd=5_000_000, budget_period_s=86400)
+        assert store.set_limits("acme", limits).limits == limits
+        assert store.get_tenant("acme").limits == limits
+        [(after,)] = db.query("SELECT auth_generation FROM meta")
+        assert after > before
+        assert store.set_key_limits(key_id, Limits(concurrency=2)).limits == Limits(concurrency=2)
+        assert [k.limits for k in store.list_keys("acme")] == [Limits(concurrency=2)]
+        [(after_key,)] = db.query("SELECT auth_generation FROM meta")
+        assert after_key > after
+        principal = KeySnapshot(db.query(LIVE_KEYS_SQL)).lookup(key)
+        assert principal is not None
+        assert (principal.limits, principal.key_limits) == (limits, Limits(concurrency=2))
+        # Revoking keeps the key's limits on record; clearing removes them.
+        assert store.revoke_key(key_id).limits == Limits(concurrency=2)
+        assert store.set_limits("acme", None).limits is None
+        assert store.set_limits("acme", Limits()).limits is None  # empty is none
+        assert store.get_tenant("acme").limits is None
+        with pytest.raises(TenantNotFoundError):
+            store.set_limits("nobody", limits)
+        with pytest.raises(KeyNotFoundError):
+            store.set_key_limits("key_000000000000", limits)
 
 
 def test_errors_are_clear_and_never_echo_keys(store_settings: StoreSettings) -> None:

@@ -35,10 +35,13 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from saltgate.derivations.derive import ROUTE_RESPONSES
+from saltgate.gateway.admission import Admission
 from saltgate.gateway.context import AttemptTrace, RequestContext
 from saltgate.gateway.metrics import TTFT_BUCKETS, Labels, Metrics, duration_buckets
 from saltgate.gateway.replicas import Attempt, ReplicaSet
+from saltgate.gateway.shared_limits import SharedTicket
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
+from saltgate.governance.limits import Ticket
 from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import scrub_response_headers
@@ -202,6 +205,7 @@ class Exchange:
     """See the module docstring; `forward` starts it, `_end` ends it, once."""
 
     __slots__ = (
+        "_admission",
         "_attempt",
         "_client",
         "_context",
@@ -213,12 +217,24 @@ class Exchange:
         "_principal",
         "_scanner",
         "_span",
+        "_ticket",
         "_upstream",
     )
 
     def __init__(
-        self, meter: Meter, principal: Principal, context: RequestContext, client: Client
+        self,
+        meter: Meter,
+        principal: Principal,
+        context: RequestContext,
+        client: Client,
+        *,
+        admission: Admission | None = None,
+        ticket: Ticket | SharedTicket | None = None,
     ) -> None:
+        """`ticket`: the request's reservations under its tenant's limits, settled with
+        `admission` when it ends (gateway/admission.py); None when it has no limits."""
+        self._admission = admission
+        self._ticket = ticket
         self._meter = meter
         self._principal = principal
         self._context = context
@@ -254,6 +270,8 @@ class Exchange:
                 if attempt is None:
                     if tried:
                         await self._end(NOT_SERVED)
+                    if self._admission is not None:
+                        self._settle(None, None)
                     raise no_replica()
                 replica = attempt.replica
                 sent = headers
@@ -376,6 +394,19 @@ class Exchange:
             raise failure
 
     # -- the one ending ----------------------------------------------------------------
+    def _settle(self, used: Usage | None, cost: int | None) -> None:
+        """Correct the request's reservations to what it used (nothing metered: nothing
+        used) and free its concurrency lease; once, whichever way it ended."""
+        admission, ticket = self._admission, self._ticket
+        if admission is None or ticket is None:
+            return
+        self._admission = None
+        if used is None:
+            admission.settle(ticket, 0, 0, 0)
+            return
+        uncached = used.prompt_tokens - (used.cached_tokens or 0)
+        admission.settle(ticket, max(uncached, 0), used.completion_tokens, cost or 0)
+
     def _failed(self) -> None:
         if self._attempt is not None:
             self._attempt.failed()
@@ -424,6 +455,8 @@ class Exchange:
             ),
             price_version=None if price is None else price.version,
         )
+        if self._admission is not None:
+            self._settle(used, record.cost_micro_usd)
         await meter.ledger.record(record)
         meter.count(
             record,

@@ -23,12 +23,14 @@ import orjson
 from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog
+from saltgate.gateway.admission import Admission
 from saltgate.gateway.context import RequestContext, Tracer
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter, replica_label
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
+from saltgate.gateway.shared_limits import SharedLimits
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError, missing_parameter, model_not_found
 from saltgate.policy.forwarded import client_address
@@ -75,6 +77,8 @@ class Gateway:
         access_log: AccessLog | None = None,
         store_down_for: Callable[[], float] | None = None,
         tracer: Tracer | None = None,
+        limit_share: int = 1,
+        shared_limits: SharedLimits | None = None,
     ) -> None:
         self.config = config
         self.subkeys = subkeys
@@ -88,6 +92,27 @@ class Gateway:
             price_versions(config.prices),
             timeout_s=config.upstream_timeout_s,
         )
+        self.admission = Admission(
+            dict(self.meter.prices),
+            share=limit_share,
+            shared=shared_limits,
+            lease_ttl_s=config.limits_lease_ttl_s,
+        )
+        if shared_limits is not None:
+            log.info(
+                "saltgate: limits shared by the fleet through [cluster]'s Redis; while it is "
+                "unreachable each process enforces 1/%d of every limit (docs/limits.md)",
+                limit_share,
+            )
+        elif limit_share > 1:
+            log.warning(
+                "saltgate: limits are not shared between this gateway's %d processes "
+                "([limits] share x --workers): each enforces 1/%d of every tenant's and "
+                "key's limit (rounded down), so together they never exceed it "
+                "(docs/limits.md)",
+                limit_share,
+                limit_share,
+            )
         self._log = access_log or AccessLog(None)
         # Seconds the store has been out of reach (GatewayStore.unreachable_for), for /ready.
         self._store_down_for = store_down_for or (lambda: 0.0)
@@ -122,6 +147,19 @@ class Gateway:
             ],
         )
         m.gauge(
+            "saltgate_limits_share",
+            "The processes every tenant's and key's limits are split between, each "
+            "enforcing limit / share ([limits] share x --workers; 1: the whole limit here).",
+            lambda: [((), float(self.admission.share))],
+        )
+        if self.admission.shared is not None:
+            m.gauge(
+                "saltgate_limits_shared_up",
+                "1 while limits are checked in [cluster]'s Redis for the whole fleet; 0 while "
+                "it is unreachable and this process enforces limit / saltgate_limits_share.",
+                lambda: [((), float(self.admission.shared_up))],
+            )
+        m.gauge(
             "saltgate_plaintext_upstream_replicas",
             "Replicas reached in clear across a network (allow_plaintext_upstream), by link: "
             "http (prompts, salts, API key) or kv_events (salts, token ids). 0 is the goal.",
@@ -151,6 +189,8 @@ class Gateway:
         await self.keys.aclose()
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # exports the last spans
+        if self.admission.shared is not None:
+            await self.admission.shared.client.aclose()
 
     def reopen_log(self) -> bool:
         """Reopen the access log file (SIGHUP, log rotation); False when it is no file or
@@ -233,8 +273,16 @@ class Gateway:
         plan = self.replicas.plan(
             route, body.obj, inspected.model, salt, remember=inspected.user_cache_secret is None
         )
-        exchange = Exchange(self.meter, principal, context, request.client)
-        return await exchange.forward(
+        admission = ticket = limit_headers = None
+        if principal.limits is not None or principal.key_limits is not None:
+            admission = self.admission  # no limits, no cost: all of this is skipped
+            ticket, limit_headers = await admission.admit(
+                principal, route, inspected.model, len(request.body), inspected.max_tokens
+            )
+        exchange = Exchange(
+            self.meter, principal, context, request.client, admission=admission, ticket=ticket
+        )
+        response = await exchange.forward(
             self.replicas,
             plan,
             request.path,
@@ -242,6 +290,9 @@ class Gateway:
             payload,
             client_wants_usage=inspected.client_wants_usage,
         )
+        if limit_headers:
+            response.headers += limit_headers
+        return response
 
     def _check_model(self, route: str, model: str, principal: Principal) -> None:
         """404 for a model no replica serves or one the tenant may not use, alike; a model

@@ -24,6 +24,7 @@ from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet, tls_context
 from saltgate.gateway.server import Gateway, error_response
+from saltgate.gateway.shared_limits import connect_shared_limits
 from saltgate.gateway.tracing import start_tracer
 from saltgate.http import Handler, HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
@@ -103,9 +104,10 @@ async def start_gateway(
     *,
     listener: SharedListener | None = None,
     ehbp_key: ServerKey | None = None,
+    workers: int = 1,
 ) -> RunningGateway:
     """Open the store, probe the replicas and serve: on `config`'s host and port, or (a
-    worker) on `listener` with the EHBP key its parent gave every worker."""
+    worker, one of `workers`) on `listener` with the EHBP key its parent gave every worker."""
     tracer = start_tracer(config.tracing) if config.tracing is not None else None
     master_key = load_master_key(config.master_key_file)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -131,6 +133,10 @@ async def start_gateway(
         access_log=AccessLog.open(config.access_log, config.log_format),
         store_down_for=store.unreachable_for,
         tracer=tracer,
+        limit_share=config.limits_share * workers,
+        shared_limits=None
+        if config.cluster is None
+        else connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s),
     )
     ehbp = _ehbp_edge(config, gateway, metrics, ehbp_key)
     handler: Handler = gateway.handle if ehbp is None else ehbp.handle

@@ -63,6 +63,7 @@ async def work(index: int, workers: int, listen_fd: int, control_fd: int, board_
             start.config,
             listener=SharedListener(socket.socket(fileno=listen_fd), board.gate(index)),
             ehbp_key=ServerKey(key) if key is not None else None,
+            workers=workers,
         )
     except (ConfigError, StoreError, OSError) as exc:
         tag = control.FAILED if isinstance(exc, OSError) else control.USAGE_FAILED

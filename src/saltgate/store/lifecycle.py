@@ -24,20 +24,26 @@ from saltgate.store.errors import StoreError
 from saltgate.store.ledger import PRICE_INSERT, USAGE_INSERT, UsageRecord
 
 # Tenants and keys are upserted by id: a second pass (--since) brings a salt rotation or a
-# revocation made in the source since the first, and never undoes one made in either.
+# revocation made in the source since the first, and never undoes one made in either; a
+# tenant's models and limits and a key's limits are the source's.
 _TENANT_UPSERT = (
-    "INSERT INTO tenants (id, name, epoch, created_at) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT (id) DO UPDATE SET epoch = excluded.epoch WHERE excluded.epoch > tenants.epoch"
+    "INSERT INTO tenants (id, name, epoch, created_at, allowed_models, limits) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+    "epoch = CASE WHEN excluded.epoch > tenants.epoch THEN excluded.epoch ELSE tenants.epoch END, "
+    "allowed_models = excluded.allowed_models, limits = excluded.limits"
 )
 _KEY_UPSERT = (
-    "INSERT INTO api_keys (id, tenant_id, key_hash, created_at, revoked_at) "
-    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET revoked_at = excluded.revoked_at "
-    "WHERE api_keys.revoked_at IS NULL AND excluded.revoked_at IS NOT NULL"
+    "INSERT INTO api_keys (id, tenant_id, key_hash, created_at, revoked_at, limits) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+    "revoked_at = COALESCE(api_keys.revoked_at, excluded.revoked_at), limits = excluded.limits"
 )
 # The small tables, copied whole on every pass: (query, statement), keys after tenants.
 _SMALL_TABLES = (
-    ("SELECT id, name, epoch, created_at FROM tenants", _TENANT_UPSERT),
-    ("SELECT id, tenant_id, key_hash, created_at, revoked_at FROM api_keys", _KEY_UPSERT),
+    ("SELECT id, name, epoch, created_at, allowed_models, limits FROM tenants", _TENANT_UPSERT),
+    (
+        "SELECT id, tenant_id, key_hash, created_at, revoked_at, limits FROM api_keys",
+        _KEY_UPSERT,
+    ),
     (
         "SELECT version, model, input_micro_usd_per_mtok, cached_input_micro_usd_per_mtok, "
         "output_micro_usd_per_mtok, effective_from FROM prices",

@@ -18,29 +18,27 @@ import csv
 import io
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Literal
 
+from saltgate.governance.limits import parse_duration
 from saltgate.prices import MICRO, Price, PriceVersion, price_versions
 from saltgate.store.db import Database
 
 UsageFormat = Literal["table", "json", "csv"]
 GROUP_KEYS = ("tenant", "key", "model", "day")
 
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _DAY_S = 86400
 
 
 def parse_time(text: str, now: float, option: str = "--since") -> float:
     """`--since`/`--until` value to a unix time: a duration back from `now` ("90m", "24h",
     "7d") or an ISO 8601 date or date-time (without a zone: UTC)."""
-    m = _DURATION_RE.fullmatch(text.strip())
-    if m:
-        return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+    back = parse_duration(text)
+    if back is not None:
+        return now - back
     try:
         dt = datetime.fromisoformat(text.strip())
     except ValueError:

@@ -34,6 +34,18 @@ TENANT_MODELS = Migration(
     5, "tenants: allowed models", ("ALTER TABLE tenants ADD COLUMN allowed_models TEXT",)
 )
 
+# The same statements on both backends. NULL: no limits; else a JSON object of the limits
+# set (saltgate.governance.limits.Limits: saltgate tenants set-limits / keys set-limits).
+# They reach the gateways as models do, through the auth generation.
+LIMITS = Migration(
+    6,
+    "tenants and keys: limits and budgets",
+    (
+        "ALTER TABLE tenants ADD COLUMN limits TEXT",
+        "ALTER TABLE api_keys ADD COLUMN limits TEXT",
+    ),
+)
+
 SQLITE_VERSION_TABLE = (
     "CREATE TABLE IF NOT EXISTS schema_version ("
     "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL)"
@@ -149,6 +161,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
         ),
     ),
     TENANT_MODELS,
+    LIMITS,
 )
 
 POSTGRES_VERSION_TABLE = (
@@ -226,6 +239,7 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
         ),
     ),
     TENANT_MODELS,
+    LIMITS,
 )
 
 SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
+from saltgate.governance.limits import Limits
 from saltgate.store.db import Database
 from saltgate.store.errors import (
     ConflictError,
@@ -63,6 +64,7 @@ class Tenant:
     epoch: int
     created_at: float
     models: tuple[str, ...] | None = None  # the models it may use; None: all
+    limits: Limits | None = None  # its limits and budget; None: unlimited
 
     @property
     def epoch_label(self) -> str:
@@ -78,6 +80,7 @@ class ApiKeyInfo:
     tenant_id: str
     created_at: float
     revoked_at: float | None
+    limits: Limits | None = None  # narrowing its tenant's; None: the tenant's alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,8 @@ class Principal:
     key_id: str
     epoch: int
     models: frozenset[str] | None = None  # the models it may use; None: all
+    limits: Limits | None = None  # the tenant's limits; None: unlimited
+    key_limits: Limits | None = None  # the key's own, narrowing the tenant's
 
     @property
     def epoch_label(self) -> str:
@@ -98,13 +103,14 @@ class Principal:
 
 # The live keys with what a request needs of their tenant: the gateway's snapshot.
 LIVE_KEYS_SQL = (
-    "SELECT k.key_hash, t.id, t.name, k.id, t.epoch, t.allowed_models "
+    "SELECT k.key_hash, t.id, t.name, k.id, t.epoch, t.allowed_models, t.limits, k.limits "
     "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
     "WHERE k.revoked_at IS NULL"
 )
 
 
-_SELECT_TENANTS = "SELECT id, name, epoch, created_at, allowed_models FROM tenants"
+_SELECT_TENANTS = "SELECT id, name, epoch, created_at, allowed_models, limits FROM tenants"
+_SELECT_KEYS = "SELECT id, tenant_id, created_at, revoked_at, limits FROM api_keys"
 
 
 def _allowed_models(stored: str | None) -> tuple[str, ...] | None:
@@ -112,9 +118,14 @@ def _allowed_models(stored: str | None) -> tuple[str, ...] | None:
     return None if stored is None else tuple(json.loads(stored))
 
 
-def _tenant(row: tuple[str, str, int, float, str | None]) -> Tenant:
-    tid, name, epoch, created_at, models = row
-    return Tenant(tid, name, epoch, created_at, _allowed_models(models))
+def _tenant(row: tuple[str, str, int, float, str | None, str | None]) -> Tenant:
+    tid, name, epoch, created_at, models, limits = row
+    return Tenant(tid, name, epoch, created_at, _allowed_models(models), Limits.from_json(limits))
+
+
+def _key(row: tuple[str, str, float, float | None, str | None]) -> ApiKeyInfo:
+    kid, tid, created_at, revoked_at, limits = row
+    return ApiKeyInfo(kid, tid, created_at, revoked_at, Limits.from_json(limits))
 
 
 def db_path(state_dir: str | os.PathLike[str]) -> Path:
@@ -254,7 +265,32 @@ class TenantStore:
         with self._db.transaction():
             t = self.get_tenant(tenant)
             self._db.execute("UPDATE tenants SET allowed_models = ? WHERE id = ?", (stored, t.id))
-        return Tenant(t.id, t.name, t.epoch, t.created_at, names)
+        return Tenant(t.id, t.name, t.epoch, t.created_at, names, t.limits)
+
+    def set_limits(self, tenant: str, limits: Limits | None) -> Tenant:
+        """Replace the tenant's limits (None or empty: unlimited); every gateway follows
+        within a second, as it does a key change (the auth generation moves)."""
+        stored = None if limits is None else limits.to_json()
+        with self._db.transaction():
+            t = self.get_tenant(tenant)
+            self._db.execute("UPDATE tenants SET limits = ? WHERE id = ?", (stored, t.id))
+        return Tenant(t.id, t.name, t.epoch, t.created_at, t.models, Limits.from_json(stored))
+
+    def set_key_limits(self, key_id: str, limits: Limits | None) -> ApiKeyInfo:
+        """Replace a key's own limits, which narrow its tenant's (None: the tenant's)."""
+        stored = None if limits is None else limits.to_json()
+        with self._db.transaction():
+            info = self._get_key(key_id)
+            self._db.execute("UPDATE api_keys SET limits = ? WHERE id = ?", (stored, key_id))
+        return ApiKeyInfo(
+            info.id, info.tenant_id, info.created_at, info.revoked_at, Limits.from_json(stored)
+        )
+
+    def _get_key(self, key_id: str) -> ApiKeyInfo:
+        rows = self._db.query(_SELECT_KEYS + " WHERE id = ?", (key_id,))
+        if not rows:
+            raise KeyNotFoundError(f"no such {_describe_ref(key_id, _KEY_ID_RE, 'key id')}")
+        return _key(rows[0])
 
     # keys
 
@@ -276,33 +312,23 @@ class TenantStore:
     def list_keys(self, tenant: str | None = None) -> list[ApiKeyInfo]:
         """Key metadata (never the keys), optionally of one tenant, oldest first."""
         if tenant is None:
-            rows = self._db.query(
-                "SELECT id, tenant_id, created_at, revoked_at FROM api_keys ORDER BY created_at"
-            )
+            rows = self._db.query(_SELECT_KEYS + " ORDER BY created_at")
         else:
             t = self.get_tenant(tenant)
             rows = self._db.query(
-                "SELECT id, tenant_id, created_at, revoked_at FROM api_keys "
-                "WHERE tenant_id = ? ORDER BY created_at",
-                (t.id,),
+                _SELECT_KEYS + " WHERE tenant_id = ? ORDER BY created_at", (t.id,)
             )
-        return [ApiKeyInfo(*row) for row in rows]
+        return [_key(row) for row in rows]
 
     def revoke_key(self, key_id: str) -> ApiKeyInfo:
         """Revoke a key by its id; the tenant (and its warm cache) is untouched."""
         with self._db.transaction():
-            rows = self._db.query(
-                "SELECT id, tenant_id, created_at, revoked_at FROM api_keys WHERE id = ?",
-                (key_id,),
-            )
-            if not rows:
-                raise KeyNotFoundError(f"no such {_describe_ref(key_id, _KEY_ID_RE, 'key id')}")
-            info = ApiKeyInfo(*rows[0])
+            info = self._get_key(key_id)
             if info.revoked_at is not None:
                 raise KeyRevokedError(f"key id {key_id!r} was already revoked")
             now = time.time()
             self._db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ?", (now, key_id))
-        return ApiKeyInfo(info.id, info.tenant_id, info.created_at, now)
+        return ApiKeyInfo(info.id, info.tenant_id, info.created_at, now, info.limits)
 
 
 # --------------------------------------------------------------------------- hot path
@@ -324,15 +350,28 @@ class KeySnapshot:
 
     __slots__ = ("_by_hash",)
 
-    def __init__(self, rows: Iterable[tuple[bytes, str, str, str, int, str | None]] = ()) -> None:
+    def __init__(
+        self,
+        rows: Iterable[tuple[bytes, str, str, str, int, str | None, str | None, str | None]] = (),
+    ) -> None:
         """`rows` as LIVE_KEYS_SQL returns them."""
         allowed: dict[str, frozenset[str] | None] = {}  # one set per tenant, not per key
+        limits: dict[str, Limits | None] = {}
         self._by_hash: dict[bytes, tuple[bytes, Principal]] = {}
-        for h, tid, tname, kid, epoch, models in rows:
+        for h, tid, tname, kid, epoch, models, tenant_limits, key_limits in rows:
             if tid not in allowed:
                 names = _allowed_models(models)
                 allowed[tid] = None if names is None else frozenset(names)
-            principal = Principal(tid, tname, kid, int(epoch), allowed[tid])
+                limits[tid] = Limits.from_json(tenant_limits)
+            principal = Principal(
+                tid,
+                tname,
+                kid,
+                int(epoch),
+                allowed[tid],
+                limits[tid],
+                Limits.from_json(key_limits),
+            )
             self._by_hash[bytes(h)] = (bytes(h), principal)
 
     def __len__(self) -> int:

@@ -1,0 +1,282 @@
+"""Admission under the tenants' limits, in the request's lifecycle (docs/limits.md).
+
+The decisions are saltgate.governance.limits' (pure); this module holds the process's
+`Governor`, reads the clock, and turns a decision into what the caller's API expects: a 429
+in OpenAI's or Anthropic's shape with Retry-After, and the rate-limit headers on every
+answer to a tenant with limits. A request whose tenant and key have no limits skips all of
+it (gateway/server.py tests two attributes of the principal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from datetime import UTC, datetime
+from typing import Final
+
+from redis.exceptions import RedisError
+
+from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
+from saltgate.governance.limits import (
+    BUDGET,
+    CONCURRENCY,
+    DEFAULT_LEASE_TTL_S,
+    INPUT_TOKENS,
+    OUTPUT_TOKENS,
+    REQUESTS,
+    Demand,
+    Denial,
+    Governor,
+    Limits,
+    Quota,
+    Ticket,
+    output_allowance,
+)
+from saltgate.http import Headers
+from saltgate.policy.errors import AnthropicApiError, ApiError
+from saltgate.policy.request import GENERATION_ROUTES
+from saltgate.prices import PriceVersion
+from saltgate.store.tenants import Principal
+
+log = logging.getLogger(__name__)
+
+# What OpenAI's message calls each limit.
+_NAMES: Final = {
+    REQUESTS: "requests per min (RPM)",
+    INPUT_TOKENS: "uncached input tokens per min (TPM)",
+    OUTPUT_TOKENS: "output tokens per min (TPM)",
+    CONCURRENCY: "concurrent requests",
+}
+# After Redis failed, the local shares hold this long before Redis is tried again, so a
+# request does not wait for a dead server's timeout each time.
+SHARED_RETRY_S: Final = 1.0
+# A concurrency lease frees when a request ends, which the log cannot foresee: the caller
+# is told to retry after this (or the lease's expiry, if sooner).
+CONCURRENCY_RETRY_S: Final = 1.0
+_ANTHROPIC_KINDS: Final = {
+    REQUESTS: b"requests",
+    INPUT_TOKENS: b"input-tokens",
+    OUTPUT_TOKENS: b"output-tokens",
+}
+
+
+def go_duration(seconds: float) -> str:
+    """A duration as OpenAI's x-ratelimit-reset-* write it (Go's style): "6m0s", "1.5s",
+    "120ms"; rounded up to the millisecond, so waiting that long is always enough."""
+    ms = max(math.ceil(seconds * 1000 - 1e-6), 0)
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+class Admission:
+    """The limits of the tenants and keys this process serves.
+
+    With `shared` ([cluster]'s Redis) every gateway admits through one atomic script, so a
+    limit holds for the fleet; without it, or while Redis cannot be reached, this process
+    enforces its `share` of every limit (L / share) on its own counts.
+    """
+
+    def __init__(
+        self,
+        prices: dict[str, PriceVersion],
+        *,
+        share: int = 1,
+        shared: SharedLimits | None = None,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+    ) -> None:
+        self.governor = Governor(lease_ttl_s=lease_ttl_s)
+        self.prices = prices
+        self.share = share
+        self.shared = shared
+        self.shared_up = shared is not None
+        self._retry_shared_at = 0.0
+        self._settling: set[asyncio.Task[None]] = set()
+        self._clock = time.monotonic
+
+    async def admit(
+        self, principal: Principal, route: str, model: str, body_bytes: int, max_tokens: int | None
+    ) -> tuple[Ticket | SharedTicket, Headers]:
+        """Reserve the request in every limit, or raise the 429 that says which refused.
+        Returns the ticket to settle and the headers for the answer."""
+        prompt = body_bytes // 4 + 1  # OpenAI's estimate: a token per 4 characters
+        allowance = output_allowance(max_tokens) if route in GENERATION_ROUTES else 0
+        price = self.prices.get(model)
+        cost = 0 if price is None else price.cost_micro_usd(prompt, None, allowance)
+        demand = Demand(prompt, allowance, cost)
+        anthropic = route.startswith("/v1/messages")
+        ticket: Ticket | SharedTicket | None = None
+        denial: Denial | None = None
+        quotas: tuple[Quota, ...] = ()
+        shared_answered = False
+        if self.shared is not None and (self.shared_up or self._clock() >= self._retry_shared_at):
+            limited = [
+                (subject, limits)
+                for subject, limits in (
+                    (("tenant", principal.tenant_id), principal.limits),
+                    (("key", principal.key_id), principal.key_limits),
+                )
+                if limits is not None
+            ]
+            failure: Exception | None = None
+            try:
+                ticket, denial, quotas = await self.shared.admit(limited, demand)
+            except (RedisError, OSError) as exc:
+                failure = exc
+            if failure is None:
+                shared_answered = True
+                if not self.shared_up:
+                    log.warning("saltgate: limits shared through Redis again")
+                    self.shared_up = True
+            else:
+                self._lost(failure)
+        if not shared_answered:
+            decision = self.governor.admit(self._subjects(principal), demand, self._clock())
+            ticket, denial, quotas = decision.ticket, decision.denial, decision.quotas
+        headers = rate_headers(quotas, anthropic)
+        if ticket is None:
+            assert denial is not None
+            raise denial_error(denial, model, anthropic, headers)
+        return ticket, headers
+
+    def _lost(self, exc: Exception) -> None:
+        if self.shared_up:
+            log.warning(
+                "saltgate: limits: Redis unreachable (%s); each process enforces 1/%d of "
+                "every limit on its own counts until it returns (docs/limits.md)",
+                type(exc).__name__,
+                self.share,
+            )
+        self.shared_up = False
+        self._retry_shared_at = self._clock() + SHARED_RETRY_S
+
+    def _subjects(self, principal: Principal) -> list[tuple[str, str]]:
+        """Install the principal's current limits (they follow the store's snapshot)."""
+        tenant = ("tenant", principal.tenant_id)
+        key = ("key", principal.key_id)
+        self.governor.set_limits(tenant, _shared(principal.limits, self.share))
+        self.governor.set_limits(key, _shared(principal.key_limits, self.share))
+        return [tenant, key]
+
+    def settle(self, ticket: Ticket | SharedTicket, uncached: int, output: int, cost: int) -> None:
+        """The request ended: correct its reservations to what it used, free its lease.
+        In Redis this runs beside the request's end; if it fails, the lease's TTL and
+        the window free what it held."""
+        used = Demand(uncached, output, cost)
+        if isinstance(ticket, Ticket):
+            self.governor.settle(ticket, used, self._clock())
+        elif self.shared is not None:
+            task = asyncio.create_task(self._settle_shared(self.shared, ticket, used))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    @staticmethod
+    async def _settle_shared(shared: SharedLimits, ticket: SharedTicket, used: Demand) -> None:
+        try:
+            await shared.settle(ticket, used)
+        except (RedisError, OSError) as exc:
+            log.debug("saltgate: limits: settling in Redis failed (%s)", type(exc).__name__)
+
+
+def _shared(limits: Limits | None, share: int) -> Limits | None:
+    return None if limits is None else limits.share(share)
+
+
+def rate_headers(quotas: tuple[Quota, ...], anthropic: bool) -> Headers:
+    """x-ratelimit-* (OpenAI: requests, and tokens as the tighter of input and output) or
+    anthropic-ratelimit-* (RFC 3339 resets)."""
+    headers: Headers = []
+    if anthropic:
+        wall = time.time()
+        for q in quotas:
+            name = b"anthropic-ratelimit-" + _ANTHROPIC_KINDS[q.kind]
+            reset = datetime.fromtimestamp(wall + q.reset_s, UTC).isoformat(timespec="seconds")
+            headers += [
+                (name + b"-limit", str(q.limit).encode()),
+                (name + b"-remaining", str(q.remaining).encode()),
+                (name + b"-reset", reset.replace("+00:00", "Z").encode()),
+            ]
+        return headers
+    tokens: Quota | None = None
+    for q in quotas:
+        if q.kind == REQUESTS:
+            headers += _openai(b"requests", q)
+        elif tokens is None or q.remaining < tokens.remaining:
+            tokens = q
+    if tokens is not None:
+        headers += _openai(b"tokens", tokens)
+    return headers
+
+
+def _openai(name: bytes, q: Quota) -> Headers:
+    return [
+        (b"x-ratelimit-limit-" + name, str(q.limit).encode()),
+        (b"x-ratelimit-remaining-" + name, str(q.remaining).encode()),
+        (b"x-ratelimit-reset-" + name, go_duration(q.reset_s).encode()),
+    ]
+
+
+def denial_error(denial: Denial, model: str, anthropic: bool, headers: Headers) -> ApiError:
+    """The 429, worded as OpenAI words it; a spent budget is `insufficient_quota` with
+    x-should-retry: false and no Retry-After, so the official SDKs stop retrying."""
+    error_type = AnthropicApiError if anthropic else ApiError
+    scope = "this API key" if denial.scope == "key" else "this tenant"
+    if denial.kind == BUDGET:
+        message = (
+            "You exceeded your current quota, please check your plan and billing details. "
+            f"The spend budget of {scope} is used up."
+        )
+        return error_type(
+            429,
+            message,
+            type="rate_limit_error" if anthropic else "insufficient_quota",
+            code="insufficient_quota",
+            headers=[*headers, (b"x-should-retry", b"false")],
+        )
+    what = f"{model or 'requests'} on {_NAMES[denial.kind]} of {scope}"
+    retry = denial.retry_after_s
+    if denial.kind == CONCURRENCY and retry is not None:
+        retry = min(retry, CONCURRENCY_RETRY_S)
+    extra: Headers = [(b"x-should-retry", b"false")]
+    if retry is None and denial.limit == 0:
+        # Set to 0, or a limit smaller than the processes it is split between.
+        message = (
+            f"Rate limit reached for {what}: Limit 0, Requested {denial.requested}. This "
+            "limit admits nothing here; ask the operator to raise it."
+        )
+    elif retry is None:
+        message = (
+            f"Request too large for {what}: Limit {denial.limit}, Requested "
+            f"{denial.requested}. The input or output tokens must be reduced in order to "
+            "run successfully."
+        )
+    else:
+        message = (
+            f"Rate limit reached for {what}: Limit {denial.limit}, Used {denial.used}, "
+            f"Requested {denial.requested}. Please try again in {go_duration(retry)}."
+        )
+        ms = max(math.ceil(retry * 1000 - 1e-6), 1)
+        extra = [
+            (b"retry-after", str(math.ceil(ms / 1000)).encode()),
+            (b"retry-after-ms", str(ms).encode()),
+        ]
+    return error_type(
+        429,
+        message,
+        type="rate_limit_error"
+        if anthropic
+        else (
+            "tokens" if denial.kind in _ANTHROPIC_KINDS and denial.kind != REQUESTS else "requests"
+        ),
+        code="rate_limit_exceeded",
+        headers=[*headers, *extra],
+    )

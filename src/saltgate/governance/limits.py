@@ -1,0 +1,429 @@
+"""Exact limits per tenant and per key: a sliding log per limit, one atomic admission.
+
+A limit L means at most L in ANY window of `WINDOW_S` seconds (half-open: an entry made at
+time t counts in every window (s - 60, s] with t <= s < t + 60). Fixed windows admit 2 x L
+across a boundary and a bucket of capacity L admits 2 x L in its first minute; a log of
+(time, amount) entries does neither and tells a denied caller exactly when enough of it
+leaves the window. `Governor.admit` checks every limit of the tenant and of the key
+together and either records a reservation in all of them or in none.
+
+Tokens are reserved at admission (the prompt estimate as uncached input, the request's
+output allowance as output, their price as spend) and corrected when the request ends
+(`Governor.settle`): a request that ends early returns what it did not use. A concurrency
+lease that is never settled (a lost request) expires after `lease_ttl_s`; its token entries
+leave the window after a minute like any other and its reserved spend stays charged (an
+upper bound of what it cost).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Final
+
+WINDOW_S: Final = 60.0
+# What a request without max_tokens / max_completion_tokens / max_output_tokens reserves
+# for its output. OpenAI counts max_tokens when given; without it the reply is bounded only
+# by the model's context, so the gateway reserves this much and corrects it at the end.
+DEFAULT_OUTPUT_ALLOWANCE: Final = 1024
+DEFAULT_LEASE_TTL_S: Final = 600.0
+
+REQUESTS: Final = "requests"
+INPUT_TOKENS: Final = "input_tokens"
+OUTPUT_TOKENS: Final = "output_tokens"
+CONCURRENCY: Final = "concurrency"
+BUDGET: Final = "budget"
+WINDOWED: Final = (REQUESTS, INPUT_TOKENS, OUTPUT_TOKENS)
+
+
+DURATION_RE: Final = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNIT_S: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float | None:
+    """ "90m", "24h", "30d" as seconds; None when the text is not such a duration."""
+    m = DURATION_RE.fullmatch(text.strip())
+    return None if m is None else float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """One tenant's or key's limits; None means no limit of that kind.
+
+    ``budget_micro_usd`` is spend per ``budget_period_s`` (a sliding period, like the
+    minute of the others), priced as the ledger prices requests (prices.py).
+    """
+
+    rpm: int | None = None
+    input_tpm: int | None = None
+    output_tpm: int | None = None
+    concurrency: int | None = None
+    budget_micro_usd: int | None = None
+    budget_period_s: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"limit {f.name} must be a non-negative integer, got {value!r}")
+        if (self.budget_micro_usd is None) != (self.budget_period_s is None):
+            raise ValueError("a budget needs both an amount and a period")
+        if self.budget_period_s == 0:
+            raise ValueError("a budget period must be at least 1 second")
+
+    def to_json(self) -> str | None:
+        """The stored form: a JSON object of the limits set; None (SQL NULL) for none."""
+        if self.empty:
+            return None
+        return json.dumps(
+            {
+                f.name: getattr(self, f.name)
+                for f in fields(self)
+                if getattr(self, f.name) is not None
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, stored: str | None) -> Limits | None:
+        """Limits from their stored form (None for SQL NULL)."""
+        return None if stored is None else cls(**json.loads(stored))
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing is limited (the gateway then skips admission entirely)."""
+        return all(getattr(self, f.name) is None for f in fields(self))
+
+    def windowed(self, kind: str) -> int | None:
+        """The per-minute limit of a windowed kind."""
+        return {REQUESTS: self.rpm, INPUT_TOKENS: self.input_tpm, OUTPUT_TOKENS: self.output_tpm}[
+            kind
+        ]
+
+    def share(self, parts: int) -> Limits:
+        """This limit split between `parts` processes that cannot share state: each enforces
+        floor(L / parts), so together they never admit more than L (docs/limits.md)."""
+        if parts <= 1:
+            return self
+
+        def part(value: int | None) -> int | None:
+            return None if value is None else value // parts
+
+        return Limits(
+            rpm=part(self.rpm),
+            input_tpm=part(self.input_tpm),
+            output_tpm=part(self.output_tpm),
+            concurrency=part(self.concurrency),
+            budget_micro_usd=part(self.budget_micro_usd),
+            budget_period_s=self.budget_period_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one request reserves: uncached input (the prompt estimate), its output
+    allowance and the price of both."""
+
+    input_tokens: int
+    output_tokens: int
+    cost_micro_usd: int = 0
+
+
+def output_allowance(max_tokens: int | None) -> int:
+    """The output a request reserves: its own max_tokens (or max_completion_tokens /
+    max_output_tokens) as OpenAI counts it, else DEFAULT_OUTPUT_ALLOWANCE."""
+    return DEFAULT_OUTPUT_ALLOWANCE if max_tokens is None else max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Denial:
+    """Why a request was refused: what the 429 says.
+
+    ``retry_at`` is exact: the time at which enough entries leave the window (or the first
+    concurrency lease expires) for this request to fit every limit if nothing else
+    arrives; the denial names the limit that frees last. None means waiting does not help:
+    a request larger than the limit itself (or a limit of 0).
+    """
+
+    kind: str
+    scope: str  # "tenant" or "key"
+    limit: int
+    used: int
+    requested: int
+    retry_at: float | None
+    now: float
+
+    @property
+    def retry_after_s(self) -> float | None:
+        return None if self.retry_at is None else self.retry_at - self.now
+
+    @property
+    def too_large(self) -> bool:
+        return self.requested > self.limit
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """One limit's state after a decision, for the x-ratelimit / anthropic-ratelimit
+    headers: remaining counts reservations, so it drops at once; ``reset_s`` is when the
+    window is empty again if nothing else arrives."""
+
+    kind: str
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+class _Entry:
+    """One reservation in one log; `amount` is corrected at settlement."""
+
+    __slots__ = ("amount", "at", "live")
+
+    def __init__(self, at: float, amount: int) -> None:
+        self.at = at
+        self.amount = amount
+        self.live = True
+
+
+class _Log:
+    """A sliding log: entries of the last `span` seconds and their running sum."""
+
+    __slots__ = ("entries", "span", "total")
+
+    def __init__(self, span: float) -> None:
+        self.span = span
+        self.entries: deque[_Entry] = deque()
+        self.total = 0
+
+    def prune(self, now: float) -> None:
+        entries = self.entries
+        # `at + span <= now`, the same sum as the retry time, so a retry made at exactly
+        # that time sees the entry gone (now - span could round the other way).
+        while entries and entries[0].at + self.span <= now:
+            old = entries.popleft()
+            old.live = False
+            self.total -= old.amount
+
+    def add(self, now: float, amount: int) -> _Entry:
+        entry = _Entry(now, amount)
+        self.entries.append(entry)
+        self.total += amount
+        return entry
+
+    def correct(self, entry: _Entry, amount: int) -> None:
+        if entry.live:
+            self.total += amount - entry.amount
+        entry.amount = amount
+
+    def fits_at(self, now: float, limit: int, requested: int) -> float | None:
+        """When `requested` more fits under `limit`, walking the entries out of the window
+        in order (None: never, the request alone is larger than the limit)."""
+        if requested > limit:
+            return None
+        excess = self.total + requested - limit
+        if excess <= 0:
+            return now
+        freed = 0
+        for entry in self.entries:
+            freed += entry.amount
+            if freed >= excess:
+                return entry.at + self.span
+        return None  # unreachable: freeing every entry leaves requested <= limit
+
+    def reset_at(self, now: float) -> float:
+        return self.entries[-1].at + self.span if self.entries else now
+
+
+@dataclass(slots=True)
+class _Subject:
+    """The state of one tenant or key under its limits."""
+
+    limits: Limits
+    window: float
+    logs: dict[str, _Log] = field(default_factory=dict)
+    leases: dict[int, float] = field(default_factory=dict)  # ticket id -> expiry
+
+    def log(self, kind: str) -> _Log:
+        log = self.logs.get(kind)
+        if log is None:
+            span = self.window if kind != BUDGET else float(self.limits.budget_period_s or 0)
+            log = self.logs[kind] = _Log(span)
+        return log
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted request's reservations, handed back to `Governor.settle` when it ends."""
+
+    id: int
+    subjects: tuple[tuple[str, str], ...]
+    entries: dict[tuple[tuple[str, str], str], _Entry]
+    settled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """An admission: the ticket, or the first limit that refused; the quotas either way."""
+
+    ticket: Ticket | None
+    denial: Denial | None
+    quotas: tuple[Quota, ...]
+
+    @property
+    def admitted(self) -> bool:
+        return self.ticket is not None
+
+
+def _lateness(denial: Denial) -> float:
+    """Order denials by when they free: never (None) is the latest of all."""
+    return float("inf") if denial.retry_at is None else denial.retry_at
+
+
+def amounts(demand: Demand) -> dict[str, int]:
+    """What a request counts in each kind of limit (a lease counts 1 while it is held)."""
+    return {
+        REQUESTS: 1,
+        INPUT_TOKENS: demand.input_tokens,
+        OUTPUT_TOKENS: demand.output_tokens,
+        BUDGET: demand.cost_micro_usd,
+    }
+
+
+class Governor:
+    """The limits of every tenant and key in one process, and their logs.
+
+    Subjects are ("tenant", id) and ("key", id); a key's limits narrow its tenant's because
+    a request must fit both. `set_limits` replaces a subject's limits and keeps its log (a
+    lowered limit applies to what was already admitted).
+    """
+
+    def __init__(
+        self, *, lease_ttl_s: float = DEFAULT_LEASE_TTL_S, window_s: float = WINDOW_S
+    ) -> None:
+        self.lease_ttl_s = lease_ttl_s
+        self.window_s = window_s
+        self._subjects: dict[tuple[str, str], _Subject] = {}
+        self._last_id = 0
+
+    def set_limits(self, subject: tuple[str, str], limits: Limits | None) -> None:
+        """Install (or with None / empty limits, remove) a subject's limits."""
+        if limits is None or limits.empty:
+            self._subjects.pop(subject, None)
+            return
+        current = self._subjects.get(subject)
+        if current is None:
+            self._subjects[subject] = _Subject(limits, self.window_s)
+        elif current.limits != limits:
+            current.limits = limits
+            if BUDGET in current.logs:
+                current.logs[BUDGET].span = float(limits.budget_period_s or 0)
+
+    def governs(self, subjects: Iterable[tuple[str, str]]) -> bool:
+        """Whether any of these subjects has limits (if not, the caller skips admission)."""
+        return any(s in self._subjects for s in subjects)
+
+    def admit(self, subjects: Sequence[tuple[str, str]], demand: Demand, now: float) -> Decision:
+        """Check every limit of every subject; admit into all of them or none."""
+        present = [(s, self._subjects[s]) for s in subjects if s in self._subjects]
+        denials = [d for name, subject in present for d in self._check(name, subject, demand, now)]
+        if denials:
+            return Decision(None, max(denials, key=_lateness), self._quotas(present, now))
+        self._last_id += 1
+        ticket = Ticket(self._last_id, tuple(name for name, _ in present), {})
+        counted = amounts(demand)
+        for name, subject in present:
+            limits = subject.limits
+            for kind in (*WINDOWED, BUDGET):
+                limit = limits.budget_micro_usd if kind == BUDGET else limits.windowed(kind)
+                if limit is not None:
+                    ticket.entries[(name, kind)] = subject.log(kind).add(now, counted[kind])
+            if limits.concurrency is not None:
+                subject.leases[ticket.id] = now + self.lease_ttl_s
+        return Decision(ticket, None, self._quotas(present, now))
+
+    def _check(
+        self, name: tuple[str, str], subject: _Subject, demand: Demand, now: float
+    ) -> list[Denial]:
+        """Every limit of one subject this request does not fit."""
+        limits = subject.limits
+        counted = amounts(demand)
+        denials: list[Denial] = []
+        for kind in WINDOWED:
+            limit = limits.windowed(kind)
+            if limit is None:
+                continue
+            log = subject.log(kind)
+            log.prune(now)
+            at = log.fits_at(now, limit, counted[kind])
+            if at != now:
+                denials.append(Denial(kind, name[0], limit, log.total, counted[kind], at, now))
+        if limits.concurrency is not None:
+            leases = subject.leases
+            for ticket_id in [t for t, expiry in leases.items() if expiry <= now]:
+                del leases[ticket_id]
+            if len(leases) >= limits.concurrency:
+                # The earliest expiry frees one lease; a settled request frees one sooner.
+                at = None if limits.concurrency == 0 else min(leases.values())
+                denials.append(
+                    Denial(CONCURRENCY, name[0], limits.concurrency, len(leases), 1, at, now)
+                )
+        budget = limits.budget_micro_usd
+        if budget is not None:
+            log = subject.log(BUDGET)
+            log.prune(now)
+            # Admitted while anything is left: spend then ends at most one reservation
+            # past the budget, and a request is never refused for its upper-bound price.
+            if log.total >= budget:
+                at = log.fits_at(now, budget, 1) if budget > 0 else None
+                denials.append(Denial(BUDGET, name[0], budget, log.total, counted[BUDGET], at, now))
+        return denials
+
+    def settle(self, ticket: Ticket, used: Demand, now: float) -> None:
+        """Correct a request's reservations to what it used and release its lease.
+        Idempotent: every ending path may call it, only the first counts."""
+        if ticket.settled:
+            return
+        ticket.settled = True
+        counted = amounts(used)
+        for (name, kind), entry in ticket.entries.items():
+            subject = self._subjects.get(name)
+            if subject is not None and kind in subject.logs:
+                subject.logs[kind].correct(entry, counted[kind])
+        for name in ticket.subjects:
+            subject = self._subjects.get(name)
+            if subject is not None:
+                subject.leases.pop(ticket.id, None)
+
+    def quotas(self, subjects: Sequence[tuple[str, str]], now: float) -> tuple[Quota, ...]:
+        """The current quotas of the subjects (for headers on any answer)."""
+        present = [(s, self._subjects[s]) for s in subjects if s in self._subjects]
+        return self._quotas(present, now)
+
+    def _quotas(
+        self, present: Sequence[tuple[tuple[str, str], _Subject]], now: float
+    ) -> tuple[Quota, ...]:
+        quotas = []
+        for _, subject in present:
+            for kind in WINDOWED:
+                limit = subject.limits.windowed(kind)
+                if limit is None:
+                    continue
+                log = subject.log(kind)
+                log.prune(now)
+                quotas.append(Quota(kind, limit, limit - log.total, log.reset_at(now) - now))
+        return tightest(quotas)
+
+
+def tightest(quotas: Iterable[Quota]) -> tuple[Quota, ...]:
+    """Per windowed kind, the quota of the subject with least remaining (never below 0)."""
+    best: dict[str, Quota] = {}
+    for quota in quotas:
+        if quota.kind not in best or quota.remaining < best[quota.kind].remaining:
+            best[quota.kind] = quota
+    return tuple(
+        Quota(q.kind, q.limit, max(q.remaining, 0), q.reset_s)
+        for q in (best[k] for k in WINDOWED if k in best)
+    )

@@ -1,0 +1,255 @@
+"""Limits enforced by the real gateway over loopback (docs/limits.md): 429s in each API's
+shape with an exact Retry-After, rate-limit headers on every answer, a spent budget that
+tells the SDKs not to retry, and reservations returned whichever way a request ends."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tests.gateway.stack import MODEL, Stack, new_state_dir, run, stack
+from tests.support.gateways import GatewayProcess, write_gateway_config
+from tests.support.http import async_client
+from tests.support.waiting import eventually
+
+from saltgate.governance.limits import Limits
+from saltgate.sim.run import SimConfig, start_sim
+from saltgate.store.tenants import TenantStore
+
+
+async def limit(s: Stack, tenant: str, limits: Limits | None) -> None:
+    """Set the tenant's limits as the CLI does, and wait until the gateway has them."""
+    with TenantStore.from_state_dir(s.state_dir) as store:
+        store.set_limits(tenant, limits)
+    keys = s.gateway.gateway.keys
+
+    def arrived() -> bool:
+        principal = keys.authenticate(s.keys[tenant])
+        return principal is not None and principal.limits == limits
+
+    await eventually(arrived, what="the limits reach the gateway")
+
+
+def completion(max_tokens: int = 2, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "hello there", "max_tokens": max_tokens, **extra}
+
+
+def test_rpm_429_openai_shape_with_exact_retry_and_headers(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with stack(tmp_path) as s, s.client("alice") as c, s.client("bob") as b:
+            await limit(s, "alice", Limits(rpm=2))
+            remaining = []
+            for _ in range(2):
+                resp = await c.post("/v1/completions", json=completion())
+                assert resp.status_code == 200, resp.text
+                assert resp.headers["x-ratelimit-limit-requests"] == "2"
+                remaining.append(resp.headers["x-ratelimit-remaining-requests"])
+                assert re.fullmatch(
+                    r"(1m0s|\d+(\.\d+)?s)", resp.headers["x-ratelimit-reset-requests"]
+                )
+            assert remaining == ["1", "0"]  # counts the reservation at once
+            refused = await c.post("/v1/completions", json=completion())
+            assert refused.status_code == 429
+            error = refused.json()["error"]
+            assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+            assert re.fullmatch(
+                rf"Rate limit reached for {MODEL} on requests per min \(RPM\) of this tenant: "
+                r"Limit 2, Used 2, Requested 1\. Please try again in \d+(\.\d+)?s\.",
+                error["message"],
+            ), error["message"]
+            wait_ms = int(refused.headers["retry-after-ms"])
+            assert 55_000 < wait_ms <= 60_000
+            assert int(refused.headers["retry-after"]) == -(-wait_ms // 1000)
+            assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+            # Another tenant without limits: served, and no rate-limit headers at all.
+            other = await b.post("/v1/completions", json=completion())
+            assert other.status_code == 200 and "x-ratelimit-limit-requests" not in other.headers
+            # A request larger than a limit can never fit: no retry; a limit of 0 neither.
+            await limit(s, "alice", Limits(output_tpm=100, concurrency=0))
+            too_large = await c.post("/v1/completions", json=completion(101))
+            assert too_large.status_code == 429 and "retry-after" not in too_large.headers
+            assert too_large.headers["x-should-retry"] == "false"
+            assert too_large.json()["error"]["message"].startswith(
+                f"Request too large for {MODEL} on output tokens per min (TPM) of this tenant: "
+                "Limit 100, Requested 101."
+            )
+            nothing = await c.post("/v1/completions", json=completion(1))
+            assert nothing.status_code == 429 and "retry-after" not in nothing.headers
+            assert "Limit 0, Requested 1. This limit admits nothing" in nothing.text
+            # Limits cleared: served again at once.
+            await limit(s, "alice", None)
+            assert (await c.post("/v1/completions", json=completion())).status_code == 200
+
+    run(main)
+
+
+def test_anthropic_messages_429_and_headers(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with stack(tmp_path) as s, s.client("alice") as c:
+            await limit(s, "alice", Limits(rpm=1, output_tpm=1000))
+            body = {
+                "model": MODEL,
+                "max_tokens": 10,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            ok = await c.post("/v1/messages", json=body)
+            assert ok.status_code == 200, ok.text
+            assert ok.headers["anthropic-ratelimit-requests-limit"] == "1"
+            assert ok.headers["anthropic-ratelimit-requests-remaining"] == "0"
+            assert ok.headers["anthropic-ratelimit-output-tokens-remaining"] == "990"
+            reset = datetime.fromisoformat(ok.headers["anthropic-ratelimit-requests-reset"])
+            assert reset.tzinfo is not None
+            refused = await c.post("/v1/messages", json=body)
+            assert refused.status_code == 429
+            doc = refused.json()
+            assert doc["type"] == "error" and doc["error"]["type"] == "rate_limit_error"
+            assert "Limit 1, Used 1, Requested 1" in doc["error"]["message"]
+            assert int(refused.headers["retry-after"]) >= 1
+
+    run(main)
+
+
+def test_spent_budget_is_insufficient_quota_without_retry(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with stack(tmp_path) as s, s.client("alice") as c:
+            # A dollar per million input tokens, two per million output (stack's prices):
+            # one request reserves a few thousand micro-dollars, the budget is 1.
+            await limit(s, "alice", Limits(budget_micro_usd=1, budget_period_s=86400))
+            assert (await c.post("/v1/completions", json=completion())).status_code == 200
+            refused = await c.post("/v1/completions", json=completion())
+            assert refused.status_code == 429
+            error = refused.json()["error"]
+            assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
+            assert refused.headers["x-should-retry"] == "false"
+            assert "retry-after" not in refused.headers
+
+    run(main)
+
+
+def test_reservations_return_when_requests_end(tmp_path: Any) -> None:
+    """A request reserving 100 output tokens that uses 2 gives 98 back; a stream whose
+    client leaves, and one that fails, free their concurrency lease."""
+
+    async def main() -> None:
+        sim = SimConfig(port=0, decode_ms_per_token=20.0)
+        async with stack(tmp_path, replicas=1, sim=sim) as s, s.client("alice") as c:
+            await limit(s, "alice", Limits(output_tpm=150, concurrency=1))
+            first = await c.post("/v1/completions", json=completion(100))
+            assert first.status_code == 200
+            assert first.json()["usage"]["completion_tokens"] <= 100
+            used = first.json()["usage"]["completion_tokens"]
+            # Only possible if the unused part came back: 150 - 100 < 140.
+            second = await c.post("/v1/completions", json=completion(150 - used))
+            assert second.status_code == 200, second.text
+
+            await limit(s, "alice", Limits(concurrency=1))
+            stream = completion(200, stream=True)
+            async with c.stream("POST", "/v1/completions", json=stream) as resp:
+                assert resp.status_code == 200
+                async for _ in resp.aiter_bytes():
+                    break  # the client leaves mid-stream
+                busy = await c.post("/v1/completions", json=completion())
+                assert busy.status_code == 429
+                assert "concurrent requests" in busy.json()["error"]["message"]
+
+            async def admitted() -> bool:
+                return (await c.post("/v1/completions", json=completion())).status_code == 200
+
+            await eventually(admitted, what="the abandoned stream's lease freed")
+
+            # The replica fails (the tap before it answers 500): each failure frees its
+            # lease, or the second would be a 429.
+            await s.sims[0].close()
+            for _ in range(2):
+                resp = await c.post("/v1/completions", json=completion())
+                assert resp.status_code == 500, resp.text
+
+    run(main)
+
+
+def test_processes_without_a_shared_engine_each_enforce_an_explicit_share(
+    tmp_path: Any, caplog: Any
+) -> None:
+    """Two gateways ([limits] share = 2), each with 2 workers: each process enforces
+    rpm 8 / 4 = 2, says so in its log and in a metric, never 4 x 8 in total."""
+
+    async def main() -> None:
+        async with stack(tmp_path, workers=2, limits_share=2) as s, s.client("alice") as c:
+            await limit(s, "alice", Limits(rpm=8))
+            statuses = [
+                (await c.post("/v1/completions", json=completion())).status_code for _ in range(3)
+            ]
+            assert statuses == [200, 200, 429]
+            refused = await c.post("/v1/completions", json=completion())
+            assert "Limit 2, Used 2" in refused.json()["error"]["message"]
+            assert refused.headers["x-ratelimit-limit-requests"] == "2"
+            metrics = (await c.get(f"http://127.0.0.1:{s.gateway.admin_port}/metrics")).text
+            assert "saltgate_limits_share 4.0" in metrics
+
+    run(main)
+    assert "each enforces 1/4 of every tenant's and key's limit" in caplog.text
+
+
+def test_serve_with_two_workers_enforces_half_in_each(tmp_path: Path) -> None:
+    """`saltgate serve --workers 2` without [cluster]: each worker enforces rpm 6 / 2, says
+    so in its log and its metric; 20 requests on several connections admit at most 6."""
+
+    async def main() -> None:
+        sim = await start_sim(SimConfig(port=0))
+        state = tmp_path / "state"
+        key = new_state_dir(state, ("acme",))["acme"]
+        with TenantStore.from_state_dir(state) as store:
+            store.set_limits("acme", Limits(rpm=6))
+        config = write_gateway_config(tmp_path / "gw.toml", state_dir=state, replicas=[sim.url])
+        gateway = await GatewayProcess.start(config, tmp_path / "gw.log", workers=2)
+        headers = {"authorization": f"Bearer {key}"}
+        clients = [async_client(timeout=30, headers=headers) for _ in range(4)]
+        try:
+
+            async def post(i: int) -> httpx.Response:
+                url = f"{gateway.url}/v1/completions"
+                return await clients[i % 4].post(url, json=completion())
+
+            answers = await asyncio.gather(*map(post, range(20)))
+            assert sum(r.status_code == 200 for r in answers) <= 6
+            refused = [r for r in answers if r.status_code == 429]
+            assert refused and all("Limit 3, Used 3" in r.text for r in refused)
+            metrics = (await clients[0].get(gateway.metrics_url)).text
+            assert re.search(r'saltgate_limits_share\{worker="[^"]+"\} 2\.0', metrics), metrics
+        finally:
+            for c in clients:
+                await c.aclose()
+            await gateway.stop()
+            await sim.close()
+        assert "each enforces 1/2 of every tenant's and key's limit" in gateway.log.read_text()
+
+    run(main)
+
+
+def test_a_lease_outliving_lease_ttl_frees_its_slot(tmp_path: Path) -> None:
+    """[limits] lease_ttl_s = 1: a stream still running after it no longer holds the
+    tenant's one concurrency slot (what frees a killed gateway's slots)."""
+
+    async def main() -> None:
+        # The stream lasts 20 s (200 tokens at 100 ms), far past the 5 s waited below.
+        sim = SimConfig(port=0, decode_ms_per_token=100.0)
+        async with (
+            stack(tmp_path, replicas=1, sim=sim, limits_lease_ttl_s=1.0) as s,
+            s.client("alice") as c,
+        ):
+            await limit(s, "alice", Limits(concurrency=1))
+            async with c.stream("POST", "/v1/completions", json=completion(200, stream=True)):
+                busy = await c.post("/v1/completions", json=completion())
+                assert busy.status_code == 429
+
+                async def admitted() -> bool:
+                    resp = await c.post("/v1/completions", json=completion())
+                    return resp.status_code == 200
+
+                await eventually(admitted, timeout_s=5.0, what="the lease expired")
+
+    run(main)

@@ -1,0 +1,256 @@
+"""The limits core against its promises: at most L in any 60 s window, all or none,
+reservations corrected, leases expiring, and a Retry-After that is exactly right.
+
+The property test replays random admission sequences against an independent brute-force
+checker that keeps its own list of admissions and sums windows directly.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from saltgate.governance.limits import (
+    BUDGET,
+    CONCURRENCY,
+    DEFAULT_OUTPUT_ALLOWANCE,
+    INPUT_TOKENS,
+    OUTPUT_TOKENS,
+    REQUESTS,
+    Demand,
+    Governor,
+    Limits,
+    Ticket,
+    output_allowance,
+)
+
+TENANT = ("tenant", "t1")
+KEY = ("key", "k1")
+
+
+def governor(limits: Limits, *, key: Limits | None = None, ttl: float = 600.0) -> Governor:
+    gov = Governor(lease_ttl_s=ttl)
+    gov.set_limits(TENANT, limits)
+    gov.set_limits(KEY, key)
+    return gov
+
+
+def test_any_window_not_fixed_windows() -> None:
+    """3 at 59 s then 3 more at 61 s: a fixed minute admits all 6 within 2 s; the log
+    refuses the second three until the first leave the window."""
+    gov = governor(Limits(rpm=3))
+    for _ in range(3):
+        assert gov.admit([TENANT], Demand(0, 0), 59.0).admitted
+    refused = gov.admit([TENANT], Demand(0, 0), 61.0)
+    assert refused.denial is not None
+    assert (refused.denial.kind, refused.denial.limit, refused.denial.used) == (REQUESTS, 3, 3)
+    assert refused.denial.retry_at == 119.0
+    assert refused.denial.retry_after_s == pytest.approx(58.0)
+    assert not gov.admit([TENANT], Demand(0, 0), 118.999).admitted
+    assert gov.admit([TENANT], Demand(0, 0), 119.0).admitted
+
+
+def test_no_burst_of_twice_the_limit_from_idle() -> None:
+    """A bucket of capacity L starts full and refills: 2 x L in the first minute. Not here."""
+    gov = governor(Limits(input_tpm=1000))
+    admitted = sum(gov.admit([TENANT], Demand(100, 0), t * 0.5).admitted for t in range(120))
+    assert admitted == 10
+
+
+def test_all_limits_or_none() -> None:
+    """Refused on input tokens: nothing recorded in the request or output logs."""
+    gov = governor(Limits(rpm=10, input_tpm=100, output_tpm=1000))
+    assert gov.admit([TENANT], Demand(80, 10), 0.0).admitted
+    refused = gov.admit([TENANT], Demand(30, 10), 1.0)
+    assert refused.denial is not None and refused.denial.kind == INPUT_TOKENS
+    quotas = {q.kind: q for q in gov.quotas([TENANT], 1.0)}
+    assert quotas[REQUESTS].remaining == 9
+    assert quotas[OUTPUT_TOKENS].remaining == 990
+    assert quotas[INPUT_TOKENS].remaining == 20
+
+
+def test_key_narrows_tenant() -> None:
+    gov = governor(Limits(rpm=10), key=Limits(rpm=2))
+    assert gov.admit([TENANT, KEY], Demand(0, 0), 0.0).admitted
+    assert gov.admit([TENANT, KEY], Demand(0, 0), 0.0).admitted
+    refused = gov.admit([TENANT, KEY], Demand(0, 0), 0.0)
+    assert refused.denial is not None and refused.denial.scope == "key"
+    # Another key of the tenant is still admitted: the tenant's own limit is 10.
+    assert gov.admit([TENANT, ("key", "k2")], Demand(0, 0), 0.0).admitted
+
+
+def test_settle_returns_what_was_not_used() -> None:
+    """Reserved 1000 output tokens, used 100: the other 900 are free again at once."""
+    gov = governor(Limits(output_tpm=1000))
+    first = gov.admit([TENANT], Demand(10, 1000), 0.0)
+    assert first.ticket is not None
+    assert not gov.admit([TENANT], Demand(10, 500), 1.0).admitted
+    gov.settle(first.ticket, Demand(10, 100), 2.0)
+    gov.settle(first.ticket, Demand(10, 0), 2.0)  # a second ending counts for nothing
+    assert {q.kind: q.remaining for q in gov.quotas([TENANT], 2.0)} == {OUTPUT_TOKENS: 900}
+    assert gov.admit([TENANT], Demand(10, 900), 3.0).admitted
+
+
+def test_concurrency_lease_released_or_expired() -> None:
+    gov = governor(Limits(concurrency=1), ttl=30.0)
+    held = gov.admit([TENANT], Demand(0, 0), 0.0)
+    assert held.ticket is not None
+    refused = gov.admit([TENANT], Demand(0, 0), 5.0)
+    assert refused.denial is not None and refused.denial.kind == CONCURRENCY
+    assert refused.denial.retry_at == 30.0  # the lease's expiry
+    gov.settle(held.ticket, Demand(0, 0), 6.0)
+    lost = gov.admit([TENANT], Demand(0, 0), 6.0)  # never settled: its lease expires
+    assert lost.admitted
+    assert not gov.admit([TENANT], Demand(0, 0), 35.9).admitted
+    assert gov.admit([TENANT], Demand(0, 0), 36.0).admitted
+
+
+def test_budget_overshoots_by_at_most_one_reservation() -> None:
+    gov = governor(Limits(budget_micro_usd=1000, budget_period_s=3600))
+    admitted = 0
+    while gov.admit([TENANT], Demand(0, 0, 300), float(admitted)).admitted:
+        admitted += 1
+    assert admitted == 4  # 0, 300, 600, 900 spent before each: 1200 <= 1000 + 300
+    refused = gov.admit([TENANT], Demand(0, 0, 300), 10.0)
+    assert refused.denial is not None and refused.denial.kind == BUDGET
+    assert refused.denial.retry_at == 3600.0  # the first 300 leaves: 900 < 1000 again
+
+
+def test_too_large_never_fits() -> None:
+    gov = governor(Limits(output_tpm=1000))
+    refused = gov.admit([TENANT], Demand(0, 1001), 0.0)
+    assert refused.denial is not None and refused.denial.too_large
+    assert refused.denial.retry_at is None
+
+
+def test_output_allowance_and_share() -> None:
+    assert output_allowance(None) == DEFAULT_OUTPUT_ALLOWANCE
+    assert output_allowance(7) == 7
+    assert Limits(rpm=10, concurrency=3).share(4) == Limits(rpm=2, concurrency=0)
+    assert Limits(rpm=10).share(1) == Limits(rpm=10)
+    with pytest.raises(ValueError):
+        Limits(budget_micro_usd=5)
+    with pytest.raises(ValueError):
+        Limits(rpm=-1)
+
+
+# -- the property test -----------------------------------------------------------------
+
+WINDOW = 60.0
+PERIOD = 300
+
+
+@dataclass
+class Record:
+    """The checker's own copy of one admission."""
+
+    at: float
+    amounts: dict[str, int]
+    open: bool
+    expiry: float
+
+
+def brute_used(records: list[Record], kind: str, now: float, ttl: float) -> int:
+    if kind == CONCURRENCY:
+        return sum(1 for r in records if r.open and r.expiry > now)
+    span = PERIOD if kind == BUDGET else WINDOW
+    return sum(r.amounts[kind] for r in records if r.at + span > now)
+
+
+limits_st = st.builds(
+    Limits,
+    rpm=st.one_of(st.none(), st.integers(0, 6)),
+    input_tpm=st.one_of(st.none(), st.integers(0, 400)),
+    output_tpm=st.one_of(st.none(), st.integers(0, 400)),
+    concurrency=st.one_of(st.none(), st.integers(0, 4)),
+    budget_micro_usd=st.just(None),
+    budget_period_s=st.just(None),
+) | st.builds(Limits, budget_micro_usd=st.integers(0, 2000), budget_period_s=st.just(PERIOD))
+op_st = st.tuples(
+    st.integers(0, 40),  # whole seconds since the previous op: exact float sums
+    st.booleans(),  # settle an open request (True) or admit a new one
+    st.integers(0, 200),
+    st.integers(0, 200),
+    st.integers(0, 500),
+    st.floats(0, 1),  # the fraction of the reservation actually used
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(limits=limits_st, ops=st.lists(op_st, max_size=60))
+def test_random_sequences_against_brute_force(
+    limits: Limits, ops: list[tuple[int, bool, int, int, int, float]]
+) -> None:
+    ttl = 90.0
+    gov = governor(limits, ttl=ttl)
+    records: list[Record] = []
+    tickets: list[tuple[Ticket, Record]] = []
+    now = 0.0
+    kinds = {
+        REQUESTS: limits.rpm,
+        INPUT_TOKENS: limits.input_tpm,
+        OUTPUT_TOKENS: limits.output_tpm,
+        CONCURRENCY: limits.concurrency,
+        BUDGET: limits.budget_micro_usd,
+    }
+    for dt, settle, inp, out, cost, frac in ops:
+        now += dt
+        if settle and tickets:
+            ticket, record = tickets.pop(0)
+            used = Demand(
+                int(record.amounts[INPUT_TOKENS] * frac),
+                int(record.amounts[OUTPUT_TOKENS] * frac),
+                int(record.amounts[BUDGET] * frac),
+            )
+            gov.settle(ticket, used, now)
+            record.amounts.update(
+                {
+                    INPUT_TOKENS: used.input_tokens,
+                    OUTPUT_TOKENS: used.output_tokens,
+                    BUDGET: used.cost_micro_usd,
+                }
+            )
+            record.open = False
+            continue
+        demand = Demand(inp, out, cost)
+        wanted = {REQUESTS: 1, INPUT_TOKENS: inp, OUTPUT_TOKENS: out, CONCURRENCY: 1, BUDGET: cost}
+        fits = {}
+        for kind, limit in kinds.items():
+            if limit is None:
+                continue
+            spent = brute_used(records, kind, now, ttl)
+            if kind == BUDGET:
+                fits[kind] = spent < limit
+            else:
+                fits[kind] = spent + wanted[kind] <= limit
+        before = copy.deepcopy(gov)
+        decision = gov.admit([TENANT], demand, now)
+        assert decision.admitted == all(fits.values()), (fits, decision)
+        if decision.ticket is not None:
+            record = Record(now, dict(wanted), True, now + ttl)
+            records.append(record)
+            tickets.append((decision.ticket, record))
+            continue
+        denial = decision.denial
+        assert denial is not None and not fits[denial.kind]
+        assert denial.used == brute_used(records, denial.kind, now, ttl)
+        if denial.retry_at is None:
+            assert denial.too_large or denial.limit == 0
+            continue
+        # Retried exactly at Retry-After with nothing else arriving: admitted; a moment
+        # earlier: still refused, so the time is the earliest, not a guess.
+        assert copy.deepcopy(before).admit([TENANT], demand, denial.retry_at).admitted
+        assert not copy.deepcopy(before).admit([TENANT], demand, denial.retry_at - 0.5).admitted
+
+    # No window of 60 s ever holds more than L (windows ending at each admission suffice).
+    for kind in (REQUESTS, INPUT_TOKENS, OUTPUT_TOKENS):
+        limit = kinds[kind]
+        if limit is None:
+            continue
+        for end in records:
+            inside = sum(r.amounts[kind] for r in records if end.at - WINDOW < r.at <= end.at)
+            assert inside <= limit
