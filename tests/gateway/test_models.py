@@ -163,6 +163,8 @@ def test_pinned_models_win_over_the_probe_which_is_logged(
             pinned = dataclasses.replace(first, models=("alpha", "alpha-alias"))
             s.gateway.reload(dataclasses.replace(config, replicas=(pinned, second)))
             assert await listed(c) == ["alpha", "alpha-alias", "beta"]
+            ready = s.gateway.gateway.readiness("alpha-alias")  # /ready?model= knows pins
+            assert ready[0] and ready[1]["models"]["alpha-alias"] is True
             await eventually(
                 lambda: "is pinned to ['alpha', 'alpha-alias']" in caplog.text,
                 what="the mismatch logged",

@@ -32,7 +32,6 @@ import logging
 import time
 from collections.abc import Mapping
 from typing import Final
-from urllib.parse import urlsplit
 
 from saltgate.derivations.derive import ROUTE_RESPONSES
 from saltgate.gateway.admission import Admission
@@ -115,7 +114,7 @@ class Meter:
         self.ledger = ledger
         self.metrics = metrics
         self.prices: Mapping[str, PriceVersion] = prices or {}
-        self._unreported: dict[str, Labels] = {}  # replica URL -> its labels, once warned
+        self._unreported: dict[str, Labels] = {}  # replica label -> its labels, once warned
         # (tenant id, model label, status) -> the labels of its request and token series
         self._labels: dict[tuple[str, str, int], tuple[Labels, Labels, Labels, Labels]] = {}
         metrics.describe(
@@ -180,12 +179,13 @@ class Meter:
         tokens[labels[3]] += record.completion_tokens
         metrics.observe(_DURATION, (("route", route),), seconds)
 
-    def cached_unreported(self, url: str) -> None:
-        """Count an answer of the replica at `url` without cached tokens; the first one
-        of each replica is logged: its cached tokens are billed at the full input price."""
-        labels = self._unreported.get(url)
+    def cached_unreported(self, replica: str) -> None:
+        """Count an answer of the replica labelled `replica` without cached tokens; the
+        first one of each replica is logged: its cached tokens are billed at the full
+        input price."""
+        labels = self._unreported.get(replica)
         if labels is None:
-            labels = self._unreported[url] = (("replica", replica_label(url)),)
+            labels = self._unreported[replica] = (("replica", replica),)
             log.warning(
                 "saltgate: replica %s reports no cached tokens in its usage (start vLLM with "
                 "--enable-prompt-tokens-details); its requests are recorded with cached "
@@ -193,12 +193,6 @@ class Meter:
                 labels[0][1],
             )
         self.metrics.inc(_UNREPORTED, labels)
-
-
-def replica_label(url: str) -> str:
-    """A replica's URL as a metric label and in logs: stable, without any user:password."""
-    parts = urlsplit(url)
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 class Exchange:
@@ -276,9 +270,7 @@ class Exchange:
                 replica = attempt.replica
                 sent = headers
                 if trace is not None:
-                    span = self._span = trace.attempt(
-                        self._context, replica_label(replica.config.url)
-                    )
+                    span = self._span = trace.attempt(self._context, replica.label)
                     sent = span.upstream_headers(headers)
                 try:
                     upstream = await replica.pool.request(
@@ -436,7 +428,7 @@ class Exchange:
             and self._attempt is not None
             and context.route in GENERATION_ROUTES  # pooling answers never carry them
         ):
-            meter.cached_unreported(self._attempt.replica.config.url)
+            meter.cached_unreported(self._attempt.replica.label)
         price = meter.prices.get(context.model)
         record = UsageRecord(
             request_id=context.request_id,  # this exchange's one record, however often committed

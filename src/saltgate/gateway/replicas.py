@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -45,10 +46,12 @@ class Replica:
     mismatch: frozenset[str] | None = None
     # The replica's identity in the ranking: its URL, the same on every gateway.
     id: ReplicaId = field(init=False)
+    label: str = field(init=False)  # its URL in metric labels and logs (`replica_label`)
     auth: list[tuple[bytes, bytes]] = field(init=False, repr=False)  # with its backend key
 
     def __post_init__(self) -> None:
         self.id = ReplicaId(self.config.url)
+        self.label = replica_label(self.config.url)
         self.configure(self.config)
 
     def configure(self, config: ReplicaConfig) -> None:
@@ -335,6 +338,12 @@ class ReplicaSet:
         await asyncio.gather(*retiring, return_exceptions=True)
         for replica in self._replicas.values():
             await replica.pool.close()
+
+
+def replica_label(url: str) -> str:
+    """A replica's URL as a metric label and in logs: stable, without any user:password."""
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 def _warn_plaintext(config: ReplicaConfig, index: int) -> None:

@@ -26,7 +26,7 @@ from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.admission import Admission
 from saltgate.gateway.context import RequestContext, Tracer
 from saltgate.gateway.ehbp import plaintext_secret_refused
-from saltgate.gateway.exchange import Exchange, Meter, replica_label
+from saltgate.gateway.exchange import Exchange, Meter
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
@@ -132,7 +132,7 @@ class Gateway:
             "Requests in flight per replica (its URL).",
             lambda: [
                 (
-                    (("replica", replica_label(r.config.url)),),
+                    (("replica", r.label),),
                     float(self.replicas.router.inflight(r.id)),
                 )
                 for _, r, _ in self.replicas.available()
@@ -142,8 +142,7 @@ class Gateway:
             "saltgate_replica_healthy",
             "1 if the replica passes its health checks and its breaker is not open.",
             lambda: [
-                ((("replica", replica_label(r.config.url)),), float(ok))
-                for _, r, ok in self.replicas.available()
+                ((("replica", r.label),), float(ok)) for _, r, ok in self.replicas.available()
             ],
         )
         m.gauge(
@@ -208,8 +207,7 @@ class Gateway:
     def readiness(self, model: str | None = None) -> tuple[bool, dict[str, Any]]:
         """What /ready answers (gateway/readiness.py), from the router's health."""
         views = [
-            ReplicaView(ok, tuple(str(m.get("id")) for m in r.models))
-            for _, r, ok in self.replicas.available()
+            ReplicaView(ok, tuple(sorted(r.served or ()))) for _, r, ok in self.replicas.available()
         ]
         return readiness(self._store_down_for(), self.config.store_outage_grace_s, views, model)
 
