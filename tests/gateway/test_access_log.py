@@ -229,6 +229,8 @@ from saltgate.gateway.context import RequestContext
 async def main() -> None:
     log = AccessLog(int(sys.argv[1]), "json")
     log._atomic = sys.argv[2] == "on"  # "off": the positive control
+    print("ready", flush=True)
+    sys.stdin.readline()  # both writers start together, however slow each was to start
     for _ in range(4000):
         entry = RequestContext(log, b"POST", None, 0.0)
         entry.model = sys.argv[3] * 150
@@ -250,10 +252,19 @@ def test_workers_sharing_a_pipe_never_split_a_line(atomic: str) -> None:
         subprocess.Popen(
             [sys.executable, "-c", _PIPE_WRITER, str(write_end), atomic, mark],
             pass_fds=(write_end,),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
         )
         for mark in "ab"
     ]
     os.close(write_end)
+    for w in writers:  # on a busy machine one could otherwise be done before the other starts
+        assert w.stdout is not None and w.stdout.readline() == b"ready\n"
+        w.stdout.close()
+    for w in writers:
+        assert w.stdin is not None
+        w.stdin.write(b"go\n")
+        w.stdin.close()
     data = bytearray()
     while chunk := os.read(read_end, 4096):
         data += chunk
