@@ -74,9 +74,12 @@ def worker_pids(parent: int) -> dict[int, int]:
 
 
 def gone(pid: int) -> bool:
-    """The process exited (a zombie has closed every socket it had)."""
+    """The process exited and every socket it had is closed. Its main thread shows "Z"
+    as soon as it exits, while its other threads may still be exiting and holding the
+    file table (and with it the sockets): those leave /proc/PID/task once they are done."""
     try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) == "Z"
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state == "Z" and os.listdir(f"/proc/{pid}/task") == [str(pid)]
     except OSError:
         return True
 
