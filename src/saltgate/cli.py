@@ -88,6 +88,13 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="simulated prefill time of uncached prompt tokens (one prompt at a time)",
     )
     p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=d.prefill_chunk_tokens,
+        help="prefill long prompts in turns of this many tokens (vLLM's chunked prefill; "
+        "0: a prompt in one go)",
+    )
+    p.add_argument(
         "--decode-ms-per-token",
         type=float,
         default=d.decode_ms_per_token,
@@ -128,6 +135,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
         prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         decode_ms_per_token=args.decode_ms_per_token,
         max_concurrency=args.max_concurrency,
         max_model_len=args.max_model_len,

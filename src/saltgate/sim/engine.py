@@ -2,7 +2,8 @@
 
 Time model (docs/sim.md): a request waits while `max_concurrency` requests are running
 (vllm:num_requests_waiting); prefills run one at a time, as one accelerator computes them,
-taking `prefill_ms_per_1k_tokens` per thousand UNCACHED prompt tokens; then every output
+taking `prefill_ms_per_1k_tokens` per thousand UNCACHED prompt tokens, in turns of at most
+`prefill_chunk_tokens` when that is set (vLLM's chunked prefill); then every output
 token takes `decode_ms_per_token`, concurrently with other requests. All waiting is done
 with event-loop sleeps against absolute deadlines, so a replica costs almost no CPU and a
 prefix-cache hit shows in time to first token as it does on a GPU.
@@ -26,6 +27,10 @@ from saltgate.sim.tokenizer import filler_pieces
 class TimeModel:
     prefill_ms_per_1k_tokens: float = 20.0
     decode_ms_per_token: float = 2.0
+    # A prefill holds the accelerator for at most this many tokens, then waits its turn
+    # again behind the prefills that arrived meanwhile, so a short prompt is not stuck
+    # behind a long one (vLLM schedules long prompts in chunks). 0: a prompt in one go.
+    prefill_chunk_tokens: int = 0
 
     def prefill_seconds(self, uncached_tokens: int) -> float:
         return uncached_tokens * self.prefill_ms_per_1k_tokens / 1_000_000.0
@@ -133,11 +138,7 @@ class ReplicaEngine:
             full = len(prompt) // self.pool.block_size * self.pool.block_size
             gen.created_cache_tokens = max(0, full - gen.cached_tokens)
             started = True
-            async with self._prefill:
-                deadline = time.monotonic() + self.time_model.prefill_seconds(
-                    len(prompt) - gen.cached_tokens
-                )
-                await sleep_until(deadline)
+            await self._prefill_turns(len(prompt) - gen.cached_tokens)
             self.pool.prompt_computed(request_id)
             self._flush_events()
             first_token = time.monotonic()
@@ -169,6 +170,18 @@ class ReplicaEngine:
                     finished_reason=gen.finish_reason if completed else "abort",
                 )
             )
+
+    async def _prefill_turns(self, uncached: int) -> None:
+        """Compute `uncached` prompt tokens on the one accelerator, a chunk per turn; the
+        lock is first come, first served, so turns alternate between waiting prefills."""
+        chunk = self.time_model.prefill_chunk_tokens or uncached
+        while True:
+            part = min(chunk, uncached)
+            async with self._prefill:
+                await sleep_until(time.monotonic() + self.time_model.prefill_seconds(part))
+            uncached -= part
+            if uncached <= 0:
+                return
 
     async def _decode(
         self, request_id: str, prompt_len: int, max_tokens: int, gen: Generation, t0: float

@@ -62,6 +62,7 @@ class SimConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
     prefill_ms_per_1k_tokens: float = 20.0
+    prefill_chunk_tokens: int = 0
     decode_ms_per_token: float = 2.0
     max_concurrency: int = 64
     max_model_len: int = 32768
@@ -94,7 +95,11 @@ class SimServer:
                 config.hash_algo,
                 enable_caching=config.enable_prefix_caching,
             ),
-            time_model=TimeModel(config.prefill_ms_per_1k_tokens, config.decode_ms_per_token),
+            time_model=TimeModel(
+                config.prefill_ms_per_1k_tokens,
+                config.decode_ms_per_token,
+                config.prefill_chunk_tokens,
+            ),
             max_concurrency=config.max_concurrency,
             max_model_len=config.max_model_len,
             publish=publish,
