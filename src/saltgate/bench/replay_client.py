@@ -26,6 +26,7 @@ from saltgate.http import UpstreamError, UpstreamPool
 
 COMPLETIONS_PATH = b"/v1/completions"
 SESSION_HEADER = b"x-session-id"
+UNFINISHED = "unfinished"  # how the error of a request cut off by the drain timeout starts
 
 
 class StreamReader:
@@ -221,7 +222,7 @@ async def replay(
         await asyncio.gather(*pending, return_exceptions=True)
         for late in run.outcomes:
             if late is not None and not late.ok and late.error is None:
-                late.error = f"unfinished {drain_timeout_s:.0f} s after the last send"
+                late.error = f"{UNFINISHED} {drain_timeout_s:.0f} s after the last send"
     run.wall_s = clock()
     run.cpu_s = time.process_time() - cpu0
     return run
