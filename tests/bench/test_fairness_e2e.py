@@ -23,12 +23,16 @@ REQUIRED = {
 
 
 def test_a_short_fairness_run_reports_every_router_and_phase(tmp_path: Path) -> None:
+    """About 60 s on the shared machine: two routers, each in front of two fresh
+    replicas, each sent the three 3-s phases and waited for until the noisy tenant's
+    backlog has drained (short phases would leave no backlog to see, and no noisy
+    request in its phase)."""
     out, plot = tmp_path / "fairness.json", tmp_path / "ttft.svg"
     done = subprocess.run(
         [
             sys.executable, "-m", "saltgate.cli", "bench", "fairness",
             "--routers", "saltgate-ungoverned,vllm-router",
-            "--phase-s", "4", "--window-s", "4", "--noisy-x", "5",
+            "--phase-s", "3", "--window-s", "3", "--noisy-x", "4", "--noisy-prompt-tokens", "2048",
             "--drain-timeout", "20", "--startup-timeout", "30", "--no-progress",
             "--json", str(out), "--plot", str(plot), "--workdir", str(tmp_path / "work"),
         ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -21,9 +22,12 @@ from saltgate.bench.fairness_metrics import (
     service_difference,
     window_difference,
 )
+from saltgate.bench.gateway_setup import prepare_gateway_state
 from saltgate.bench.procs import BenchError
 from saltgate.bench.replay_metrics import Outcome
 from saltgate.bench.trace_schedule import ReplayRequest
+from saltgate.governance.limits import Limits
+from saltgate.store.tenants import TenantStore
 
 
 def served(tenant: int, times: tuple[float, float, float], prompt: int, output: int) -> Record:
@@ -214,3 +218,13 @@ def test_only_the_governed_arm_gets_the_fair_queue_and_limits() -> None:
 def test_the_quiet_tenant_must_stay_within_its_share() -> None:
     with pytest.raises(BenchError, match="within its share"):
         options(quiet_rps=20.0)
+
+
+def test_the_governed_arms_limits_reach_every_tenant_in_the_store(tmp_path: Path) -> None:
+    limits = Limits(input_tpm=300_000)
+    state = prepare_gateway_state(tmp_path / "state", ["tenant-0", "tenant-1"], limits=limits)
+    with TenantStore.from_state_dir(state.state_dir) as db:
+        assert [t.limits for t in db.list_tenants()] == [limits, limits]
+    plain = prepare_gateway_state(tmp_path / "plain", ["tenant-0"])
+    with TenantStore.from_state_dir(plain.state_dir) as db:
+        assert [t.limits for t in db.list_tenants()] == [None]

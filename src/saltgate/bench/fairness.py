@@ -75,13 +75,10 @@ POLICY = {
     "smg": "sglang-router:cache_aware",
     "vllm-router": "vllm-router:cache_aware",
 }
-# smg's admission at its best here (docs/benchmarks.md, "Fairness", says what was tried):
-# a concurrency cap per fleet, a deep queue, and a refill rate far above the cap so that
-# the cap is not also a request rate (smg's default refill is the cap itself).
-SMG_ARGS = (
-    "--max-concurrent-requests 4 --queue-size 1000 --queue-timeout-secs 60 "
-    "--rate-limit-tokens-per-second 1000"
-)
+# smg's admission at its best here (docs/benchmarks.md, "Fairness", has what was tried):
+# its cap is a token bucket refilled at the cap per second, so 4 admits at most 4
+# requests/s, just under the peak offered, queueing the rest (default queue, 100 for 60 s).
+SMG_ARGS = "--max-concurrent-requests 4"
 # Saturating replicas on a small machine: 2.5k prompt tokens/s each, so 2 replicas are
 # full at ~0.6 noisy requests/s of 8k tokens while the load generator, the routers and
 # the simulators' tokenizers stay within a couple of cores.
