@@ -48,6 +48,7 @@ from saltgate.bench.procs import (
     default_tools_venv,
     find_tools,
     machine_info,
+    run_header,
     tool_versions,
     workdir,
 )
@@ -406,8 +407,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         report = {
             "benchmark": "fairness",
-            "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            **run_header(started),
             "config": {
                 "replicas": options.replicas,
                 "sim": asdict(options.sim),

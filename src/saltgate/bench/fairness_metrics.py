@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from saltgate.bench.replay_client import UNFINISHED
-from saltgate.bench.replay_metrics import Outcome, percentile_ms
+from saltgate.bench.replay_metrics import Outcome, fmt, percentile_ms
 from saltgate.bench.trace_schedule import ReplayRequest
 
 PHASES = ("alone", "noisy", "after")
@@ -346,10 +346,6 @@ def check_targets(rows: Sequence[dict[str, Any]], governed: str = "saltgate") ->
     return lines
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     head = (
         "| router | gateways | phase | quiet TTFT p50 / p99 ms | quiet rejected | noisy req/s "
@@ -364,8 +360,8 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             continue
         cut = f" (+{r['quiet_unfinished']} unfinished)" if r["quiet_unfinished"] else ""
         lines.append(
-            f"{where} {_fmt(r['quiet_ttft_p50_ms'], '.0f')} / "
-            f"{_fmt(r['quiet_ttft_p99_ms'], '.0f')} | {r['quiet_rejected']}{cut} "
+            f"{where} {fmt(r['quiet_ttft_p50_ms'], '.0f')} / "
+            f"{fmt(r['quiet_ttft_p99_ms'], '.0f')} | {r['quiet_rejected']}{cut} "
             f"| {r['noisy_rps']:.2f} | {r['total_rps']:.2f} | {r['service_per_s']:.0f} "
             f"| {r['cached_token_ratio']:.3f} | {r['service_difference']:.0f} |"
         )

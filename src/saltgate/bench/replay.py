@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import shlex
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -46,6 +45,7 @@ from saltgate.bench.procs import (
     find_tools,
     free_port,
     machine_info,
+    run_header,
     tool_versions,
     workdir,
 )
@@ -689,8 +689,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         report = {
             "benchmark": "replay",
-            "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            **run_header(started),
             "trace": str(args.trace),
             "schedule": info,
             "tenant_weights": [round(w, 4) for w in zipf_weights(options.tenants, args.zipf)],
