@@ -141,6 +141,9 @@ def replay_options(o: FairnessOptions, router: str) -> Options:
         gateway_sections=governed_sections() if router == GOVERNED else "",
         tenant_limits=o.tenant_limits if router == GOVERNED else None,
         peer_args=o.peer_args.get(router, ()),
+        # an 8k-token prompt takes ~60 ms to make on a busy machine: made while
+        # sending, it would add that to the quiet tenant's measured TTFTs
+        prebuild_requests=True,
     )
 
 

@@ -116,6 +116,7 @@ class Options:
     gateway_sections: str = ""
     tenant_limits: Limits | None = None
     peer_args: tuple[str, ...] = ()
+    prebuild_requests: bool = False  # make every request before the clock starts
 
 
 class Bench:
@@ -331,6 +332,7 @@ class Bench:
     ) -> tuple[ReplayRun, dict[str, Any] | None]:
         """The replay, with the replica fault of --kill-replica-at and ``also(t0)``
         (another fault, say, timed from the schedule's start t0) running beside it."""
+        built = [shape.parts(r) for r in self.schedule] if self.o.prebuild_requests else None
         t0 = time.monotonic()
         bar = self._progress(policy)
         tasks = []
@@ -348,6 +350,7 @@ class Bench:
                 drain_timeout_s=self.o.drain_timeout_s,
                 on_done=bar.update if bar is not None else lambda: None,
                 t0=t0,
+                built=built,
             )
         finally:
             if bar is not None:
