@@ -23,7 +23,7 @@ REQUIRED = {
 
 
 def test_a_short_fairness_run_reports_every_router_and_phase(tmp_path: Path) -> None:
-    """About 60 s on the shared machine: two routers, each in front of two fresh
+    """60 to 80 s on the shared machine: two routers, each in front of two fresh
     replicas, each sent the three 3-s phases and waited for until the noisy tenant's
     backlog has drained (short phases would leave no backlog to see, and no noisy
     request in its phase)."""
