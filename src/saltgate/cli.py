@@ -812,6 +812,7 @@ def _run_kv_relay(args: argparse.Namespace) -> int:
 # `saltgate bench NAME`: each module gives HELP, add_arguments(parser) and run(args).
 BENCHMARKS = {
     "replay": "saltgate.bench.replay",
+    "fairness": "saltgate.bench.fairness",
     "overhead": "saltgate.bench.overhead",
     "sim-capacity": "saltgate.bench.sim_capacity",
 }

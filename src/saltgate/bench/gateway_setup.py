@@ -14,6 +14,7 @@ from pathlib import Path
 
 from saltgate.bench.procs import BenchError, Tools, free_port
 from saltgate.config import ConfigError, create_master_key, parse_config
+from saltgate.governance.limits import Limits
 from saltgate.routing.cluster import ClusterSettings
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
@@ -30,10 +31,14 @@ class GatewayState:
 
 
 def prepare_gateway_state(
-    state_dir: Path, tenants: Sequence[str], store: StoreSettings | None = None
+    state_dir: Path,
+    tenants: Sequence[str],
+    store: StoreSettings | None = None,
+    limits: Limits | None = None,
 ) -> GatewayState:
-    """A fresh state directory: a master key, and each tenant with one API key, in
-    `store` (an empty PostgreSQL database, say) or the state directory's SQLite file."""
+    """A fresh state directory: a master key, and each tenant with one API key (and
+    ``limits``, the same for every tenant), in `store` (an empty PostgreSQL database,
+    say) or the state directory's SQLite file."""
     state_dir.mkdir(parents=True, mode=0o700)
     create_master_key(state_dir / "master.key")
     keys = []
@@ -41,6 +46,8 @@ def prepare_gateway_state(
         for name in tenants:
             db.create_tenant(name)
             keys.append(db.create_key(name)[1])
+            if limits is not None:
+                db.set_limits(name, limits)
     return GatewayState(state_dir, tuple(keys), store)
 
 
@@ -60,11 +67,13 @@ def gateway_config(
     router_settings: Sequence[str] = (),
     cluster: ClusterSettings | None = None,
     tls_ca_file: Path | None = None,
+    sections: str = "",
 ) -> str:
     """`saltgate serve` TOML: the replicas, and a [router] section with ``policy`` plus
     ``router_settings`` (KEY = VALUE lines) when either is given; ``cluster``: the
     [cluster] section of a gateway that shares routing state; ``tls_ca_file``: the CA
-    that https:// replicas are verified against."""
+    that https:// replicas are verified against; ``sections``: more TOML tables, as
+    they are (the fairness benchmark's [queue], say)."""
     router = ""
     if policy is not None or router_settings:
         lines = [*([f"policy = {toml_string(policy)}"] if policy else []), *router_settings]
@@ -82,6 +91,7 @@ def gateway_config(
         f"{state.store.toml() if state.store is not None else ''}"
         f"{cluster.toml() if cluster is not None else ''}"
         f"{router}"
+        f"{sections}"
         f"{replicas}"
     )
 

@@ -12,12 +12,14 @@ import contextlib
 import http.client
 import os
 import platform
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,6 +244,14 @@ def source_state() -> str:
     if not head:
         return "unknown"
     return f"{head} + {len(dirty.splitlines())} changed paths under src/" if dirty else head
+
+
+def run_header(started: float) -> dict[str, str]:
+    """A JSON report's first fields: the command as typed and when it started (UTC)."""
+    return {
+        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+    }
 
 
 def tool_versions(tools: Tools) -> dict[str, str]:

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import shlex
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -46,6 +45,7 @@ from saltgate.bench.procs import (
     find_tools,
     free_port,
     machine_info,
+    run_header,
     tool_versions,
     workdir,
 )
@@ -81,6 +81,7 @@ from saltgate.bench.trace_schedule import (
     load_trace,
     zipf_weights,
 )
+from saltgate.governance.limits import Limits
 from saltgate.http import UpstreamPool
 
 MODEL = "sim-model"
@@ -110,6 +111,12 @@ class Options:
     startup_timeout_s: float
     progress: bool
     fleet: FleetOptions | None = None  # --gateways / --shared-state / --kill-gateway-at
+    # What `saltgate bench fairness` adds: more TOML tables for the gateways ([queue]),
+    # limits for every tenant, and arguments for the peer router.
+    gateway_sections: str = ""
+    tenant_limits: Limits | None = None
+    peer_args: tuple[str, ...] = ()
+    prebuild_requests: bool = False  # make every request before the clock starts
 
 
 class Bench:
@@ -124,6 +131,7 @@ class Bench:
         self.workdir = workdir
         self.state: GatewayState | None = None
         self.ttfts: dict[str, list[float]] = {}
+        self.runs: dict[str, ReplayRun] = {}  # by label: every outcome, for finer summaries
         self.services: FleetServices | None = None
 
     def log(self, message: str) -> None:
@@ -133,7 +141,9 @@ class Bench:
         if policy in GATEWAY_POLICIES:
             if self.state is None:
                 tenants = [f"tenant-{i}" for i in range(self.o.tenants)]
-                self.state = prepare_gateway_state(self.workdir / "gateway-state", tenants)
+                self.state = prepare_gateway_state(
+                    self.workdir / "gateway-state", tenants, limits=self.o.tenant_limits
+                )
             return RequestShape(
                 MODEL, self.o.block_tokens, self.o.text_prompts, tenant_keys=self.state.api_keys
             )
@@ -193,7 +203,9 @@ class Bench:
         label = variant_label(policy, gateways, shared)
         tag = label.replace(" ", "-").replace(":", "-")
         tenants = [f"tenant-{i}" for i in range(self.o.tenants)]
-        state = services.new_store_state(self.workdir / f"{tag}-state", tenants)
+        state = services.new_store_state(
+            self.workdir / f"{tag}-state", tenants, self.o.tenant_limits
+        )
         shape = RequestShape(
             MODEL, self.o.block_tokens, self.o.text_prompts, tenant_keys=state.api_keys
         )
@@ -211,6 +223,7 @@ class Bench:
                 bus=services.redis if shared else None,
                 workdir=self.workdir,
                 tag=tag,
+                sections=self.o.gateway_sections,
             )
             port = await front.start(shape, self.o.startup_timeout_s)
             baseline = await replicas.served()
@@ -284,6 +297,7 @@ class Bench:
         if fault is not None:
             result["fault"] = fault
         self.ttfts[label] = [t for o in run.outcomes if o and o.ok and (t := o.ttft_s)]
+        self.runs[label] = run
         return result
 
     def start_router(self, policy: str, port: int, fleet: Fleet) -> Proc:
@@ -297,11 +311,12 @@ class Bench:
                 admin_port=free_port(),
                 policy=policy,
                 router_settings=self.o.router_settings,
+                sections=self.o.gateway_sections,
             )
             argv = serve_argv(write_gateway_config(self.workdir / f"{tag}.toml", text))
         else:
             tool, peer_policy = PEER_POLICIES[policy]
-            argv = peer_argv(self.tools, tool, peer_policy, port, fleet.urls)
+            argv = [*peer_argv(self.tools, tool, peer_policy, port, fleet.urls), *self.o.peer_args]
         return Proc(tag, argv, self.workdir / f"{tag}-router.log")
 
     async def wait_ready(self, router: Proc, port: int, shape: RequestShape) -> None:
@@ -317,6 +332,7 @@ class Bench:
     ) -> tuple[ReplayRun, dict[str, Any] | None]:
         """The replay, with the replica fault of --kill-replica-at and ``also(t0)``
         (another fault, say, timed from the schedule's start t0) running beside it."""
+        built = [shape.parts(r) for r in self.schedule] if self.o.prebuild_requests else None
         t0 = time.monotonic()
         bar = self._progress(policy)
         tasks = []
@@ -334,6 +350,7 @@ class Bench:
                 drain_timeout_s=self.o.drain_timeout_s,
                 on_done=bar.update if bar is not None else lambda: None,
                 t0=t0,
+                built=built,
             )
         finally:
             if bar is not None:
@@ -425,7 +442,7 @@ def _policies(text: str) -> tuple[str, ...]:
     return names
 
 
-def _counts(text: str) -> tuple[int, ...]:
+def parse_counts(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
@@ -442,7 +459,7 @@ def _switches(text: str) -> tuple[bool, ...]:
     return tuple(w == "on" for w in dict.fromkeys(words))
 
 
-def _positive(kind: type[int] | type[float]) -> Any:
+def positive(kind: type[int] | type[float]) -> Any:
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
@@ -455,55 +472,18 @@ def _positive(kind: type[int] | type[float]) -> Any:
     return parse
 
 
-HELP = "replay a real trace through each routing policy"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = SimSettings()
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (JSONL)")
-    p.add_argument("--replicas", type=_positive(int), default=4, help="simulated replicas")
-    p.add_argument("--tenants", type=_positive(int), default=8, help="tenants (Zipf over them)")
-    p.add_argument(
-        "--policy",
-        type=_policies,
-        default=POLICIES,
-        help=f"comma-separated, run in this order, or 'all' (default): {', '.join(POLICIES)}",
-    )
-    p.add_argument(
-        "--time-scale", type=_positive(float), default=10.0, help="replay S times faster"
-    )
-    p.add_argument("--json", type=Path, help="write the results as JSON here")
-    p.add_argument("--plot", type=Path, help="write a PNG of the TTFT distributions here")
-    w = p.add_argument_group("trace window and tenants")
-    w.add_argument("--start", type=float, default=0.0, help="trace seconds to skip")
-    w.add_argument(
-        "--duration", type=_positive(float), default=600.0, help="trace seconds to replay"
-    )
-    w.add_argument("--limit", type=_positive(int), help="at most this many requests")
-    w.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of tenant sizes")
-    w.add_argument("--seed", type=int, default=0, help="seed of the tenant assignment")
-    w.add_argument(
-        "--block-tokens",
-        type=_positive(int),
-        default=64,
-        help="tokens per 512-token trace block (a multiple of --sim-block-size)",
-    )
-    w.add_argument(
-        "--prompt-format",
-        choices=("text", "ids"),
-        default="text",
-        help="prompts as one-token words (default; smg refuses token ids) or token ids",
-    )
+def add_sim_arguments(p: argparse.ArgumentParser, d: SimSettings) -> None:
+    """The replicas' time and cache model (SimSettings), with ``d`` as the defaults."""
     s = p.add_argument_group("simulated replicas")
     s.add_argument(
-        "--sim-block-size", type=_positive(int), default=d.block_size, help="tokens per KV block"
+        "--sim-block-size", type=positive(int), default=d.block_size, help="tokens per KV block"
     )
     s.add_argument(
-        "--num-blocks", type=_positive(int), default=d.num_blocks, help="KV blocks per replica"
+        "--num-blocks", type=positive(int), default=d.num_blocks, help="KV blocks per replica"
     )
     s.add_argument(
         "--prefill-ms-per-1k-tokens",
-        type=_positive(float),
+        type=positive(float),
         default=d.prefill_ms_per_1k_tokens,
         help="prefill time of uncached prompt tokens (serial per replica)",
     )
@@ -515,10 +495,78 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--max-concurrency",
-        type=_positive(int),
+        type=positive(int),
         default=d.max_concurrency,
         help="requests a replica runs at once",
     )
+
+
+def sim_settings(args: argparse.Namespace) -> SimSettings:
+    return SimSettings(
+        block_size=args.sim_block_size,
+        num_blocks=args.num_blocks,
+        prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
+        decode_ms_per_token=args.decode_ms_per_token,
+        max_concurrency=args.max_concurrency,
+    )
+
+
+def add_run_arguments(r: argparse._ArgumentGroup) -> None:
+    """Where the tools are, how long to wait, where to keep logs, and the progress bar."""
+    r.add_argument("--tools-venv", type=Path, help="venv with smg and vllm-router")
+    r.add_argument(
+        "--drain-timeout",
+        type=positive(float),
+        default=120.0,
+        help="seconds to wait for answers after the last request is sent",
+    )
+    r.add_argument(
+        "--startup-timeout",
+        type=positive(float),
+        default=60.0,
+        help="seconds a replica, router or gateway may take to come up",
+    )
+    r.add_argument("--workdir", type=Path, help="keep logs and configs here (default: temp)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+HELP = "replay a real trace through each routing policy"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (JSONL)")
+    p.add_argument("--replicas", type=positive(int), default=4, help="simulated replicas")
+    p.add_argument("--tenants", type=positive(int), default=8, help="tenants (Zipf over them)")
+    p.add_argument(
+        "--policy",
+        type=_policies,
+        default=POLICIES,
+        help=f"comma-separated, run in this order, or 'all' (default): {', '.join(POLICIES)}",
+    )
+    p.add_argument("--time-scale", type=positive(float), default=10.0, help="replay S times faster")
+    p.add_argument("--json", type=Path, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, help="write a PNG of the TTFT distributions here")
+    w = p.add_argument_group("trace window and tenants")
+    w.add_argument("--start", type=float, default=0.0, help="trace seconds to skip")
+    w.add_argument(
+        "--duration", type=positive(float), default=600.0, help="trace seconds to replay"
+    )
+    w.add_argument("--limit", type=positive(int), help="at most this many requests")
+    w.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of tenant sizes")
+    w.add_argument("--seed", type=int, default=0, help="seed of the tenant assignment")
+    w.add_argument(
+        "--block-tokens",
+        type=positive(int),
+        default=64,
+        help="tokens per 512-token trace block (a multiple of --sim-block-size)",
+    )
+    w.add_argument(
+        "--prompt-format",
+        choices=("text", "ids"),
+        default="text",
+        help="prompts as one-token words (default; smg refuses token ids) or token ids",
+    )
+    add_sim_arguments(p, SimSettings())
     r = p.add_argument_group("routers and faults")
     r.add_argument(
         "--router-set",
@@ -536,7 +584,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--gateways",
-        type=_counts,
+        type=parse_counts,
         help="comma-separated gateway counts, each a run (default 1), e.g. 1,4",
     )
     g.add_argument(
@@ -548,21 +596,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kill-gateway-at", type=float, help="SIGKILL one gateway this many s into each run"
     )
     g.add_argument("--kill-gateway", type=int, default=0, help="which gateway to kill")
-    r.add_argument("--tools-venv", type=Path, help="venv with smg and vllm-router")
-    r.add_argument(
-        "--drain-timeout",
-        type=_positive(float),
-        default=120.0,
-        help="seconds to wait for answers after the last request is sent",
-    )
-    r.add_argument(
-        "--startup-timeout",
-        type=_positive(float),
-        default=60.0,
-        help="seconds a replica, router or gateway may take to come up",
-    )
-    r.add_argument("--workdir", type=Path, help="keep logs and configs here (default: temp)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(r)
 
 
 def _options(args: argparse.Namespace) -> Options:
@@ -598,13 +632,7 @@ def _options(args: argparse.Namespace) -> Options:
         policies=args.policy,
         replicas=args.replicas,
         tenants=args.tenants,
-        sim=SimSettings(
-            block_size=args.sim_block_size,
-            num_blocks=args.num_blocks,
-            prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
-            decode_ms_per_token=args.decode_ms_per_token,
-            max_concurrency=args.max_concurrency,
-        ),
+        sim=sim_settings(args),
         block_tokens=args.block_tokens,
         text_prompts=args.prompt_format == "text",
         router_settings=tuple(
@@ -664,8 +692,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         report = {
             "benchmark": "replay",
-            "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            **run_header(started),
             "trace": str(args.trace),
             "schedule": info,
             "tenant_weights": [round(w, 4) for w in zipf_weights(options.tenants, args.zipf)],

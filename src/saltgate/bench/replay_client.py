@@ -26,6 +26,7 @@ from saltgate.http import UpstreamError, UpstreamPool
 
 COMPLETIONS_PATH = b"/v1/completions"
 SESSION_HEADER = b"x-session-id"
+UNFINISHED = "unfinished"  # how the error of a request cut off by the drain timeout starts
 
 
 class StreamReader:
@@ -83,6 +84,9 @@ def cached_tokens_of(usage: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) else None
 
 
+RequestParts = tuple[list[tuple[bytes, bytes]], bytes]  # headers, body
+
+
 @dataclass(frozen=True, slots=True)
 class RequestShape:
     """How a target wants its requests: a key per tenant (the gateway), a cache_salt per
@@ -96,7 +100,7 @@ class RequestShape:
     tenant_salts: Sequence[str] = ()
     session_header: bool = False
 
-    def parts(self, req: ReplayRequest) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    def parts(self, req: ReplayRequest) -> RequestParts:
         headers = [(b"content-type", b"application/json")]
         if self.tenant_keys:
             headers.append((b"authorization", b"Bearer " + self.tenant_keys[req.tenant].encode()))
@@ -114,7 +118,7 @@ class RequestShape:
             doc["cache_salt"] = self.tenant_salts[req.tenant]
         return headers, orjson.dumps(doc)
 
-    def probe_parts(self) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    def probe_parts(self) -> RequestParts:
         """A tiny whole (non-streaming) request as tenant 0: too short to fill a cache block."""
         headers = [(b"content-type", b"application/json")]
         prompt: str | list[int] = " ready" if self.text else [1, 2, 3]
@@ -149,8 +153,10 @@ async def _one(
     req: ReplayRequest,
     out: Outcome,
     clock: Callable[[], float],
+    *,
+    built: RequestParts | None,
 ) -> None:
-    headers, body = shape.parts(req)
+    headers, body = built if built is not None else shape.parts(req)
     try:
         resp = await pool.request(b"POST", COMPLETIONS_PATH, headers, body)
         request_id = resp.header(b"x-request-id")
@@ -189,11 +195,15 @@ async def replay(
     drain_timeout_s: float,
     on_done: Callable[[], None] = lambda: None,
     t0: float | None = None,
+    built: Sequence[RequestParts] | None = None,
 ) -> ReplayRun:
     """Send every request at its time; wait for all (at most drain_timeout_s after the last).
 
     ``t0``: the monotonic time the schedule starts at (default: now), so that a fault
-    injected beside the replay can be placed on the same clock as the outcomes."""
+    injected beside the replay can be placed on the same clock as the outcomes.
+    ``built``: each request's headers and body made beforehand (`RequestShape.parts`),
+    for prompts so long that making them while sending would stall the event loop, and
+    so delay the sends and the first-token times measured beside them."""
     if t0 is None:
         t0 = time.monotonic()
 
@@ -211,7 +221,8 @@ async def replay(
         run.send_lag_s.append(max(0.0, now - req.at_s))
         out = Outcome(sent_at=now)
         run.outcomes[req.index] = out
-        task = asyncio.create_task(_one(pool, shape, req, out, clock))
+        parts = built[req.index] if built is not None else None
+        task = asyncio.create_task(_one(pool, shape, req, out, clock, built=parts))
         task.add_done_callback(lambda _t: on_done())
         tasks.add(task)
     if tasks:
@@ -221,7 +232,7 @@ async def replay(
         await asyncio.gather(*pending, return_exceptions=True)
         for late in run.outcomes:
             if late is not None and not late.ok and late.error is None:
-                late.error = f"unfinished {drain_timeout_s:.0f} s after the last send"
+                late.error = f"{UNFINISHED} {drain_timeout_s:.0f} s after the last send"
     run.wall_s = clock()
     run.cpu_s = time.process_time() - cpu0
     return run

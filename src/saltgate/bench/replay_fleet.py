@@ -36,6 +36,7 @@ from saltgate.bench.replay_client import RequestShape
 from saltgate.bench.replay_metrics import Outcome
 from saltgate.bench.replay_procs import wait_ready
 from saltgate.bench.services import HaproxyServer, PostgresServer, RedisServer, ServiceError
+from saltgate.governance.limits import Limits
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +79,16 @@ class FleetServices:
             self.stop()
             raise BenchError(str(exc)) from None
 
-    def new_store_state(self, state_dir: Path, tenants: Sequence[str]) -> GatewayState:
-        """A fresh database with the tenants and their keys, and a master key in state_dir."""
+    def new_store_state(
+        self, state_dir: Path, tenants: Sequence[str], limits: Limits | None = None
+    ) -> GatewayState:
+        """A fresh database with the tenants, their keys (and limits), and a master key
+        in state_dir."""
         assert self.postgres is not None
         name = f"replay_{secrets.token_hex(4)}"
         self.postgres.create_database(name)
         store = self.postgres.settings(name, state_dir.parent / f"{state_dir.name}-spool")
-        return prepare_gateway_state(state_dir, tenants, store)
+        return prepare_gateway_state(state_dir, tenants, store, limits)
 
     def stop(self) -> None:
         for server in (self.redis, self.postgres):
@@ -107,6 +111,7 @@ class GatewayFleet:
         bus: RedisServer | None,
         workdir: Path,
         tag: str,
+        sections: str = "",
     ) -> None:
         self.procs: list[Proc | None] = []
         self.ports: list[int] = []
@@ -121,6 +126,7 @@ class GatewayFleet:
                 policy=policy,
                 router_settings=router_settings,
                 cluster=bus.settings(f"gw{i}") if bus is not None else None,
+                sections=sections,
             )
             config = write_gateway_config(workdir / f"{tag}-gw{i}.toml", text)
             self.procs.append(

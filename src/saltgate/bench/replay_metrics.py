@@ -257,7 +257,7 @@ def _label(r: dict[str, Any]) -> str:
     return f"{r['policy']} x{r['gateways']} {'shared' if r['shared_state'] else 'alone'}"
 
 
-def _fmt(value: Any, spec: str) -> str:
+def fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -273,9 +273,9 @@ def markdown_table(results: Sequence[dict[str, Any]]) -> str:
             rows.append(f"| {_label(r)} | error: {r['error']} | | | | | | | |")
             continue
         rows.append(
-            f"| {_label(r)} | {r['cached_token_ratio']:.3f} | {_fmt(r['ttft_p50_ms'], '.0f')} "
-            f"| {_fmt(r['ttft_p99_ms'], '.0f')} | {r['throughput_rps']:.2f} "
-            f"| {r['output_tokens_per_s']:.0f} | {_fmt(r['max_mean_load'], '.2f')} "
+            f"| {_label(r)} | {r['cached_token_ratio']:.3f} | {fmt(r['ttft_p50_ms'], '.0f')} "
+            f"| {fmt(r['ttft_p99_ms'], '.0f')} | {r['throughput_rps']:.2f} "
+            f"| {r['output_tokens_per_s']:.0f} | {fmt(r['max_mean_load'], '.2f')} "
             f"| {r['failed']} | {r['cross_tenant_hits']} |"
         )
     return head + "\n".join(rows) + "\n"
