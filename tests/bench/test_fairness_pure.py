@@ -187,15 +187,10 @@ def test_targets_compare_the_governed_arm_with_the_ungoverned_one() -> None:
 
 
 def options(**changes: object) -> fairness.FairnessOptions:
-    args = argparse.Namespace(
-        routers=fairness.ROUTERS, gateways=None, replicas=2, sim_block_size=16,
-        num_blocks=8192, prefill_ms_per_1k_tokens=400.0, decode_ms_per_token=2.0,
-        max_concurrency=64, phase_s=60.0, window_s=60.0, quiet_rps=2.0, noisy_x=10.0,
-        quiet_prompt_tokens=200, noisy_prompt_tokens=8192, quiet_max_tokens=16,
-        noisy_max_tokens=64, shared_prefix=0.5, documents=4, block_tokens=8, seed=0,
-        tenant_input_tpm=None, smg_args="--max-concurrent-requests 4", vllm_router_args="",
-        drain_timeout=30.0, startup_timeout=30.0, no_progress=True,
-    )  # fmt: skip
+    """The options as the command parses them with no flags, then `changes`."""
+    parser = argparse.ArgumentParser()
+    fairness.add_arguments(parser)
+    args = parser.parse_args([])
     vars(args).update(changes)
     return fairness._options(args)
 

@@ -82,8 +82,11 @@ POLICY = {
 SMG_ARGS = "--max-concurrent-requests 4"
 # Saturating replicas on a small machine: 2.5k prompt tokens/s each, so 2 replicas are
 # full at ~0.6 noisy requests/s of 8k tokens while the load generator, the routers and
-# the simulators' tokenizers stay within a couple of cores.
-SIM = SimSettings(prefill_ms_per_1k_tokens=400.0, decode_ms_per_token=2.0)
+# the simulators' tokenizers stay within a couple of cores. Long prompts are prefilled in
+# chunks of 256 tokens (about 100 ms a turn, a GPU step's order), as vLLM chunks them: a
+# replica without chunks would hold every short prompt behind a whole 8k prefill (3.3 s),
+# whatever the router does.
+SIM = SimSettings(prefill_ms_per_1k_tokens=400.0, decode_ms_per_token=2.0, prefill_chunk_tokens=256)
 
 
 def governed_sections() -> str:

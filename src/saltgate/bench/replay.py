@@ -488,6 +488,12 @@ def add_sim_arguments(p: argparse.ArgumentParser, d: SimSettings) -> None:
         help="prefill time of uncached prompt tokens (serial per replica)",
     )
     s.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=d.prefill_chunk_tokens,
+        help="prefill long prompts in turns of this many tokens (0: a prompt in one go)",
+    )
+    s.add_argument(
         "--decode-ms-per-token",
         type=float,
         default=d.decode_ms_per_token,
@@ -506,6 +512,7 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
         block_size=args.sim_block_size,
         num_blocks=args.num_blocks,
         prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         decode_ms_per_token=args.decode_ms_per_token,
         max_concurrency=args.max_concurrency,
     )
