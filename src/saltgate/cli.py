@@ -815,6 +815,7 @@ BENCHMARKS = {
     "replay": "saltgate.bench.replay",
     "overhead": "saltgate.bench.overhead",
     "sim-capacity": "saltgate.bench.sim_capacity",
+    "limits": "saltgate.bench.limits",
 }
 
 
