@@ -40,7 +40,7 @@ import shlex
 import string
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,15 @@ from saltgate.bench.gateway_setup import (
     write_gateway_config,
 )
 from saltgate.bench.limits_race import RaceResult, race
-from saltgate.bench.procs import BenchError, Proc, free_port, machine_info, source_state, workdir
+from saltgate.bench.procs import (
+    BenchError,
+    Proc,
+    free_port,
+    machine_info,
+    positive,
+    source_state,
+    workdir,
+)
 from saltgate.bench.replay_client import RequestShape, cached_tokens_of
 from saltgate.bench.replay_procs import Fleet, SimSettings, wait_ready
 from saltgate.bench.services import RedisServer, ServiceError
@@ -701,59 +709,49 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gateways", type=_positive(int), default=4, help="gateways sharing Redis")
-    parser.add_argument("--replicas", type=_positive(int), default=2, help="simulated replicas")
+    parser.add_argument("--gateways", type=positive(int), default=4, help="gateways sharing Redis")
+    parser.add_argument("--replicas", type=positive(int), default=2, help="simulated replicas")
     parser.add_argument(
-        "--rpm", type=_positive(int), default=600, help="the tenant's limit L (requests per minute)"
+        "--rpm", type=positive(int), default=600, help="the tenant's limit L (requests per minute)"
     )
     parser.add_argument(
-        "--overload", type=_positive(float), default=10.0, help="the tenant sends this many x L"
+        "--overload", type=positive(float), default=10.0, help="the tenant sends this many x L"
     )
     parser.add_argument(
-        "--duration", type=_positive(float), default=180.0, help="seconds of load in the shared arm"
+        "--duration", type=positive(float), default=180.0, help="seconds of load in the shared arm"
     )
     parser.add_argument(
         "--control-duration",
-        type=_positive(float),
+        type=positive(float),
         default=70.0,
         help="seconds of load in the control arm (no shared engine)",
     )
-    parser.add_argument("--trials", type=_positive(int), default=100_000, help="concurrency trials")
+    parser.add_argument("--trials", type=positive(int), default=100_000, help="concurrency trials")
     parser.add_argument(
         "--control-trials",
-        type=_positive(int),
+        type=positive(int),
         default=1000,
         help="trials of the non-atomic control",
     )
     parser.add_argument(
-        "--burst", type=_positive(int), default=64, help="simultaneous admissions per trial"
+        "--burst", type=positive(int), default=64, help="simultaneous admissions per trial"
     )
     parser.add_argument(
-        "--cap", type=_positive(int), default=8, help="the concurrency cap of the trials"
+        "--cap", type=positive(int), default=8, help="the concurrency cap of the trials"
     )
     parser.add_argument(
-        "--streams", type=_positive(int), default=10_000, help="streams cancelled midway"
+        "--streams", type=positive(int), default=10_000, help="streams cancelled midway"
     )
     parser.add_argument(
-        "--stream-clients", type=_positive(int), default=32, help="streams in flight at once"
+        "--stream-clients", type=positive(int), default=32, help="streams in flight at once"
     )
     parser.add_argument(
-        "--budget-usd", type=_positive(float), default=0.2, help="the budget tenant's budget"
+        "--budget-usd", type=positive(float), default=0.2, help="the budget tenant's budget"
     )
     parser.add_argument(
         "--latency-samples",
-        type=_positive(int),
+        type=positive(int),
         default=3000,
         help="admissions timed one at a time",
     )
@@ -765,7 +763,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--startup-timeout",
-        type=_positive(float),
+        type=positive(float),
         default=90.0,
         help="seconds a replica or gateway may take to come up",
     )

@@ -46,6 +46,7 @@ from saltgate.bench.procs import (
     find_tools,
     free_port,
     machine_info,
+    positive,
     tool_versions,
     workdir,
 )
@@ -442,49 +443,34 @@ def _switches(text: str) -> tuple[bool, ...]:
     return tuple(w == "on" for w in dict.fromkeys(words))
 
 
-def _positive(kind: type[int] | type[float]) -> Any:
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    return parse
-
-
 HELP = "replay a real trace through each routing policy"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = SimSettings()
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (JSONL)")
-    p.add_argument("--replicas", type=_positive(int), default=4, help="simulated replicas")
-    p.add_argument("--tenants", type=_positive(int), default=8, help="tenants (Zipf over them)")
+    p.add_argument("--replicas", type=positive(int), default=4, help="simulated replicas")
+    p.add_argument("--tenants", type=positive(int), default=8, help="tenants (Zipf over them)")
     p.add_argument(
         "--policy",
         type=_policies,
         default=POLICIES,
         help=f"comma-separated, run in this order, or 'all' (default): {', '.join(POLICIES)}",
     )
-    p.add_argument(
-        "--time-scale", type=_positive(float), default=10.0, help="replay S times faster"
-    )
+    p.add_argument("--time-scale", type=positive(float), default=10.0, help="replay S times faster")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of the TTFT distributions here")
     w = p.add_argument_group("trace window and tenants")
     w.add_argument("--start", type=float, default=0.0, help="trace seconds to skip")
     w.add_argument(
-        "--duration", type=_positive(float), default=600.0, help="trace seconds to replay"
+        "--duration", type=positive(float), default=600.0, help="trace seconds to replay"
     )
-    w.add_argument("--limit", type=_positive(int), help="at most this many requests")
+    w.add_argument("--limit", type=positive(int), help="at most this many requests")
     w.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of tenant sizes")
     w.add_argument("--seed", type=int, default=0, help="seed of the tenant assignment")
     w.add_argument(
         "--block-tokens",
-        type=_positive(int),
+        type=positive(int),
         default=64,
         help="tokens per 512-token trace block (a multiple of --sim-block-size)",
     )
@@ -496,14 +482,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s = p.add_argument_group("simulated replicas")
     s.add_argument(
-        "--sim-block-size", type=_positive(int), default=d.block_size, help="tokens per KV block"
+        "--sim-block-size", type=positive(int), default=d.block_size, help="tokens per KV block"
     )
     s.add_argument(
-        "--num-blocks", type=_positive(int), default=d.num_blocks, help="KV blocks per replica"
+        "--num-blocks", type=positive(int), default=d.num_blocks, help="KV blocks per replica"
     )
     s.add_argument(
         "--prefill-ms-per-1k-tokens",
-        type=_positive(float),
+        type=positive(float),
         default=d.prefill_ms_per_1k_tokens,
         help="prefill time of uncached prompt tokens (serial per replica)",
     )
@@ -515,7 +501,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--max-concurrency",
-        type=_positive(int),
+        type=positive(int),
         default=d.max_concurrency,
         help="requests a replica runs at once",
     )
@@ -551,13 +537,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--tools-venv", type=Path, help="venv with smg and vllm-router")
     r.add_argument(
         "--drain-timeout",
-        type=_positive(float),
+        type=positive(float),
         default=120.0,
         help="seconds to wait for answers after the last request is sent",
     )
     r.add_argument(
         "--startup-timeout",
-        type=_positive(float),
+        type=positive(float),
         default=60.0,
         help="seconds a replica, router or gateway may take to come up",
     )
