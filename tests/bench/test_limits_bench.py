@@ -53,7 +53,8 @@ def test_a_short_run_reports_every_figure_and_its_controls_fail(tmp_path: Path) 
     )  # fmt: skip
     assert shared["sent"] == alone["sent"] == 40
     assert shared["max_window"]["requests"] <= 20 and shared["worst_ratio"] <= 1.02
-    assert shared["ok"] and shared["errors"] == 0
+    assert shared["ok"] and shared["errors"] == 0 and shared["redis_fallbacks"] >= 0
+    assert alone["redis_fallbacks"] is None
     assert alone["max_window"]["requests"] > 20 and alone["worst_ratio"] > 1.02 and alone["ok"]
     atomic, racy = report["concurrency"]
     assert (atomic["engine"], atomic["trials"], atomic["burst"]) == ("redis-script", 160, 64)
