@@ -67,8 +67,11 @@ def test_a_short_run_reports_every_figure_and_its_controls_fail(tmp_path: Path) 
     assert budget["spend_micro_usd"] >= budget["budget_micro_usd"]  # it was spent
     assert budget["ok"]
     cancelled = report["cancelled"]
-    assert cancelled["cancelled_midway"] >= 39 and cancelled["leases_left"] == 0
-    assert cancelled["leases_zero_after_s"] is not None and cancelled["ok"]
+    assert cancelled["cancelled_midway"] >= 39 and cancelled["ok"]
+    if cancelled["leases_left"]:  # a settlement that never reached Redis: its TTL frees it
+        assert 0 < cancelled["leases_left_expire_in_s"] <= cancelled["lease_ttl_s"]
+    else:
+        assert cancelled["leases_zero_after_s"] is not None
     latency = report["latency"]
     assert latency["samples"] == 100 and 0 < latency["shared_p50_ms"] <= latency["shared_p99_ms"]
     # Every check is a line of the report and of stdout; only latency may have failed.
