@@ -188,6 +188,8 @@ def _state_dir_arg(p: argparse.ArgumentParser, *, nested: bool = False) -> None:
 
 
 def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
+
     tenants = sub.add_parser(
         "tenants", help="create, list and rotate tenants, and choose the models they may use"
     )
@@ -226,6 +228,12 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ksub = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = ksub.add_parser("create", help="mint an API key (printed once, stored as a hash)")
     p.add_argument("tenant", help="the tenant's name")
+    p.add_argument(
+        "--priority",
+        choices=PRIORITIES,
+        default=DEFAULT_PRIORITY,
+        help="the key's band when the replicas are saturated: interactive requests go first",
+    )
     _state_dir_arg(p)
     p.set_defaults(func=_keys_create)
     p = ksub.add_parser("list", help="list key ids (never the keys)")
@@ -516,8 +524,8 @@ def _models_label(models: tuple[str, ...] | None) -> str:
 
 def _keys_create(args: argparse.Namespace) -> int:
     def create(st: TenantStore) -> str:
-        key_id, key = st.create_key(args.tenant)
-        print(f"created {key_id} for {args.tenant}", file=sys.stderr)
+        key_id, key = st.create_key(args.tenant, args.priority)
+        print(f"created {key_id} ({args.priority}) for {args.tenant}", file=sys.stderr)
         return key
 
     return _with_store(args, create)
@@ -528,7 +536,8 @@ def _keys_list(args: argparse.Namespace) -> int:
         rows = []
         for k in st.list_keys(args.tenant):
             state = "revoked" if k.revoked_at is not None else "active"
-            rows.append(f"{k.id}\t{k.tenant_id}\t{state}\tlimits {_limits_label(k.limits)}")
+            limits = _limits_label(k.limits)
+            rows.append(f"{k.id}\t{k.tenant_id}\t{state}\tpriority {k.priority}\tlimits {limits}")
         return "\n".join(rows)
 
     return _with_store(args, show)
@@ -815,6 +824,7 @@ BENCHMARKS = {
     "fairness": "saltgate.bench.fairness",
     "overhead": "saltgate.bench.overhead",
     "sim-capacity": "saltgate.bench.sim_capacity",
+    "limits": "saltgate.bench.limits",
 }
 
 

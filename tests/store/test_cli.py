@@ -35,7 +35,24 @@ def test_admin_commands_work_on_the_configured_store(
     code, key, err = _saltgate(capsys, "keys", "create", "acme", *c)
     assert code == 0 and key.startswith("sg_") and err.startswith("created key_")
     code, listed, _ = _saltgate(capsys, "keys", "list", *c)
-    assert code == 0 and listed.endswith("\tactive\tlimits none") and key not in listed
+    assert code == 0 and key not in listed
+    assert listed.endswith("\tactive\tpriority interactive\tlimits none")
+    # A batch key: its band is listed, and it authenticates as batch (the fair queue's).
+    code, batch_key, err = _saltgate(capsys, "keys", "create", "acme", "--priority", "batch", *c)
+    assert code == 0 and batch_key.startswith("sg_") and "(batch)" in err
+    batch_line = _saltgate(capsys, "keys", "list", *c)[1].splitlines()[-1]
+    assert batch_line.endswith("\tactive\tpriority batch\tlimits none")
+
+    async def bands() -> list[str | None]:
+        store = await open_gateway_store(store_settings)
+        found = [store.keys.authenticate(k) for k in (key, batch_key)]
+        await store.aclose()
+        return [None if p is None else p.priority for p in found]
+
+    assert asyncio.run(bands()) == ["interactive", "batch"]
+    with pytest.raises(SystemExit):  # only the two bands
+        main(["keys", "create", "acme", "--priority", "urgent", *c])
+    capsys.readouterr()
     code, tenants, _ = _saltgate(capsys, "tenants", "list", *c)
     tenant_id = tenants.split("\t")[0]
     assert _saltgate(capsys, "tenants", "rotate-salt", "acme", *c)[1].endswith("epoch 1")
@@ -87,7 +104,8 @@ def test_admin_commands_work_on_the_configured_store(
     key_id = listed.split("\t")[0]
     code, out, _ = _saltgate(capsys, "keys", "set-limits", key_id, "--rpm", "5", *c)
     assert (code, out) == (0, f"key {key_id} limits rpm=5")
-    assert _saltgate(capsys, "keys", "list", *c)[1].endswith("\tlimits rpm=5")
+    first_line = _saltgate(capsys, "keys", "list", *c)[1].splitlines()[0]
+    assert first_line.endswith("\tpriority interactive\tlimits rpm=5")
     assert _saltgate(capsys, *set_limits, "--clear", *c)[1] == "tenant acme limits none"
     assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tlimits none")
 

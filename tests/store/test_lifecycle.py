@@ -72,10 +72,12 @@ def _records(n: int, ts: float, tenant_id: str, key_id: str) -> list[UsageRecord
     return recs
 
 
-def _authenticates(db: Database, key: str) -> tuple[str, int] | None:
-    """(tenant id, epoch) the gateway's key snapshot of `db` gives `key`, or None."""
+def _authenticates(db: Database, key: str) -> tuple[str, int, str] | None:
+    """(tenant id, epoch, priority band) the gateway's key snapshot of `db` gives `key`."""
     principal = KeySnapshot(db.query(LIVE_KEYS_SQL)).lookup(key)
-    return None if principal is None else (principal.tenant_id, principal.epoch)
+    if principal is None:
+        return None
+    return (principal.tenant_id, principal.epoch, principal.priority)
 
 
 def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
@@ -93,6 +95,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     tenants.set_models("acme", ["m"])
     tenants.set_limits("acme", Limits(rpm=60, budget_micro_usd=5, budget_period_s=86400))
     tenants.set_key_limits(acme_key_id, Limits(concurrency=2))
+    _, batch_key = tenants.create_key("acme", "batch")
     price = PriceVersion.of("m", Price(1.0, 0.5, 2.0))
     src.execute_many(PRICE_INSERT, price_rows([price], 1.0))
     src.execute_many(USAGE_INSERT, _records(12, 1000.0, acme.id, acme_key_id))
@@ -111,7 +114,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:6]}
     assert table == {
         "tenants": ["2", "2"],
-        "api_keys": ["3", "3"],
+        "api_keys": ["4", "4"],
         "prices": ["1", "1"],
         "usage": ["13", "13"],
     }
@@ -130,13 +133,14 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert any(r[6] is None for r in expected) and any(r[9] is None for r in expected)
     # Keys created before the copy authenticate against the new store, as the same tenant
     # in the same cache namespace; a revoked key stays revoked.
-    assert _authenticates(dst, acme_key) == (acme.id, 0)
-    assert _authenticates(dst, late_key) == (beta.id, 1)
+    assert _authenticates(dst, acme_key) == (acme.id, 0, "interactive")
+    assert _authenticates(dst, batch_key) == (acme.id, 0, "batch")
+    assert _authenticates(dst, late_key) == (beta.id, 1, "interactive")
     assert _authenticates(dst, revoked_key) is None
 
     # Again into the now filled store: refused, and nothing changes.
     code, out, err = _saltgate(capsys, "store", "copy", "--from", source.url, *to)
-    assert code == 1 and "is not empty (2 tenants, 3 api_keys, 13 usage)" in err
+    assert code == 1 and "is not empty (2 tenants, 4 api_keys, 13 usage)" in err
     assert "--since" in err and len(dst.query(USAGE_SQL)) == 13
 
     # The source goes on: new usage, a revocation, a rotation. A second pass adds only the
@@ -153,7 +157,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert len(dst.query(USAGE_SQL)) == 18
     assert set(new) <= _rows(dst, USAGE_SQL)
     assert _authenticates(dst, late_key) is None
-    assert _authenticates(dst, acme_key) == (acme.id, 1)
+    assert _authenticates(dst, acme_key) == (acme.id, 1, "interactive")
     assert TenantStore(dst).get_tenant("acme").limits is None
 
     # And back: PostgreSQL to a new SQLite file, the same rows.
@@ -164,7 +168,8 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert (code, err) == (0, ""), err
     round_trip = open_database(back)
     assert _rows(round_trip, USAGE_SQL) == _rows(dst, USAGE_SQL)
-    assert _authenticates(round_trip, acme_key) == (acme.id, 1)
+    assert _authenticates(round_trip, acme_key) == (acme.id, 1, "interactive")
+    assert _authenticates(round_trip, batch_key) == (acme.id, 1, "batch")
     for db in (src, dst, round_trip):
         db.close()
 

@@ -25,6 +25,7 @@ from tests.support.waiting import eventually_blocking
 from saltgate.governance.limits import Limits
 from saltgate.store.backends import open_database
 from saltgate.store.errors import (
+    ConflictError,
     KeyNotFoundError,
     KeyRevokedError,
     StoreError,
@@ -103,7 +104,7 @@ def test_an_older_schema_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
     tenant_columns = [row[1] for row in conn.execute("PRAGMA table_info(tenants)")]
     assert "allowed_models" in tenant_columns and "limits" in tenant_columns
     key_columns = [row[1] for row in conn.execute("PRAGMA table_info(api_keys)")]
-    assert "limits" in key_columns
+    assert "limits" in key_columns and "priority" in key_columns
     conn.close()
 
     # The old row has no request id; new ones do, and a second record with the same id is
@@ -293,6 +294,48 @@ def test_limits_on_either_backend(store_settings: StoreSettings) -> None:
             store.set_limits("nobody", limits)
         with pytest.raises(KeyNotFoundError):
             store.set_key_limits("key_000000000000", limits)
+
+
+def test_priority_bands_on_either_backend(store_settings: StoreSettings) -> None:
+    """A key's band is set when it is created (interactive unless asked), listed, kept by
+    a revocation or a limits change, and carried to the gateway's principal; the column
+    refuses anything but the two bands, even written around the store."""
+    db = open_database(store_settings)
+    with TenantStore(db) as store:
+        store.create_tenant("acme")
+        plain_id, plain = store.create_key("acme")
+        batch_id, batch = store.create_key("acme", "batch")
+        assert [k.priority for k in store.list_keys("acme")] == ["interactive", "batch"]
+        snapshot = KeySnapshot(db.query(LIVE_KEYS_SQL))
+        principals = [snapshot.lookup(k) for k in (plain, batch)]
+        assert [p and p.priority for p in principals] == ["interactive", "batch"]
+        assert store.set_key_limits(batch_id, Limits(rpm=5)).priority == "batch"
+        assert store.revoke_key(batch_id).priority == "batch"
+        with pytest.raises(StoreError, match="invalid priority 'urgent': expected one of"):
+            store.create_key("acme", "urgent")
+        with pytest.raises(ConflictError):
+            db.execute("UPDATE api_keys SET priority = 'urgent' WHERE id = ?", (plain_id,))
+        assert [k.priority for k in store.list_keys("acme")] == ["interactive", "batch"]
+
+
+def test_a_key_from_before_bands_is_interactive(tmp_path: Path) -> None:
+    """A version-6 database's keys take the interactive band when it migrates to 7."""
+    path = tmp_path / "saltgate.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for migration in SQLITE_MIGRATIONS:
+        if migration.version <= 6:
+            for stmt in migration.statements:
+                conn.execute(stmt)
+    conn.execute("PRAGMA user_version = 6")
+    conn.execute("INSERT INTO tenants (id, name, created_at) VALUES ('tn_0', 'acme', 1.0)")
+    conn.execute(
+        "INSERT INTO api_keys (id, tenant_id, key_hash, created_at) VALUES (?, ?, ?, 1.0)",
+        ("key_000000000001", "tn_0", hashlib.sha256(b"k").digest()),
+    )
+    conn.close()
+    with TenantStore(path) as store:
+        [key] = store.list_keys()
+    assert (key.id, key.priority) == ("key_000000000001", "interactive")
 
 
 def test_errors_are_clear_and_never_echo_keys(store_settings: StoreSettings) -> None:

@@ -8,6 +8,7 @@ smg, vllm-router and py-spy in the bench venv (.bench/venv, or --tools-venv).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.client
 import os
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -153,6 +154,21 @@ class Proc:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An argparse type: a number of `kind` above 0, else a one-line usage error."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
 
 
 def pinned(tools: Tools, cpu: int | Sequence[int] | None, argv: Sequence[str]) -> list[str]:

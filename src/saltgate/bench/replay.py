@@ -45,6 +45,7 @@ from saltgate.bench.procs import (
     find_tools,
     free_port,
     machine_info,
+    positive,
     run_header,
     tool_versions,
     workdir,
@@ -457,19 +458,6 @@ def _switches(text: str) -> tuple[bool, ...]:
     if not words or any(w not in ("on", "off") for w in words):
         raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {text!r}")
     return tuple(w == "on" for w in dict.fromkeys(words))
-
-
-def positive(kind: type[int] | type[float]) -> Any:
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    return parse
 
 
 def add_sim_arguments(p: argparse.ArgumentParser, d: SimSettings) -> None:

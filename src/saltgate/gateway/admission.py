@@ -108,11 +108,7 @@ class Admission:
     ) -> tuple[Ticket | SharedTicket, Headers]:
         """Reserve the request in every limit, or raise the 429 that says which refused.
         Returns the ticket to settle and the headers for the answer."""
-        prompt = body_bytes // 4 + 1  # OpenAI's estimate: a token per 4 characters
-        allowance = output_allowance(max_tokens) if route in GENERATION_ROUTES else 0
-        price = self.prices.get(model)
-        cost = 0 if price is None else price.cost_micro_usd(prompt, None, allowance)
-        demand = Demand(prompt, allowance, cost)
+        demand = reservation(self.prices.get(model), route, body_bytes, max_tokens)
         anthropic = route.startswith("/v1/messages")
         ticket: Ticket | SharedTicket | None = None
         denial: Denial | None = None
@@ -185,6 +181,18 @@ class Admission:
             await shared.settle(ticket, used)
         except (RedisError, OSError) as exc:
             log.debug("saltgate: limits: settling in Redis failed (%s)", type(exc).__name__)
+
+
+def reservation(
+    price: PriceVersion | None, route: str, body_bytes: int, max_tokens: int | None
+) -> Demand:
+    """What a request reserves at admission: the prompt estimate, its output allowance
+    and their price (docs/limits.md; saltgate bench limits bounds a budget's overshoot
+    with it)."""
+    prompt = body_bytes // 4 + 1  # OpenAI's estimate: a token per 4 characters
+    allowance = output_allowance(max_tokens) if route in GENERATION_ROUTES else 0
+    cost = 0 if price is None else price.cost_micro_usd(prompt, None, allowance)
+    return Demand(prompt, allowance, cost)
 
 
 def _shared(limits: Limits | None, share: int) -> Limits | None:

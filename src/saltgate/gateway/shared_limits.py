@@ -47,7 +47,7 @@ TIMEOUT_S: Final = 0.5
 
 # Numbers go to redis.call through %.0f: Lua's own conversion keeps 14 digits and a time
 # in microseconds has 16.
-_ADMIT: Final = """
+ADMIT_SCRIPT: Final = """
 local function s(x) return string.format('%.0f', x) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -132,7 +132,7 @@ end
 return out
 """
 
-_SETTLE: Final = """
+SETTLE_SCRIPT: Final = """
 local function s(x) return string.format('%.0f', x) end
 local id = ARGV[1]
 for i = 1, #KEYS do
@@ -212,20 +212,18 @@ class SharedLimits:
     def __init__(self, client: Redis, *, lease_ttl_s: float, window_s: float = WINDOW_S) -> None:
         self.client = client
         self._window_s = window_s
-        self._admit = client.register_script(_ADMIT)
-        self._settle = client.register_script(_SETTLE)
+        self._admit = client.register_script(ADMIT_SCRIPT)
+        self._settle = client.register_script(SETTLE_SCRIPT)
         self._ttl_us = int(lease_ttl_s * _US)
 
     async def admit(
         self, limited: Sequence[tuple[tuple[str, str], Limits]], demand: Demand
     ) -> tuple[SharedTicket | None, Denial | None, tuple[Quota, ...]]:
         """Admit into every limit or none; RedisError when Redis cannot answer."""
-        specs = _specs(limited, demand, self._window_s)
-        ticket_id = secrets.token_hex(8)
-        args: list[str | int] = [ticket_id, self._ttl_us, len(specs)]
-        for s in specs:
-            args += [s.code, s.limit, s.span_us, s.amount]
-        out = [int(v) for v in await self._admit(keys=[s.key for s in specs], args=args)]
+        ticket = self.ticket(limited, demand)
+        specs = ticket.specs
+        keys, args = self.admit_call(ticket)
+        out = [int(v) for v in await self._admit(keys=keys, args=args)]
         admitted, now_us, worst, retry_us = out[:4]
         now = now_us / _US
         ordered = tightest(
@@ -234,7 +232,7 @@ class SharedLimits:
             if spec.code == "w"
         )
         if admitted:
-            return SharedTicket(ticket_id, tuple(specs)), None, ordered
+            return ticket, None, ordered
         spec = specs[worst - 1]
         used = out[4 + 2 * (worst - 1)]
         requested = 1 if spec.code == "c" else spec.amount
@@ -247,11 +245,31 @@ class SharedLimits:
 
     async def settle(self, ticket: SharedTicket, used: Demand) -> None:
         """Correct the reservations to what was used and free the lease."""
-        counted = amounts(used)
-        args: list[str | int] = [ticket.id]
+        keys, args = settle_call(ticket, used)
+        await self._settle(keys=keys, args=args)
+
+    def ticket(
+        self, limited: Sequence[tuple[tuple[str, str], Limits]], demand: Demand
+    ) -> SharedTicket:
+        """A fresh ticket for this demand under these limits (not yet admitted)."""
+        return SharedTicket(secrets.token_hex(8), tuple(_specs(limited, demand, self._window_s)))
+
+    def admit_call(self, ticket: SharedTicket) -> tuple[list[str], list[str | int]]:
+        """The KEYS and ARGV of ADMIT_SCRIPT for a ticket (saltgate bench limits sends
+        them itself, many at once)."""
+        args: list[str | int] = [ticket.id, self._ttl_us, len(ticket.specs)]
         for s in ticket.specs:
-            args += [s.code, 0 if s.code == "c" else counted[s.kind]]
-        await self._settle(keys=[s.key for s in ticket.specs], args=args)
+            args += [s.code, s.limit, s.span_us, s.amount]
+        return [s.key for s in ticket.specs], args
+
+
+def settle_call(ticket: SharedTicket, used: Demand) -> tuple[list[str], list[str | int]]:
+    """The KEYS and ARGV of SETTLE_SCRIPT: the ticket's reservations corrected to `used`."""
+    counted = amounts(used)
+    args: list[str | int] = [ticket.id]
+    for s in ticket.specs:
+        args += [s.code, 0 if s.code == "c" else counted[s.kind]]
+    return [s.key for s in ticket.specs], args
 
 
 def connect_shared_limits(settings: ClusterSettings, *, lease_ttl_s: float) -> SharedLimits:

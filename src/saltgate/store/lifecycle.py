@@ -25,7 +25,7 @@ from saltgate.store.ledger import PRICE_INSERT, USAGE_INSERT, UsageRecord
 
 # Tenants and keys are upserted by id: a second pass (--since) brings a salt rotation or a
 # revocation made in the source since the first, and never undoes one made in either; a
-# tenant's models and limits and a key's limits are the source's.
+# tenant's models and limits and a key's limits and priority band are the source's.
 _TENANT_UPSERT = (
     "INSERT INTO tenants (id, name, epoch, created_at, allowed_models, limits) "
     "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
@@ -33,15 +33,16 @@ _TENANT_UPSERT = (
     "allowed_models = excluded.allowed_models, limits = excluded.limits"
 )
 _KEY_UPSERT = (
-    "INSERT INTO api_keys (id, tenant_id, key_hash, created_at, revoked_at, limits) "
-    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
-    "revoked_at = COALESCE(api_keys.revoked_at, excluded.revoked_at), limits = excluded.limits"
+    "INSERT INTO api_keys (id, tenant_id, key_hash, created_at, revoked_at, limits, priority) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+    "revoked_at = COALESCE(api_keys.revoked_at, excluded.revoked_at), limits = excluded.limits, "
+    "priority = excluded.priority"
 )
 # The small tables, copied whole on every pass: (query, statement), keys after tenants.
 _SMALL_TABLES = (
     ("SELECT id, name, epoch, created_at, allowed_models, limits FROM tenants", _TENANT_UPSERT),
     (
-        "SELECT id, tenant_id, key_hash, created_at, revoked_at, limits FROM api_keys",
+        "SELECT id, tenant_id, key_hash, created_at, revoked_at, limits, priority FROM api_keys",
         _KEY_UPSERT,
     ),
     (

@@ -46,6 +46,19 @@ LIMITS = Migration(
     ),
 )
 
+# The same statement on both backends: the key's priority band ("interactive" or
+# "batch"), set when the key is created (saltgate keys create --priority). When the
+# replicas are saturated the fair queue serves every waiting interactive request before any
+# batch one, fairly within a band (issue 23). Keys from before are interactive.
+KEY_PRIORITY = Migration(
+    7,
+    "keys: priority band",
+    (
+        "ALTER TABLE api_keys ADD COLUMN priority TEXT NOT NULL DEFAULT 'interactive' "
+        "CHECK (priority IN ('interactive', 'batch'))",
+    ),
+)
+
 SQLITE_VERSION_TABLE = (
     "CREATE TABLE IF NOT EXISTS schema_version ("
     "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL)"
@@ -162,6 +175,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
     ),
     TENANT_MODELS,
     LIMITS,
+    KEY_PRIORITY,
 )
 
 POSTGRES_VERSION_TABLE = (
@@ -240,6 +254,7 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
     ),
     TENANT_MODELS,
     LIMITS,
+    KEY_PRIORITY,
 )
 
 SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version

@@ -27,12 +27,13 @@ import re
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
 from saltgate.governance.limits import Limits
+from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
 from saltgate.store.db import Database
 from saltgate.store.errors import (
     ConflictError,
@@ -81,6 +82,7 @@ class ApiKeyInfo:
     created_at: float
     revoked_at: float | None
     limits: Limits | None = None  # narrowing its tenant's; None: the tenant's alone
+    priority: str = DEFAULT_PRIORITY  # its band (PRIORITIES), fixed when it is created
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,7 @@ class Principal:
     models: frozenset[str] | None = None  # the models it may use; None: all
     limits: Limits | None = None  # the tenant's limits; None: unlimited
     key_limits: Limits | None = None  # the key's own, narrowing the tenant's
+    priority: str = "interactive"  # the key's band (PRIORITIES): the fair queue's order
 
     @property
     def epoch_label(self) -> str:
@@ -103,14 +106,15 @@ class Principal:
 
 # The live keys with what a request needs of their tenant: the gateway's snapshot.
 LIVE_KEYS_SQL = (
-    "SELECT k.key_hash, t.id, t.name, k.id, t.epoch, t.allowed_models, t.limits, k.limits "
+    "SELECT k.key_hash, t.id, t.name, k.id, t.epoch, t.allowed_models, t.limits, k.limits, "
+    "k.priority "
     "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
     "WHERE k.revoked_at IS NULL"
 )
 
 
 _SELECT_TENANTS = "SELECT id, name, epoch, created_at, allowed_models, limits FROM tenants"
-_SELECT_KEYS = "SELECT id, tenant_id, created_at, revoked_at, limits FROM api_keys"
+_SELECT_KEYS = "SELECT id, tenant_id, created_at, revoked_at, limits, priority FROM api_keys"
 
 
 def _allowed_models(stored: str | None) -> tuple[str, ...] | None:
@@ -123,9 +127,9 @@ def _tenant(row: tuple[str, str, int, float, str | None, str | None]) -> Tenant:
     return Tenant(tid, name, epoch, created_at, _allowed_models(models), Limits.from_json(limits))
 
 
-def _key(row: tuple[str, str, float, float | None, str | None]) -> ApiKeyInfo:
-    kid, tid, created_at, revoked_at, limits = row
-    return ApiKeyInfo(kid, tid, created_at, revoked_at, Limits.from_json(limits))
+def _key(row: tuple[str, str, float, float | None, str | None, str]) -> ApiKeyInfo:
+    kid, tid, created_at, revoked_at, limits, priority = row
+    return ApiKeyInfo(kid, tid, created_at, revoked_at, Limits.from_json(limits), priority)
 
 
 def db_path(state_dir: str | os.PathLike[str]) -> Path:
@@ -282,9 +286,7 @@ class TenantStore:
         with self._db.transaction():
             info = self._get_key(key_id)
             self._db.execute("UPDATE api_keys SET limits = ? WHERE id = ?", (stored, key_id))
-        return ApiKeyInfo(
-            info.id, info.tenant_id, info.created_at, info.revoked_at, Limits.from_json(stored)
-        )
+        return replace(info, limits=Limits.from_json(stored))
 
     def _get_key(self, key_id: str) -> ApiKeyInfo:
         rows = self._db.query(_SELECT_KEYS + " WHERE id = ?", (key_id,))
@@ -294,18 +296,24 @@ class TenantStore:
 
     # keys
 
-    def create_key(self, tenant: str) -> tuple[str, str]:
-        """Mint a key for a tenant (by name or id); returns ``(key_id, key)``.
+    def create_key(self, tenant: str, priority: str = DEFAULT_PRIORITY) -> tuple[str, str]:
+        """Mint a key for a tenant (by name or id) in a priority band (PRIORITIES);
+        returns ``(key_id, key)``.
 
         The key is shown once: only its SHA-256 is stored.
         """
+        if priority not in PRIORITIES:
+            raise StoreError(
+                f"invalid priority {priority!r}: expected one of {', '.join(PRIORITIES)}"
+            )
         key = new_api_key()
         key_id = KEY_ID_PREFIX + secrets.token_hex(6)
         with self._db.transaction():
             t = self.get_tenant(tenant)
             self._db.execute(
-                "INSERT INTO api_keys (id, tenant_id, key_hash, created_at) VALUES (?, ?, ?, ?)",
-                (key_id, t.id, hash_api_key(key), time.time()),
+                "INSERT INTO api_keys (id, tenant_id, key_hash, created_at, priority) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (key_id, t.id, hash_api_key(key), time.time(), priority),
             )
         return key_id, key
 
@@ -328,7 +336,7 @@ class TenantStore:
                 raise KeyRevokedError(f"key id {key_id!r} was already revoked")
             now = time.time()
             self._db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ?", (now, key_id))
-        return ApiKeyInfo(info.id, info.tenant_id, info.created_at, now, info.limits)
+        return replace(info, revoked_at=now)
 
 
 # --------------------------------------------------------------------------- hot path
@@ -352,13 +360,15 @@ class KeySnapshot:
 
     def __init__(
         self,
-        rows: Iterable[tuple[bytes, str, str, str, int, str | None, str | None, str | None]] = (),
+        rows: Iterable[
+            tuple[bytes, str, str, str, int, str | None, str | None, str | None, str]
+        ] = (),
     ) -> None:
         """`rows` as LIVE_KEYS_SQL returns them."""
         allowed: dict[str, frozenset[str] | None] = {}  # one set per tenant, not per key
         limits: dict[str, Limits | None] = {}
         self._by_hash: dict[bytes, tuple[bytes, Principal]] = {}
-        for h, tid, tname, kid, epoch, models, tenant_limits, key_limits in rows:
+        for h, tid, tname, kid, epoch, models, tenant_limits, key_limits, priority in rows:
             if tid not in allowed:
                 names = _allowed_models(models)
                 allowed[tid] = None if names is None else frozenset(names)
@@ -371,6 +381,7 @@ class KeySnapshot:
                 allowed[tid],
                 limits[tid],
                 Limits.from_json(key_limits),
+                priority,
             )
             self._by_hash[bytes(h)] = (bytes(h), principal)
 
