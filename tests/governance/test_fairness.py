@@ -260,6 +260,14 @@ def test_gate_learns_capacity_from_a_queue_and_counts_dispatches_at_once() -> No
     assert gate.saturated("r", 11)
     gate.probed("r", inflight=9, waiting=None)  # the metric is gone: nothing to go by
     assert gate.waiting("r", 50) is None
-    gate.probed("r", inflight=4, waiting=1)
+    gate.probed("r", inflight=12, waiting=2, running=7)  # 3 still on their way: not capacity
+    assert gate.waiting("r", 12) == 5
     gate.forget(["other"])
     assert gate.waiting("r", 50) is None
+
+
+def test_a_gate_of_zero_keeps_the_replica_queue_empty() -> None:
+    gate = SaturationGate(max_waiting=0)
+    gate.probed("r", inflight=5, waiting=1)  # runs 4
+    assert not gate.saturated("r", 3)
+    assert gate.saturated("r", 4), "all four places taken: the next would wait there"

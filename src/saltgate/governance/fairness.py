@@ -288,14 +288,16 @@ class SaturationGate:
     """Whether a replica may take one more request, from what its probes showed.
 
     A replica runs up to some capacity and queues the rest (vLLM's
-    ``num_requests_waiting``). A probe that shows a queue tells the capacity: the requests
-    in flight on it (this gateway's and, through the cluster bus, the others') minus those
-    waiting. From then on its queue is estimated at every moment as in flight minus
-    capacity: a request dispatched since the probe counts at once, one that ended frees its
-    place at once, so the estimate does not lag the probes. The replica is saturated when
-    that reaches ``max_waiting``. A probe with no queue only raises the capacity (it ran all
-    that was in flight); a replica whose capacity is not known yet (no queue seen) or that
-    reports no queue metric is never held back.
+    ``num_requests_waiting``). A probe that shows a queue tells the capacity: what it runs
+    (``num_requests_running``; without that metric, the requests in flight on it minus
+    those waiting). From then on its queue is estimated at every moment as the requests in
+    flight on it (this gateway's and, through the cluster bus, the others') minus that
+    capacity: a request dispatched since the probe counts at once (as waiting, even while
+    still on its way), one that ended frees its place at once, so the estimate does not
+    lag the probes. The replica is saturated when
+    that reaches ``max_waiting`` (with 0: when every place it runs is taken). A probe with no
+    queue only raises the capacity (it ran all it had); a replica whose capacity is not
+    known yet (no queue seen) or that reports no queue metric is never held back.
     """
 
     def __init__(self, max_waiting: int) -> None:
@@ -304,14 +306,19 @@ class SaturationGate:
         self.max_waiting = max_waiting
         self._capacity: dict[str, int] = {}
 
-    def probed(self, replica: str, inflight: int, waiting: float | None) -> None:
-        """A probe saw ``waiting`` queued (None: no metric) with ``inflight`` in flight."""
+    def probed(
+        self, replica: str, inflight: int, waiting: float | None, running: float | None = None
+    ) -> None:
+        """A probe saw ``waiting`` queued and ``running`` (None: not reported) with
+        ``inflight`` requests in flight there."""
         if waiting is None:
             self._capacity.pop(replica, None)
-        elif waiting > 0:
-            self._capacity[replica] = max(inflight - int(waiting), 0)
+            return
+        ran = max(inflight - int(waiting), 0) if running is None else int(running)
+        if waiting > 0:
+            self._capacity[replica] = ran
         elif replica in self._capacity:
-            self._capacity[replica] = max(self._capacity[replica], inflight)
+            self._capacity[replica] = max(self._capacity[replica], ran)
 
     def waiting(self, replica: str, inflight: int) -> int | None:
         """The replica's estimated queue now; None while its capacity is unknown."""
@@ -319,8 +326,9 @@ class SaturationGate:
         return None if capacity is None else max(inflight - capacity, 0)
 
     def saturated(self, replica: str, inflight: int) -> bool:
-        waiting = self.waiting(replica, inflight)
-        return waiting is not None and waiting >= self.max_waiting
+        """Whether one more request would queue more than ``max_waiting`` there."""
+        capacity = self._capacity.get(replica)
+        return capacity is not None and inflight - capacity >= self.max_waiting
 
     def forget(self, keep: Iterable[str]) -> None:
         """Only the replicas in ``keep`` remain (a reload removed the others)."""
