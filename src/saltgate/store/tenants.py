@@ -94,6 +94,7 @@ class Principal:
     models: frozenset[str] | None = None  # the models it may use; None: all
     limits: Limits | None = None  # the tenant's limits; None: unlimited
     key_limits: Limits | None = None  # the key's own, narrowing the tenant's
+    priority: str = "interactive"
 
     @property
     def epoch_label(self) -> str:
