@@ -181,6 +181,8 @@ class FairShare:
                 return  # its turn waits for one of its replicas
             attempt = self.replicas.acquire(entry.plan, full) if usable else None
             queue.pop()
+            if attempt is None:  # no replica serves it at all: 503, and nothing served
+                queue.correct(waiter.tenant, waiter.cost, 0.0)
             self.metrics.observe(_WAIT, (("tenant", waiter.tenant),), now - entry.since)
             entry.future.set_result(attempt)
 
