@@ -7,6 +7,7 @@ queue at once, and with [queue] off nothing changes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from saltgate.config import QueueConfig
 from saltgate.gateway.fairshare import FairShare
 from saltgate.routing import RouterConfig
 from saltgate.sim.run import SimConfig
+from saltgate.store.tenants import KeySource, Principal
 
 # Each request runs max_tokens x 10 ms on a replica that runs `max_concurrency` at a time.
 SIM = SimConfig(port=0, max_concurrency=2, decode_ms_per_token=10.0)
@@ -286,5 +288,56 @@ def test_a_tenant_is_charged_its_metered_service(tmp_path: Path) -> None:
                     usage = resp.json()["usage"]
                 expected += usage["prompt_tokens"] + 2 * usage["completion_tokens"]
                 assert share.queue.counters[principal.tenant_id] == expected
+
+    run(main)
+
+
+class BatchKeys:
+    """The gateway's keys, with one tenant's keys in the batch band (the priority a key
+    carries once the store has it)."""
+
+    def __init__(self, keys: KeySource, batch_tenant: str) -> None:
+        self.keys = keys
+        self.batch_tenant = batch_tenant
+
+    def authenticate(self, presented: str) -> Principal | None:
+        principal = self.keys.authenticate(presented)
+        if principal is not None and principal.tenant_name == self.batch_tenant:
+            return dataclasses.replace(principal, priority="batch")
+        return principal
+
+    async def aclose(self) -> None:
+        await self.keys.aclose()
+
+
+def test_interactive_requests_go_before_a_batch_backlog(tmp_path: Path) -> None:
+    """Bands are strict: bob's batch backlog was waiting first, and alice (interactive)
+    has had far more service than bob, yet both her requests go ahead of all of it."""
+
+    async def main() -> None:
+        queue = QueueConfig(enabled=True, max_waiting_per_replica=0)
+        async with (
+            stack(tmp_path, replicas=1, sim=ONE, router=FAST_PROBES, queue=queue) as s,
+            s.client("alice") as alice,
+            s.client("bob") as bob,
+        ):
+            gateway = s.gateway.gateway
+            gateway.keys = BatchKeys(gateway.keys, "bob")
+            share = fair(s)
+            long = await blocked(s, alice)  # alice's counter: the whole warm-up
+            backlog = [
+                asyncio.create_task(bob.post("/v1/completions", json=completion(f"{i} bob")))
+                for i in range(6)
+            ]
+            await eventually(lambda: len(share.queue) == 6, what="bob's batch backlog waits")
+            mine = await asyncio.gather(
+                *(alice.post("/v1/completions", json=completion(f"{i} alice")) for i in range(2))
+            )
+            assert [r.status_code for r in mine] == [200, 200]
+            assert (await long).status_code == 200
+            for resp in await asyncio.gather(*backlog):
+                assert resp.status_code == 200
+            order = [b"alice" in b for b in s.seen_bodies() if b" bob" in b or b" alice" in b]
+            assert order[:2] == [True, True], order
 
     run(main)
