@@ -47,6 +47,7 @@ COMPILED_MODULES: Final = (
     "saltgate.gateway.context",
     "saltgate.gateway.ehbp",
     "saltgate.gateway.exchange",
+    "saltgate.gateway.fairshare",
     "saltgate.gateway.metrics",
     "saltgate.gateway.replicas",
     "saltgate.gateway.server",

@@ -205,6 +205,16 @@ class TracingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """[queue]: the saturation gate and the fair queue behind it (docs/fairness.md)."""
+
+    enabled: bool = False
+    max_queue_s: float = 30.0  # a request waiting longer is answered 503 / 529
+    max_waiting_per_replica: int = 2  # a replica's estimated queue at which it is saturated
+    quantum_tokens: int = 4096  # service a tenant's same-prefix run may take in one turn
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     replicas: tuple[ReplicaConfig, ...]
     state_dir: Path
@@ -250,6 +260,7 @@ class GatewayConfig:
     # at start, counted in a metric, reported by `saltgate audit deployment`.
     allow_plaintext_upstream: bool = False
     tracing: TracingConfig | None = None  # [tracing]; None: no spans, OpenTelemetry not loaded
+    queue: QueueConfig = field(default_factory=QueueConfig)  # [queue]: off unless enabled
 
     @property
     def db_path(self) -> Path:
@@ -415,6 +426,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         "cluster",
         "tracing",
         "limits",
+        "queue",
     }
     unknown = set(doc) - known
     if unknown:
@@ -451,6 +463,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         store=_store(doc.get("store"), base, state_dir),
         cluster=_cluster(doc.get("cluster"), base),
         tracing=_tracing(doc.get("tracing")),
+        queue=_queue(doc.get("queue", {})),
         **_limits(doc.get("limits", {})),
         **_ehbp(doc.get("ehbp", {}), base),
         **kwargs,
@@ -650,6 +663,30 @@ def _limits(table: Any) -> dict[str, Any]:
             raise ConfigError("limits.lease_ttl_s: expected seconds, at least 1")
         out["limits_lease_ttl_s"] = float(ttl)
     return out
+
+
+def _queue(table: Any) -> QueueConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("queue: expected a table")
+    known = ("enabled", "max_queue_s", "max_waiting_per_replica", "quantum_tokens")
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"queue: unknown keys {unknown}; expected {list(known)}")
+    out: dict[str, Any] = {}
+    if "enabled" in table:
+        out["enabled"] = _expect(table, "enabled", bool, "queue")
+    if "max_queue_s" in table:
+        wait = _expect(table, "max_queue_s", (int, float), "queue")
+        if not 0 < wait <= 3600:
+            raise ConfigError("queue.max_queue_s: expected seconds, more than 0 and at most 3600")
+        out["max_queue_s"] = float(wait)
+    for key in ("max_waiting_per_replica", "quantum_tokens"):
+        if key in table:
+            value = _expect(table, key, int, "queue")
+            if value < 0:
+                raise ConfigError(f"queue.{key}: expected an integer, 0 or more")
+            out[key] = value
+    return QueueConfig(**out)
 
 
 def _router(table: Any) -> RouterConfig:

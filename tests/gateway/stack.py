@@ -19,6 +19,7 @@ from tests.support.http import async_client
 
 from saltgate.config import (
     GatewayConfig,
+    QueueConfig,
     ReplicaConfig,
     TracingConfig,
     create_master_key,
@@ -142,6 +143,7 @@ async def stack(
     workers: int = 1,
     limits_share: int = 1,
     limits_lease_ttl_s: float = 600.0,
+    queue: QueueConfig | None = None,
 ) -> AsyncIterator[Stack]:
     """``models``: replica i serves models[i] (else every replica serves MODEL)."""
     base = sim or SimConfig(port=0)
@@ -169,6 +171,7 @@ async def stack(
         tracing=tracing,
         limits_share=limits_share,
         limits_lease_ttl_s=limits_lease_ttl_s,
+        queue=queue or QueueConfig(),
     )
     gateway = await start_gateway(config, workers=workers)
     try:

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from saltgate.routing import Breaker, BreakerState, Overload, parse_waiting
+from saltgate.routing import (
+    RUNNING_METRIC,
+    Breaker,
+    BreakerState,
+    Overload,
+    parse_gauge,
+    parse_waiting,
+)
 from saltgate.routing.health import Probe, ReplicaHealth
 from saltgate.sim.server import SimConfig, SimServer
 
@@ -86,3 +93,5 @@ def test_waiting_is_read_from_vllm_metrics() -> None:
     assert parse_waiting(two_engines) == 7.0
     assert parse_waiting(b"up 1\n") is None
     assert parse_waiting(b"vllm:num_requests_waiting NaN\n") is None
+    assert parse_gauge(two_engines, RUNNING_METRIC) == 50.0  # what the saturation gate reads
+    assert parse_gauge(page, RUNNING_METRIC) == 0.0

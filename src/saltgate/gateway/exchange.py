@@ -36,15 +36,17 @@ from typing import Final
 from saltgate.derivations.derive import ROUTE_RESPONSES
 from saltgate.gateway.admission import Admission
 from saltgate.gateway.context import AttemptTrace, RequestContext
+from saltgate.gateway.fairshare import FairShare
 from saltgate.gateway.metrics import TTFT_BUCKETS, Labels, Metrics, duration_buckets
 from saltgate.gateway.replicas import Attempt, ReplicaSet
 from saltgate.gateway.shared_limits import SharedTicket
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
+from saltgate.governance.fairness import service
 from saltgate.governance.limits import Ticket
 from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import scrub_response_headers
-from saltgate.policy.request import GENERATION_ROUTES
+from saltgate.policy.request import ANTHROPIC_ROUTES, GENERATION_ROUTES
 from saltgate.prices import PriceVersion
 from saltgate.routing import Plan, ReplicaId
 from saltgate.store.ledger import UsageLedger, UsageRecord
@@ -201,9 +203,11 @@ class Exchange:
     __slots__ = (
         "_admission",
         "_attempt",
+        "_charged",
         "_client",
         "_context",
         "_ended",
+        "_fair",
         "_finished",
         "_held",
         "_meter",
@@ -224,10 +228,14 @@ class Exchange:
         *,
         admission: Admission | None = None,
         ticket: Ticket | SharedTicket | None = None,
+        fair: FairShare | None = None,
     ) -> None:
         """`ticket`: the request's reservations under its tenant's limits, settled with
-        `admission` when it ends (gateway/admission.py); None when it has no limits."""
+        `admission` when it ends (gateway/admission.py); None when it has no limits.
+        `fair`: with [queue], the first attempt waits its turn there (gateway/fairshare.py)."""
         self._admission = admission
+        self._fair = fair
+        self._charged = -1.0  # the service the fair queue charged at release; -1: none
         self._ticket = ticket
         self._meter = meter
         self._principal = principal
@@ -256,11 +264,16 @@ class Exchange:
         before any response moves on to the next replica."""
         tried: list[ReplicaId] = []
         trace = self._context.span
+        fair = self._fair
         # Every ending awaits its record outside the handler that caught it: compiled code
         # must not suspend inside one (buildinfo.py).
         try:
             while True:
-                attempt = self._attempt = replicas.acquire(plan, tried)
+                attempt = self._attempt = (
+                    await self._queued(fair, plan, len(payload))
+                    if fair is not None and not tried
+                    else replicas.acquire(plan, tried)
+                )
                 if attempt is None:
                     if tried:
                         await self._end(NOT_SERVED)
@@ -310,6 +323,21 @@ class Exchange:
             cancelled = cancel
         await self._end(NOT_SERVED)
         raise cancelled
+
+    async def _queued(self, fair: FairShare, plan: Plan, body_bytes: int) -> Attempt | None:
+        """The first attempt, in its turn in the fair queue; the 503 / 529 (settled) when
+        it waited too long, the end of it when its client left."""
+        cost = float(body_bytes // 4 + 1)  # the prompt estimate, as admission's
+        route = self._context.route
+        acquired = await fair.acquire(
+            self._principal, plan, self._client, cost, route in ANTHROPIC_ROUTES
+        )
+        if isinstance(acquired, ApiError):
+            self._settle(None, None)
+            raise acquired
+        if acquired is not None:
+            self._charged = cost
+        return acquired
 
     # -- the streamed body -------------------------------------------------------------
     def __aiter__(self) -> Exchange:
@@ -449,6 +477,10 @@ class Exchange:
         )
         if self._admission is not None:
             self._settle(used, record.cost_micro_usd)
+        if self._fair is not None and self._charged >= 0:
+            self._fair.done(
+                p.tenant_id, self._charged, service(used.prompt_tokens, used.completion_tokens)
+            )
         await meter.ledger.record(record)
         meter.count(
             record,

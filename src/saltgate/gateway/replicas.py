@@ -27,7 +27,16 @@ import orjson
 from saltgate.config import ConfigError, ReplicaConfig
 from saltgate.http.client import UpstreamError, UpstreamPool
 from saltgate.http.tls import client_context, tls_failure
-from saltgate.routing import Member, Plan, ReplicaId, ReplicaState, Router, parse_waiting
+from saltgate.routing import (
+    RUNNING_METRIC,
+    Member,
+    Plan,
+    ReplicaId,
+    ReplicaState,
+    Router,
+    parse_gauge,
+    parse_waiting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +94,7 @@ class Attempt:
     prefill backlog return to zero.
     """
 
-    __slots__ = ("_changed", "_closed", "_prefill", "_router", "replica")
+    __slots__ = ("_changed", "_closed", "_freed", "_prefill", "_router", "replica")
 
     def __init__(
         self,
@@ -93,12 +102,14 @@ class Attempt:
         replica: Replica,
         prefill: float,
         changed: Callable[[], None] | None = None,
+        freed: Callable[[], None] | None = None,
     ) -> None:
         self._router = router
         self.replica = replica
         self._prefill = prefill
         self._closed = False
         self._changed = changed
+        self._freed = freed
 
     def responded(self) -> None:
         self._router.responded(self.replica.id)
@@ -120,6 +131,8 @@ class Attempt:
             self._prefill = 0.0
             if self._changed is not None:
                 self._changed()
+            if self._freed is not None:
+                self._freed()
 
 
 class ReplicaSet:
@@ -131,6 +144,11 @@ class ReplicaSet:
         # Told of every change to the router's load and placements (the cluster bus
         # publishes on it: gateway/cluster.py); None without one.
         self.on_change: Callable[[], None] | None = None
+        # The fair queue's (gateway/fairshare.py), None without [queue]: told when a
+        # request leaves a replica, and of each probe's queue (replica, every gateway's
+        # requests in flight there, its waiting and running counts; None: not reported).
+        self.on_free: Callable[[], None] | None = None
+        self.on_queue: Callable[[ReplicaId, int, float | None, float | None], None] | None = None
         self._replicas: dict[str, Replica] = {}
         self._probe_task: asyncio.Task[None] | None = None
         # What reload starts (retirements, first probes), cancelled by close.
@@ -219,7 +237,7 @@ class ReplicaSet:
         changed = self.on_change
         if changed is not None:
             changed()
-        return Attempt(router, self._replicas[replica_id], prefill, changed)
+        return Attempt(router, self._replicas[replica_id], prefill, changed, self.on_free)
 
     def available(self) -> list[tuple[int, Replica, bool]]:
         """(index in the configuration, replica, may be picked now) for the metrics."""
@@ -281,7 +299,15 @@ class ReplicaSet:
             self._learn_models(replica, _model_entries(body))
         resp = await replica.pool.request(b"GET", replica.prefix + b"/metrics", replica.auth)
         body = await resp.read()
-        self.router.observed_queue(replica.id, parse_waiting(body) if resp.status == 200 else None)
+        waiting = parse_waiting(body) if resp.status == 200 else None
+        self.router.observed_queue(replica.id, waiting)
+        if self.on_queue is not None and waiting is not None:
+            running = parse_gauge(body, RUNNING_METRIC)
+            state = self.router.state(replica.id)
+            if state is not None:
+                self.on_queue(replica.id, state.all_inflight, waiting, running)
+        elif self.on_queue is not None:
+            self.on_queue(replica.id, 0, None, None)
         return None
 
     def _learn_models(self, replica: Replica, entries: list[dict[str, Any]]) -> None:

@@ -27,6 +27,7 @@ from saltgate.gateway.admission import Admission
 from saltgate.gateway.context import RequestContext, Tracer
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
+from saltgate.gateway.fairshare import FairShare
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
@@ -113,6 +114,10 @@ class Gateway:
                 limit_share,
                 limit_share,
             )
+        # [queue]: the saturation gate and the fair queue (docs/fairness.md); None: off.
+        self.fair = (
+            FairShare(config.queue, replicas, self.metrics) if config.queue.enabled else None
+        )
         self._log = access_log or AccessLog(None)
         # Seconds the store has been out of reach (GatewayStore.unreachable_for), for /ready.
         self._store_down_for = store_down_for or (lambda: 0.0)
@@ -177,6 +182,8 @@ class Gateway:
         """Take a new [[replicas]] list without a restart (SIGHUP); other settings wait
         for the next start. Returns the added replicas' first probes (`ReplicaSet.reload`)."""
         probes = self.replicas.reload(config.replicas)
+        if self.fair is not None:
+            self.fair.forget([r.id for r in self.replicas.replicas])
         self.config = dataclasses.replace(self.config, replicas=config.replicas)
         return probes
 
@@ -278,7 +285,13 @@ class Gateway:
                 principal, route, inspected.model, len(request.body), inspected.max_tokens
             )
         exchange = Exchange(
-            self.meter, principal, context, request.client, admission=admission, ticket=ticket
+            self.meter,
+            principal,
+            context,
+            request.client,
+            admission=admission,
+            ticket=ticket,
+            fair=self.fair,
         )
         response = await exchange.forward(
             self.replicas,

@@ -96,6 +96,10 @@ class Client:
 
     peer: str = ""
     gone: bool = False
+    # Called once when the client closes its side or the connection breaks: a request
+    # still waiting for a replica (gateway/fairshare.py) takes either as leaving; nothing
+    # has been asked of a replica yet, and a half-closed client still reads the 499.
+    on_gone: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
@@ -261,6 +265,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._phase = _Phase.CLOSING
         self._client.gone = True
+        self._left()
         self._server.connections.discard(self)
         closed = self._server.on_connection_lost
         if closed is not None:
@@ -279,6 +284,12 @@ class _Connection(asyncio.Protocol):
                 orphans = self._server.orphans
                 orphans.add(task)
                 task.add_done_callback(orphans.discard)
+
+    def _left(self) -> None:
+        gone = self._client.on_gone
+        if gone is not None:
+            self._client.on_gone = None
+            gone()
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -318,6 +329,7 @@ class _Connection(asyncio.Protocol):
         Every request read before it is answered, then the connection closes; one cut
         short by it is dropped. A client that closed both sides shows when a write fails.
         """
+        self._left()
         if self._server.cancel_on_disconnect or self._task is None:
             return False
         if self._phase is not _Phase.CLOSING:

@@ -4,7 +4,15 @@ Pure: imports nothing that performs I/O (docs/routing.md).
 """
 
 from saltgate.routing.domain import POLICIES, Policy, ReplicaId
-from saltgate.routing.health import Breaker, BreakerState, Overload, Probe, parse_waiting
+from saltgate.routing.health import (
+    RUNNING_METRIC,
+    Breaker,
+    BreakerState,
+    Overload,
+    Probe,
+    parse_gauge,
+    parse_waiting,
+)
 from saltgate.routing.hotkeys import HotKeys, warm_set_size
 from saltgate.routing.rendezvous import Member, hrw_score, rank
 from saltgate.routing.router import Plan, Prefixes, Router, RouterConfig
@@ -12,6 +20,7 @@ from saltgate.routing.state import ReplicaState
 
 __all__ = [
     "POLICIES",
+    "RUNNING_METRIC",
     "Breaker",
     "BreakerState",
     "HotKeys",
@@ -26,6 +35,7 @@ __all__ = [
     "Router",
     "RouterConfig",
     "hrw_score",
+    "parse_gauge",
     "parse_waiting",
     "rank",
     "warm_set_size",

@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass
 
 WAITING_METRIC = b"vllm:num_requests_waiting"
+RUNNING_METRIC = b"vllm:num_requests_running"
 
 
 class BreakerState(enum.Enum):
@@ -114,11 +115,16 @@ class ReplicaHealth:
 
 def parse_waiting(metrics: bytes) -> float | None:
     """Sum of ``vllm:num_requests_waiting`` samples in a Prometheus text page, or None."""
+    return parse_gauge(metrics, WAITING_METRIC)
+
+
+def parse_gauge(metrics: bytes, name: bytes) -> float | None:
+    """Sum of a gauge's samples (every label set) in a Prometheus text page, or None."""
     total: float | None = None
     for line in metrics.splitlines():
-        if not line.startswith(WAITING_METRIC):
+        if not line.startswith(name):
             continue
-        rest = line[len(WAITING_METRIC) :]
+        rest = line[len(name) :]
         if rest[:1] not in (b"{", b" "):
             continue  # another metric sharing the prefix
         if rest.startswith(b"{"):

@@ -363,6 +363,10 @@ class Router:
         (the retry order)."""
         return [s.id for s in self._ranked(key, self._usable(now, (), model))]
 
+    def usable(self, model: str | None, now: float) -> list[ReplicaState]:
+        """The replicas a request for ``model`` (None: any) may go to now."""
+        return list(self._usable(now, (), model).values())
+
     def _usable(
         self, now: float, exclude: Collection[ReplicaId], model: str | None
     ) -> dict[ReplicaId, ReplicaState]:

@@ -50,6 +50,11 @@ class ReplicaState:
         self._inflight = value
         self.load = (value + self._remote_inflight) / self.member.weight
 
+    @property
+    def all_inflight(self) -> int:
+        """Every gateway's requests in flight on the replica (this one's and the bus's)."""
+        return self._inflight + self._remote_inflight
+
     def set_remote(self, inflight: int, prefill: float) -> None:
         """The other gateways' load on this replica, as the cluster bus last told it."""
         self._remote_inflight = inflight

@@ -1,0 +1,208 @@
+"""The saturation gate and the fair queue in the request's lifecycle ([queue], docs/fairness.md).
+
+The decisions are saltgate.governance.fairness' (pure); this module holds the process's
+queue and gate, reads the clock, and is driven by the exchange and the replica set:
+
+- `acquire` (the exchange's first attempt): the request joins its tenant's queue in its
+  key's priority band, and gets a replica once one of its replicas is below the gate and
+  it is next in fair order; with nothing queued and a replica free that is at once.
+- `release` runs whenever a place may have freed: a request left a replica
+  (`ReplicaSet.on_free`), a probe showed a replica's queue (`ReplicaSet.on_queue`, which
+  also teaches the gate the replica's capacity). It hands replicas out while the next
+  request in fair order has one below the gate; the attempt is taken here, so two
+  releases never count on the same place.
+- A request still waiting after `max_queue_s` gets 503 (OpenAI routes) or 529
+  `overloaded_error` (Anthropic), with Retry-After; one whose client leaves is out of the
+  queue at once (`Client.on_gone`, or its task cancelled with on_client_gone = "abort").
+- `done`: when the request ends, its tenant is charged what the replica metered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Final
+
+from saltgate.config import QueueConfig
+from saltgate.gateway.metrics import Metrics, duration_buckets
+from saltgate.gateway.replicas import Attempt, ReplicaSet
+from saltgate.governance.fairness import BATCH, INTERACTIVE, FairQueue, SaturationGate, Waiter
+from saltgate.http import Client
+from saltgate.policy.errors import AnthropicApiError, ApiError
+from saltgate.routing import Plan, ReplicaId
+from saltgate.store.tenants import Principal
+
+_WAITING: Final = "saltgate_queue_waiting"
+_WAIT: Final = "saltgate_queue_wait_seconds"
+_TIMEOUTS: Final = "saltgate_queue_timeouts_total"
+CLIENT_LEFT: Final = 499
+TIMED_OUT: Final = 503
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    plan: Plan
+    future: asyncio.Future[Attempt | int | None]
+    since: float
+
+
+def overloaded(anthropic: bool, retry_after_s: float) -> ApiError:
+    """The answer to a request that waited `max_queue_s` for a replica."""
+    headers = [(b"retry-after", str(max(math.ceil(retry_after_s), 1)).encode())]
+    if anthropic:
+        return AnthropicApiError(
+            529, "Overloaded: no replica could take the request in time; retry it shortly.",
+            type="overloaded_error", headers=headers,
+        )  # fmt: skip
+    return ApiError(
+        503,
+        "The replicas are saturated and the request waited too long for one; retry shortly.",
+        type="service_unavailable",
+        code="overloaded",
+        headers=headers,
+    )
+
+
+class FairShare:
+    """One gateway process's saturation gate and fair queue (module doc).
+    ``fifo``: release in arrival order (the unfair baseline, for comparisons)."""
+
+    def __init__(
+        self, config: QueueConfig, replicas: ReplicaSet, metrics: Metrics, *, fifo: bool = False
+    ) -> None:
+        self.max_queue_s = config.max_queue_s
+        self.queue: FairQueue[_Entry] = FairQueue(quantum_tokens=config.quantum_tokens, fifo=fifo)
+        self.gate = SaturationGate(config.max_waiting_per_replica)
+        self.replicas = replicas
+        self.metrics = metrics
+        self._timer: asyncio.TimerHandle | None = None
+        replicas.on_free = self.release
+        replicas.on_queue = self.probed
+        metrics.gauge(
+            _WAITING,
+            "Requests waiting in saltgate's fair queue for a replica, by tenant id.",
+            lambda: [((("tenant", t),), float(n)) for t, n in self.queue.waiting().items()],
+        )
+        metrics.histogram(
+            _WAIT,
+            "Time requests waited in the fair queue before a replica took them, by tenant id.",
+            duration_buckets(config.max_queue_s),
+        )
+        metrics.describe(
+            _TIMEOUTS,
+            "counter",
+            "Requests answered 503 / 529 after max_queue_s in the fair queue, by tenant id.",
+        )
+
+    # -- the exchange's side ---------------------------------------------------------------
+    async def acquire(
+        self, principal: Principal, plan: Plan, client: Client, cost: float, anthropic: bool
+    ) -> Attempt | ApiError | None:
+        """A replica for the request's first attempt, once it is its turn; None when no
+        replica serves it at all; the ApiError to answer when it waited too long or its
+        client left."""
+        future: asyncio.Future[Attempt | int | None] = asyncio.get_running_loop().create_future()
+        now = time.monotonic()
+        waiter = self.queue.push(
+            _Entry(plan, future, now),
+            principal.tenant_id,
+            cost,
+            deadline=now + self.max_queue_s,
+            band=BATCH if principal.priority == BATCH else INTERACTIVE,
+            locality=plan.key,
+        )
+        self.release()
+        if not future.done():
+            client.on_gone = lambda: self._left(waiter)
+            self._arm()
+        cancelled: BaseException | None = None
+        try:
+            outcome = await future
+        except asyncio.CancelledError as exc:
+            cancelled = exc  # handled below, outside the handler (buildinfo.py)
+        client.on_gone = None
+        if cancelled is not None:
+            self._abandon(waiter)
+            raise cancelled
+        if outcome == TIMED_OUT:
+            return overloaded(anthropic, self.max_queue_s)
+        if outcome == CLIENT_LEFT:
+            return ApiError(CLIENT_LEFT, "The client closed the request while it waited.")
+        assert not isinstance(outcome, int)
+        return outcome
+
+    def done(self, tenant: str, charged: float, used: float) -> None:
+        """A request the queue released ended: charge its tenant what it used."""
+        self.queue.correct(tenant, charged, used)
+
+    def _left(self, waiter: Waiter[_Entry]) -> None:
+        if self.queue.remove(waiter):
+            waiter.item.future.set_result(CLIENT_LEFT)
+
+    def _abandon(self, waiter: Waiter[_Entry]) -> None:
+        """The waiting task was cancelled: out of the queue, or, if a replica was already
+        handed to it, that replica freed and the charge taken back."""
+        if self.queue.remove(waiter):
+            return
+        future = waiter.item.future
+        if future.done() and not future.cancelled():
+            attempt = future.result()
+            if isinstance(attempt, Attempt):
+                attempt.close()
+                self.queue.correct(waiter.tenant, waiter.cost, 0.0)
+
+    # -- release ---------------------------------------------------------------------------
+    def probed(
+        self, replica: ReplicaId, inflight: int, waiting: float | None, running: float | None
+    ) -> None:
+        """A probe read a replica's queue with ``inflight`` requests on it (every gateway's)."""
+        self.gate.probed(replica, inflight, waiting, running)
+        self.release()
+
+    def release(self) -> None:
+        """Hand replicas to waiting requests in fair order while the next one has a
+        replica below the gate."""
+        queue = self.queue
+        if not len(queue):
+            return
+        router = self.replicas.router
+        gate = self.gate
+        now = time.monotonic()
+        while (waiter := queue.peek()) is not None:
+            entry = waiter.item
+            if entry.future.done():  # its task was cancelled and has not run yet
+                queue.remove(waiter)
+                continue
+            usable = router.usable(entry.plan.model, now)
+            full = [s.id for s in usable if gate.saturated(s.id, s.all_inflight)]
+            if usable and len(full) == len(usable):
+                return  # its turn waits for one of its replicas
+            attempt = self.replicas.acquire(entry.plan, full) if usable else None
+            queue.pop()
+            if attempt is None:  # no replica serves it at all: 503, and nothing served
+                queue.correct(waiter.tenant, waiter.cost, 0.0)
+            self.metrics.observe(_WAIT, (("tenant", waiter.tenant),), now - entry.since)
+            entry.future.set_result(attempt)
+
+    def _arm(self) -> None:
+        if self._timer is None:
+            deadline = self.queue.next_deadline()
+            if deadline is not None:
+                self._timer = asyncio.get_running_loop().call_later(
+                    max(deadline - time.monotonic(), 0.0), self._expire
+                )
+
+    def _expire(self) -> None:
+        self._timer = None
+        for waiter in self.queue.expire(time.monotonic()):
+            self.metrics.inc(_TIMEOUTS, (("tenant", waiter.tenant),))
+            if not waiter.item.future.done():
+                waiter.item.future.set_result(TIMED_OUT)
+        self._arm()
+
+    def forget(self, replicas: list[ReplicaId]) -> None:
+        """Only ``replicas`` remain (a reload): the gate forgets the others' capacity."""
+        self.gate.forget(replicas)
+        self.release()

@@ -1,0 +1,337 @@
+"""Fair release of the requests that wait past the saturation gate (docs/fairness.md).
+
+Pure: no clock, no I/O. The gateway (gateway/fairshare.py) holds one `FairQueue`, tells it
+when a request waits, when it may release one and what time it is; every rule here is
+tested without sockets (tests/governance/test_fairness.py).
+
+- Priority bands are strict: nothing of "batch" leaves while "interactive" waits.
+- Within a band, tenants take turns by service received, a virtual token counter (VTC,
+  Sheng et al., OSDI'24): a released request charges its tenant input + 2 x output tokens
+  divided by the tenant's weight (the prompt estimate when released, corrected to the
+  metered usage when it ends: `correct`). The backlogged tenant with the smallest counter
+  goes next. A tenant that returns from idle is lifted to the smallest counter of those
+  waiting (or, with none waiting, to the last one served), so idling banks no credit.
+- Locality survives fairness: a turn goes on while the tenant has waiting requests of the
+  same route key as the one that opened it, up to `quantum_tokens` of service (a deficit
+  quantum, as in DLPM), so requests sharing a prefix go out together to the replica that
+  holds it instead of being interleaved one by one with other tenants'.
+- A waiting request that leaves (its client went away) is removed in O(1); one that waits
+  past its deadline is handed back by `expire`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Generic, TypeVar
+
+T = TypeVar("T")
+
+INTERACTIVE: Final = "interactive"
+BATCH: Final = "batch"
+BANDS: Final = (INTERACTIVE, BATCH)  # released strictly in this order
+OUTPUT_WEIGHT: Final = 2.0  # VTC's w_q / w_p: an output token costs two input tokens
+
+
+def service(input_tokens: int, output_tokens: int) -> float:
+    """A request's service in VTC's unit (before the tenant's weight)."""
+    return input_tokens + OUTPUT_WEIGHT * output_tokens
+
+
+@dataclass(slots=True, eq=False)
+class Waiter(Generic[T]):
+    """One request waiting for a replica. ``cost``: its service charged when released
+    (the shell's estimate); ``locality``: its route key (None: it shares nothing);
+    ``item``: what the shell needs to hand it its replica."""
+
+    item: T
+    tenant: str
+    band: str
+    cost: float
+    locality: bytes | None
+    deadline: float
+    seq: int = 0
+    waiting: bool = True  # False once released, removed or expired
+
+
+@dataclass(slots=True)
+class _Tenant:
+    """One tenant's waiting requests in one band: FIFO, and by route key for its turns."""
+
+    fifo: deque[Waiter[Any]] = field(default_factory=deque)
+    by_key: dict[bytes, deque[Waiter[Any]]] = field(default_factory=dict)
+    count: int = 0
+
+    def head(self) -> Waiter[Any]:
+        fifo = self.fifo
+        while not fifo[0].waiting:  # removed ones leave lazily; count > 0 guarantees one
+            fifo.popleft()
+        return fifo[0]
+
+    def same_key(self, key: bytes) -> Waiter[Any] | None:
+        queue = self.by_key.get(key)
+        while queue:
+            if queue[0].waiting:
+                return queue[0]
+            queue.popleft()
+        if queue is not None:
+            del self.by_key[key]
+        return None
+
+
+@dataclass(slots=True)
+class _Band:
+    tenants: dict[str, _Tenant] = field(default_factory=dict)
+    # (counter, seq, tenant) of backlogged tenants; an entry whose counter is no longer
+    # the tenant's is stale and skipped (lazy deletion keeps every step O(log n)).
+    heap: list[tuple[float, int, str]] = field(default_factory=list)
+    floor: float = 0.0  # the counter of the last tenant served: where a returning one starts
+
+
+@dataclass(slots=True)
+class _Turn:
+    band: str
+    tenant: str
+    key: bytes
+    left: float  # the quantum not yet used
+
+
+class FairQueue(Generic[T]):
+    """Per-tenant queues in strict priority bands, released in fair order (module doc).
+    ``fifo``: release in arrival order instead (the unfair baseline, for comparisons)."""
+
+    def __init__(
+        self,
+        *,
+        quantum_tokens: float = 4096.0,
+        weights: Mapping[str, float] | None = None,
+        fifo: bool = False,
+    ) -> None:
+        if quantum_tokens < 0:
+            raise ValueError("quantum_tokens must be >= 0")
+        self.quantum = float(quantum_tokens)
+        self.weights: Mapping[str, float] = weights or {}
+        self.fifo = fifo
+        self.counters: dict[str, float] = {}  # the tenants' VTC, weighted
+        self._bands = {band: _Band() for band in BANDS}
+        self._deadlines: list[tuple[float, int, Waiter[T]]] = []
+        self._seq = itertools.count()
+        self._turn: _Turn | None = None
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def waiting(self) -> dict[str, int]:
+        """Requests waiting per tenant (every band), for tenants with any."""
+        totals: dict[str, int] = {}
+        for band in self._bands.values():
+            for name, t in band.tenants.items():
+                totals[name] = totals.get(name, 0) + t.count
+        return totals
+
+    def _weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    # -- arrivals and departures -----------------------------------------------------------
+    def push(
+        self,
+        item: T,
+        tenant: str,
+        cost: float,
+        *,
+        deadline: float,
+        band: str = INTERACTIVE,
+        locality: bytes | None = None,
+    ) -> Waiter[T]:
+        """A request starts waiting; returns its entry (for `remove`)."""
+        b = self._bands.get(band)
+        if b is None:
+            raise ValueError(f"unknown priority band {band!r}; expected one of {BANDS}")
+        seq = next(self._seq)
+        waiter = Waiter(item, tenant, band, cost, locality, deadline, seq)
+        t = b.tenants.get(tenant)
+        if t is None:
+            t = b.tenants[tenant] = _Tenant()
+            # Back from idle: no credit for the time it sent nothing (VTC's lift).
+            live = self._min_counter(b)
+            start = b.floor if live is None else live
+            counter = self.counters[tenant] = max(self.counters.get(tenant, 0.0), start)
+            heapq.heappush(b.heap, (counter, seq, tenant))
+        t.fifo.append(waiter)
+        if locality is not None:
+            t.by_key.setdefault(locality, deque()).append(waiter)
+        t.count += 1
+        self._len += 1
+        heapq.heappush(self._deadlines, (deadline, seq, waiter))
+        return waiter
+
+    def remove(self, waiter: Waiter[T]) -> bool:
+        """Take a waiting request out (its client left); False if it no longer waits."""
+        if not waiter.waiting:
+            return False
+        self._leave(waiter)
+        return True
+
+    def expire(self, now: float) -> list[Waiter[T]]:
+        """The requests whose deadline has passed at ``now``, taken out of the queue."""
+        out: list[Waiter[T]] = []
+        heap = self._deadlines
+        while heap and (not heap[0][2].waiting or heap[0][0] <= now):
+            waiter = heapq.heappop(heap)[2]
+            if waiter.waiting:
+                self._leave(waiter)
+                out.append(waiter)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When `expire` next has something to hand back; None while nothing waits."""
+        heap = self._deadlines
+        while heap and not heap[0][2].waiting:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def _leave(self, waiter: Waiter[Any]) -> None:
+        waiter.waiting = False
+        b = self._bands[waiter.band]
+        t = b.tenants[waiter.tenant]
+        t.count -= 1
+        self._len -= 1
+        if t.count == 0:
+            del b.tenants[waiter.tenant]  # its heap entries go stale: skipped when seen
+            if not b.tenants:
+                b.heap.clear()
+
+    # -- release ---------------------------------------------------------------------------
+    def peek(self) -> Waiter[T] | None:
+        """The request `pop` would release now, left waiting (None if none waits): the
+        shell checks a replica can take it before releasing it."""
+        chosen = self._next()
+        return None if chosen is None else chosen[0]
+
+    def pop(self) -> Waiter[T] | None:
+        """Release the next request in fair order (None if none waits), charged to its
+        tenant."""
+        chosen = self._next()
+        if chosen is None:
+            return None
+        waiter, continues = chosen
+        b = self._bands[waiter.band]
+        tenant = waiter.tenant
+        charge = waiter.cost / self._weight(tenant)
+        if continues:
+            assert self._turn is not None
+            self._turn.left -= charge
+        else:
+            b.floor = self.counters[tenant]
+            key = waiter.locality
+            self._turn = (
+                None if key is None else _Turn(waiter.band, tenant, key, self.quantum - charge)
+            )
+        self._leave(waiter)
+        self._charge(tenant, charge)
+        return waiter
+
+    def _next(self) -> tuple[Waiter[T], bool] | None:
+        """(the next request, whether it continues the current turn)."""
+        for name in BANDS:
+            b = self._bands[name]
+            if not b.tenants:
+                continue
+            if self.fifo:
+                return self._oldest(b), False
+            turn = self._turn
+            if turn is not None and turn.band == name and turn.left > 0:
+                t = b.tenants.get(turn.tenant)
+                same = t.same_key(turn.key) if t is not None else None
+                if same is not None:
+                    return same, True
+            self._live(b)
+            return b.tenants[b.heap[0][2]].head(), False
+        return None
+
+    @staticmethod
+    def _oldest(b: _Band) -> Waiter[T]:
+        return min((t.head() for t in b.tenants.values()), key=lambda w: w.seq)
+
+    def correct(self, tenant: str, charged: float, used: float) -> None:
+        """A released request ended: its tenant is charged what it used (metered) instead
+        of the estimate ``charged`` at release."""
+        if tenant in self.counters:
+            self._charge(tenant, (used - charged) / self._weight(tenant))
+
+    def _charge(self, tenant: str, amount: float) -> None:
+        """Move a tenant's counter, and its place in every band it waits in."""
+        counter = self.counters[tenant] = self.counters[tenant] + amount
+        for b in self._bands.values():
+            if tenant in b.tenants:
+                heapq.heappush(b.heap, (counter, next(self._seq), tenant))
+
+    def _live(self, b: _Band) -> None:
+        """Drop stale entries off the top of ``b``'s heap."""
+        heap = b.heap
+        while heap:
+            counter, _, tenant = heap[0]
+            if tenant in b.tenants and counter == self.counters[tenant]:
+                return
+            heapq.heappop(heap)
+
+    def _min_counter(self, b: _Band) -> float | None:
+        self._live(b)
+        return b.heap[0][0] if b.heap else None
+
+
+class SaturationGate:
+    """Whether a replica may take one more request, from what its probes showed.
+
+    A replica runs up to some capacity and queues the rest (vLLM's
+    ``num_requests_waiting``). A probe that shows a queue tells the capacity: what it runs
+    (``num_requests_running``; without that metric, the requests in flight on it minus
+    those waiting). From then on its queue is estimated at every moment as the requests in
+    flight on it (this gateway's and, through the cluster bus, the others') minus that
+    capacity: a request dispatched since the probe counts at once (as waiting, even while
+    still on its way), one that ended frees its place at once, so the estimate does not
+    lag the probes. The replica is saturated when
+    that reaches ``max_waiting`` (with 0: when every place it runs is taken). A probe with no
+    queue only raises the capacity (it ran all it had); a replica whose capacity is not
+    known yet (no queue seen) or that reports no queue metric is never held back.
+    """
+
+    def __init__(self, max_waiting: int) -> None:
+        if max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        self.max_waiting = max_waiting
+        self._capacity: dict[str, int] = {}
+
+    def probed(
+        self, replica: str, inflight: int, waiting: float | None, running: float | None = None
+    ) -> None:
+        """A probe saw ``waiting`` queued and ``running`` (None: not reported) with
+        ``inflight`` requests in flight there."""
+        if waiting is None:
+            self._capacity.pop(replica, None)
+            return
+        ran = max(inflight - int(waiting), 0) if running is None else int(running)
+        if waiting > 0:
+            self._capacity[replica] = ran
+        elif replica in self._capacity:
+            self._capacity[replica] = max(self._capacity[replica], ran)
+
+    def waiting(self, replica: str, inflight: int) -> int | None:
+        """The replica's estimated queue now; None while its capacity is unknown."""
+        capacity = self._capacity.get(replica)
+        return None if capacity is None else max(inflight - capacity, 0)
+
+    def saturated(self, replica: str, inflight: int) -> bool:
+        """Whether one more request would queue more than ``max_waiting`` there."""
+        capacity = self._capacity.get(replica)
+        return capacity is not None and inflight - capacity >= self.max_waiting
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Only the replicas in ``keep`` remain (a reload removed the others)."""
+        kept = set(keep)
+        for replica in [r for r in self._capacity if r not in kept]:
+            del self._capacity[replica]

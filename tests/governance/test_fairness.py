@@ -1,0 +1,273 @@
+"""The fair queue and the saturation gate against their promises, without sockets or clock.
+
+The property tests replay random arrivals, releases, removals and corrections against an
+independent model of VTC (its own counters and lift) and check: every release goes to a
+backlogged tenant with the smallest counter of the highest waiting band; a tenant's
+requests leave in arrival order (locality aside); a returning tenant banks no credit;
+a locality turn stays within its quantum; removed and expired requests never leave.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from saltgate.governance.fairness import (
+    BATCH,
+    INTERACTIVE,
+    FairQueue,
+    SaturationGate,
+    Waiter,
+    service,
+)
+
+TENANTS = ("a", "b", "c")
+FAR = 1e9  # a deadline nothing reaches
+
+
+def test_service_counts_output_twice() -> None:
+    assert service(100, 10) == 120.0
+
+
+@dataclass
+class Model:
+    """VTC as the paper states it, kept apart from the implementation."""
+
+    weights: dict[str, float]
+    counters: dict[str, float] = field(default_factory=dict)
+    backlog: dict[tuple[str, str], list[Waiter[int]]] = field(default_factory=dict)
+    last_served: dict[str, float] = field(default_factory=dict)  # per band
+
+    def arrive(self, w: Waiter[int]) -> None:
+        queue = self.backlog.setdefault((w.band, w.tenant), [])
+        if not queue:
+            live = [self.counters[t] for (b, t), q in self.backlog.items() if q and b == w.band]
+            start = min(live) if live else self.last_served.get(w.band, 0.0)
+            self.counters[w.tenant] = max(self.counters.get(w.tenant, 0.0), start)
+        queue.append(w)
+
+    def leave(self, w: Waiter[int]) -> None:
+        self.backlog[(w.band, w.tenant)].remove(w)
+
+    def top_band(self) -> str | None:
+        for band in (INTERACTIVE, BATCH):
+            if any(q for (b, _), q in self.backlog.items() if b == band):
+                return band
+        return None
+
+    def minimum(self, band: str) -> float:
+        return min(self.counters[t] for (b, t), q in self.backlog.items() if q and b == band)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("push"),
+            st.sampled_from(TENANTS),
+            st.integers(1, 50),
+            st.sampled_from((INTERACTIVE, BATCH)),
+        ),
+        st.tuples(st.just("pop")),
+        st.tuples(st.just("remove"), st.integers(0, 200)),
+        st.tuples(st.just("correct"), st.integers(0, 200), st.integers(0, 80)),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.sampled_from(({}, {"a": 2.0}, {"b": 0.5, "c": 3.0})))
+def test_releases_follow_vtc(script: list[tuple[Any, ...]], weights: dict[str, float]) -> None:
+    """No locality here (quantum aside): every release is the smallest counter of the
+    highest band, each tenant's requests in arrival order, and nothing leaves twice."""
+    q: FairQueue[int] = FairQueue(quantum_tokens=0, weights=weights)
+    model = Model(weights)
+    pushed: list[Waiter[int]] = []
+    released: list[Waiter[int]] = []
+    for op in script:
+        if op[0] == "push":
+            _, tenant, cost, band = op
+            w = q.push(len(pushed), tenant, cost, deadline=FAR, band=band)
+            model.arrive(w)
+            pushed.append(w)
+        elif op[0] == "pop":
+            band = model.top_band()
+            peeked = q.peek()
+            out = q.pop()
+            assert (out is None) == (band is None)
+            if out is None or band is None:
+                continue
+            assert peeked is out
+            w = out
+            assert w.band == band
+            assert model.counters[w.tenant] == pytest.approx(model.minimum(band))
+            assert model.backlog[(band, w.tenant)][0] is w, "a tenant's requests in order"
+            model.last_served[band] = model.counters[w.tenant]
+            model.counters[w.tenant] += w.cost / weights.get(w.tenant, 1.0)
+            model.leave(w)
+            released.append(w)
+        elif op[0] == "remove" and pushed:
+            w = pushed[op[1] % len(pushed)]
+            was = w.waiting
+            assert q.remove(w) is was
+            if was:
+                model.leave(w)
+        elif op[0] == "correct" and released:
+            w = released[op[1] % len(released)]
+            q.correct(w.tenant, w.cost, op[2])
+            model.counters[w.tenant] += (op[2] - w.cost) / weights.get(w.tenant, 1.0)
+        assert len(q) == sum(len(v) for v in model.backlog.values())
+        for tenant, counter in model.counters.items():
+            assert q.counters[tenant] == pytest.approx(counter)
+    assert len({id(w) for w in released}) == len(released)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(TENANTS), min_size=1, max_size=60), st.integers(1, 20))
+def test_backlogged_tenants_stay_within_one_request_of_each_other(
+    arrivals: list[str], cost: int
+) -> None:
+    """VTC's bound: among tenants backlogged throughout, service never differs by more
+    than one request's."""
+    q: FairQueue[None] = FairQueue(quantum_tokens=0)
+    for tenant in TENANTS:
+        for _ in range(100):
+            q.push(None, tenant, cost, deadline=FAR)
+    served = dict.fromkeys(TENANTS, 0)
+    for _ in range(150):
+        w = q.pop()
+        assert w is not None
+        served[w.tenant] += cost
+        assert max(served.values()) - min(served.values()) <= cost
+
+
+def test_a_tenant_back_from_idle_banks_no_credit() -> None:
+    """b sends nothing while a is served 50 times; then both are backlogged: b gets its
+    turn at once but no run of releases to make up for its idle time."""
+    q: FairQueue[None] = FairQueue(quantum_tokens=0)
+    for _ in range(50):
+        q.push(None, "a", 10, deadline=FAR)
+        assert q.pop() is not None
+    for _ in range(20):
+        q.push(None, "a", 10, deadline=FAR)
+        q.push(None, "b", 10, deadline=FAR)
+    order = [w.tenant for w in iter(q.pop, None)]
+    assert order[:2] in (["a", "b"], ["b", "a"])
+    # never two of b in a row: it was lifted to a's counter
+    assert all(not (x == y == "b") for x, y in itertools.pairwise(order))
+
+
+def test_bands_are_strict_and_fair_within() -> None:
+    q: FairQueue[None] = FairQueue(quantum_tokens=0)
+    for _ in range(3):
+        q.push(None, "big", 1, deadline=FAR, band=BATCH)
+    for _ in range(4):
+        q.push(None, "a", 1, deadline=FAR)
+        q.push(None, "b", 1, deadline=FAR)
+    order = [(w.band, w.tenant) for w in iter(q.pop, None)]
+    assert [b for b, _ in order] == [INTERACTIVE] * 8 + [BATCH] * 3
+    firsts = [t for _, t in order[:8]]
+    assert sorted(firsts[:2]) == sorted(firsts[2:4]) == ["a", "b"]
+
+
+def test_with_fifo_the_order_is_arrival() -> None:
+    q: FairQueue[int] = FairQueue(fifo=True)
+    for i in range(5):
+        q.push(i, "noisy", 100, deadline=FAR)
+    q.push(5, "quiet", 1, deadline=FAR)
+    assert [w.item for w in iter(q.pop, None)] == [0, 1, 2, 3, 4, 5]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from((b"k1", b"k2", None)), st.integers(1, 40)), max_size=30),
+    st.integers(0, 200),
+)
+def test_a_turn_takes_same_key_requests_up_to_its_quantum(
+    mine: list[tuple[bytes | None, int]], quantum: int
+) -> None:
+    """Tenant a's requests sharing the key of the one that opened its turn follow it
+    (ahead of a's other requests and of b) while the turn's charge is under the quantum,
+    and the turn never charges more than the quantum plus one request."""
+    q: FairQueue[int] = FairQueue(quantum_tokens=quantum)
+    for i, (key, cost) in enumerate(mine):
+        q.push(i, "a", cost, deadline=FAR, locality=key)
+    q.push(-1, "b", 1, deadline=FAR)
+    first = q.pop()
+    assert first is not None
+    if first.tenant != "a" or first.locality is None:
+        return
+    key = first.locality
+    turn = [first]
+    charged = first.cost
+    while (w := q.pop()) is not None and w.tenant == "a" and w.locality == key:
+        assert charged < quantum, "a turn stops once its quantum is used"
+        turn.append(w)
+        charged += w.cost
+    assert charged <= quantum + max(c for _, c in mine)
+    same_left = [i for i, (k, _) in enumerate(mine) if k == key and i > turn[-1].item]
+    if same_left:
+        assert charged >= quantum, "the turn ended early with same-key requests waiting"
+    assert [w.item for w in turn] == sorted(w.item for w in turn), "in arrival order"
+
+
+def test_locality_keeps_a_prefix_together_against_strict_alternation() -> None:
+    q: FairQueue[str] = FairQueue(quantum_tokens=100)
+    for i in range(3):
+        q.push(f"a{i}", "a", 10, deadline=FAR, locality=b"doc")
+        q.push(f"b{i}", "b", 10, deadline=FAR, locality=b"other")
+    assert [w.item for w in iter(q.pop, None)] == ["a0", "a1", "a2", "b0", "b1", "b2"]
+    strict: FairQueue[str] = FairQueue(quantum_tokens=0)
+    for i in range(3):
+        strict.push(f"a{i}", "a", 10, deadline=FAR, locality=b"doc")
+        strict.push(f"b{i}", "b", 10, deadline=FAR, locality=b"other")
+    assert [w.item for w in iter(strict.pop, None)] == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_removed_requests_never_leave_and_expiry_is_by_deadline() -> None:
+    q: FairQueue[int] = FairQueue()
+    ws = [q.push(i, TENANTS[i % 3], 5, deadline=float(i)) for i in range(9)]
+    assert q.remove(ws[4]) and not q.remove(ws[4])
+    assert len(q) == 8
+    assert q.waiting() == {"a": 3, "b": 2, "c": 3}
+    assert q.next_deadline() == 0.0
+    assert [w.item for w in q.expire(3.0)] == [0, 1, 2, 3]
+    assert q.next_deadline() == 5.0  # 4 was removed
+    rest = [w.item for w in iter(q.pop, None)]
+    assert sorted(rest) == [5, 6, 7, 8]
+    assert q.expire(100.0) == [] and q.next_deadline() is None and len(q) == 0
+
+
+def test_push_refuses_an_unknown_band() -> None:
+    with pytest.raises(ValueError, match="priority band"):
+        FairQueue[None]().push(None, "a", 1, deadline=FAR, band="urgent")
+
+
+def test_gate_learns_capacity_from_a_queue_and_counts_dispatches_at_once() -> None:
+    gate = SaturationGate(max_waiting=2)
+    assert not gate.saturated("r", 1000), "capacity unknown: not held back"
+    gate.probed("r", inflight=10, waiting=3)  # runs 7
+    assert gate.waiting("r", 10) == 3 and gate.saturated("r", 10)
+    assert gate.waiting("r", 8) == 1 and not gate.saturated("r", 8)  # two ended since
+    assert gate.saturated("r", 9)  # one dispatched again: 2 waiting
+    gate.probed("r", inflight=9, waiting=0)  # it ran all nine: capacity at least 9
+    assert gate.waiting("r", 9) == 0 and not gate.saturated("r", 10)
+    assert gate.saturated("r", 11)
+    gate.probed("r", inflight=9, waiting=None)  # the metric is gone: nothing to go by
+    assert gate.waiting("r", 50) is None
+    gate.probed("r", inflight=12, waiting=2, running=7)  # 3 still on their way: not capacity
+    assert gate.waiting("r", 12) == 5
+    gate.forget(["other"])
+    assert gate.waiting("r", 50) is None
+
+
+def test_a_gate_of_zero_keeps_the_replica_queue_empty() -> None:
+    gate = SaturationGate(max_waiting=0)
+    gate.probed("r", inflight=5, waiting=1)  # runs 4
+    assert not gate.saturated("r", 3)
+    assert gate.saturated("r", 4), "all four places taken: the next would wait there"
