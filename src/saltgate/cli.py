@@ -429,7 +429,7 @@ def _tenants_list(args: argparse.Namespace) -> int:
     def show(st: TenantStore) -> str:
         rows = [
             f"{t.id}\t{t.name}\tepoch {t.epoch}\tmodels {_models_label(t.models)}"
-            f"\tlimits {_limits_label(t.limits)}"
+            f"\tlimits {_limits_label(t.limits)}" + ("" if t.archived_at is None else "\tarchived")
             for t in st.list_tenants()
         ]
         return "\n".join(rows)

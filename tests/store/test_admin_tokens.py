@@ -160,5 +160,9 @@ def test_admin_tokens_cli(
     try:
         entries = list_entries(db)
         assert all(e.actor.startswith("cli:") for e in entries)
+        TenantStore(db).archive_tenant("acme")
     finally:
         db.close()
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tlimits none\tarchived")
+    code, _, err = _saltgate(capsys, "keys", "create", "acme", *c)
+    assert code == 1 and "tenant acme is archived" in err

@@ -10,7 +10,6 @@ as if they did not exist. Every error is in OpenAI's shape; none is a 500.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -45,8 +44,6 @@ from saltgate.store.errors import (
 )
 from saltgate.store.ledger import new_request_id
 from saltgate.store.tenants import ApiKeyInfo, Tenant, TenantStore, last_used
-
-log = logging.getLogger(__name__)
 
 JSON = (b"content-type", b"application/json")
 ADMIN_PATH = "/admin"
