@@ -139,7 +139,7 @@ def test_an_outage_spools_fsynced_records_and_replays_them_once(
     try:
         with pytest.raises(psycopg.errors.UniqueViolation):
             db.conn.execute(
-                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ({', '.join(['%s'] * 11)})",
+                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ({', '.join(['%s'] * len(UsageRecord._fields))})",
                 tuple(during[0]),
             )
     finally:
