@@ -4,10 +4,10 @@ triggers and with them dropped, interleaved so the machine's load hits both alik
 .venv/bin/python tests/store/bench_rollup_cost.py [--commits 3000] [--prefill 200000]
 
 Each commit is what `Ledger._commit` does (BEGIN IMMEDIATE, one executemany, COMMIT; WAL,
-synchronous=NORMAL) with 1 record (an idle gateway) and with 64 (group commit under
-load), records of 50 tenants x 3 keys x 2 models x 2 replicas at the current time, on a
-ledger prefilled with `--prefill` rows (PostgreSQL's statement triggers sum a whole batch
-at once; see bench_ledger.py for its commits). Figures: docs/benchmarks.md ("Usage queries").
+synchronous=NORMAL, the ledger's cache_size) with 1 record (an idle gateway) and with 64
+(group commit under load), records of 50 tenants x 3 keys x 2 models x 2 replicas at the
+current time, on a ledger prefilled with `--prefill` rows (PostgreSQL's statement
+triggers sum a whole batch at once; see bench_ledger.py for its commits). Figures: docs/benchmarks.md ("Usage queries").
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from saltgate.store.ledger import USAGE_INSERT, UsageRecord, new_request_id
+from saltgate.store.ledger import CACHE_SIZE, USAGE_INSERT, UsageRecord, new_request_id
 from saltgate.store.schema import SQLITE_ROLLUP_TRIGGER
 from saltgate.store.sqlite import open_db
 
@@ -58,6 +58,7 @@ def main() -> None:
     for name in ("rollups", "none"):
         conn = open_db(work / f"{name}.db")
         conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(f"PRAGMA cache_size={CACHE_SIZE}")  # as the ledger's connection
         if name == "none":
             conn.execute(f"DROP TRIGGER {SQLITE_ROLLUP_TRIGGER}")
         start = time.time() - 86400
