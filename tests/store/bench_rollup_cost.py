@@ -7,7 +7,8 @@ Each commit is what `Ledger._commit` does (BEGIN IMMEDIATE, one executemany, COM
 synchronous=NORMAL, the ledger's cache_size) with 1 record (an idle gateway) and with 64
 (group commit under load), records of 50 tenants x 3 keys x 2 models x 2 replicas at the
 current time, on a ledger prefilled with `--prefill` rows (PostgreSQL's statement
-triggers sum a whole batch at once; see bench_ledger.py for its commits). Figures: docs/benchmarks.md ("Usage queries").
+triggers sum a whole batch at once; see bench_ledger.py for its commits).
+Figures: docs/benchmarks.md ("Usage queries").
 """
 
 from __future__ import annotations
