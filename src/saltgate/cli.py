@@ -935,6 +935,7 @@ BENCHMARKS = {
     "overhead": "saltgate.bench.overhead",
     "sim-capacity": "saltgate.bench.sim_capacity",
     "limits": "saltgate.bench.limits",
+    "usage-queries": "saltgate.bench.usage_queries",
 }
 
 

@@ -154,6 +154,10 @@ class Meter:
             return model
         return OTHER_MODEL
 
+    def replica(self, attempt: Attempt | None) -> str | None:
+        """The name a record gives the replica that answered (None: none did)."""
+        return None if attempt is None else attempt.replica.label
+
     def ttft(self, route: str, model: str, seconds: float) -> None:
         self.metrics.observe(_TTFT, (("route", route), ("model", model)), seconds)
 
@@ -474,6 +478,7 @@ class Exchange:
                 used.prompt_tokens, used.cached_tokens, used.completion_tokens
             ),
             price_version=None if price is None else price.version,
+            replica=meter.replica(self._attempt),
         )
         if self._admission is not None:
             self._settle(used, record.cost_micro_usd)
