@@ -238,6 +238,38 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_keys_set_limits)
 
 
+def _add_admin_plane(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`admin-tokens` and `audit-log` (docs/admin-api.md)."""
+    tokens = sub.add_parser(
+        "admin-tokens",
+        help="create, list and revoke admin tokens (the admin API's; docs/admin-api.md)",
+    )
+    asub = tokens.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = asub.add_parser("create", help="mint an admin token (printed once, stored as a hash)")
+    p.add_argument(
+        "--scopes", required=True, help="comma-separated scopes, or all (docs/admin-api.md)"
+    )
+    p.add_argument("--tenant", help="pin the token to this tenant (name or id)")
+    _state_dir_arg(p)
+    p.set_defaults(func=_admin_tokens_create)
+    p = asub.add_parser("list", help="list admin tokens (never the tokens), with last use")
+    _state_dir_arg(p)
+    p.set_defaults(func=_admin_tokens_list)
+    p = asub.add_parser("revoke", help="revoke an admin token by its id (refused at once)")
+    p.add_argument("token_id", help="the token's id, as `admin-tokens list` shows it (adm_...)")
+    _state_dir_arg(p)
+    p.set_defaults(func=_admin_tokens_revoke)
+
+    log = sub.add_parser("audit-log", help="check the audit log's hash chain")
+    lsub = log.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = lsub.add_parser(
+        "verify",
+        help="recompute the chain of hashes; exit status 1 naming the first broken entry",
+    )
+    _state_dir_arg(p)
+    p.set_defaults(func=_audit_log_verify)
+
+
 def _limit_args(p: argparse.ArgumentParser) -> None:
     """The options of `tenants set-limits` and `keys set-limits` (docs/limits.md)."""
     p.add_argument("--rpm", type=int, help="requests in any 60 s window")
@@ -531,21 +563,99 @@ def _keys_revoke(args: argparse.Namespace) -> int:
 
 
 def _with_store(args: argparse.Namespace, action: Callable[[TenantStore], str]) -> int:
-    """Run a store action; a StoreError is one line on stderr and exit status 1."""
+    """Run a store action; a StoreError is one line on stderr and exit status 1.
+
+    The audit log names each change's author: the CLI and the OS user running it.
+    """
     from saltgate.config import ConfigError
+    from saltgate.store.audit import Actor
     from saltgate.store.backends import open_database
     from saltgate.store.errors import StoreError
     from saltgate.store.tenants import TenantStore
 
     try:
         settings, _ = _store_settings(args)
-        with TenantStore(open_database(settings)) as store:
+        with TenantStore(open_database(settings), actor=Actor.cli()) as store:
             out = action(store)
-    except (StoreError, ConfigError) as exc:
+    except (StoreError, ConfigError, ValueError) as exc:
         print(f"saltgate {args.command}: {exc}", file=sys.stderr)
         return 1
     if out:
         print(out)
+    return 0
+
+
+def _admin_tokens_create(args: argparse.Namespace) -> int:
+    from saltgate.admin.scopes import parse_scopes
+    from saltgate.store.admin_tokens import AdminTokens
+
+    def create(st: TenantStore) -> str:
+        scopes = parse_scopes(args.scopes)
+        tenant = None if args.tenant is None else st.get_tenant(args.tenant)
+        token_id, token = AdminTokens(st.db, st.actor).create(
+            scopes, None if tenant is None else tenant.id
+        )
+        pinned = "" if tenant is None else f", pinned to {tenant.name}"
+        print(f"created {token_id} ({','.join(sorted(scopes))}{pinned})", file=sys.stderr)
+        return token
+
+    return _with_store(args, create)
+
+
+def _admin_tokens_list(args: argparse.Namespace) -> int:
+    from datetime import UTC, datetime
+
+    from saltgate.store.admin_tokens import AdminTokens
+
+    def when(ts: float | None) -> str:
+        return "never" if ts is None else datetime.fromtimestamp(ts, UTC).isoformat("T", "seconds")
+
+    def show(st: TenantStore) -> str:
+        rows = []
+        for t in AdminTokens(st.db).list():
+            state = "revoked" if t.revoked_at is not None else "active"
+            rows.append(
+                f"{t.id}\t{t.to_dict()['redacted_value']}\t{state}\tscopes "
+                f"{','.join(sorted(t.scopes))}\ttenant {t.tenant_id or 'all'}"
+                f"\tlast used {when(t.last_used_at)}"
+            )
+        return "\n".join(rows)
+
+    return _with_store(args, show)
+
+
+def _admin_tokens_revoke(args: argparse.Namespace) -> int:
+    from saltgate.store.admin_tokens import AdminTokens
+
+    return _with_store(
+        args, lambda st: f"revoked {AdminTokens(st.db, st.actor).revoke(args.token_id).id}"
+    )
+
+
+def _audit_log_verify(args: argparse.Namespace) -> int:
+    from saltgate.config import ConfigError
+    from saltgate.store.audit import verify_chain
+    from saltgate.store.backends import open_database
+    from saltgate.store.errors import StoreError
+
+    try:
+        settings, _ = _store_settings(args)
+        db = open_database(settings, create=False)
+        try:
+            check = verify_chain(db)
+        finally:
+            db.close()
+    except (ConfigError, StoreError) as exc:
+        print(f"saltgate audit-log verify: {exc}", file=sys.stderr)
+        return 1
+    if not check.ok:
+        print(
+            f"saltgate audit-log verify: entry {check.broken_seq} is broken: {check.reason} "
+            f"({check.checked} entries before it are intact)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"audit log intact: {check.checked} entries")
     return 0
 
 
@@ -888,6 +998,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_gateway(sub)
     _add_admin(sub)
+    _add_admin_plane(sub)
     _add_usage(sub)
     _add_store(sub)
     _add_needing_modules(sub, "sim", _add_sim)

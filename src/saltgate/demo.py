@@ -8,14 +8,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from saltgate.admin.scopes import SCOPES
 from saltgate.config import ConfigError, GatewayConfig, ReplicaConfig, create_master_key
 from saltgate.runtime import run_service, until_stopped
 from saltgate.serving.run import start_gateway
 from saltgate.sim.run import RunningSim, start_sim
 from saltgate.sim.server import SimConfig
+from saltgate.store.admin_tokens import AdminTokens
+from saltgate.store.errors import TokenNotFoundError
 from saltgate.store.tenants import TenantStore
 
 DEMO_TENANTS = ("demo-alice", "demo-bob")
+# Where `up` keeps the id (never the token) of the admin token it minted, to revoke it
+# on the next run as it does the demo keys.
+DEMO_ADMIN_TOKEN_ID = "demo-admin-token.id"  # noqa: S105 (a file name)
 
 
 def demo_keys(store: TenantStore) -> list[tuple[str, str]]:
@@ -37,6 +43,21 @@ def demo_keys(store: TenantStore) -> list[tuple[str, str]]:
     return minted
 
 
+def demo_admin_token(store: TenantStore, state_dir: Path) -> str:
+    """Mint an admin token with every scope for this run, revoking the previous run's."""
+    tokens = AdminTokens(store.db, store.actor)
+    kept = state_dir / DEMO_ADMIN_TOKEN_ID
+    if kept.exists():
+        try:
+            if tokens.get(kept.read_text().strip()).revoked_at is None:
+                tokens.revoke(kept.read_text().strip())
+        except TokenNotFoundError:
+            pass  # a new database in an old state directory
+    token_id, token = tokens.create(SCOPES)
+    kept.write_text(token_id + "\n")
+    return token
+
+
 async def _up(port: int, replicas: int, state_dir: Path, sim_base_port: int) -> None:
     sims: list[RunningSim] = []
     for i in range(replicas):
@@ -54,17 +75,24 @@ async def _up(port: int, replicas: int, state_dir: Path, sim_base_port: int) -> 
     store = TenantStore(config.db_path)
     try:
         keys = demo_keys(store)
+        admin_token = demo_admin_token(store, state_dir)
     finally:
         store.close()
     running = await start_gateway(config)
     model = sims[0].server.config.model
     print(f"saltgate up: gateway on {running.url} with {replicas} simulated replicas", flush=True)
-    print(f"  metrics:  http://{config.admin_host}:{running.admin_port}/metrics")
+    admin_url = f"http://{config.admin_host}:{running.admin_port}"
+    print(f"  metrics:  {admin_url}/metrics")
+    print(f"  admin API: {admin_url}/admin/v1/ (docs/admin-api.md)")
+    print(f"  admin token (every scope): {admin_token}")
     print(f"  state:    {state_dir}")
     if running.ehbp is not None:
         print(f"  EHBP key: {running.ehbp.key.config.fingerprint} (made at start; pin it)")
     for name, key in keys:
         print(f"  tenant {name}: API key {key}")
+    print(
+        f"  admin:    curl -s {admin_url}/admin/v1/tenants -H 'Authorization: Bearer {admin_token}'"
+    )
     print(
         f"  try: curl -s {running.url}/v1/completions -H 'Authorization: Bearer {keys[0][1]}' "
         f"-H 'content-type: application/json' "

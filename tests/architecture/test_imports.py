@@ -39,6 +39,8 @@ PURE_MODULES = (
     "saltgate.kvevents.settings",
     "saltgate.store",  # a docstring, so config.py can read store.settings alone
     "saltgate.store.settings",
+    "saltgate.admin",  # a docstring, so the admin plane's rules can be loaded alone
+    "saltgate.admin.scopes",  # scopes, routes, pinning: decided without the store
     # The simulator's model of a replica: vLLM's hashing and block pool, its tokenizer,
     # request validation and errors. Its engine, server and metrics (a clock) are not.
     "saltgate.sim",
@@ -84,6 +86,11 @@ IO_PACKAGES = (
     "saltgate.store.spool",
     "saltgate.store.sqlite",
     "saltgate.store.tenants",
+    "saltgate.store.audit",
+    "saltgate.store.admin_tokens",
+    "saltgate.admin.api",
+    "saltgate.admin.store",
+    "saltgate.admin.tokens",
     "saltgate.sim.engine",
     "saltgate.sim.run",
     "saltgate.sim.server",

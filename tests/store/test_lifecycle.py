@@ -10,6 +10,7 @@ import pytest
 from saltgate.cli import main
 from saltgate.governance.limits import Limits
 from saltgate.prices import Price, PriceVersion
+from saltgate.store.audit import verify_chain
 from saltgate.store.backends import open_database
 from saltgate.store.db import Database
 from saltgate.store.ledger import (
@@ -108,18 +109,22 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert (code, err) == (0, ""), err
     assert pg_store.password_file is not None
     assert pg_store.password_file.read_text().strip() not in out
-    table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:6]}
+    table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:8]}
+    audited = str(len(src.query("SELECT seq FROM audit_log")))
     assert table == {
         "tenants": ["2", "2"],
         "api_keys": ["3", "3"],
         "prices": ["1", "1"],
+        "admin_tokens": ["0", "0"],
+        "audit_log": [audited, audited],
         "usage": ["13", "13"],
     }
     assert "verified" in out
 
     dst = open_database(pg_store)
-    for sql in ("SELECT * FROM tenants", "SELECT * FROM api_keys"):
+    for sql in ("SELECT * FROM tenants", "SELECT * FROM api_keys", "SELECT * FROM audit_log"):
         assert _rows(dst, sql) == _rows(src, sql)
+    assert verify_chain(dst).checked == int(audited) > 0  # the chain moved intact
     assert TenantStore(dst).get_tenant("acme").limits == Limits(
         rpm=60, budget_micro_usd=5, budget_period_s=86400
     )
@@ -149,7 +154,8 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     since = ("--since", "1970-01-01T00:16:40")  # ts 1000: the first pass's rows too
     code, out, err = _saltgate(capsys, "store", "copy", "--from", source.url, *to, *since)
     assert (code, err) == (0, ""), err
-    assert out.splitlines()[5].split() == ["usage", "17", "17"]
+    assert out.splitlines()[7].split() == ["usage", "17", "17"]
+    assert verify_chain(dst).checked == len(src.query("SELECT seq FROM audit_log"))
     assert len(dst.query(USAGE_SQL)) == 18
     assert set(new) <= _rows(dst, USAGE_SQL)
     assert _authenticates(dst, late_key) is None

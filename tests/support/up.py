@@ -24,6 +24,17 @@ class Up:
         assert found, f"no key for {tenant} in: {self.banner}"
         return found.group(1)
 
+    def admin_token(self) -> str:
+        found = re.search(r"admin token \(every scope\): (\S+)", self.banner)
+        assert found, f"no admin token in: {self.banner}"
+        return found.group(1)
+
+    @property
+    def admin_url(self) -> str:
+        """The admin listener: `up` serves it on --port + 1."""
+        host, _, port = self.url.rpartition(":")
+        return f"{host}:{int(port) + 1}"
+
 
 def free_port_pair() -> int:
     """A port P with P + 1 free too: `saltgate up --port P` serves its metrics on P + 1."""

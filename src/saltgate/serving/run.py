@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from saltgate.admin.api import AdminApi
+from saltgate.admin.store import AdminStore
 from saltgate.config import ConfigError, GatewayConfig, load_config, load_master_key
 from saltgate.derivations.derive import derive_subkeys
 from saltgate.ehbp.frames import KEYS_PATH, ServerKey
@@ -57,6 +59,7 @@ class RunningGateway:
     ehbp: EhbpEdge | None = None
     kv_relay: KvRelay | None = None
     cluster: ClusterBus | None = None  # [cluster]: routing state shared over the bus
+    admin_api: AdminApi | None = None  # /admin/v1/ on the admin listener
 
     @property
     def url(self) -> str:
@@ -77,6 +80,8 @@ class RunningGateway:
             await self.cluster.close()
         if self.admin is not None:
             await self.admin.close()
+        if self.admin_api is not None:
+            await self.admin_api.store.aclose()
         await self.gateway.aclose()
         if self.kv_relay is not None:
             await asyncio.to_thread(self.kv_relay.close)
@@ -156,18 +161,25 @@ async def start_gateway(
         port = Acceptor(server, listener.sock, listener.gate).port
     admin = None
     admin_port = None
+    admin_api = None
     if config.admin_port is not None:
+        api = admin_api = AdminApi(AdminStore(config.store_settings))
 
         async def admin_handler(request: Request) -> Response:
+            answer = await api.handle(request)
+            if answer is not None:
+                return answer
             if request.method == b"GET" and request.path == b"/metrics":
                 return Response(
                     200, [(b"content-type", b"text/plain; version=0.0.4")], metrics.render()
                 )
             return Response(404)
 
-        admin = HttpServer(admin_handler)
+        admin = HttpServer(admin_handler, error_response=error_response)
         admin_port = await admin.start(config.admin_host, config.admin_port)
-    running = RunningGateway(gateway, server, port, metrics, admin, admin_port, ehbp)
+    running = RunningGateway(
+        gateway, server, port, metrics, admin, admin_port, ehbp, admin_api=admin_api
+    )
     try:
         running.cluster = start_cluster_bus(config.cluster, replicas, subkeys.route, metrics)
         running.kv_relay = start_kv_relay(config, subkeys.kv_events)
@@ -247,6 +259,7 @@ def announce(
     print(f"saltgate: serving on {url} ({served})", flush=True)
     if admin_port is not None:
         print(f"saltgate: metrics on http://{config.admin_host}:{admin_port}/metrics")
+        print(f"saltgate: admin API on http://{config.admin_host}:{admin_port}/admin/v1/")
     if ehbp_fingerprint is not None:
         print(f"saltgate: EHBP key {ehbp_fingerprint} at {KEYS_PATH}")
     for part in parts:

@@ -28,9 +28,12 @@ from collections import deque
 from pathlib import Path
 from typing import Final
 
+from saltgate.admin.api import AdminApi
+from saltgate.admin.store import AdminStore
 from saltgate.config import ConfigError, GatewayConfig, load_master_key
 from saltgate.derivations.derive import derive_subkeys
 from saltgate.gateway.metrics import Counter, Gauge, Snapshot, merge_workers, render
+from saltgate.gateway.server import error_response
 from saltgate.http import HttpServer, Request, Response
 from saltgate.kvevents.relay import KvRelay
 from saltgate.runtime import run_service, until_stopped
@@ -131,6 +134,7 @@ class Supervisor:
         self._sock: socket.socket | None = None
         self._board: ConnectionBoard | None = None
         self._admin: HttpServer | None = None
+        self._admin_api = AdminApi(AdminStore(config.store_settings))
         self._ehbp_private_key: bytes | None = None
         self.ehbp_fingerprint: str | None = None
         self._procs: dict[int, asyncio.subprocess.Process] = {}
@@ -171,7 +175,7 @@ class Supervisor:
             if failed:
                 raise failed[0]
             if config.admin_port is not None:
-                self._admin = HttpServer(self._admin_handler)
+                self._admin = HttpServer(self._admin_handler, error_response=error_response)
                 self.admin_port = await self._admin.start(config.admin_host, config.admin_port)
             if config.kv_relay is not None:
                 k_kv = derive_subkeys(load_master_key(config.master_key_file)).kv_events
@@ -305,6 +309,7 @@ class Supervisor:
             self._retire(worker)
         if self._admin is not None:
             await self._admin.close()
+        await self._admin_api.store.aclose()
         if self.relay is not None:
             await asyncio.to_thread(self.relay.close)
         if self._board is not None:
@@ -392,6 +397,9 @@ class Supervisor:
         return self._retired_requests[index] + now
 
     async def _admin_handler(self, request: Request) -> Response:
+        answer = await self._admin_api.handle(request)
+        if answer is not None:
+            return answer
         if request.method == b"GET" and request.path == b"/metrics":
             body = render(await self.metrics())
             return Response(200, [(b"content-type", b"text/plain; version=0.0.4")], body)

@@ -7,6 +7,10 @@ class StoreError(Exception):
     """A store operation failed for a reason the operator can act on (message is safe)."""
 
 
+class InvalidInputError(StoreError):
+    """A value given to a store operation is not valid (a name, a list, a period)."""
+
+
 class TenantExistsError(StoreError):
     """`create_tenant` was given a name that is already taken."""
 
@@ -15,12 +19,28 @@ class TenantNotFoundError(StoreError):
     """No tenant has the given name or id."""
 
 
+class TenantArchivedError(StoreError):
+    """The tenant was archived: it can no longer change or get keys."""
+
+
+class KeyExpiredError(StoreError):
+    """The key id names a key whose rotation grace period has ended."""
+
+
 class KeyNotFoundError(StoreError):
     """No API key has the given key id."""
 
 
 class KeyRevokedError(StoreError):
     """The key id names a key that was already revoked."""
+
+
+class TokenNotFoundError(StoreError):
+    """No admin token has the given id."""
+
+
+class TokenRevokedError(StoreError):
+    """The admin token id names a token that was already revoked."""
 
 
 class ConflictError(StoreError):

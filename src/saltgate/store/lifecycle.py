@@ -1,11 +1,12 @@
 """Moving a store and trimming its ledger: `saltgate store copy`, `saltgate usage prune`.
 
 A copy moves what a store holds of its own (tenants, hashed API keys, prices, the usage
-ledger) as it is: a key is stored as its SHA-256 (saltgate.store.tenants), so the hashes
-move and every key keeps working, and tenant ids and epochs move, so every tenant keeps its
-cache namespace. What each store keeps for itself (`meta`, `schema_version`) is not
-copied: the destination is migrated to the current schema when it is opened, and its own
-triggers count its auth generation. docs/upgrading.md says how to switch a fleet.
+ledger, hashed admin tokens, the audit log with its hash chain) as it is: a key is stored
+as its SHA-256 (saltgate.store.tenants), so the hashes move and every key keeps working,
+and tenant ids and epochs move, so every tenant keeps its cache namespace. What each store
+keeps for itself (`meta`, `schema_version`) is not copied: the destination is migrated to
+the current schema when it is opened, and its own triggers count its auth generation.
+docs/upgrading.md says how to switch a fleet.
 
 Pruning deletes old usage rows. On SQLite a writer holds the one write lock, and a
 gateway's ledger commits on its event loop: the delete goes in small batches with a pause
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from saltgate.store.audit import INSERT_ENTRY, SELECT_ENTRIES
 from saltgate.store.db import Database
 from saltgate.store.errors import StoreError
 from saltgate.store.ledger import PRICE_INSERT, USAGE_INSERT, UsageRecord
@@ -27,21 +29,34 @@ from saltgate.store.ledger import PRICE_INSERT, USAGE_INSERT, UsageRecord
 # revocation made in the source since the first, and never undoes one made in either; a
 # tenant's models and limits and a key's limits are the source's.
 _TENANT_UPSERT = (
-    "INSERT INTO tenants (id, name, epoch, created_at, allowed_models, limits) "
-    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+    "INSERT INTO tenants (id, name, epoch, created_at, allowed_models, limits, archived_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
     "epoch = CASE WHEN excluded.epoch > tenants.epoch THEN excluded.epoch ELSE tenants.epoch END, "
-    "allowed_models = excluded.allowed_models, limits = excluded.limits"
+    "allowed_models = excluded.allowed_models, limits = excluded.limits, "
+    "name = excluded.name, archived_at = COALESCE(tenants.archived_at, excluded.archived_at)"
 )
 _KEY_UPSERT = (
-    "INSERT INTO api_keys (id, tenant_id, key_hash, created_at, revoked_at, limits) "
-    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
-    "revoked_at = COALESCE(api_keys.revoked_at, excluded.revoked_at), limits = excluded.limits"
+    "INSERT INTO api_keys (id, tenant_id, key_hash, created_at, revoked_at, limits, expires_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+    "revoked_at = COALESCE(api_keys.revoked_at, excluded.revoked_at), limits = excluded.limits, "
+    "expires_at = excluded.expires_at"
+)
+_ADMIN_TOKEN_COLUMNS = (
+    "id, token_hash, scopes, tenant_id, created_at, created_by, last_used_at, revoked_at"  # noqa: S105
+)
+_ADMIN_TOKEN_UPSERT = (
+    f"INSERT INTO admin_tokens ({_ADMIN_TOKEN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "  # noqa: S608
+    "ON CONFLICT (id) DO UPDATE SET last_used_at = excluded.last_used_at, "
+    "revoked_at = COALESCE(admin_tokens.revoked_at, excluded.revoked_at)"
 )
 # The small tables, copied whole on every pass: (query, statement), keys after tenants.
 _SMALL_TABLES = (
-    ("SELECT id, name, epoch, created_at, allowed_models, limits FROM tenants", _TENANT_UPSERT),
     (
-        "SELECT id, tenant_id, key_hash, created_at, revoked_at, limits FROM api_keys",
+        "SELECT id, name, epoch, created_at, allowed_models, limits, archived_at FROM tenants",
+        _TENANT_UPSERT,
+    ),
+    (
+        "SELECT id, tenant_id, key_hash, created_at, revoked_at, limits, expires_at FROM api_keys",
         _KEY_UPSERT,
     ),
     (
@@ -49,9 +64,12 @@ _SMALL_TABLES = (
         "output_micro_usd_per_mtok, effective_from FROM prices",
         PRICE_INSERT,
     ),
+    (f"SELECT {_ADMIN_TOKEN_COLUMNS} FROM admin_tokens", _ADMIN_TOKEN_UPSERT),  # noqa: S608
+    # Entries move as they are (their hashes cover their seq); a second pass adds the new.
+    (SELECT_ENTRIES + " ORDER BY seq", INSERT_ENTRY + " ON CONFLICT (seq) DO NOTHING"),
 )
 # What a copy moves, in the order it moves them (keys name their tenant).
-COPIED_TABLES = ("tenants", "api_keys", "prices", "usage")
+COPIED_TABLES = ("tenants", "api_keys", "prices", "admin_tokens", "audit_log", "usage")
 # What every store keeps for itself; tests/store/test_lifecycle.py checks that the schema
 # has no table outside these two lists.
 OWN_TABLES = ("meta", "schema_version")

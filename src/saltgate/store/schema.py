@@ -46,6 +46,55 @@ LIMITS = Migration(
     ),
 )
 
+
+def _admin_plane(blob: str, real: str, integer: str, append_only: tuple[str, ...]) -> Migration:
+    """Version 8 on one backend (its column types and its append-only triggers).
+
+    Admin tokens are stored as SHA-256 digests like API keys (saltgate.store.admin_tokens);
+    ``tenant_id`` NULL: the token may act on every tenant. The audit log is append-only
+    (triggers refuse UPDATE and DELETE) and each entry carries the SHA-256 of its
+    predecessor's hash and its own canonical encoding (saltgate.store.audit), so an edit
+    made past the triggers is found by `saltgate audit-log verify`. Keys gain an expiry
+    (a rotation's grace period) and tenants an archive time (their keys stop working).
+    """
+    return Migration(
+        8,
+        "admin tokens and audit log",
+        (
+            f"""CREATE TABLE admin_tokens (
+                id TEXT PRIMARY KEY,
+                token_hash {blob} NOT NULL UNIQUE CHECK (length(token_hash) = 32),
+                scopes TEXT NOT NULL,
+                tenant_id TEXT REFERENCES tenants(id),
+                created_at {real} NOT NULL,
+                created_by TEXT NOT NULL,
+                last_used_at {real},
+                revoked_at {real}
+            )""",
+            f"""CREATE TABLE audit_log (
+                seq {integer} PRIMARY KEY,
+                ts {real} NOT NULL,
+                actor TEXT NOT NULL,
+                action TEXT NOT NULL,
+                resource_type TEXT NOT NULL,
+                resource_id TEXT NOT NULL,
+                tenant_id TEXT,
+                before_json TEXT,
+                after_json TEXT,
+                request_id TEXT,
+                prev_hash {blob} NOT NULL CHECK (length(prev_hash) = 32),
+                entry_hash {blob} NOT NULL CHECK (length(entry_hash) = 32)
+            )""",
+            "CREATE INDEX audit_log_tenant ON audit_log(tenant_id, seq)",
+            # The admin API pages a tenant's keys by id (keyset pagination).
+            "CREATE INDEX api_keys_tenant_page ON api_keys(tenant_id, id)",
+            f"ALTER TABLE api_keys ADD COLUMN expires_at {real}",
+            f"ALTER TABLE tenants ADD COLUMN archived_at {real}",
+            *append_only,
+        ),
+    )
+
+
 SQLITE_VERSION_TABLE = (
     "CREATE TABLE IF NOT EXISTS schema_version ("
     "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL)"
@@ -162,6 +211,17 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
     ),
     TENANT_MODELS,
     LIMITS,
+    _admin_plane(
+        "BLOB",
+        "REAL",
+        "INTEGER",
+        (
+            "CREATE TRIGGER audit_log_no_update BEFORE UPDATE ON audit_log "
+            "BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END",
+            "CREATE TRIGGER audit_log_no_delete BEFORE DELETE ON audit_log "
+            "BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END",
+        ),
+    ),
 )
 
 POSTGRES_VERSION_TABLE = (
@@ -240,6 +300,20 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
     ),
     TENANT_MODELS,
     LIMITS,
+    _admin_plane(
+        "BYTEA",
+        "DOUBLE PRECISION",
+        "BIGINT",
+        (
+            """CREATE FUNCTION saltgate_audit_append_only() RETURNS trigger
+                LANGUAGE plpgsql AS $$
+                BEGIN
+                    RAISE EXCEPTION 'the audit log is append-only';
+                END $$""",
+            "CREATE TRIGGER audit_log_append_only BEFORE UPDATE OR DELETE OR TRUNCATE "
+            "ON audit_log FOR EACH STATEMENT EXECUTE FUNCTION saltgate_audit_append_only()",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version

@@ -22,23 +22,29 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
 from saltgate.governance.limits import Limits
+from saltgate.store import audit
+from saltgate.store.audit import Actor
 from saltgate.store.db import Database
 from saltgate.store.errors import (
     ConflictError,
+    InvalidInputError,
+    KeyExpiredError,
     KeyNotFoundError,
     KeyRevokedError,
     StoreError,
+    TenantArchivedError,
     TenantExistsError,
     TenantNotFoundError,
 )
@@ -49,6 +55,9 @@ KEY_PREFIX = "sg_"
 KEY_LENGTH = len(KEY_PREFIX) + 43  # 32 random bytes, base64url without padding
 TENANT_ID_PREFIX = "tn_"
 KEY_ID_PREFIX = "key_"
+ADMIN_TOKEN_PREFIX = "sgadm_"  # noqa: S105 (a public prefix) admin tokens (saltgate.store.admin_tokens)
+# What tenant names may not start with: ids, and the secrets a name must never look like.
+_RESERVED_PREFIXES = (TENANT_ID_PREFIX, KEY_PREFIX, ADMIN_TOKEN_PREFIX)
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _TENANT_ID_RE = re.compile(r"tn_[0-9a-f]{16}")
@@ -65,11 +74,31 @@ class Tenant:
     created_at: float
     models: tuple[str, ...] | None = None  # the models it may use; None: all
     limits: Limits | None = None  # its limits and budget; None: unlimited
+    archived_at: float | None = None  # archived: its keys stop working, its name stays taken
 
     @property
     def epoch_label(self) -> str:
         """The epoch as the spec's derivation takes it (``lp(str(epoch))``)."""
         return str(self.epoch)
+
+    def to_dict(self) -> dict[str, object]:
+        """As the admin API and the audit log show it."""
+        return {
+            "object": "tenant",
+            "id": self.id,
+            "name": self.name,
+            "epoch": self.epoch,
+            "created_at": self.created_at,
+            "models": None if self.models is None else list(self.models),
+            "limits": limits_dict(self.limits),
+            "archived_at": self.archived_at,
+        }
+
+
+def limits_dict(limits: Limits | None) -> dict[str, object] | None:
+    """Limits as a JSON object (their stored form); None when there are none."""
+    stored = None if limits is None else limits.to_json()
+    return None if stored is None else dict(json.loads(stored))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +110,20 @@ class ApiKeyInfo:
     created_at: float
     revoked_at: float | None
     limits: Limits | None = None  # narrowing its tenant's; None: the tenant's alone
+    expires_at: float | None = None  # works until then (a rotation's grace); None: no end
+
+    def to_dict(self) -> dict[str, object]:
+        """As the admin API and the audit log show it (never the key or its hash)."""
+        return {
+            "object": "api_key",
+            "id": self.id,
+            "tenant_id": self.tenant_id,
+            "redacted_value": KEY_PREFIX + "...",
+            "created_at": self.created_at,
+            "revoked_at": self.revoked_at,
+            "expires_at": self.expires_at,
+            "limits": limits_dict(self.limits),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,16 +144,20 @@ class Principal:
         return str(self.epoch)
 
 
-# The live keys with what a request needs of their tenant: the gateway's snapshot.
+# The live keys with what a request needs of their tenant: the gateway's snapshot. A key
+# with an expiry is in it until then: KeySnapshot.lookup checks the time (no change to
+# the store marks the moment a rotation's grace ends).
 LIVE_KEYS_SQL = (
-    "SELECT k.key_hash, t.id, t.name, k.id, t.epoch, t.allowed_models, t.limits, k.limits "
-    "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
-    "WHERE k.revoked_at IS NULL"
+    "SELECT k.key_hash, t.id, t.name, k.id, t.epoch, t.allowed_models, t.limits, k.limits, "
+    "k.expires_at FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
+    "WHERE k.revoked_at IS NULL AND t.archived_at IS NULL"
 )
 
 
-_SELECT_TENANTS = "SELECT id, name, epoch, created_at, allowed_models, limits FROM tenants"
-_SELECT_KEYS = "SELECT id, tenant_id, created_at, revoked_at, limits FROM api_keys"
+_SELECT_TENANTS = (
+    "SELECT id, name, epoch, created_at, allowed_models, limits, archived_at FROM tenants"
+)
+_SELECT_KEYS = "SELECT id, tenant_id, created_at, revoked_at, limits, expires_at FROM api_keys"
 
 
 def _allowed_models(stored: str | None) -> tuple[str, ...] | None:
@@ -118,14 +165,22 @@ def _allowed_models(stored: str | None) -> tuple[str, ...] | None:
     return None if stored is None else tuple(json.loads(stored))
 
 
-def _tenant(row: tuple[str, str, int, float, str | None, str | None]) -> Tenant:
-    tid, name, epoch, created_at, models, limits = row
-    return Tenant(tid, name, epoch, created_at, _allowed_models(models), Limits.from_json(limits))
+def _tenant(row: tuple[str, str, int, float, str | None, str | None, float | None]) -> Tenant:
+    tid, name, epoch, created_at, models, limits, archived_at = row
+    return Tenant(
+        tid,
+        name,
+        int(epoch),
+        created_at,
+        _allowed_models(models),
+        Limits.from_json(limits),
+        archived_at,
+    )
 
 
-def _key(row: tuple[str, str, float, float | None, str | None]) -> ApiKeyInfo:
-    kid, tid, created_at, revoked_at, limits = row
-    return ApiKeyInfo(kid, tid, created_at, revoked_at, Limits.from_json(limits))
+def _key(row: tuple[str, str, float, float | None, str | None, float | None]) -> ApiKeyInfo:
+    kid, tid, created_at, revoked_at, limits, expires_at = row
+    return ApiKeyInfo(kid, tid, created_at, revoked_at, Limits.from_json(limits), expires_at)
 
 
 def db_path(state_dir: str | os.PathLike[str]) -> Path:
@@ -143,7 +198,8 @@ def new_api_key() -> str:
 
 
 def hash_api_key(key: str) -> bytes:
-    """SHA-256 of the key's ASCII bytes: the only form a key is stored in."""
+    """SHA-256 of the key's ASCII bytes: the only form a key (or an admin token) is
+    stored in."""
     return hashlib.sha256(key.encode("ascii")).digest()
 
 
@@ -155,8 +211,9 @@ def _looks_like_key(presented: str) -> bool:
 def _describe_ref(ref: str, pattern: re.Pattern[str], what: str) -> str:
     """Echo a user-given reference only if it has the expected shape, so a key pasted into
     the wrong argument never ends up in an error message or a log."""
-    if ref.startswith(KEY_PREFIX):
-        return f"{what} (that argument looks like an API key, not a {what}; not shown)"
+    for prefix, secret in ((KEY_PREFIX, "an API key"), (ADMIN_TOKEN_PREFIX, "an admin token")):
+        if ref.startswith(prefix):
+            return f"{what} (that argument looks like {secret}, not a {what}; not shown)"
     if pattern.fullmatch(ref):
         return f"{what} {ref!r}"
     return f"{what} (argument not shown: not a valid {what})"
@@ -166,21 +223,31 @@ def _describe_ref(ref: str, pattern: re.Pattern[str], what: str) -> str:
 
 
 class TenantStore:
-    """Administrative operations (the CLI's): tenants, keys, salt rotation, either backend.
+    """Administrative operations (the CLI's and the admin API's): tenants, keys, salt
+    rotation, on either backend. Every change is recorded in the audit log, in its own
+    transaction, as made by `actor` (by default the OS user running this process).
 
     Give it a database path (SQLite) or an open `Database`
     (saltgate.store.backends.open_database builds one from `[store]` settings).
     """
 
-    def __init__(self, target: str | os.PathLike[str] | Database) -> None:
+    def __init__(
+        self, target: str | os.PathLike[str] | Database, *, actor: Actor | None = None
+    ) -> None:
         self._db: Database = (
             SqliteDatabase(target) if isinstance(target, str | os.PathLike) else target
         )
+        self.actor = actor or Actor.cli()
 
     @classmethod
     def from_state_dir(cls, state_dir: str | os.PathLike[str]) -> TenantStore:
         """Open ``state_dir/saltgate.db``."""
         return cls(db_path(state_dir))
+
+    @property
+    def db(self) -> Database:
+        """The open store, for the other tables changed alongside (admin tokens)."""
+        return self._db
 
     def close(self) -> None:
         self._db.close()
@@ -196,16 +263,51 @@ class TenantStore:
     ) -> None:
         self.close()
 
+    def _audit(
+        self,
+        action: str,
+        tenant_id: str,
+        before: Tenant | ApiKeyInfo | None,
+        after: Tenant | ApiKeyInfo,
+    ) -> None:
+        """Record a change; called inside the change's transaction, so both or neither."""
+        shown = after.to_dict()
+        audit.append(
+            self._db,
+            self.actor,
+            action,
+            str(shown["object"]),
+            after.id,
+            tenant_id=tenant_id,
+            before=None if before is None else before.to_dict(),
+            after=shown,
+        )
+
+    def _changed_tenant(self, action: str, before: Tenant) -> Tenant:
+        """Read the tenant back after an UPDATE and record the change."""
+        after = self.get_tenant(before.id)
+        self._audit(action, before.id, before, after)
+        return after
+
+    def _changed_key(self, action: str, before: ApiKeyInfo) -> ApiKeyInfo:
+        after = self._get_key(before.id)
+        self._audit(action, before.tenant_id, before, after)
+        return after
+
     # tenants
+
+    @staticmethod
+    def _check_name(name: str) -> None:
+        if not _NAME_RE.fullmatch(name) or name.startswith(_RESERVED_PREFIXES):
+            raise InvalidInputError(
+                "invalid tenant name: use 1-64 characters of [A-Za-z0-9._-], starting with a "
+                f"letter or digit, not starting with {', '.join(map(repr, _RESERVED_PREFIXES))} "
+                "(reserved for tenant ids, API keys and admin tokens)"
+            )
 
     def create_tenant(self, name: str) -> Tenant:
         """Create a tenant with a fresh random id and epoch 0."""
-        if not _NAME_RE.fullmatch(name) or name.startswith((TENANT_ID_PREFIX, KEY_PREFIX)):
-            raise StoreError(
-                "invalid tenant name: use 1-64 characters of [A-Za-z0-9._-], starting with a "
-                f"letter or digit, not starting with {TENANT_ID_PREFIX!r} or {KEY_PREFIX!r} "
-                "(reserved for tenant ids and API keys)"
-            )
+        self._check_name(name)
         tenant = Tenant(
             id=TENANT_ID_PREFIX + secrets.token_hex(8), name=name, epoch=0, created_at=time.time()
         )
@@ -215,15 +317,21 @@ class TenantStore:
                     "INSERT INTO tenants (id, name, epoch, created_at) VALUES (?, ?, ?, ?)",
                     (tenant.id, tenant.name, tenant.epoch, tenant.created_at),
                 )
+                self._audit("tenant.created", tenant.id, None, tenant)
         except ConflictError as exc:
             if self._find_tenant(name) is not None:
                 raise TenantExistsError(f"tenant {name!r} already exists") from None
             raise StoreError(f"could not create tenant {name!r}: {exc}") from None
         return tenant
 
-    def list_tenants(self) -> list[Tenant]:
-        """All tenants, by name."""
-        rows = self._db.query(_SELECT_TENANTS + " ORDER BY name")
+    def list_tenants(self, *, after_id: str = "", limit: int | None = None) -> list[Tenant]:
+        """All tenants, by name; with `limit`, a page of them by id after `after_id`."""
+        if limit is None:
+            rows = self._db.query(_SELECT_TENANTS + " ORDER BY name")
+        else:
+            rows = self._db.query(
+                _SELECT_TENANTS + " WHERE id > ? ORDER BY id LIMIT ?", (after_id, limit)
+            )
         return [_tenant(row) for row in rows]
 
     def get_tenant(self, tenant: str) -> Tenant:
@@ -239,16 +347,42 @@ class TenantStore:
         rows = self._db.query(_SELECT_TENANTS + " WHERE id = ? OR name = ?", (ref, ref))
         return _tenant(rows[0]) if rows else None
 
+    def _live_tenant(self, tenant: str) -> Tenant:
+        """A tenant that is not archived (what may still change or get keys)."""
+        t = self.get_tenant(tenant)
+        if t.archived_at is not None:
+            raise TenantArchivedError(f"tenant {t.name} is archived")
+        return t
+
     def rotate_salt(self, tenant: str) -> int:
         """Move the tenant to a fresh cache namespace; returns the new epoch.
 
         Its old cache entries become unreachable (they age out of the replicas' LRU).
         """
         with self._db.transaction():
-            t = self.get_tenant(tenant)
+            t = self._live_tenant(tenant)
             self._db.execute("UPDATE tenants SET epoch = epoch + 1 WHERE id = ?", (t.id,))
-            [(epoch,)] = self._db.query("SELECT epoch FROM tenants WHERE id = ?", (t.id,))
-        return int(epoch)
+            after = self._changed_tenant("tenant.salt_rotated", t)
+        return after.epoch
+
+    def rename_tenant(self, tenant: str, name: str) -> Tenant:
+        """Give a tenant a new name; its id, and so its cache namespace, stay."""
+        self._check_name(name)
+        try:
+            with self._db.transaction():
+                t = self._live_tenant(tenant)
+                self._db.execute("UPDATE tenants SET name = ? WHERE id = ?", (name, t.id))
+                return self._changed_tenant("tenant.renamed", t)
+        except ConflictError:
+            raise TenantExistsError(f"tenant {name!r} already exists") from None
+
+    def archive_tenant(self, tenant: str) -> Tenant:
+        """Archive a tenant: its keys stop working on every gateway within a second (the
+        auth generation moves); its usage and its name stay."""
+        with self._db.transaction():
+            t = self._live_tenant(tenant)
+            self._db.execute("UPDATE tenants SET archived_at = ? WHERE id = ?", (time.time(), t.id))
+            return self._changed_tenant("tenant.archived", t)
 
     def set_models(self, tenant: str, models: Iterable[str] | None) -> Tenant:
         """Let the tenant use only ``models`` (None: every model); every gateway follows
@@ -257,24 +391,24 @@ class TenantStore:
         if models is not None:
             names = tuple(sorted(set(models)))
             if not names or not all(n and n == n.strip() for n in names):
-                raise StoreError(
+                raise InvalidInputError(
                     "invalid model list: give one or more model names without spaces around "
                     "them (or every model: --all)"
                 )
         stored = None if names is None else json.dumps(list(names))
         with self._db.transaction():
-            t = self.get_tenant(tenant)
+            t = self._live_tenant(tenant)
             self._db.execute("UPDATE tenants SET allowed_models = ? WHERE id = ?", (stored, t.id))
-        return Tenant(t.id, t.name, t.epoch, t.created_at, names, t.limits)
+            return self._changed_tenant("tenant.models_set", t)
 
     def set_limits(self, tenant: str, limits: Limits | None) -> Tenant:
         """Replace the tenant's limits (None or empty: unlimited); every gateway follows
         within a second, as it does a key change (the auth generation moves)."""
         stored = None if limits is None else limits.to_json()
         with self._db.transaction():
-            t = self.get_tenant(tenant)
+            t = self._live_tenant(tenant)
             self._db.execute("UPDATE tenants SET limits = ? WHERE id = ?", (stored, t.id))
-        return Tenant(t.id, t.name, t.epoch, t.created_at, t.models, Limits.from_json(stored))
+            return self._changed_tenant("tenant.limits_set", t)
 
     def set_key_limits(self, key_id: str, limits: Limits | None) -> ApiKeyInfo:
         """Replace a key's own limits, which narrow its tenant's (None: the tenant's)."""
@@ -282,9 +416,11 @@ class TenantStore:
         with self._db.transaction():
             info = self._get_key(key_id)
             self._db.execute("UPDATE api_keys SET limits = ? WHERE id = ?", (stored, key_id))
-        return ApiKeyInfo(
-            info.id, info.tenant_id, info.created_at, info.revoked_at, Limits.from_json(stored)
-        )
+            return self._changed_key("api_key.limits_set", info)
+
+    def get_key(self, key_id: str) -> ApiKeyInfo:
+        """One key's metadata by its id; KeyNotFoundError."""
+        return self._get_key(key_id)
 
     def _get_key(self, key_id: str) -> ApiKeyInfo:
         rows = self._db.query(_SELECT_KEYS + " WHERE id = ?", (key_id,))
@@ -299,24 +435,44 @@ class TenantStore:
 
         The key is shown once: only its SHA-256 is stored.
         """
-        key = new_api_key()
-        key_id = KEY_ID_PREFIX + secrets.token_hex(6)
         with self._db.transaction():
-            t = self.get_tenant(tenant)
-            self._db.execute(
-                "INSERT INTO api_keys (id, tenant_id, key_hash, created_at) VALUES (?, ?, ?, ?)",
-                (key_id, t.id, hash_api_key(key), time.time()),
-            )
-        return key_id, key
+            return self._insert_key(self._live_tenant(tenant).id, None)
 
-    def list_keys(self, tenant: str | None = None) -> list[ApiKeyInfo]:
-        """Key metadata (never the keys), optionally of one tenant, oldest first."""
+    def _insert_key(self, tenant_id: str, limits: Limits | None) -> tuple[str, str]:
+        key = new_api_key()
+        info = ApiKeyInfo(
+            KEY_ID_PREFIX + secrets.token_hex(6), tenant_id, time.time(), None, limits
+        )
+        self._db.execute(
+            "INSERT INTO api_keys (id, tenant_id, key_hash, created_at, limits) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (
+                info.id,
+                tenant_id,
+                hash_api_key(key),
+                info.created_at,
+                None if limits is None else limits.to_json(),
+            ),
+        )
+        self._audit("api_key.created", tenant_id, None, info)
+        return info.id, key
+
+    def list_keys(
+        self, tenant: str | None = None, *, after_id: str = "", limit: int | None = None
+    ) -> list[ApiKeyInfo]:
+        """Key metadata (never the keys), optionally of one tenant, oldest first; with
+        `limit`, a page of one tenant's keys by id after `after_id` (keyset pagination)."""
         if tenant is None:
             rows = self._db.query(_SELECT_KEYS + " ORDER BY created_at")
-        else:
+        elif limit is None:
             t = self.get_tenant(tenant)
             rows = self._db.query(
                 _SELECT_KEYS + " WHERE tenant_id = ? ORDER BY created_at", (t.id,)
+            )
+        else:
+            rows = self._db.query(
+                _SELECT_KEYS + " WHERE tenant_id = ? AND id > ? ORDER BY id LIMIT ?",
+                (self.get_tenant(tenant).id, after_id, limit),
             )
         return [_key(row) for row in rows]
 
@@ -328,7 +484,45 @@ class TenantStore:
                 raise KeyRevokedError(f"key id {key_id!r} was already revoked")
             now = time.time()
             self._db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ?", (now, key_id))
-        return ApiKeyInfo(info.id, info.tenant_id, info.created_at, now, info.limits)
+            return self._changed_key("api_key.revoked", info)
+
+    def rotate_key(self, key_id: str, grace_s: float) -> tuple[ApiKeyInfo, str, str]:
+        """Mint a successor with the key's tenant and limits, and let the old key work for
+        `grace_s` more seconds (0: revoked now); returns ``(old key, new id, new key)``."""
+        if not grace_s >= 0:
+            raise InvalidInputError("the grace period must be 0 seconds or more")
+        with self._db.transaction():
+            info = self._get_key(key_id)
+            if info.revoked_at is not None:
+                raise KeyRevokedError(f"key id {key_id!r} was already revoked")
+            now = time.time()
+            if info.expires_at is not None and info.expires_at <= now:
+                raise KeyExpiredError(f"key id {key_id!r} has expired")
+            self._live_tenant(info.tenant_id)
+            new_id, key = self._insert_key(info.tenant_id, info.limits)
+            if grace_s == 0:
+                self._db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ?", (now, key_id))
+            else:
+                ends = now + grace_s
+                if info.expires_at is not None:
+                    ends = min(ends, info.expires_at)
+                self._db.execute("UPDATE api_keys SET expires_at = ? WHERE id = ?", (ends, key_id))
+            old = self._changed_key("api_key.rotated", info)
+        return old, new_id, key
+
+
+def last_used(db: Database, key_ids: Sequence[str]) -> dict[str, float]:
+    """When each of these keys was last used, from the usage ledger (keys never used are
+    left out). One grouped read per page of keys: the ledger has no key index (each index
+    costs every commit), so this scans it; usage rollups can answer it instead."""
+    if not key_ids:
+        return {}
+    marks = ", ".join("?" * len(key_ids))
+    rows = db.query(
+        f"SELECT key_id, max(ts) FROM usage WHERE key_id IN ({marks}) GROUP BY key_id",  # noqa: S608
+        tuple(key_ids),
+    )
+    return {kid: float(ts) for kid, ts in rows}
 
 
 # --------------------------------------------------------------------------- hot path
@@ -352,13 +546,16 @@ class KeySnapshot:
 
     def __init__(
         self,
-        rows: Iterable[tuple[bytes, str, str, str, int, str | None, str | None, str | None]] = (),
+        rows: Iterable[
+            tuple[bytes, str, str, str, int, str | None, str | None, str | None, float | None]
+        ] = (),
     ) -> None:
         """`rows` as LIVE_KEYS_SQL returns them."""
         allowed: dict[str, frozenset[str] | None] = {}  # one set per tenant, not per key
         limits: dict[str, Limits | None] = {}
-        self._by_hash: dict[bytes, tuple[bytes, Principal]] = {}
-        for h, tid, tname, kid, epoch, models, tenant_limits, key_limits in rows:
+        # digest -> (digest, principal, expiry: math.inf for none)
+        self._by_hash: dict[bytes, tuple[bytes, Principal, float]] = {}
+        for h, tid, tname, kid, epoch, models, tenant_limits, key_limits, expires in rows:
             if tid not in allowed:
                 names = _allowed_models(models)
                 allowed[tid] = None if names is None else frozenset(names)
@@ -372,7 +569,8 @@ class KeySnapshot:
                 limits[tid],
                 Limits.from_json(key_limits),
             )
-            self._by_hash[bytes(h)] = (bytes(h), principal)
+            ends = math.inf if expires is None else float(expires)
+            self._by_hash[bytes(h)] = (bytes(h), principal, ends)
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -390,7 +588,9 @@ class KeySnapshot:
         entry = self._by_hash.get(digest)
         if entry is None:
             return None
-        stored, principal = entry
+        stored, principal, expires = entry
+        if expires != math.inf and time.time() >= expires:
+            return None  # a rotated key after its grace period
         return principal if hmac.compare_digest(stored, digest) else None
 
 

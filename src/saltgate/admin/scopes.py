@@ -1,0 +1,151 @@
+"""Who may do what on the admin plane: scopes, the route table, tenant pinning (pure).
+
+Every admin route is one row of ROUTES with the one scope it needs, so the check is made
+in one place (saltgate.admin.api) before any handler runs, and a test walks the table.
+A token pinned to a tenant sees and changes only that tenant; a token mints only tokens
+with a subset of its own scopes, pinned as it is (LiteLLM's admin-plane escalation,
+docs/admin-api.md, came from an unchecked grant).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+USAGE_READ: Final = "usage:read"
+TENANTS_READ: Final = "tenants:read"
+TENANTS_WRITE: Final = "tenants:write"
+KEYS_WRITE: Final = "keys:write"
+LIMITS_WRITE: Final = "limits:write"
+PRICES_WRITE: Final = "prices:write"
+AUDIT_LOG_READ: Final = "audit_log:read"
+ADMIN_TOKENS_WRITE: Final = "admin_tokens:write"
+SCOPES: Final = (
+    USAGE_READ,
+    TENANTS_READ,
+    TENANTS_WRITE,
+    KEYS_WRITE,
+    LIMITS_WRITE,
+    PRICES_WRITE,
+    AUDIT_LOG_READ,
+    ADMIN_TOKENS_WRITE,
+)
+ALL: Final = "all"  # on the CLI and in the API: every scope
+
+PREFIX: Final = "/admin/v1/"
+
+
+def scopes_label(scopes: Iterable[str]) -> str:
+    return ",".join(sorted(scopes)) or "(none)"
+
+
+def parse_scopes(given: str | Iterable[object]) -> frozenset[str]:
+    """``all`` or scope names (comma-separated, or a list); ValueError naming the unknown
+    (only names shaped like scopes are echoed: a pasted secret is not)."""
+    wanted = set()
+    for name in given.split(",") if isinstance(given, str) else given:
+        if not isinstance(name, str):
+            raise ValueError("scopes must be a list of names")
+        if name.strip():
+            wanted.add(name.strip())
+    if ALL in wanted:
+        return frozenset(SCOPES)
+    unknown = wanted - set(SCOPES)
+    if unknown or not wanted:
+        shown = scopes_label(u for u in unknown if re.fullmatch(r"[a-z_:]{1,40}", u))
+        raise ValueError(f"unknown scopes {shown}: give {ALL} or some of {scopes_label(SCOPES)}")
+    return frozenset(wanted)
+
+
+def may_mint(
+    own: frozenset[str], own_tenant: str | None, wanted: frozenset[str], tenant: str | None
+) -> str | None:
+    """None if a token with scopes `own`, pinned to `own_tenant`, may mint a token with
+    `wanted`, pinned to `tenant`; else why not."""
+    extra = wanted - own
+    if extra:
+        return f"a token can mint only a subset of its own scopes; not {scopes_label(extra)}"
+    if own_tenant is not None and tenant != own_tenant:
+        return "a token pinned to a tenant can mint only tokens pinned to the same tenant"
+    return None
+
+
+def may_see(pinned: str | None, tenant_id: str | None) -> bool:
+    """Whether a token pinned to `pinned` (None: unpinned) may see or change what belongs
+    to `tenant_id` (None: to no tenant, e.g. an unpinned token or the whole store)."""
+    return pinned is None or pinned == tenant_id
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    method: str
+    pattern: str  # under PREFIX; {name} matches one path segment
+    scope: str | None  # None: any admin token (who am I)
+    name: str  # the handler's name in saltgate.admin.api
+
+
+ROUTES: Final = (
+    Route("GET", "me", None, "me"),
+    Route("GET", "tenants", TENANTS_READ, "tenants_list"),
+    Route("POST", "tenants", TENANTS_WRITE, "tenants_create"),
+    Route("GET", "tenants/{tenant_id}", TENANTS_READ, "tenants_get"),
+    Route("POST", "tenants/{tenant_id}", TENANTS_WRITE, "tenants_update"),
+    Route("POST", "tenants/{tenant_id}/archive", TENANTS_WRITE, "tenants_archive"),
+    Route("POST", "tenants/{tenant_id}/rotate_salt", TENANTS_WRITE, "tenants_rotate_salt"),
+    Route("PUT", "tenants/{tenant_id}/limits", LIMITS_WRITE, "tenants_limits"),
+    Route("GET", "tenants/{tenant_id}/keys", TENANTS_READ, "keys_list"),
+    Route("POST", "tenants/{tenant_id}/keys", KEYS_WRITE, "keys_create"),
+    Route("GET", "keys/{key_id}", TENANTS_READ, "keys_get"),
+    Route("DELETE", "keys/{key_id}", KEYS_WRITE, "keys_revoke"),
+    Route("POST", "keys/{key_id}/rotate", KEYS_WRITE, "keys_rotate"),
+    Route("PUT", "keys/{key_id}/limits", LIMITS_WRITE, "keys_limits"),
+    Route("GET", "audit_logs", AUDIT_LOG_READ, "audit_logs_list"),
+    Route("GET", "admin_tokens", ADMIN_TOKENS_WRITE, "admin_tokens_list"),
+    Route("POST", "admin_tokens", ADMIN_TOKENS_WRITE, "admin_tokens_create"),
+    Route("DELETE", "admin_tokens/{token_id}", ADMIN_TOKENS_WRITE, "admin_tokens_revoke"),
+    # Usage and costs (saltgate.admin.usage, another branch): wired in by the merge.
+    Route("GET", "usage/completions", USAGE_READ, "usage_completions"),
+    Route("GET", "costs", USAGE_READ, "costs"),
+)
+
+SEGMENT: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def _match_pattern(pattern: str, parts: list[str]) -> dict[str, str] | None:
+    want = pattern.split("/")
+    if len(want) != len(parts):
+        return None
+    params = {}
+    for w, p in zip(want, parts, strict=True):
+        if w.startswith("{"):
+            if not SEGMENT.fullmatch(p):
+                return None
+            params[w[1:-1]] = p
+        elif w != p:
+            return None
+    return params
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    route: Route | None  # None: the path exists, not with this method (see `allowed`)
+    params: dict[str, str]
+    allowed: tuple[str, ...] = ()
+
+
+def match(method: str, path: str) -> Match | None:
+    """The route for a request; None when the path is no admin route (404)."""
+    if not path.startswith(PREFIX):
+        return None
+    parts = path[len(PREFIX) :].split("/")
+    allowed = []
+    for route in ROUTES:
+        params = _match_pattern(route.pattern, parts)
+        if params is None:
+            continue
+        if route.method == method:
+            return Match(route, params)
+        allowed.append(route.method)
+    return Match(None, {}, tuple(allowed)) if allowed else None
