@@ -427,6 +427,8 @@ class Console:
         cost_by_time = {int(b["start_time"]): _cost(b) for b in costs}
         series["cost_usd"] = [cost_by_time.get(t, 0.0) for t in times]
         totals = {k: _total(v) for k, v in series.items()}
+        if usage_error:  # unknown, not 0
+            totals = dict.fromkeys(totals)
         prompt, cached = totals.get("input_tokens") or 0, totals.get("input_cached_tokens")
         hit = None if cached is None or not prompt else cached / prompt
         ttft = await self._ttft_view()

@@ -31,6 +31,7 @@ from typing import Final
 from saltgate.admin.api import AdminApi
 from saltgate.admin.store import AdminStore
 from saltgate.config import ConfigError, GatewayConfig, load_master_key
+from saltgate.console.app import Console
 from saltgate.derivations.derive import derive_subkeys
 from saltgate.gateway.metrics import Counter, Gauge, Snapshot, merge_workers, render
 from saltgate.gateway.server import error_response
@@ -135,6 +136,7 @@ class Supervisor:
         self._board: ConnectionBoard | None = None
         self._admin: HttpServer | None = None
         self._admin_api = AdminApi(AdminStore(config.store_settings))
+        self._console = Console(self._admin_api.handle, self.metrics, config)
         self._ehbp_private_key: bytes | None = None
         self.ehbp_fingerprint: str | None = None
         self._procs: dict[int, asyncio.subprocess.Process] = {}
@@ -397,7 +399,7 @@ class Supervisor:
         return self._retired_requests[index] + now
 
     async def _admin_handler(self, request: Request) -> Response:
-        answer = await self._admin_api.handle(request)
+        answer = await self._admin_api.handle(request) or await self._console.handle(request)
         if answer is not None:
             return answer
         if request.method == b"GET" and request.path == b"/metrics":
