@@ -916,6 +916,7 @@ BENCHMARKS = {
     "replay": "saltgate.bench.replay",
     "overhead": "saltgate.bench.overhead",
     "sim-capacity": "saltgate.bench.sim_capacity",
+    "usage-queries": "saltgate.bench.usage_queries",
 }
 
 

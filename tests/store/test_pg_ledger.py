@@ -138,9 +138,9 @@ def test_an_outage_spools_fsynced_records_and_replays_them_once(
     db = PostgresDatabase(settings)
     try:
         with pytest.raises(psycopg.errors.UniqueViolation):
+            marks = ", ".join(["%s"] * len(UsageRecord._fields))
             db.conn.execute(
-                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ({', '.join(['%s'] * 11)})",
-                tuple(during[0]),
+                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ({marks})", tuple(during[0])
             )
     finally:
         db.close()

@@ -11,7 +11,7 @@ from saltgate.store.settings import StoreSettings
 
 USAGE_COLUMNS = (
     "request_id, ts, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
-    "completion_tokens, status, cost_micro_usd, price_version"
+    "completion_tokens, status, cost_micro_usd, price_version, replica"
 )
 _ROWS = f"SELECT {USAGE_COLUMNS} FROM usage ORDER BY ts"
 

@@ -102,7 +102,7 @@ class Meter:
     """Where exchanges report: the usage ledger, the token, request and latency metrics;
     and the prices each record is billed at when it is recorded (docs/billing.md)."""
 
-    __slots__ = ("_labels", "_unreported", "ledger", "metrics", "prices")
+    __slots__ = ("_labels", "_replicas", "_unreported", "ledger", "metrics", "prices")
 
     def __init__(
         self,
@@ -116,6 +116,7 @@ class Meter:
         self.metrics = metrics
         self.prices: Mapping[str, PriceVersion] = prices or {}
         self._unreported: dict[str, Labels] = {}  # replica URL -> its labels, once warned
+        self._replicas: dict[str, str] = {}  # replica URL -> its name in the ledger
         # (tenant id, model label, status) -> the labels of its request and token series
         self._labels: dict[tuple[str, str, int], tuple[Labels, Labels, Labels, Labels]] = {}
         metrics.describe(
@@ -152,6 +153,17 @@ class Meter:
         if attempt is not None and model in (attempt.replica.served or ()):
             return model
         return OTHER_MODEL
+
+    def replica(self, attempt: Attempt | None) -> str | None:
+        """The name a record gives the replica that answered (None: none did); worked
+        out once per replica, not per request."""
+        if attempt is None:
+            return None
+        url = attempt.replica.config.url
+        name = self._replicas.get(url)
+        if name is None:
+            name = self._replicas[url] = replica_label(url)
+        return name
 
     def ttft(self, route: str, model: str, seconds: float) -> None:
         self.metrics.observe(_TTFT, (("route", route), ("model", model)), seconds)
@@ -454,6 +466,7 @@ class Exchange:
                 used.prompt_tokens, used.cached_tokens, used.completion_tokens
             ),
             price_version=None if price is None else price.version,
+            replica=meter.replica(self._attempt),
         )
         if self._admission is not None:
             self._settle(used, record.cost_micro_usd)

@@ -20,6 +20,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
+from saltgate.admin.usage import usage_completions
 from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog
@@ -39,6 +40,7 @@ from saltgate.policy.request import (
     ANTHROPIC_ROUTES,
     ROUTE_HEALTH,
     ROUTE_READY,
+    ROUTE_USAGE,
     inspect,
     parse_body,
     prepare,
@@ -48,6 +50,7 @@ from saltgate.prices import price_versions
 from saltgate.store.errors import StoreUnavailableError
 from saltgate.store.ledger import UsageLedger
 from saltgate.store.tenants import KeySource, Principal
+from saltgate.store.usage_rollups import UsageReader
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +82,10 @@ class Gateway:
         tracer: Tracer | None = None,
         limit_share: int = 1,
         shared_limits: SharedLimits | None = None,
+        usage: UsageReader | None = None,
     ) -> None:
         self.config = config
+        self.usage = usage  # GET /v1/usage reads the rollups through it
         self.subkeys = subkeys
         self.keys = keys
         self.ledger = ledger
@@ -187,6 +192,8 @@ class Gateway:
         await self.ledger.aclose()
         self._log.close()
         await self.keys.aclose()
+        if self.usage is not None:
+            await self.usage.aclose()
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # exports the last spans
         if self.admission.shared is not None:
@@ -258,6 +265,8 @@ class Gateway:
         if route == "/v1/models":
             listed = self.replicas.models(principal.models)
             return Response(200, list(JSON), orjson.dumps({"object": "list", "data": listed}))
+        if route == ROUTE_USAGE:
+            return await self._usage(request, principal)
         body = parse_body(request.body, self.config.max_body_bytes)
         inspected = inspect(route, body.obj)
         context.model = inspected.model
@@ -293,6 +302,16 @@ class Gateway:
         if limit_headers:
             response.headers += limit_headers
         return response
+
+    async def _usage(self, request: Request, principal: Principal) -> Response:
+        """The key's tenant's usage, in the admin API's shape; never another tenant's."""
+        if self.usage is None:
+            raise ApiError(404, "Usage is not served by this gateway.")
+        query = parse_qs(request.query.decode("utf-8", "replace"), keep_blank_values=True)
+        status, document = await usage_completions(
+            self.usage, {name: values[-1] for name, values in query.items()}, principal.tenant_id
+        )
+        return Response(status, list(JSON), orjson.dumps(document))
 
     def _check_model(self, route: str, model: str, principal: Principal) -> None:
         """404 for a model no replica serves or one the tenant may not use, alike; a model

@@ -76,8 +76,11 @@ CLOSED_ROUTES: Final[dict[str, str]] = {
 ROUTE_MODELS: Final = "/v1/models"
 ROUTE_HEALTH: Final = "/health"  # liveness: the process answers
 ROUTE_READY: Final = "/ready"  # readiness: the store and a replica can serve (gateway/readiness.py)
+ROUTE_USAGE: Final = "/v1/usage"  # the caller's tenant's own usage (admin/usage.py)
 # Answered by the gateway itself, never forwarded.
-LOCAL_GET_ROUTES: Final[frozenset[str]] = frozenset({ROUTE_MODELS, ROUTE_HEALTH, ROUTE_READY})
+LOCAL_GET_ROUTES: Final[frozenset[str]] = frozenset(
+    {ROUTE_MODELS, ROUTE_HEALTH, ROUTE_READY, ROUTE_USAGE}
+)
 # Routes whose streams carry usage only when stream_options.include_usage is set; on
 # /v1/responses and /v1/messages the final stream events always carry usage.
 STREAM_OPTIONS_ROUTES: Final[frozenset[str]] = frozenset({ROUTE_CHAT, ROUTE_COMPLETIONS})

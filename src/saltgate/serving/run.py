@@ -38,6 +38,7 @@ from saltgate.runtime import run_service, until_stopped
 from saltgate.serving.acceptor import AcceptGate, Acceptor
 from saltgate.store.backends import open_gateway_store
 from saltgate.store.errors import StoreError
+from saltgate.store.usage_rollups import open_usage_reader
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +145,7 @@ async def start_gateway(
         shared_limits=None
         if config.cluster is None
         else connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s),
+        usage=open_usage_reader(config.store_settings),
     )
     ehbp = _ehbp_edge(config, gateway, metrics, ehbp_key)
     handler: Handler = gateway.handle if ehbp is None else ehbp.handle

@@ -41,8 +41,8 @@ from saltgate.store.sqlite import open_db, transaction
 # A record already there (same request id: a retried commit, a replayed spool) is dropped.
 USAGE_INSERT = (
     "INSERT INTO usage (request_id, ts, tenant_id, key_id, model, prompt_tokens, "
-    "cached_tokens, completion_tokens, status, cost_micro_usd, price_version) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO NOTHING"
+    "cached_tokens, completion_tokens, status, cost_micro_usd, price_version, replica) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO NOTHING"
 )
 # A price version is kept from the first time a gateway billed with it (its effective_from).
 PRICE_INSERT = (
@@ -68,7 +68,8 @@ class UsageRecord(NamedTuple):
     id, so committing a record twice (a retry after an unknown outcome) counts it once.
     `cached_tokens` is None when the replica did not report it (unknown, not 0); the cost
     is what the request was billed when recorded, with the price version it used (both
-    None for a model without a price). docs/billing.md describes every column.
+    None for a model without a price); `replica` names the replica that answered (its URL
+    without user:password; None if none did). docs/billing.md describes every column.
     """
 
     request_id: str
@@ -82,6 +83,7 @@ class UsageRecord(NamedTuple):
     status: int
     cost_micro_usd: int | None = None
     price_version: str | None = None
+    replica: str | None = None
 
 
 def new_request_id() -> str:

@@ -24,6 +24,7 @@ from saltgate.store.audit import INSERT_ENTRY, SELECT_ENTRIES
 from saltgate.store.db import Database
 from saltgate.store.errors import StoreError
 from saltgate.store.ledger import PRICE_INSERT, USAGE_INSERT, UsageRecord
+from saltgate.store.schema import ROLLUPS
 
 # Tenants and keys are upserted by id: a second pass (--since) brings a salt rotation or a
 # revocation made in the source since the first, and never undoes one made in either; a
@@ -71,8 +72,9 @@ _SMALL_TABLES = (
 # What a copy moves, in the order it moves them (keys name their tenant).
 COPIED_TABLES = ("tenants", "api_keys", "prices", "admin_tokens", "audit_log", "usage")
 # What every store keeps for itself; tests/store/test_lifecycle.py checks that the schema
-# has no table outside these two lists.
-OWN_TABLES = ("meta", "schema_version")
+# has no table outside these two lists. The usage rollups are the destination's own: its
+# triggers build them from the usage rows copied.
+OWN_TABLES = ("meta", "schema_version", *(table for table, _, _ in ROLLUPS))
 # A full copy goes to a store without any of these.
 _MUST_BE_EMPTY = ("tenants", "api_keys", "usage")
 # SQLite rows from before schema version 3 have no request id; PostgreSQL requires one,

@@ -48,9 +48,9 @@ log = logging.getLogger(__name__)
 
 _INSERT = (
     "INSERT INTO usage (request_id, ts, tenant_id, key_id, model, prompt_tokens, "
-    "cached_tokens, completion_tokens, status, cost_micro_usd, price_version) "
+    "cached_tokens, completion_tokens, status, cost_micro_usd, price_version, replica) "
     "SELECT * FROM unnest(%s::text[], %s::float8[], %s::text[], %s::text[], %s::text[], "
-    "%s::int4[], %s::int4[], %s::int4[], %s::int4[], %s::int8[], %s::text[]) "
+    "%s::int4[], %s::int4[], %s::int4[], %s::int4[], %s::int8[], %s::text[], %s::text[]) "
     "ON CONFLICT (request_id) DO NOTHING"
 )
 _PRICE_INSERT = PRICE_INSERT.replace("?", "%s")

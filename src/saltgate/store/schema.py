@@ -10,6 +10,8 @@ SQLite also keeps ``PRAGMA user_version`` equal to the version, because that is 
 saltgate releases before the table read, and how they refuse a newer database.
 """
 
+# ruff: noqa: S608 - statements built from the constants below, never from input
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,6 +96,165 @@ def _admin_plane(blob: str, real: str, integer: str, append_only: tuple[str, ...
         ),
     )
 
+
+# Usage rollups (version 9): the ledger summed per bucket, kept by triggers in the same
+# transaction as the ledger rows, so no path that writes the ledger (the ledger, a replayed
+# spool, a prune) can leave them behind. Usage queries read them, never the ledger
+# (docs/usage-api.md). Each: table, bucket width in seconds, the ledger columns it keeps
+# apart. A replica not recorded (rows from before version 9) is ''. The tenant-only table
+# answers every tenant's daily series without reading a row per key.
+ROLLUP_DIMS = ("tenant_id", "key_id", "model", "replica")
+ROLLUPS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
+    ("usage_rollup_tenant_1d", 86400, ("tenant_id",)),
+    ("usage_rollup_1d", 86400, ROLLUP_DIMS),
+    ("usage_rollup_1h", 3600, ROLLUP_DIMS),
+    ("usage_rollup_1m", 60, ROLLUP_DIMS),
+)
+# Each sum, and the ledger expression summed into it ({r}: the row, NEW. in a row trigger).
+# Unknown cached tokens are counted apart (requests, and their prompt tokens), never as 0;
+# so are requests recorded without a cost.
+ROLLUP_SUMS: tuple[tuple[str, str], ...] = (
+    ("requests", "1"),
+    ("errors", "CASE WHEN {r}status >= 400 THEN 1 ELSE 0 END"),
+    ("input_tokens", "{r}prompt_tokens"),
+    ("cached_tokens", "coalesce({r}cached_tokens, 0)"),
+    ("cached_unknown_requests", "CASE WHEN {r}cached_tokens IS NULL THEN 1 ELSE 0 END"),
+    (
+        "cached_unknown_input_tokens",
+        "CASE WHEN {r}cached_tokens IS NULL THEN {r}prompt_tokens ELSE 0 END",
+    ),
+    ("output_tokens", "{r}completion_tokens"),
+    ("cost_micro_usd", "coalesce({r}cost_micro_usd, 0)"),
+    ("unpriced_requests", "CASE WHEN {r}cost_micro_usd IS NULL THEN 1 ELSE 0 END"),
+)
+
+
+def _key(dims: tuple[str, ...]) -> str:
+    """Bucket first: the ledger's rows arrive in time order, so a commit's upserts land in
+    the last few pages of each table instead of one page per tenant (which multiplied the
+    pages a commit writes to the WAL)."""
+    return ", ".join(("bucket", *dims))
+
+
+def _rollup_table(table: str, dims: tuple[str, ...], suffix: str = "") -> str:
+    columns = ", ".join(f"{d} TEXT NOT NULL" for d in dims)
+    sums = ", ".join(f"{name} BIGINT NOT NULL" for name, _ in ROLLUP_SUMS)
+    return (
+        f"CREATE TABLE {table} (bucket BIGINT NOT NULL, {columns}, {sums}, "
+        f"PRIMARY KEY ({_key(dims)})){suffix}"
+    )
+
+
+def _tenant_index(table: str) -> str:
+    """A tenant's series, read by (tenant, bucket). Only a new row (a group's first record
+    in a bucket) adds an entry; the sums' updates leave it alone."""
+    return f"CREATE INDEX {table}_tenant ON {table}(tenant_id, bucket)"
+
+
+def _select(width: int, dims: tuple[str, ...], r: str, pg: bool) -> list[str]:
+    # Floor to the second: PostgreSQL rounds a float cast to an integer, SQLite truncates
+    # (ts is never negative), and SQLite may lack floor().
+    second = f"CAST(floor({r}ts) AS BIGINT)" if pg else f"CAST({r}ts AS BIGINT)"
+    bucket = f"{second} / {width} * {width}"
+    values = [f"coalesce({r}{d}, '')" if d == "replica" else f"{r}{d}" for d in dims]
+    sums = [expr.format(r=r) for _, expr in ROLLUP_SUMS]
+    return [bucket, *values, *(s if r else f"sum({s})" for s in sums)]
+
+
+def _group(dims: tuple[str, ...]) -> str:
+    return ", ".join(str(i) for i in range(1, len(dims) + 2))
+
+
+def rollup_select(width: int, dims: tuple[str, ...], source: str, pg: bool) -> str:
+    """The ledger rows of `source` summed as a rollup table holds them (reconcile's too)."""
+    values = ", ".join(_select(width, dims, "", pg))
+    return f"SELECT {values} FROM {source} GROUP BY {_group(dims)}"
+
+
+def rollup_upsert(table: str, width: int, dims: tuple[str, ...], source: str, pg: bool) -> str:
+    """Add the ledger rows of `source` (a table, or NEW for one SQLite row) to `table`."""
+    names = ", ".join(("bucket", *dims, *(n for n, _ in ROLLUP_SUMS)))
+    updates = ", ".join(f"{n} = {table}.{n} + excluded.{n}" for n, _ in ROLLUP_SUMS)
+    if source == "NEW":
+        select = f"VALUES ({', '.join(_select(width, dims, 'NEW.', pg))})"
+    else:
+        # Ordered by the key: concurrent commits lock rollup rows in one order (PostgreSQL).
+        select = f"{rollup_select(width, dims, source, pg)} ORDER BY {_group(dims)}"
+    return (
+        f"INSERT INTO {table} ({names}) {select} ON CONFLICT ({_key(dims)}) DO UPDATE SET {updates}"
+    )
+
+
+def _sqlite_unroll(table: str, width: int, dims: tuple[str, ...]) -> tuple[str, str]:
+    """Take one deleted row (OLD) out of `table`; a bucket left without requests goes."""
+    where = " AND ".join(
+        f"{col} = {val}"
+        for col, val in zip(("bucket", *dims), _select(width, dims, "OLD.", False), strict=False)
+    )
+    sets = ", ".join(
+        f"{n} = {n} - {expr}"
+        for (n, _), expr in zip(
+            ROLLUP_SUMS, _select(width, dims, "OLD.", False)[len(dims) + 1 :], strict=True
+        )
+    )
+    return (
+        f"UPDATE {table} SET {sets} WHERE {where}",
+        f"DELETE FROM {table} WHERE {where} AND requests = 0",
+    )
+
+
+def _sqlite_rollups() -> tuple[str, ...]:
+    inserts = " ".join(rollup_upsert(t, w, d, "NEW", False) + ";" for t, w, d in ROLLUPS)
+    deletes = " ".join(s + ";" for t, w, d in ROLLUPS for s in _sqlite_unroll(t, w, d))
+    return (
+        "ALTER TABLE usage ADD COLUMN replica TEXT",
+        *(_rollup_table(t, d, " WITHOUT ROWID") for t, _, d in ROLLUPS),
+        *(_tenant_index(t) for t, _, _ in ROLLUPS),
+        # The backfill: the rollups start equal to the ledger.
+        *(rollup_upsert(t, w, d, "usage WHERE true", False) for t, w, d in ROLLUPS),
+        f"CREATE TRIGGER usage_rollup_insert AFTER INSERT ON usage BEGIN {inserts} END",
+        f"CREATE TRIGGER usage_rollup_delete AFTER DELETE ON usage BEGIN {deletes} END",
+    )
+
+
+def _postgres_unroll(table: str, width: int, dims: tuple[str, ...]) -> str:
+    """Take the deleted rows (old_rows) out of `table`; buckets left without requests go."""
+    cols = ("bucket", *dims)
+    names = (*cols, *(n for n, _ in ROLLUP_SUMS))
+    summed = ", ".join(
+        f"{expr} AS {name}"
+        for expr, name in zip(_select(width, dims, "", True), names, strict=True)
+    )
+    match = " AND ".join(f"{table}.{c} = o.{c}" for c in cols)
+    sets = ", ".join(f"{n} = {table}.{n} - o.{n}" for n, _ in ROLLUP_SUMS)
+    old = f"(SELECT {summed} FROM old_rows GROUP BY {_group(dims)}) o"
+    return (
+        f"UPDATE {table} SET {sets} FROM {old} WHERE {match}; "
+        f"DELETE FROM {table} USING {old} WHERE {match} AND {table}.requests = 0"
+    )
+
+
+def _postgres_rollups() -> tuple[str, ...]:
+    inserts = " ".join(rollup_upsert(t, w, d, "new_rows", True) + ";" for t, w, d in ROLLUPS)
+    deletes = " ".join(_postgres_unroll(t, w, d) + ";" for t, w, d in ROLLUPS)
+    return (
+        "ALTER TABLE usage ADD COLUMN replica TEXT",
+        *(_rollup_table(t, d) for t, _, d in ROLLUPS),
+        *(_tenant_index(t) for t, _, _ in ROLLUPS),
+        *(rollup_upsert(t, w, d, "usage", True) for t, w, d in ROLLUPS),
+        # Statement triggers: one aggregated upsert per table for a whole batch of records.
+        "CREATE FUNCTION saltgate_usage_rollup_insert() RETURNS trigger LANGUAGE plpgsql "
+        f"AS $$ BEGIN {inserts} RETURN NULL; END $$",
+        "CREATE TRIGGER usage_rollup_insert AFTER INSERT ON usage REFERENCING NEW TABLE AS "
+        "new_rows FOR EACH STATEMENT EXECUTE FUNCTION saltgate_usage_rollup_insert()",
+        "CREATE FUNCTION saltgate_usage_rollup_delete() RETURNS trigger LANGUAGE plpgsql "
+        f"AS $$ BEGIN {deletes} RETURN NULL; END $$",
+        "CREATE TRIGGER usage_rollup_delete AFTER DELETE ON usage REFERENCING OLD TABLE AS "
+        "old_rows FOR EACH STATEMENT EXECUTE FUNCTION saltgate_usage_rollup_delete()",
+    )
+
+
+ROLLUPS_NAME = "usage rollups"
 
 SQLITE_VERSION_TABLE = (
     "CREATE TABLE IF NOT EXISTS schema_version ("
@@ -222,6 +383,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
             "BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END",
         ),
     ),
+    Migration(9, ROLLUPS_NAME, _sqlite_rollups()),
 )
 
 POSTGRES_VERSION_TABLE = (
@@ -314,6 +476,7 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
             "ON audit_log FOR EACH STATEMENT EXECUTE FUNCTION saltgate_audit_append_only()",
         ),
     ),
+    Migration(9, ROLLUPS_NAME, _postgres_rollups()),
 )
 
 SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version

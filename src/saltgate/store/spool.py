@@ -8,11 +8,11 @@ ON CONFLICT DO NOTHING on the request id, so a record replayed twice (a crash be
 the replay's commit and the file's removal) still counts once, then deletes them.
 
 Format: one JSON array per line, the UsageRecord's fields in order (null for an unknown
-cached-token count or a record without a price; lines of releases before the cost
-columns have nine fields and still replay). A crash can leave
-the last line torn (no newline); that record was never acknowledged, and reading stops
-before it. Segment files are 0600 in a 0700 directory; they hold tenant and key ids and
-token counts, never a key or a prompt.
+cached-token count, a record without a price or without a replica; lines of releases
+before the cost columns have nine fields, before the replica eleven; both still replay).
+A crash can leave the last line torn (no newline); that record was never acknowledged,
+and reading stops before it. Segment files are 0600 in a 0700 directory; they hold
+tenant and key ids and token counts, never a key or a prompt.
 
 Several gateways may share one spool directory: each holds an exclusive flock on the
 segment it appends to, and a replayer takes the same lock before it reads a segment, so a
@@ -40,7 +40,7 @@ from saltgate.store.ledger import UsageRecord
 log = logging.getLogger(__name__)
 
 SEGMENT_GLOB = "usage-*.spool"
-_NULLABLE = ("cached_tokens", "cost_micro_usd", "price_version")
+_NULLABLE = ("cached_tokens", "cost_micro_usd", "price_version", "replica")
 
 
 def _kinds(name: str) -> tuple[type, ...]:
@@ -59,6 +59,7 @@ _FIELD_TYPES = tuple(_kinds(name) for name in UsageRecord._fields)
 # Lines spooled before records carried their cost (schema version 4) have nine fields;
 # they replay as records priced at report time.
 _FIELDS_BEFORE_COST = 9
+_FIELDS_BEFORE_REPLICA = 11  # schema version 9
 
 
 def encode(records: Sequence[UsageRecord]) -> bytes:
@@ -73,6 +74,7 @@ def decode_line(line: bytes) -> UsageRecord | None:
         return None
     if not isinstance(fields, list) or len(fields) not in (
         _FIELDS_BEFORE_COST,
+        _FIELDS_BEFORE_REPLICA,
         len(_FIELD_TYPES),
     ):
         return None

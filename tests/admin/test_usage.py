@@ -1,0 +1,190 @@
+"""The usage and costs queries (admin/usage.py) on both backends: OpenAI's shape, buckets
+and cursors, the unknown-cached rule, decimal amounts, the CSV export, tenant pinning and
+400s for bad parameters."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from tests.store.test_usage_rollups import T0, record
+
+from saltgate.admin.usage import costs, reconcile, usage_completions, usage_csv
+from saltgate.store.backends import open_database
+from saltgate.store.ledger import USAGE_INSERT
+from saltgate.store.settings import StoreSettings
+from saltgate.store.usage_rollups import open_usage_reader
+
+HOUR = 3600
+RECORDS = [
+    # Hour 0: tenant a, model m, two keys; one request without cached tokens.
+    record(1, ts=T0 + 10, key_id="key_1", prompt_tokens=100, cached_tokens=40),
+    record(2, ts=T0 + 20, key_id="key_2", prompt_tokens=50, cached_tokens=None),
+    # Hour 1: tenant a, model n; cost 1.5 USD.
+    record(
+        3, ts=T0 + HOUR + 5, model="n", prompt_tokens=10, cached_tokens=0, cost_micro_usd=1_500_000
+    ),
+    # Hour 2: tenant b.
+    record(4, ts=T0 + 2 * HOUR, tenant_id="tn_b", key_id="key_b", prompt_tokens=7, cached_tokens=7),
+]
+
+
+@pytest.fixture
+def usage_store(store_settings: StoreSettings) -> StoreSettings:
+    db = open_database(store_settings)
+    try:
+        db.execute_many(USAGE_INSERT, RECORDS)
+    finally:
+        db.close()
+    return store_settings
+
+
+def call(
+    settings: StoreSettings, fn: Any, query: Mapping[str, str], tenant: str | None = None
+) -> tuple[int, Any]:
+    async def go() -> tuple[int, Any]:
+        reader = open_usage_reader(settings)
+        try:
+            return await fn(reader, query, tenant)  # type: ignore[no-any-return]
+        finally:
+            await reader.aclose()
+
+    return asyncio.run(go())
+
+
+def hourly(**extra: str) -> dict[str, str]:
+    return {"start_time": str(T0), "end_time": str(T0 + 3 * HOUR), "bucket_width": "1h", **extra}
+
+
+def test_hourly_buckets_grouped_by_model(usage_store: StoreSettings) -> None:
+    status, page = call(usage_store, usage_completions, hourly(group_by="model"), "tn_a")
+    assert status == 200
+    assert page["object"] == "page" and page["has_more"] is False and page["next_page"] is None
+    assert [(b["start_time"], b["end_time"]) for b in page["data"]] == [
+        (T0, T0 + HOUR),
+        (T0 + HOUR, T0 + 2 * HOUR),
+        (T0 + 2 * HOUR, T0 + 3 * HOUR),
+    ]
+    [first], [second], third = (b["results"] for b in page["data"])
+    assert third == []  # tenant b's hour is not tenant a's
+    assert first["object"] == "organization.usage.completions.result"
+    assert (first["model"], first["input_tokens"], first["num_model_requests"]) == ("m", 150, 2)
+    # One request of the bucket did not report cached tokens: unknown, not 40.
+    assert first["input_cached_tokens"] is None
+    assert first["input_cached_tokens_reported"] == 40
+    assert first["input_cached_tokens_unknown_requests"] == 1
+    assert first["input_tokens_cached_unknown"] == 50
+    assert first["tenant_id"] is None and first["api_key_id"] is None  # not grouped by
+    assert (second["model"], second["input_cached_tokens"]) == ("n", 0)
+
+
+def test_group_by_key_separates_the_unknown(usage_store: StoreSettings) -> None:
+    _, page = call(usage_store, usage_completions, hourly(group_by="key,tenant"), None)
+    first = {r["api_key_id"]: r for r in page["data"][0]["results"]}
+    assert first["key_1"]["input_cached_tokens"] == 40
+    assert first["key_2"]["input_cached_tokens"] is None
+    assert {r["tenant_id"] for r in first.values()} == {"tn_a"}
+
+
+def test_pages_cover_the_range_once_and_totals_do_not_depend_on_them(
+    usage_store: StoreSettings,
+) -> None:
+    query = hourly(limit="1")
+    seen = []
+    while True:
+        status, page = call(usage_store, usage_completions, query, None)
+        assert status == 200 and len(page["data"]) == 1
+        seen += page["data"]
+        if not page["has_more"]:
+            assert page["next_page"] is None
+            break
+        query = {**query, "page": page["next_page"]}
+    assert [b["start_time"] for b in seen] == [T0, T0 + HOUR, T0 + 2 * HOUR]
+    _, whole = call(usage_store, usage_completions, hourly(), None)
+    assert seen == whole["data"]
+    assert sum(r["input_tokens"] for b in seen for r in b["results"]) == 167
+
+
+def test_daily_buckets_from_the_tenant_rollup(usage_store: StoreSettings) -> None:
+    query = {"start_time": str(T0), "end_time": str(T0 + 86400), "group_by": "tenant"}
+    _, page = call(usage_store, usage_completions, query, None)
+    results = {r["tenant_id"]: r for r in page["data"][0]["results"]}
+    assert results["tn_a"]["num_model_requests"] == 3
+    assert results["tn_b"]["input_cached_tokens"] == 7
+
+
+def test_costs_are_decimal_strings_over_micro_dollars(usage_store: StoreSettings) -> None:
+    _, page = call(usage_store, costs, hourly(group_by="model"), "tn_a")
+    [hour0], [hour1], _ = (b["results"] for b in page["data"])
+    assert hour1["amount"] == {"value": "1.500000", "currency": "usd"}
+    assert hour1["amount_micro_usd"] == 1_500_000
+    assert hour0["amount"]["value"] == "0.000009"  # record() bills 3 micro-dollars per i
+    assert hour0["upper_bound_requests"] == 1  # its unknown cached tokens were billed in full
+
+
+def test_a_pinned_tenant_never_sees_another(usage_store: StoreSettings) -> None:
+    _, page = call(
+        usage_store, usage_completions, hourly(tenant_ids="tn_b", group_by="tenant"), "tn_a"
+    )
+    assert all(b["results"] == [] for b in page["data"])
+    _, page = call(usage_store, usage_completions, hourly(group_by="tenant"), "tn_a")
+    assert {r["tenant_id"] for b in page["data"] for r in b["results"]} == {"tn_a"}
+    # The control: unpinned, tenant b is there.
+    _, page = call(usage_store, usage_completions, hourly(group_by="tenant"), None)
+    assert {r["tenant_id"] for b in page["data"] for r in b["results"]} == {"tn_a", "tn_b"}
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ({}, "start_time"),
+        ({"start_time": "yesterday"}, "start_time"),
+        ({"start_time": str(T0 + 1)}, "start_time"),
+        (hourly(bucket_width="2h"), "bucket_width"),
+        (hourly(end_time=str(T0 + 90)), "end_time"),
+        (hourly(end_time=str(T0)), "end_time"),
+        (hourly(limit="0"), "limit"),
+        (hourly(limit="169"), "limit"),
+        ({"start_time": str(T0), "limit": "32"}, "limit"),
+        (hourly(group_by="project"), "group_by"),
+        (hourly(page="page_bm90IGEgcGFnZQ"), "page"),
+        (hourly(page="garbage"), "page"),
+    ],
+)
+def test_bad_parameters_are_400_in_openai_shape(
+    usage_store: StoreSettings, query: dict[str, str], param: str
+) -> None:
+    status, body = call(usage_store, usage_completions, query, None)
+    assert status == 400
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["param"] == param and body["error"]["message"]
+
+
+def test_csv_streams_every_bucket_with_unknown_spelled_out(usage_store: StoreSettings) -> None:
+    async def go() -> bytes:
+        reader = open_usage_reader(usage_store)
+        try:
+            query = hourly(group_by="key", limit="1")
+            return b"".join([chunk async for chunk in usage_csv(reader, query, "tn_a")])
+        finally:
+            await reader.aclose()
+
+    rows = list(csv.DictReader(io.StringIO(asyncio.run(go()).decode())))
+    assert [(r["start_time"], r["api_key_id"], r["input_cached_tokens"]) for r in rows] == [
+        (str(T0), "key_1", "40"),
+        (str(T0), "key_2", "unknown"),
+        (str(T0 + HOUR), "key_1", "0"),
+    ]
+    assert rows[2]["cost_usd"] == "1.500000"
+
+
+def test_reconcile_answers_ok_and_the_ledger_totals(usage_store: StoreSettings) -> None:
+    status, body = call(usage_store, reconcile, {}, None)
+    assert status == 200 and body["ok"] is True and body["mismatches"] == []
+    assert body["ledger"]["input_tokens"] == 167
+    _, pinned = call(usage_store, reconcile, {}, "tn_b")
+    assert pinned["ledger"]["requests"] == 1
