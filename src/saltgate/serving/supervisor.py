@@ -42,6 +42,7 @@ from saltgate.serving import control
 from saltgate.serving.balance import ConnectionBoard
 from saltgate.serving.run import announce, ehbp_key, kv_upstreams, reread_config, start_kv_relay
 from saltgate.store.errors import StoreError
+from saltgate.store.usage_rollups import open_usage_reader
 
 # A worker that dies sooner than this after it started is restarted after a backoff
 # (0.5 s, doubling up to BACKOFF_MAX_S), so a worker that cannot run does not spin.
@@ -135,7 +136,8 @@ class Supervisor:
         self._sock: socket.socket | None = None
         self._board: ConnectionBoard | None = None
         self._admin: HttpServer | None = None
-        self._admin_api = AdminApi(AdminStore(config.store_settings))
+        self._usage = open_usage_reader(config.store_settings)
+        self._admin_api = AdminApi(AdminStore(config.store_settings), usage=self._usage)
         self._console = Console(self._admin_api.handle, self.metrics, config)
         self._ehbp_private_key: bytes | None = None
         self.ehbp_fingerprint: str | None = None
@@ -312,6 +314,7 @@ class Supervisor:
         if self._admin is not None:
             await self._admin.close()
         await self._admin_api.store.aclose()
+        await self._usage.aclose()
         if self.relay is not None:
             await asyncio.to_thread(self.relay.close)
         if self._board is not None:
