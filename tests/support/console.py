@@ -35,6 +35,7 @@ from saltgate.sim.run import RunningSim, SimConfig, start_sim
 
 CHROMIUM = Path("/usr/bin/chromium")
 MODEL = "sim-model"
+PROMPT = "The console shows what this tenant sent and what the cache kept. " * 12
 T = TypeVar("T")
 
 # Runs in every page before its own scripts (playwright injects it; the page's CSP does
@@ -92,9 +93,10 @@ class ConsoleStack:
         assert self.running.console is not None
         return self.running.console
 
-    def complete(self, api_key: str) -> httpx.Response:
-        """One completion on the inference port with `api_key`."""
-        body = {"model": MODEL, "prompt": "Hello from the console test", "max_tokens": 4}
+    def complete(self, api_key: str, *, stream: bool = False) -> httpx.Response:
+        """One completion on the inference port with `api_key` (read to its end); the
+        same long prompt each time, so repeats hit the replica's prefix cache."""
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": stream}
         headers = {"authorization": f"Bearer {api_key}"}
         return httpx.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=30)
 

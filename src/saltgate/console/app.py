@@ -68,7 +68,6 @@ GROUPS: Final = (("", "nothing"), ("tenant", "tenant"), ("key", "key"), ("model"
 GROUPS_ALL: Final = (*GROUPS, ("replica", "replica"))
 MAX_PAGES: Final = 20  # pages of an API list or series followed for one console page
 TOP_GROUPS: Final = 6  # series drawn per chart; the rest are summed as "other"
-TTFT_SAMPLE_S: Final = 10.0
 TTFT_SAMPLES: Final = 360
 LIMIT_FIELDS: Final = (
     ("rpm", "Requests per minute"),
@@ -461,7 +460,7 @@ class Console:
             ("Cache hit rate", "unknown" if hit is None else f"{hit:.1%}"),
             ("Cost", "unknown" if cost_error else f"${totals.get('cost_usd') or 0:.6f}"),
             ("Errors", _num(totals.get("num_errors"))),
-            ("TTFT p50 / p95", _ttft_text(ttft)),
+            ("TTFT p50 / p95 (streamed)", _ttft_text(ttft)),
         ]
         twin = url("overview.json", query)
         body = (
@@ -491,9 +490,8 @@ class Console:
                 count += sum(values)
                 total += summed
         samples = self._ttft.samples
-        now = time.time()
-        if not samples or now - samples[-1][0] >= TTFT_SAMPLE_S:
-            samples.append((now, count, total))
+        if not samples or count != samples[-1][1]:  # a point per read that saw new requests
+            samples.append((time.time(), count, total))
         times, means = [], []
         for (_, c0, s0), (t1, c1, s1) in zip(samples, list(samples)[1:], strict=False):
             if c1 > c0:
@@ -1134,7 +1132,7 @@ def _num(value: object) -> str:
 def _ttft_text(ttft: Mapping[str, Any]) -> str:
     p50, p95 = ttft.get("p50_s"), ttft.get("p95_s")
     if p50 is None or p95 is None:
-        return "no requests yet"
+        return "no streamed requests yet"
     return f"≤ {p50:g} s / ≤ {p95:g} s"
 
 

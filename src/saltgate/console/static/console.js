@@ -23,7 +23,10 @@ function draw(el, chart) {
   })));
   const data = [chart.x].concat(chart.series.map((s) => s.values));
   const width = Math.max(320, el.clientWidth || 800);
-  new uPlot({ width: width, height: 220, series: series, axes: [{}, { label: chart.unit }] }, data, el);
+  // Small values (a cost in USD) keep their digits instead of rounding to 0.
+  const values = (u, splits) => splits.map((v) => (v !== 0 && Math.abs(v) < 1 ? v.toPrecision(2) : String(v)));
+  const axes = [{}, { label: chart.unit, values: values, size: 60 }];
+  new uPlot({ width: width, height: 220, series: series, axes: axes }, data, el);
   el.setAttribute("data-drawn", "1");
 }
 
