@@ -23,6 +23,7 @@ from saltgate.admin.scopes import ROUTES, SCOPES
 from saltgate.store.admin_tokens import AdminTokens
 from saltgate.store.audit import verify_chain
 from saltgate.store.backends import open_database
+from saltgate.store.ledger import Ledger
 from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore
 
@@ -280,6 +281,9 @@ def test_admin_routes_are_404_on_the_inference_port(tmp_path: Path) -> None:
 def test_tenants_keys_and_the_audit_log_through_the_api(tmp_path: Path) -> None:
     async def go() -> None:
         async with admin_stack(tmp_path) as admin:
+            ledger = admin.stack.gateway.gateway.ledger
+            assert isinstance(ledger, Ledger)
+            ledger.key_use_interval_s = 0.05  # last use written at once, not after a minute
             root = admin.root
             r = await admin.call(root, "POST", "tenants", {"name": "carol"})
             assert r.status_code == 201
@@ -300,7 +304,7 @@ def test_tenants_keys_and_the_audit_log_through_the_api(tmp_path: Path) -> None:
             key, key_id = r.json()["value"], r.json()["id"]
             await eventually(lambda: _status_is(admin.stack, key, 200), what="the new key works")
 
-            # Listed without the key, with its last use (from the ledger).
+            # Listed without the key, with its last use (as the ledger wrote it).
             async def listed() -> dict[str, Any]:
                 page = (await admin.call(root, "GET", f"tenants/{carol}/keys")).json()
                 return dict(page["data"][0])

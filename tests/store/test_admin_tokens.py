@@ -39,6 +39,8 @@ def test_tokens_are_shown_once_stored_hashed_and_revoked_at_once(
         assert token not in repr(info) and token not in str(info.to_dict())
         [listed] = tokens.list()
         assert listed.created_by == "cli:tester" and listed.last_used_at == info.last_used_at
+        again = tokens.authenticate(token)  # within the minute: no write, the same mark
+        assert again is not None and again.last_used_at == info.last_used_at
         assert tokens.list(tenant_id="tn_other") == []
         # A changed character, a good checksum over a wrong body, an inference key: refused.
         assert tokens.authenticate(token[:-1] + ("0" if token[-1] != "0" else "1")) is None

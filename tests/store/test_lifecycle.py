@@ -109,7 +109,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert (code, err) == (0, ""), err
     assert pg_store.password_file is not None
     assert pg_store.password_file.read_text().strip() not in out
-    table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:8]}
+    table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:9]}
     audited = str(len(src.query("SELECT seq FROM audit_log")))
     assert table == {
         "tenants": ["2", "2"],
@@ -117,6 +117,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
         "prices": ["1", "1"],
         "admin_tokens": ["0", "0"],
         "audit_log": [audited, audited],
+        "key_last_used": ["0", "0"],
         "usage": ["13", "13"],
     }
     assert "verified" in out
@@ -154,7 +155,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     since = ("--since", "1970-01-01T00:16:40")  # ts 1000: the first pass's rows too
     code, out, err = _saltgate(capsys, "store", "copy", "--from", source.url, *to, *since)
     assert (code, err) == (0, ""), err
-    assert out.splitlines()[7].split() == ["usage", "17", "17"]
+    assert out.splitlines()[8].split() == ["usage", "17", "17"]
     assert verify_chain(dst).checked == len(src.query("SELECT seq FROM audit_log"))
     assert len(dst.query(USAGE_SQL)) == 18
     assert set(new) <= _rows(dst, USAGE_SQL)

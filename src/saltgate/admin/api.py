@@ -83,6 +83,20 @@ def not_found(what: str) -> ApiError:
     return ApiError(404, f"no such {what}", code="not_found")
 
 
+def visible(
+    call: Call, what: str, find: Callable[[], T], tenant_of: Callable[[T], str | None]
+) -> T:
+    """An object the caller may see. A missing one, and to a pinned token another tenant's,
+    are the same "not found": a pinned token cannot even tell what exists elsewhere."""
+    try:
+        found = find()
+    except (TenantNotFoundError, KeyNotFoundError, TokenNotFoundError):
+        raise not_found(what) from None
+    if not scopes.may_see(call.pinned, tenant_of(found)):
+        raise not_found(what)
+    return found
+
+
 @dataclass
 class Call:
     """One authenticated call: who, the path's parameters, the query, the body."""
@@ -271,24 +285,12 @@ class AdminApi:
 
     @staticmethod
     def _tenant(store: TenantStore, call: Call, ref: str) -> Tenant:
-        """A tenant the caller may see; another tenant is "not found" to a pinned token."""
-        try:
-            tenant = store.get_tenant(ref)
-        except TenantNotFoundError:
-            raise not_found("tenant") from None
-        if not scopes.may_see(call.pinned, tenant.id):
-            raise not_found("tenant")
-        return tenant
+        return visible(call, "tenant", lambda: store.get_tenant(ref), lambda t: t.id)
 
     @staticmethod
     def _key(store: TenantStore, call: Call) -> ApiKeyInfo:
-        try:
-            key = store.get_key(call.params["key_id"])
-        except KeyNotFoundError:
-            raise not_found("key") from None
-        if not scopes.may_see(call.pinned, key.tenant_id):
-            raise not_found("key")
-        return key
+        key_id = call.params["key_id"]
+        return visible(call, "key", lambda: store.get_key(key_id), lambda k: k.tenant_id)
 
     # -- handlers --------------------------------------------------------------------------
 
@@ -492,12 +494,8 @@ class AdminApi:
     async def _admin_tokens_revoke(self, call: Call) -> tuple[int, dict[str, Any]]:
         def revoke(db: Database) -> dict[str, Any]:
             tokens = AdminTokens(db, call.actor)
-            try:
-                info = tokens.get(call.params["token_id"])
-            except TokenNotFoundError:
-                raise not_found("admin token") from None
-            if not scopes.may_see(call.pinned, info.tenant_id):
-                raise not_found("admin token")
+            token_id = call.params["token_id"]
+            info = visible(call, "admin token", lambda: tokens.get(token_id), lambda t: t.tenant_id)
             return tokens.revoke(info.id).to_dict()
 
         return 200, await self._run(revoke)

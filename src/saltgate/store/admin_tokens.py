@@ -13,6 +13,7 @@ Authentication reads the store every time, so a revocation holds from the next r
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hmac
 import json
 import secrets
@@ -32,6 +33,9 @@ from saltgate.store.tenants import hash_api_key as hash_admin_token
 _BODY_CHARS = 43  # 32 random bytes, base64url without padding
 _CHECKSUM_CHARS = 8
 ADMIN_TOKEN_LENGTH = len(ADMIN_TOKEN_PREFIX) + _BODY_CHARS + _CHECKSUM_CHARS
+# A token's last use is recorded to this resolution (a console polling every second
+# writes once a minute).
+LAST_USE_RESOLUTION_S = 60.0
 TOKEN_ID_PREFIX = "adm_"  # noqa: S105 (an id's prefix)
 
 _SELECT = (
@@ -194,20 +198,22 @@ class AdminTokens:
             return None
         digest = hash_admin_token(presented)
         rows = self._db.query(
-            "SELECT token_hash, id FROM admin_tokens WHERE token_hash = ? AND revoked_at IS NULL",
+            "SELECT token_hash, " + _SELECT.removeprefix("SELECT ") + " "
+            "WHERE token_hash = ? AND revoked_at IS NULL",
             (digest,),
         )
         if not rows or not hmac.compare_digest(bytes(rows[0][0]), digest):
             return None
-        token_id = rows[0][1]
+        info = _info(rows[0][1:])
         now = time.time()
-        with self._db.transaction():
+        if info.last_used_at is None or now - info.last_used_at >= LAST_USE_RESOLUTION_S:
+            # A write (SQLite: the one write lock the gateway's ledger also takes) only
+            # when the recorded use is older than the resolution, not on every request.
             self._db.execute(
-                "UPDATE admin_tokens SET last_used_at = ? WHERE id = ? AND revoked_at IS NULL",
-                (now, token_id),
+                "UPDATE admin_tokens SET last_used_at = ? WHERE id = ?", (now, info.id)
             )
-            found = self._db.query(_SELECT + " WHERE id = ? AND revoked_at IS NULL", (token_id,))
-        return _info(found[0]) if found else None
+            info = dataclasses.replace(info, last_used_at=now)
+        return info
 
     def _record(
         self,

@@ -98,6 +98,46 @@ def new_request_id() -> str:
     return f"{time.time_ns() // 1_000_000:012x}{random.getrandbits(80):020x}"
 
 
+# How often a gateway writes when each key was last used (table key_last_used): often
+# enough for an operator's "last used", rarely enough to cost the request path nothing.
+KEY_USE_INTERVAL_S = 60.0
+KEY_USE_UPSERT = (
+    "INSERT INTO key_last_used (key_id, ts) VALUES (?, ?) ON CONFLICT (key_id) "
+    "DO UPDATE SET ts = CASE WHEN excluded.ts > key_last_used.ts THEN excluded.ts "
+    "ELSE key_last_used.ts END"
+)
+
+
+class KeyUse:
+    """When each key was last used since the last write, from committed records.
+
+    A commit adds a dict store per record; the marks go to the store in one statement per
+    KEY_USE_INTERVAL_S (and at close), never in the usage transaction, which stays one
+    table's pages (each more page per commit cost ~20 us: docs/dev/benchmarks-history.md).
+    """
+
+    __slots__ = ("marks",)
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+
+    def note(self, records: Iterable[UsageRecord]) -> None:
+        marks = self.marks
+        for rec in records:
+            marks[rec.key_id] = rec.ts
+
+    def take(self) -> list[tuple[str, float]]:
+        """The marks, by key id (every writer locks rows in one order), and forget them."""
+        taken, self.marks = self.marks, {}
+        return sorted(taken.items())
+
+    def restore(self, taken: Iterable[tuple[str, float]]) -> None:
+        """Marks a write failed to store, kept for the next (newer ones win)."""
+        for key_id, ts in taken:
+            if self.marks.get(key_id, ts) <= ts:
+                self.marks[key_id] = ts
+
+
 class UsageLedger(Protocol):
     """Where the gateway meters: `Ledger` (SQLite) or PgLedger."""
 
@@ -152,6 +192,7 @@ class Ledger:
         wal_rewind_frames: int | None = WAL_REWIND_FRAMES,
         checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S,
         prices: Iterable[PriceVersion] = (),
+        key_use_interval_s: float = KEY_USE_INTERVAL_S,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -187,6 +228,9 @@ class Ledger:
         self._transactions = 0
         self._records = 0
         self._max_batch_seen = 0
+        self.key_use = KeyUse()
+        self.key_use_interval_s = key_use_interval_s
+        self._key_use_timer: asyncio.TimerHandle | None = None
 
     async def record(self, rec: UsageRecord) -> None:
         """Return once `rec` is committed; raise LedgerError if it could not be."""
@@ -220,6 +264,9 @@ class Ledger:
             return
         self._closed = True
         self._flush()
+        if self._key_use_timer is not None:
+            self._key_use_timer.cancel()
+        self._write_key_use()
         self._stop.set()
         self._checkpointer.join()
         self._conn.close()
@@ -280,7 +327,25 @@ class Ledger:
             self._transactions += 1
             self._records += len(batch)
             self._max_batch_seen = max(self._max_batch_seen, len(batch))
+            self.key_use.note(rec for rec, _ in batch)
+            if self._key_use_timer is None and self._loop is not None and not self._closed:
+                self._key_use_timer = self._loop.call_later(
+                    self.key_use_interval_s, self._write_key_use
+                )
         release(batch, error)
+
+    def _write_key_use(self) -> None:
+        """Store the keys' last use; on failure keep the marks for the next write (a
+        last use is a hint for operators: the usage rows hold the record)."""
+        self._key_use_timer = None
+        taken = self.key_use.take()
+        if not taken:
+            return
+        try:
+            with transaction(self._conn):
+                self._conn.executemany(KEY_USE_UPSERT, taken)
+        except sqlite3.Error:
+            self.key_use.restore(taken)
 
 
 def release(batch: Sequence[_Item], error: str | None) -> None:

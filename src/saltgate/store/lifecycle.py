@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from saltgate.store.audit import INSERT_ENTRY, SELECT_ENTRIES
 from saltgate.store.db import Database
 from saltgate.store.errors import StoreError
-from saltgate.store.ledger import PRICE_INSERT, USAGE_INSERT, UsageRecord
+from saltgate.store.ledger import KEY_USE_UPSERT, PRICE_INSERT, USAGE_INSERT, UsageRecord
 from saltgate.store.schema import ROLLUPS
 
 # Tenants and keys are upserted by id: a second pass (--since) brings a salt rotation or a
@@ -66,11 +66,20 @@ _SMALL_TABLES = (
         PRICE_INSERT,
     ),
     (f"SELECT {_ADMIN_TOKEN_COLUMNS} FROM admin_tokens", _ADMIN_TOKEN_UPSERT),  # noqa: S608
+    ("SELECT key_id, ts FROM key_last_used", KEY_USE_UPSERT),
     # Entries move as they are (their hashes cover their seq); a second pass adds the new.
     (SELECT_ENTRIES + " ORDER BY seq", INSERT_ENTRY + " ON CONFLICT (seq) DO NOTHING"),
 )
 # What a copy moves, in the order it moves them (keys name their tenant).
-COPIED_TABLES = ("tenants", "api_keys", "prices", "admin_tokens", "audit_log", "usage")
+COPIED_TABLES = (
+    "tenants",
+    "api_keys",
+    "prices",
+    "admin_tokens",
+    "audit_log",
+    "key_last_used",
+    "usage",
+)
 # What every store keeps for itself; tests/store/test_lifecycle.py checks that the schema
 # has no table outside these two lists. The usage rollups are the destination's own: its
 # triggers build them from the usage rows copied.

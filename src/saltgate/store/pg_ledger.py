@@ -33,7 +33,9 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from saltgate.prices import PriceVersion
 from saltgate.store.errors import StoreError
 from saltgate.store.ledger import (
+    KEY_USE_INTERVAL_S,
     PRICE_INSERT,
+    KeyUse,
     LedgerError,
     LedgerStats,
     UsageRecord,
@@ -54,6 +56,12 @@ _INSERT = (
     "ON CONFLICT (request_id) DO NOTHING"
 )
 _PRICE_INSERT = PRICE_INSERT.replace("?", "%s")
+# Ordered by key id, so gateways writing the same keys lock their rows in one order.
+_KEY_USE_UPSERT = (
+    "INSERT INTO key_last_used (key_id, ts) "
+    "SELECT * FROM unnest(%s::text[], %s::float8[]) ORDER BY 1 "
+    "ON CONFLICT (key_id) DO UPDATE SET ts = GREATEST(key_last_used.ts, excluded.ts)"
+)
 # The database did not answer (or cannot be asked: StoreError from reading its password).
 _DOWN = (*UNREACHABLE, PoolTimeout, StoreError)
 
@@ -80,6 +88,7 @@ class PgLedger:
         commit_timeout_s: float = 2.0,
         retry_interval_s: float = 0.5,
         prices: Iterable[PriceVersion] = (),
+        key_use_interval_s: float = KEY_USE_INTERVAL_S,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -106,6 +115,9 @@ class PgLedger:
         self._max_batch_seen = 0
         self.spooled = 0
         self.replayed = 0
+        self.key_use = KeyUse()
+        self.key_use_interval_s = key_use_interval_s
+        self._key_use_writer: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Connect, then replay what an earlier process left in the spool, in the background.
@@ -126,6 +138,7 @@ class PgLedger:
             )
         self._flusher = loop.create_task(self._flush_loop())
         self._recovery = loop.create_task(self._recovery_loop())
+        self._key_use_writer = loop.create_task(self._key_use_loop())
         if not self._healthy or self.spool.sealed():
             self._recovery_needed.set()
 
@@ -155,10 +168,12 @@ class PgLedger:
         self._wakeup.set()
         if self._flusher is not None:
             await self._flusher
-        if self._recovery is not None:
-            self._recovery.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._recovery
+        for task in (self._recovery, self._key_use_writer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self._write_key_use()
         await self.spool.seal()
         if self._pool is not None:
             await self._pool.close()
@@ -201,6 +216,7 @@ class PgLedger:
                 self._transactions += 1
                 self._records += len(records)
                 self._max_batch_seen = max(self._max_batch_seen, len(records))
+                self.key_use.note(records)
                 release(batch, None)
                 return
         # Not committed, or not known to be: the spool keeps them until they are.
@@ -214,6 +230,31 @@ class PgLedger:
             )
             log.error("saltgate: %s", error)
         release(batch, error)
+
+    async def _key_use_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.key_use_interval_s)
+            await self._write_key_use()
+
+    async def _write_key_use(self) -> None:
+        """Store the keys' last use; while the store is out of reach, keep the marks for
+        the next write (a hint for operators: the usage rows hold the record)."""
+        taken = self.key_use.take()
+        if not taken:
+            return
+        stored = False
+        if self._healthy and self._pool is not None:
+            try:
+                async with self._pool.connection(timeout=self.commit_timeout_s) as conn:
+                    columns = [[k for k, _ in taken], [ts for _, ts in taken]]
+                    await asyncio.wait_for(
+                        conn.execute(_KEY_USE_UPSERT, columns), self.commit_timeout_s
+                    )
+                stored = True
+            except (*_DOWN, psycopg.Error) as exc:
+                log.warning("saltgate: keys' last use not stored: %s", describe_error(exc))
+        if not stored:
+            self.key_use.restore(taken)
 
     async def _insert(self, records: Sequence[UsageRecord]) -> None:
         assert self._pool is not None
@@ -293,6 +334,7 @@ class PgLedger:
                     for start in range(0, len(segment.records), self.max_batch):
                         chunk = segment.records[start : start + self.max_batch]
                         refused += await self._insert_or_sort_out(conn, chunk)
+                        self.key_use.note(chunk)  # the requests happened, stored or not
                     if refused:
                         kept = await asyncio.to_thread(self.spool.set_aside, segment, refused)
                         log.error(

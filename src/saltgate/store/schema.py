@@ -90,6 +90,9 @@ def _admin_plane(blob: str, real: str, integer: str, append_only: tuple[str, ...
             "CREATE INDEX audit_log_tenant ON audit_log(tenant_id, seq)",
             # The admin API pages a tenant's keys by id (keyset pagination).
             "CREATE INDEX api_keys_tenant_page ON api_keys(tenant_id, id)",
+            # When each key was last used, written by the gateways' ledgers once a minute
+            # (saltgate.store.ledger.KeyUse): the key list's "last used" without a scan.
+            f"CREATE TABLE key_last_used (key_id TEXT PRIMARY KEY, ts {real} NOT NULL)",
             f"ALTER TABLE api_keys ADD COLUMN expires_at {real}",
             f"ALTER TABLE tenants ADD COLUMN archived_at {real}",
             *append_only,

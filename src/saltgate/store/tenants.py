@@ -512,14 +512,13 @@ class TenantStore:
 
 
 def last_used(db: Database, key_ids: Sequence[str]) -> dict[str, float]:
-    """When each of these keys was last used, from the usage ledger (keys never used are
-    left out). One grouped read per page of keys: the ledger has no key index (each index
-    costs every commit), so this scans it; usage rollups can answer it instead."""
+    """When each of these keys was last used, as the gateways' ledgers write it once a
+    minute (saltgate.store.ledger.KeyUse); keys never used are left out."""
     if not key_ids:
         return {}
     marks = ", ".join("?" * len(key_ids))
     rows = db.query(
-        f"SELECT key_id, max(ts) FROM usage WHERE key_id IN ({marks}) GROUP BY key_id",  # noqa: S608
+        f"SELECT key_id, ts FROM key_last_used WHERE key_id IN ({marks})",  # noqa: S608
         tuple(key_ids),
     )
     return {kid: float(ts) for kid, ts in rows}
