@@ -117,6 +117,23 @@ def test_daily_buckets_from_the_tenant_rollup(usage_store: StoreSettings) -> Non
     assert results["tn_b"]["input_cached_tokens"] == 7
 
 
+def test_top_keeps_the_groups_largest_over_the_whole_range(usage_store: StoreSettings) -> None:
+    """key_1 has 114 tokens over the range, key_2 52: with top=1 only key_1 is listed,
+    whatever the page size (the rank is over the range, not the page)."""
+    for limit in ("1", "3"):
+        query = hourly(group_by="key", top="1", limit=limit)
+        keys = set()
+        while True:
+            _, page = call(usage_store, usage_completions, query, "tn_a")
+            keys |= {r["api_key_id"] for b in page["data"] for r in b["results"]}
+            if not page["has_more"]:
+                break
+            query = {**query, "page": page["next_page"]}
+        assert keys == {"key_1"}
+    _, page = call(usage_store, usage_completions, hourly(group_by="key", top="2"), "tn_a")
+    assert {r["api_key_id"] for b in page["data"] for r in b["results"]} == {"key_1", "key_2"}
+
+
 def test_costs_are_decimal_strings_over_micro_dollars(usage_store: StoreSettings) -> None:
     _, page = call(usage_store, costs, hourly(group_by="model"), "tn_a")
     [hour0], [hour1], _ = (b["results"] for b in page["data"])
@@ -153,6 +170,8 @@ def test_a_pinned_tenant_never_sees_another(usage_store: StoreSettings) -> None:
         (hourly(group_by="project"), "group_by"),
         (hourly(page="page_bm90IGEgcGFnZQ"), "page"),
         (hourly(page="garbage"), "page"),
+        (hourly(top="3"), "top"),
+        (hourly(group_by="key", top="0"), "top"),
     ],
 )
 def test_bad_parameters_are_400_in_openai_shape(

@@ -196,15 +196,18 @@ def test_a_spool_replays_unknown_cached_tokens_as_null_and_lines_of_older_releas
     pg_store: StoreSettings,
 ) -> None:
     """A record whose cached tokens are unknown and that has a cost reaches PostgreSQL as
-    NULL and as recorded; a nine-field line spooled before the cost columns replays too."""
+    NULL and as recorded; a nine-field line spooled before the cost columns replays too,
+    and an eleven-field one from before the replica column."""
     PostgresDatabase(pg_store).close()
     assert pg_store.spool_dir is not None
     pg_store.spool_dir.mkdir(mode=0o700)
     unknown = usage_record(1)._replace(cached_tokens=None, cost_micro_usd=101, price_version="pv_a")
     old = usage_record(2)
     old_line = orjson.dumps(list(old)[:9]) + b"\n"
+    priced = usage_record(3)._replace(cost_micro_usd=5, price_version="pv_a")
+    priced_line = orjson.dumps(list(priced)[:11]) + b"\n"
     (pg_store.spool_dir / "usage-00000000000000000001-1-aaaa.spool").write_bytes(
-        encode([unknown]) + old_line
+        encode([unknown]) + old_line + priced_line
     )
 
     async def run() -> None:
@@ -214,7 +217,7 @@ def test_a_spool_replays_unknown_cached_tokens_as_null_and_lines_of_older_releas
         await ledger.aclose()
 
     asyncio.run(run())
-    assert postgres_rows(pg_store) == [tuple(unknown), tuple(old)]
+    assert postgres_rows(pg_store) == [tuple(unknown), tuple(old), tuple(priced)]
     assert postgres_rows(pg_store)[0][6:11] == (None, 7, 200, 101, "pv_a")
 
 

@@ -248,7 +248,7 @@ def test_the_migration_backfills_rollups_from_the_ledger(
         _old_postgres(store_settings)
     open_database(store_settings).close()  # migrates to the current version
     asyncio.run(check_equal(store_settings, OLD_ROWS))
-    assert len(ROLLUPS) == 4
+    assert len(ROLLUPS) == 3
 
 
 # -- the property: random writes, prunes and retries --------------------------------------

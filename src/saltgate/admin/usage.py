@@ -20,7 +20,7 @@ from saltgate.policy.errors import ApiError, invalid_request
 from saltgate.store import usage_rollups
 from saltgate.store.pricing import usd
 from saltgate.store.schema import ROLLUP_DIMS
-from saltgate.store.usage_rollups import Group, UsageReader, read_buckets
+from saltgate.store.usage_rollups import Group, Top, UsageReader, read_buckets
 
 WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 # OpenAI's default and largest `limit` (buckets per page) per width; its Costs API allows
@@ -46,6 +46,10 @@ FILTERS = {
 # The result field each dimension is named by.
 FIELDS = {"tenant_id": "tenant_id", "key_id": "api_key_id", "model": "model", "replica": "replica"}
 _CURSOR_PREFIX = "page_"
+MAX_TOP = 1000
+# What `top` ranks groups by: all their tokens (usage), their cost (costs).
+USAGE_RANK = ("input_tokens", "output_tokens")
+COST_RANK = ("cost_micro_usd",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +64,15 @@ class UsageQuery:
     limit: int
     group_by: tuple[str, ...]
     filters: Mapping[str, tuple[str, ...]]
+    top: int | None = None
 
     @property
     def page_end(self) -> int:
         return min(self.end, self.page + self.limit * self.width)
+
+    def ranked(self, rank: tuple[str, ...]) -> Top | None:
+        """`top` as the store reads it: over the whole range, not only this page."""
+        return None if self.top is None else Top(self.top, rank, self.start, self.end)
 
 
 def _int_param(query: Mapping[str, str], name: str) -> int | None:
@@ -146,6 +155,12 @@ def parse_query(
         raise invalid_request(
             f"'limit' must be between 1 and {most} for bucket_width {width_name}.", param="limit"
         )
+    group_by = _group_by(query)
+    top = _int_param(query, "top")
+    if top is not None and not (group_by and 1 <= top <= MAX_TOP):
+        raise invalid_request(
+            f"'top' takes 1 to {MAX_TOP} groups, and needs a group_by.", param="top"
+        )
     page = start
     cursor = query.get("page")
     if cursor:
@@ -153,7 +168,7 @@ def parse_query(
         if not (start <= page < end and (page - start) % width == 0):
             raise invalid_request("'page' is not a cursor of this query.", param="page")
     return UsageQuery(
-        width_name, width, start, end, page, limit, _group_by(query), _filters(query, tenant_id)
+        width_name, width, start, end, page, limit, group_by, _filters(query, tenant_id), top
     )
 
 
@@ -214,7 +229,9 @@ async def _page(
     query: Mapping[str, str],
     tenant_id: str | None,
     limits: Mapping[str, tuple[int, int]],
+    *,
     result: Any,
+    rank: tuple[str, ...],
 ) -> tuple[int, dict[str, Any]]:
     try:
         q = parse_query(query, tenant_id, limits)
@@ -222,7 +239,13 @@ async def _page(
         return error.status, error.to_dict()
     end = q.page_end
     groups = await read_buckets(
-        reader, q.width, q.page, end, group_by=q.group_by, filters=q.filters
+        reader,
+        q.width,
+        q.page,
+        end,
+        group_by=q.group_by,
+        filters=q.filters,
+        top=q.ranked(rank),
     )
     by_bucket: dict[int, list[dict[str, Any]]] = {b: [] for b in range(q.page, end, q.width)}
     for group in groups:
@@ -244,14 +267,14 @@ async def usage_completions(
     store: UsageReader, query: Mapping[str, str], tenant_id: str | None
 ) -> tuple[int, dict[str, Any]]:
     """A page of usage buckets (OpenAI's GET /v1/organization/usage/completions)."""
-    return await _page(store, query, tenant_id, USAGE_LIMITS, usage_result)
+    return await _page(store, query, tenant_id, USAGE_LIMITS, result=usage_result, rank=USAGE_RANK)
 
 
 async def costs(
     store: UsageReader, query: Mapping[str, str], tenant_id: str | None
 ) -> tuple[int, dict[str, Any]]:
     """A page of cost buckets (OpenAI's GET /v1/organization/costs)."""
-    return await _page(store, query, tenant_id, COSTS_LIMITS, cost_result)
+    return await _page(store, query, tenant_id, COSTS_LIMITS, result=cost_result, rank=COST_RANK)
 
 
 CSV_COLUMNS = (
@@ -294,7 +317,13 @@ async def usage_csv(
         end = min(q.end, page + q.limit * q.width)
         lines = []
         for g in await read_buckets(
-            store, q.width, page, end, group_by=q.group_by, filters=q.filters
+            store,
+            q.width,
+            page,
+            end,
+            group_by=q.group_by,
+            filters=q.filters,
+            top=q.ranked(USAGE_RANK),
         ):
             u = usage_result(g, q.group_by)
             cached = u["input_cached_tokens"]

@@ -102,14 +102,15 @@ def _admin_plane(blob: str, real: str, integer: str, append_only: tuple[str, ...
 
 # Usage rollups (version 9): the ledger summed per bucket, kept by triggers in the same
 # transaction as the ledger rows, so no path that writes the ledger (the ledger, a replayed
-# spool, a prune) can leave them behind. Usage queries read them, never the ledger
-# (docs/usage-api.md). Each: table, bucket width in seconds, the ledger columns it keeps
-# apart. A replica not recorded (rows from before version 9) is ''. The tenant-only table
-# answers every tenant's daily series without reading a row per key.
+# spool, a store copy, a prune) can leave them behind. Usage queries read them, never the
+# ledger (docs/usage-api.md). Each: table, bucket width in seconds, the ledger columns it
+# keeps apart. A replica not recorded (rows from before version 9) is ''. Daily buckets by
+# key, model or replica are summed from the hourly table: a third upsert per record saved
+# on SQLite, where each costs about three ledger inserts; the tenant-only daily table
+# answers every tenant's daily series without reading a row per key and hour.
 ROLLUP_DIMS = ("tenant_id", "key_id", "model", "replica")
 ROLLUPS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("usage_rollup_tenant_1d", 86400, ("tenant_id",)),
-    ("usage_rollup_1d", 86400, ROLLUP_DIMS),
     ("usage_rollup_1h", 3600, ROLLUP_DIMS),
     ("usage_rollup_1m", 60, ROLLUP_DIMS),
 )
@@ -206,16 +207,28 @@ def _sqlite_unroll(table: str, width: int, dims: tuple[str, ...]) -> tuple[str, 
     )
 
 
-def _sqlite_rollups() -> tuple[str, ...]:
+def rollup_backfill(pg: bool) -> tuple[str, ...]:
+    """Sum the whole ledger into the (empty) rollups: the migration, and a bulk load."""
+    source = "usage" if pg else "usage WHERE true"  # WHERE: SQLite's upsert-after-SELECT rule
+    return tuple(rollup_upsert(t, w, d, source, pg) for t, w, d in ROLLUPS)
+
+
+SQLITE_ROLLUP_TRIGGER = "usage_rollup_insert"
+
+
+def sqlite_rollup_trigger() -> str:
     inserts = " ".join(rollup_upsert(t, w, d, "NEW", False) + ";" for t, w, d in ROLLUPS)
+    return f"CREATE TRIGGER {SQLITE_ROLLUP_TRIGGER} AFTER INSERT ON usage BEGIN {inserts} END"
+
+
+def _sqlite_rollups() -> tuple[str, ...]:
     deletes = " ".join(s + ";" for t, w, d in ROLLUPS for s in _sqlite_unroll(t, w, d))
     return (
         "ALTER TABLE usage ADD COLUMN replica TEXT",
         *(_rollup_table(t, d, " WITHOUT ROWID") for t, _, d in ROLLUPS),
         *(_tenant_index(t) for t, _, _ in ROLLUPS),
-        # The backfill: the rollups start equal to the ledger.
-        *(rollup_upsert(t, w, d, "usage WHERE true", False) for t, w, d in ROLLUPS),
-        f"CREATE TRIGGER usage_rollup_insert AFTER INSERT ON usage BEGIN {inserts} END",
+        *rollup_backfill(pg=False),  # the rollups start equal to the ledger
+        sqlite_rollup_trigger(),
         f"CREATE TRIGGER usage_rollup_delete AFTER DELETE ON usage BEGIN {deletes} END",
     )
 
@@ -244,7 +257,7 @@ def _postgres_rollups() -> tuple[str, ...]:
         "ALTER TABLE usage ADD COLUMN replica TEXT",
         *(_rollup_table(t, d) for t, _, d in ROLLUPS),
         *(_tenant_index(t) for t, _, _ in ROLLUPS),
-        *(rollup_upsert(t, w, d, "usage", True) for t, w, d in ROLLUPS),
+        *rollup_backfill(pg=True),
         # Statement triggers: one aggregated upsert per table for a whole batch of records.
         "CREATE FUNCTION saltgate_usage_rollup_insert() RETURNS trigger LANGUAGE plpgsql "
         f"AS $$ BEGIN {inserts} RETURN NULL; END $$",

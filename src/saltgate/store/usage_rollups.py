@@ -125,6 +125,17 @@ def choose_rollup(width: int, needed: frozenset[str]) -> tuple[str, int]:
     raise ValueError(f"no rollup for buckets of {width} s over {sorted(needed)}")
 
 
+@dataclass(frozen=True, slots=True)
+class Top:
+    """Keep the `n` groups with the largest `rank` (a sum of these rollup columns) over
+    [start, end), which may be wider than the buckets read (a page of a range)."""
+
+    n: int
+    rank: tuple[str, ...]
+    start: int
+    end: int
+
+
 async def read_buckets(
     reader: UsageReader,
     width: int,
@@ -133,15 +144,16 @@ async def read_buckets(
     *,
     group_by: Sequence[str],
     filters: Mapping[str, Sequence[str]],
+    top: Top | None = None,
 ) -> list[Group]:
     """Sums per bucket (start aligned to `width`, in [start, end)) and group, in order.
 
     `filters` keeps only rows whose dimension is one of the values (an empty list: none).
     """
     needed = frozenset(group_by) | frozenset(filters)
-    table, _ = choose_rollup(width, needed)
-    where = ["bucket >= ?", "bucket < ?"]
-    params: list[object] = [start, end]
+    table, table_width = choose_rollup(width, needed)
+    where: list[str] = []
+    params: list[object] = []
     for dim in ROLLUP_DIMS:  # a fixed order: the same query text for the same question
         if dim in filters:
             wanted = filters[dim]
@@ -150,11 +162,26 @@ async def read_buckets(
             where.append(f"{dim} IN ({', '.join('?' * len(wanted))})")
             params += wanted
     dims = [d for d in ROLLUP_DIMS if d in group_by]
-    bucket = f"bucket / {width} * {width}"
+    ranked: list[str] = []
+    if top is not None and dims:
+        key = ", ".join(dims)
+        rank = " + ".join(f"sum({c})" for c in top.rank)
+        within = " AND ".join(["bucket >= ?", "bucket < ?", *where])
+        best = (
+            f"SELECT {key} FROM {table} WHERE {within} "
+            f"GROUP BY {key} ORDER BY {rank} DESC, {key} LIMIT {int(top.n)}"
+        )
+        ranked = [f"({key}) IN ({best})"]
+        params = [start, end, *params, top.start, top.end, *params]
+    else:
+        params = [start, end, *params]
+    # Buckets of the table's own width are its rows' buckets: grouped in key order, unsorted.
+    bucket = "bucket" if width == table_width else f"bucket / {width} * {width}"
     columns = ", ".join((bucket, *dims, *(f"CAST(sum({s}) AS BIGINT)" for s in SUMS)))
     order = ", ".join(str(i) for i in range(1, len(dims) + 2))
     sql = (
-        f"SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
+        f"SELECT {columns} FROM {table} "
+        f"WHERE {' AND '.join(['bucket >= ?', 'bucket < ?', *where, *ranked])} "
         f"GROUP BY {order} ORDER BY {order}"
     )
     groups = []
