@@ -116,6 +116,12 @@ def test_forms_tenant_key_limit_usage_and_revocation(tmp_path: Path) -> None:
         wait_for_charts(b)
         assert int(b.page.get_attribute("[data-chart]", "data-points") or 0) >= 1
         assert "shop" in b.page.inner_text("table") or tenant_id in b.page.inner_text("table")
+        href = b.page.get_attribute("text=Download as CSV", "href") or ""
+        csv = b.page.request.get(stack.origin + href)
+        assert csv.status == 200 and csv.headers["content-type"].startswith("text/csv")
+        header, *rows = csv.text().splitlines()
+        assert header.startswith("start_time,end_time,group,num_model_requests")
+        assert any(r.split(",")[2] == tenant_id for r in rows), rows
         b.assert_clean()
 
         # Set a limit: one request a minute; the request above already used it.
