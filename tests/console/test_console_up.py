@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import httpx
 from tests.gateway.stack import run
 from tests.support.http import async_client
 from tests.support.up import saltgate_up
@@ -33,7 +32,7 @@ def test_up_prints_the_console_url_and_its_token_signs_in(tmp_path: Path) -> Non
                 assert page.status_code == 200 and "Overview" in page.text
             body = {"model": "sim-model", "prompt": "Hello", "max_tokens": 2}
             auth = {"authorization": f"Bearer {up.api_key()}"}
-            async with httpx.AsyncClient(base_url=up.url, timeout=30) as c:
+            async with async_client(base_url=up.url, timeout=30) as c:
                 assert (await c.post("/v1/completions", json=body, headers=auth)).status_code == 200
                 assert (await c.get("/console/sign-in")).status_code == 404
 
