@@ -6,6 +6,8 @@
 #     tests/dist; the package is installed, no systemd is started;
 #   - promtool (package prometheus), which checks the shipped alert rules
 #     (packaging/prometheus/) in tests/gateway/test_observability.py; no Prometheus is started;
+#   - Chromium (package chromium, /usr/bin/chromium), which the console's browser tests
+#     (tests/console) drive through the playwright package; playwright downloads no browser;
 #   - when run as root, the unprivileged system user PostgreSQL runs as in the tests
 #     (PostgreSQL refuses to run as root): $SALTGATE_PG_USER, default saltgate-pg.
 # The tests start their own servers in temporary directories on free loopback ports and
@@ -24,6 +26,7 @@ have_redis() { command -v redis-server >/dev/null 2>&1 && [ "$(redis_major)" -ge
 have_haproxy() { command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; }
 have_systemd_analyze() { command -v systemd-analyze >/dev/null 2>&1; }
 have_promtool() { command -v promtool >/dev/null 2>&1; }
+have_chromium() { [ -x /usr/bin/chromium ]; }
 
 need_apt=()
 have_postgres || need_apt+=("postgresql-$PG_MAJOR")
@@ -31,6 +34,7 @@ have_redis || need_apt+=(redis-server)
 have_haproxy || need_apt+=(haproxy)
 have_systemd_analyze || need_apt+=(systemd)
 have_promtool || need_apt+=(prometheus)
+have_chromium || need_apt+=(chromium)
 
 if [ "${#need_apt[@]}" -gt 0 ]; then
     if ! command -v apt-get >/dev/null 2>&1; then
@@ -61,7 +65,7 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
     cleanup
     trap - EXIT
 else
-    echo "services-setup: PostgreSQL $PG_MAJOR, Redis $REDIS_MIN_MAJOR+, HAProxy, systemd-analyze and promtool already installed"
+    echo "services-setup: PostgreSQL $PG_MAJOR, Redis $REDIS_MIN_MAJOR+, HAProxy, systemd-analyze, promtool and Chromium already installed"
 fi
 
 if [ "$(id -u)" -eq 0 ] && ! id -u "$PG_USER" >/dev/null 2>&1; then
@@ -76,6 +80,7 @@ have_redis || missing+=("Redis >= $REDIS_MIN_MAJOR (redis-server)")
 have_haproxy || missing+=("HAProxy (haproxy)")
 have_systemd_analyze || missing+=("systemd-analyze (package systemd)")
 have_promtool || missing+=("promtool (package prometheus)")
+have_chromium || missing+=("Chromium (package chromium, /usr/bin/chromium)")
 if [ "$(id -u)" -eq 0 ]; then
     id -u "$PG_USER" >/dev/null 2>&1 || missing+=("the system user $PG_USER")
     command -v runuser >/dev/null 2>&1 || missing+=("runuser (util-linux)")

@@ -85,6 +85,7 @@ async def _up(port: int, replicas: int, state_dir: Path, sim_base_port: int) -> 
     print(f"  metrics:  {admin_url}/metrics")
     print(f"  admin API: {admin_url}/admin/v1/ (docs/admin-api.md)")
     print(f"  admin token (every scope): {admin_token}")
+    print(f"  console:  {admin_url}/console/ (sign in with the admin token)")
     print(f"  state:    {state_dir}")
     if running.ehbp is not None:
         print(f"  EHBP key: {running.ehbp.key.config.fingerprint} (made at start; pin it)")

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from saltgate.admin import scopes
+from saltgate.admin import scopes, usage
 from saltgate.admin.store import AdminStore
 from saltgate.admin.tokens import AdminPrincipal, authenticate_admin
 from saltgate.governance.limits import Limits
@@ -45,6 +45,7 @@ from saltgate.store.errors import (
 )
 from saltgate.store.ledger import new_request_id
 from saltgate.store.tenants import ApiKeyInfo, Tenant, TenantStore, last_used
+from saltgate.store.usage_rollups import UsageReader
 
 JSON = (b"content-type", b"application/json")
 ADMIN_PATH = "/admin"
@@ -184,8 +185,9 @@ def _limits(body: dict[str, Any]) -> Limits | None:
 class AdminApi:
     """`handle` answers /admin/... requests (None for any other path)."""
 
-    def __init__(self, store: AdminStore) -> None:
+    def __init__(self, store: AdminStore, usage: UsageReader | None = None) -> None:
         self.store = store
+        self.usage = usage  # the rollups' reader (saltgate.admin.usage); None: not served
         self._handlers: dict[str, Handler] = {
             "me": self._me,
             "tenants_list": self._tenants_list,
@@ -205,9 +207,9 @@ class AdminApi:
             "admin_tokens_list": self._admin_tokens_list,
             "admin_tokens_create": self._admin_tokens_create,
             "admin_tokens_revoke": self._admin_tokens_revoke,
-            # saltgate.admin.usage (branch usageapi) is wired here at the merge.
-            "usage_completions": self._not_wired,
-            "costs": self._not_wired,
+            # OpenAI-shaped usage and costs from the rollups (saltgate.admin.usage).
+            "usage_completions": self._usage_completions,
+            "costs": self._costs,
         }
         missing = {r.name for r in scopes.ROUTES} ^ set(self._handlers)
         assert not missing, f"routes and handlers differ: {sorted(missing)}"
@@ -502,5 +504,20 @@ class AdminApi:
 
         return 200, await self._run(revoke)
 
-    async def _not_wired(self, call: Call) -> tuple[int, dict[str, Any]]:
-        raise ApiError(501, "usage and costs are not part of this build", code="not_implemented")
+    async def _usage_completions(self, call: Call) -> tuple[int, dict[str, Any]]:
+        return await self._usage_query(usage.usage_completions, call)
+
+    async def _costs(self, call: Call) -> tuple[int, dict[str, Any]]:
+        return await self._usage_query(usage.costs, call)
+
+    async def _usage_query(
+        self,
+        query: Callable[
+            [UsageReader, dict[str, str], str | None], Awaitable[tuple[int, dict[str, Any]]]
+        ],
+        call: Call,
+    ) -> tuple[int, dict[str, Any]]:
+        """A usage or costs page; a pinned token reads only its tenant's."""
+        if self.usage is None:
+            raise ApiError(501, "usage is not served by this listener", code="not_implemented")
+        return await query(self.usage, {k: v[-1] for k, v in call.query.items()}, call.pinned)

@@ -105,7 +105,7 @@ ROUTES: Final = (
     Route("GET", "admin_tokens", ADMIN_TOKENS_WRITE, "admin_tokens_list"),
     Route("POST", "admin_tokens", ADMIN_TOKENS_WRITE, "admin_tokens_create"),
     Route("DELETE", "admin_tokens/{token_id}", ADMIN_TOKENS_WRITE, "admin_tokens_revoke"),
-    # Usage and costs (saltgate.admin.usage, another branch): wired in by the merge.
+    # Usage and costs (saltgate.admin.usage), from the rollups.
     Route("GET", "usage/completions", USAGE_READ, "usage_completions"),
     Route("GET", "costs", USAGE_READ, "costs"),
 )

@@ -18,6 +18,7 @@ from typing import Any
 from saltgate.admin.api import AdminApi
 from saltgate.admin.store import AdminStore
 from saltgate.config import ConfigError, GatewayConfig, load_config, load_master_key
+from saltgate.console.app import Console
 from saltgate.derivations.derive import derive_subkeys
 from saltgate.ehbp.frames import KEYS_PATH, ServerKey
 from saltgate.gateway.access_log import AccessLog
@@ -61,6 +62,7 @@ class RunningGateway:
     kv_relay: KvRelay | None = None
     cluster: ClusterBus | None = None  # [cluster]: routing state shared over the bus
     admin_api: AdminApi | None = None  # /admin/v1/ on the admin listener
+    console: Console | None = None  # /console/ on the admin listener
 
     @property
     def url(self) -> str:
@@ -163,12 +165,13 @@ async def start_gateway(
         port = Acceptor(server, listener.sock, listener.gate).port
     admin = None
     admin_port = None
-    admin_api = None
+    admin_api = console = None
     if config.admin_port is not None:
-        api = admin_api = AdminApi(AdminStore(config.store_settings))
+        api = admin_api = AdminApi(AdminStore(config.store_settings), usage=gateway.usage)
+        console = Console(api.handle, metrics.snapshot, config)
 
         async def admin_handler(request: Request) -> Response:
-            answer = await api.handle(request)
+            answer = await api.handle(request) or await console.handle(request)
             if answer is not None:
                 return answer
             if request.method == b"GET" and request.path == b"/metrics":
@@ -182,6 +185,7 @@ async def start_gateway(
     running = RunningGateway(
         gateway, server, port, metrics, admin, admin_port, ehbp, admin_api=admin_api
     )
+    running.console = console
     try:
         running.cluster = start_cluster_bus(config.cluster, replicas, subkeys.route, metrics)
         running.kv_relay = start_kv_relay(config, subkeys.kv_events)

@@ -31,6 +31,7 @@ from typing import Final
 from saltgate.admin.api import AdminApi
 from saltgate.admin.store import AdminStore
 from saltgate.config import ConfigError, GatewayConfig, load_master_key
+from saltgate.console.app import Console
 from saltgate.derivations.derive import derive_subkeys
 from saltgate.gateway.metrics import Counter, Gauge, Snapshot, merge_workers, render
 from saltgate.gateway.server import error_response
@@ -41,6 +42,7 @@ from saltgate.serving import control
 from saltgate.serving.balance import ConnectionBoard
 from saltgate.serving.run import announce, ehbp_key, kv_upstreams, reread_config, start_kv_relay
 from saltgate.store.errors import StoreError
+from saltgate.store.usage_rollups import open_usage_reader
 
 # A worker that dies sooner than this after it started is restarted after a backoff
 # (0.5 s, doubling up to BACKOFF_MAX_S), so a worker that cannot run does not spin.
@@ -134,7 +136,9 @@ class Supervisor:
         self._sock: socket.socket | None = None
         self._board: ConnectionBoard | None = None
         self._admin: HttpServer | None = None
-        self._admin_api = AdminApi(AdminStore(config.store_settings))
+        self._usage = open_usage_reader(config.store_settings)
+        self._admin_api = AdminApi(AdminStore(config.store_settings), usage=self._usage)
+        self._console = Console(self._admin_api.handle, self.metrics, config)
         self._ehbp_private_key: bytes | None = None
         self.ehbp_fingerprint: str | None = None
         self._procs: dict[int, asyncio.subprocess.Process] = {}
@@ -310,6 +314,7 @@ class Supervisor:
         if self._admin is not None:
             await self._admin.close()
         await self._admin_api.store.aclose()
+        await self._usage.aclose()
         if self.relay is not None:
             await asyncio.to_thread(self.relay.close)
         if self._board is not None:
@@ -397,7 +402,7 @@ class Supervisor:
         return self._retired_requests[index] + now
 
     async def _admin_handler(self, request: Request) -> Response:
-        answer = await self._admin_api.handle(request)
+        answer = await self._admin_api.handle(request) or await self._console.handle(request)
         if answer is not None:
             return answer
         if request.method == b"GET" and request.path == b"/metrics":

@@ -1,0 +1,1 @@
+"""The web console on the admin listener (/console/): saltgate.console.app.Console."""

@@ -1,0 +1,1156 @@
+"""The web console at /console/ on the admin listener (docs/console.md).
+
+Server-rendered pages, each with a ``.json`` twin holding the same data; filters live in
+the URL query. Every page is built from the admin API (saltgate.admin.api), called
+in-process with the admin token the operator signed in with (kept server side in the
+session, saltgate.console.security): the console adds no access rule of its own, so a
+token's scopes and tenant pinning hold here exactly as they do over HTTP, and every
+change it makes is in the audit log under that token. Routing and fleet come from the
+gateway's metrics, prices from its configuration.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Final
+from urllib.parse import parse_qs, quote, urlencode
+
+import orjson
+
+from saltgate.config import GatewayConfig
+from saltgate.console import html
+from saltgate.console.html import esc, link, url, when
+from saltgate.console.security import (
+    SAFE_METHODS,
+    Session,
+    Sessions,
+    SignInLimiter,
+    clear_cookie,
+    cookie_value,
+    same_origin,
+    security_headers,
+    set_cookie,
+)
+from saltgate.gateway.metrics import Histogram, Snapshot
+from saltgate.http import Request, Response
+from saltgate.prices import price_versions
+
+AdminCall = Callable[[Request], Awaitable[Response | None]]
+SnapshotSource = Callable[[], Snapshot | Awaitable[Snapshot]]
+
+PREFIX: Final = "/console"
+API: Final = "/admin/v1/"
+JSON_TYPE: Final = b"application/json"
+HTML_TYPE: Final = b"text/html; charset=utf-8"
+STATIC_TYPES: Final = {
+    ".js": b"text/javascript; charset=utf-8",
+    ".css": b"text/css; charset=utf-8",
+    ".svg": b"image/svg+xml",
+    ".txt": b"text/plain; charset=utf-8",
+}
+WIDTHS: Final = {"1m": 60, "1h": 3600, "1d": 86400}
+RANGES: Final = {"1h": (3600, "1m"), "24h": (86400, "1h"), "7d": (7 * 86400, "1d")}
+RANGES_LONG: Final = {**RANGES, "30d": (30 * 86400, "1d")}
+METRICS: Final = (
+    ("num_model_requests", "Requests"),
+    ("input_tokens", "Prompt tokens"),
+    ("input_cached_tokens", "Cached prompt tokens"),
+    ("output_tokens", "Completion tokens"),
+    ("num_errors", "Errors"),
+    ("cost_usd", "Cost (USD)"),
+)
+GROUPS: Final = (("", "nothing"), ("tenant", "tenant"), ("key", "key"), ("model", "model"))
+GROUPS_ALL: Final = (*GROUPS, ("replica", "replica"))
+MAX_PAGES: Final = 20  # pages of an API list or series followed for one console page
+TOP_GROUPS: Final = 6  # series drawn per chart; the rest are summed as "other"
+TTFT_SAMPLES: Final = 360
+LIMIT_FIELDS: Final = (
+    ("rpm", "Requests per minute"),
+    ("input_tpm", "Prompt tokens per minute"),
+    ("output_tpm", "Completion tokens per minute"),
+    ("concurrency", "Concurrent requests"),
+    ("budget_micro_usd", "Budget (micro-USD)"),
+    ("budget_period_s", "Budget period (s)"),
+)
+SCOPE_NAMES: Final = (
+    "usage:read",
+    "tenants:read",
+    "tenants:write",
+    "keys:write",
+    "limits:write",
+    "prices:write",
+    "audit_log:read",
+    "admin_tokens:write",
+)
+
+
+class _Answer(Exception):
+    """A response decided deep in a page (sign-in needed, the API refused)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+@dataclass
+class View:
+    """A page: its data (the .json twin) and the markup of that same data."""
+
+    title: str
+    data: dict[str, Any]
+    body: str
+    current: str = ""
+    status: int = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Form:
+    """A posted form's fields."""
+
+    values: dict[str, list[str]]
+
+    def one(self, name: str) -> str:
+        return (self.values.get(name) or [""])[-1].strip()
+
+
+@dataclass
+class _Ttft:
+    """TTFT samples taken from the metrics as the console is read: (time, count, sum)."""
+
+    samples: deque[tuple[float, float, float]] = field(
+        default_factory=lambda: deque(maxlen=TTFT_SAMPLES)
+    )
+
+
+def _static_files() -> dict[str, bytes]:
+    folder = resources.files("saltgate.console") / "static"
+    return {
+        f.name: f.read_bytes() for f in folder.iterdir() if f.name.endswith(tuple(STATIC_TYPES))
+    }
+
+
+def _response(status: int, body: bytes, kind: bytes, extra: list[tuple[bytes, bytes]]) -> Response:
+    return Response(status, [(b"content-type", kind), *security_headers(), *extra], body)
+
+
+def redirect(to: str, extra: list[tuple[bytes, bytes]] | None = None) -> Response:
+    return _response(303, b"", HTML_TYPE, [(b"location", to.encode()), *(extra or [])])
+
+
+def _int(value: object) -> int:
+    return int(value) if isinstance(value, int | float) else 0
+
+
+def _quantile(hist: Histogram, q: float) -> float | None:
+    """A quantile of a histogram summed over its labels (the bucket's upper bound)."""
+    counts = [0] * (len(hist.buckets) + 1)
+    for values, _ in hist.values.values():
+        counts = [a + b for a, b in zip(counts, values, strict=True)]
+    total = sum(counts)
+    if not total:
+        return None
+    seen = 0
+    for bound, n in zip((*hist.buckets, float("inf")), counts, strict=True):
+        seen += n
+        if seen >= q * total:
+            return bound
+    return None
+
+
+class Console:
+    """`handle` answers /console/... (None for any other path)."""
+
+    def __init__(
+        self,
+        admin: AdminCall,
+        metrics: SnapshotSource,
+        config: GatewayConfig,
+        *,
+        tls: bool = False,
+    ) -> None:
+        self.admin = admin
+        self.metrics = metrics
+        self.config = config
+        self.tls = tls
+        self.sessions = Sessions()
+        self.sign_ins = SignInLimiter()
+        self.static = _static_files()
+        self._ttft = _Ttft()
+        self._pages: dict[str, Callable[[Session, dict[str, str]], Awaitable[View]]] = {
+            "overview": self._overview,
+            "usage": self._usage,
+            "tenants": self._tenants,
+            "keys": self._keys,
+            "fleet": self._fleet,
+            "audit": self._audit,
+            "admin-tokens": self._admin_tokens,
+            "prices": self._prices,
+        }
+        self._actions: dict[str, Callable[[Session, str, Form], Awaitable[Response]]] = {
+            "tenants": self._create_tenant,
+            "tenants/limits": self._set_limits,
+            "tenants/rotate-salt": self._rotate_salt,
+            "keys/create": self._create_key,
+            "keys/revoke": self._revoke_key,
+            "keys/rotate": self._rotate_key,
+            "admin-tokens": self._create_admin_token,
+            "admin-tokens/revoke": self._revoke_admin_token,
+        }
+
+    # -- entry -----------------------------------------------------------------------------
+
+    async def handle(self, request: Request) -> Response | None:
+        path = request.path.decode("utf-8", "replace")
+        if path != PREFIX and not path.startswith(PREFIX + "/"):
+            return None
+        if path in (PREFIX, PREFIX + "/"):
+            return redirect(url("overview"))
+        if request.method not in SAFE_METHODS and not same_origin(request, tls=self.tls):
+            return self._plain(
+                403, "Refused: a change to the console must come from its own pages."
+            )
+        rest = path[len(PREFIX) + 1 :]
+        try:
+            return await self._route(request, rest)
+        except _Answer as answer:
+            return answer.response
+
+    async def _route(self, request: Request, rest: str) -> Response:
+        if rest.startswith("static/"):
+            return self._static(rest[len("static/") :])
+        if rest == "sign-in":
+            return await self._sign_in(request)
+        if rest == "sign-out":
+            return self._sign_out(request)
+        session = self._session(request, wants_json=rest.endswith(".json"))
+        if request.method == b"POST":
+            return await self._action(session, rest, request)
+        if request.method not in SAFE_METHODS:
+            return self._plain(405, "Use GET, or POST from a form.")
+        query = {k: v[-1] for k, v in parse_qs(request.query.decode("utf-8", "replace")).items()}
+        return await self._get(session, rest, query)
+
+    def _plain(self, status: int, message: str) -> Response:
+        body = html.page(
+            "Refused" if status == 403 else "Error", html.notice(message, kind="error")
+        )
+        return _response(status, body, HTML_TYPE, [])
+
+    def _static(self, name: str) -> Response:
+        content = self.static.get(name)
+        if content is None:
+            return self._plain(404, "No such file.")
+        kind = STATIC_TYPES[name[name.rindex(".") :]]
+        return Response(
+            200,
+            [
+                (b"content-type", kind),
+                *security_headers()[:-1],
+                (b"cache-control", b"max-age=3600"),
+            ],
+            content,
+        )
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def _session(self, request: Request, *, wants_json: bool) -> Session:
+        session = self.sessions.find(cookie_value(request))
+        if session is not None:
+            return session
+        if wants_json:
+            body = orjson.dumps({"error": {"message": "sign in first", "type": "unauthorized"}})
+            raise _Answer(_response(401, body, JSON_TYPE, []))
+        raise _Answer(redirect(url("sign-in")))
+
+    def _sign_in_page(self, status: int, message: str = "") -> Response:
+        body = (html.notice(message, kind="error") if message else "") + html.form(
+            url("sign-in"),
+            html.field("token", "Admin token", kind="password"),
+            "Sign in",
+            name="sign-in",
+        )
+        body += (
+            "<p>Sign in with an admin token (<code>saltgate admin-tokens create --scopes all"
+            "</code>; <code>saltgate up</code> prints one). The console can do what the "
+            "token's scopes allow, nothing more.</p>"
+        )
+        return _response(status, html.page("Sign in", body), HTML_TYPE, [])
+
+    async def _sign_in(self, request: Request) -> Response:
+        if request.method in SAFE_METHODS:
+            return self._sign_in_page(200)
+        if request.method != b"POST":
+            return self._plain(405, "Use GET or POST.")
+        if not self.sign_ins.allow(request.client.peer):
+            return self._sign_in_page(429, "Too many sign-in attempts; wait a minute.")
+        form = parse_qs(request.body.decode("utf-8", "replace"))
+        token = (form.get("token") or [""])[-1].strip()
+        status, me = await self._call(token, "GET", "me") if token else (401, {})
+        if status != 200:
+            return self._sign_in_page(401, "That admin token was not accepted.")
+        value = self.sessions.start(
+            token, str(me["id"]), frozenset(me.get("scopes") or ()), me.get("tenant_id")
+        )
+        return redirect(url("overview"), [(b"set-cookie", set_cookie(value, tls=self.tls))])
+
+    def _sign_out(self, request: Request) -> Response:
+        if request.method != b"POST":
+            return self._plain(405, "Sign out with the button (POST).")
+        self.sessions.end(cookie_value(request))
+        return redirect(url("sign-in"), [(b"set-cookie", clear_cookie(tls=self.tls))])
+
+    # -- the admin API, in-process ---------------------------------------------------------
+
+    async def _call(
+        self,
+        token: str,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        request = Request(
+            method.encode(),
+            (API + path).encode(),
+            urlencode(query or {}).encode(),
+            [(b"authorization", f"Bearer {token}".encode()), (b"content-type", JSON_TYPE)],
+            b"" if body is None else orjson.dumps(body),
+        )
+        response = await self.admin(request)
+        if response is None:
+            return 404, {"error": {"message": "no admin API here"}}
+        answer = orjson.loads(response.body) if response.body else {}
+        return response.status, answer if isinstance(answer, dict) else {}
+
+    async def api(
+        self,
+        session: Session,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """An admin API call as the session's token. A refused token (revoked since
+        sign-in) ends the session and sends the browser to sign in again."""
+        status, answer = await self._call(session.token, method, path, query, body)
+        if status == 401:
+            self.sessions.end_token(session.token)
+            raise _Answer(redirect(url("sign-in")))
+        return status, answer
+
+    async def _list(
+        self, session: Session, path: str, query: Mapping[str, str] | None = None
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """Every item of an API list (up to MAX_PAGES pages), or the error's message."""
+        items: list[dict[str, Any]] = []
+        after = ""
+        for _ in range(MAX_PAGES):
+            status, answer = await self.api(
+                session, "GET", path, {**(query or {}), "limit": "100", "after": after}
+            )
+            if status != 200:
+                return items, _message(answer, status)
+            items.extend(answer.get("data") or [])
+            if not answer.get("has_more"):
+                break
+            after = str(answer.get("last_id") or "")
+        return items, None
+
+    async def _buckets(
+        self, session: Session, path: str, query: dict[str, str]
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """Every bucket of a usage or costs query (following its cursor)."""
+        buckets: list[dict[str, Any]] = []
+        for _ in range(MAX_PAGES):
+            status, answer = await self.api(session, "GET", path, query)
+            if status != 200:
+                return buckets, _message(answer, status)
+            buckets.extend(answer.get("data") or [])
+            if not answer.get("has_more") or not answer.get("next_page"):
+                break
+            query = {**query, "page": str(answer["next_page"])}
+        return buckets, None
+
+    async def _snapshot(self) -> Snapshot:
+        snap = self.metrics()
+        return await snap if inspect.isawaitable(snap) else snap
+
+    # -- GET pages -------------------------------------------------------------------------
+
+    async def _get(self, session: Session, rest: str, query: dict[str, str]) -> Response:
+        name, as_json = (rest[:-5], True) if rest.endswith(".json") else (rest, False)
+        if name == "usage.csv":
+            return await self._usage_csv(session, query)
+        parts = name.split("/")
+        if len(parts) == 2 and parts[0] == "tenants":
+            view = await self._tenant(session, parts[1], query)
+        elif name in self._pages:
+            view = await self._pages[name](session, query)
+        else:
+            return self._plain(404, "No such page.")
+        if as_json:
+            return _response(view.status, orjson.dumps(view.data), JSON_TYPE, [])
+        done = query.get("done")
+        body = (html.notice(done) if done else "") + view.body
+        twin = url(f"{name}.json", query)
+        who = session.token_id + (f" (tenant {session.tenant_id})" if session.tenant_id else "")
+        page = html.page(view.title, body, current=view.current or name, twin=twin, signed_in=who)
+        return _response(view.status, page, HTML_TYPE, [])
+
+    def _range(
+        self, query: Mapping[str, str], ranges: Mapping[str, tuple[int, str]]
+    ) -> tuple[str, int, str, int]:
+        """The URL's range (default 24h): its name, seconds, bucket width and start time."""
+        chosen = _choice(query, "range", ranges, "24h")
+        span, width = ranges[chosen]
+        width = _choice(query, "bucket_width", WIDTHS, width)
+        step = WIDTHS[width]
+        now = int(time.time())
+        start = (now - span) // step * step
+        return chosen, span, width, start
+
+    async def _overview(self, session: Session, query: dict[str, str]) -> View:
+        chosen, _, width, start = self._range(query, RANGES_LONG)
+        params = {"start_time": str(start), "bucket_width": width, "limit": _max_limit(width)}
+        usage, usage_error = await self._buckets(session, "usage/completions", params)
+        costs, cost_error = await self._buckets(session, "costs", params)
+        times = [int(b["start_time"]) for b in usage]
+        series: dict[str, list[float | None]] = {
+            k: [_sum(b, k) for b in usage] for k, _ in METRICS if k != "cost_usd"
+        }
+        cost_by_time = {int(b["start_time"]): _cost(b) for b in costs}
+        series["cost_usd"] = [cost_by_time.get(t, 0.0) for t in times]
+        totals = {k: _total(v) for k, v in series.items()}
+        if usage_error:  # unknown, not 0
+            totals = dict.fromkeys(totals)
+        prompt, cached = totals.get("input_tokens") or 0, totals.get("input_cached_tokens")
+        hit = None if cached is None or not prompt else cached / prompt
+        ttft = await self._ttft_view()
+        data = {
+            "range": chosen,
+            "bucket_width": width,
+            "start_time": start,
+            "totals": {**totals, "cache_hit_rate": hit},
+            "usage_error": usage_error,
+            "cost_error": cost_error,
+            "ttft": ttft,
+            "charts": {
+                "tokens": _chart(
+                    times, [(label, series[k]) for k, label in METRICS[1:4]], "tokens"
+                ),
+                "requests": _chart(
+                    times, [(label, series[k]) for k, label in (METRICS[0], METRICS[4])], "requests"
+                ),
+                "cost": _chart(times, [("Cost (USD)", series["cost_usd"])], "USD"),
+                "ttft": _chart(
+                    ttft["series"]["time"], [("Mean TTFT (s)", ttft["series"]["mean_s"])], "s"
+                ),
+            },
+        }
+        tiles = [
+            ("Requests", _num(totals.get("num_model_requests"))),
+            ("Prompt tokens", _num(totals.get("input_tokens"))),
+            ("Cached tokens", _num(cached)),
+            ("Completion tokens", _num(totals.get("output_tokens"))),
+            ("Cache hit rate", "unknown" if hit is None else f"{hit:.1%}"),
+            ("Cost", "unknown" if cost_error else f"${totals.get('cost_usd') or 0:.6f}"),
+            ("Errors", _num(totals.get("num_errors"))),
+            ("TTFT p50 / p95 (streamed)", _ttft_text(ttft)),
+        ]
+        twin = url("overview.json", query)
+        body = (
+            html.form(
+                url("overview"),
+                html.select("range", "Range", [(r, r) for r in RANGES_LONG], chosen),
+                "Show",
+                method="get",
+                name="range",
+            )
+            + (html.notice(f"Usage: {usage_error}", kind="error") if usage_error else "")
+            + html.tiles(tiles)
+            + html.chart(twin + "#tokens", "Tokens")
+            + html.chart(twin + "#requests", "Requests and errors")
+            + html.chart(twin + "#cost", "Cost (USD)")
+            + html.chart(twin + "#ttft", "Time to first token, mean between samples (this gateway)")
+        )
+        return View("Overview", data, body)
+
+    async def _ttft_view(self) -> dict[str, Any]:
+        """TTFT quantiles since start, and the mean between samples the console took."""
+        snap = await self._snapshot()
+        hist = snap.histograms.get("saltgate_time_to_first_token_seconds")
+        count = total = 0.0
+        if hist is not None:
+            for values, summed in hist.values.values():
+                count += sum(values)
+                total += summed
+        samples = self._ttft.samples
+        if not samples or count != samples[-1][1]:  # a point per read that saw new requests
+            samples.append((time.time(), count, total))
+        times, means = [], []
+        for (_, c0, s0), (t1, c1, s1) in zip(samples, list(samples)[1:], strict=False):
+            if c1 > c0:
+                times.append(int(t1))
+                means.append((s1 - s0) / (c1 - c0))
+        return {
+            "requests": int(count),
+            "mean_s": total / count if count else None,
+            "p50_s": None if hist is None else _quantile(hist, 0.5),
+            "p95_s": None if hist is None else _quantile(hist, 0.95),
+            "series": {"time": times, "mean_s": means},
+        }
+
+    async def _usage(self, session: Session, query: dict[str, str]) -> View:
+        chosen, _, width, start = self._range(query, RANGES_LONG)
+        metric = _choice(query, "metric", dict(METRICS), "input_tokens")
+        group = _choice(query, "group_by", dict(GROUPS_ALL), "")
+        params = {"start_time": str(start), "bucket_width": width, "limit": _max_limit(width)}
+        if group:
+            params["group_by"] = group
+        path = "costs" if metric == "cost_usd" else "usage/completions"
+        buckets, error = await self._buckets(session, path, params)
+        times = [int(b["start_time"]) for b in buckets]
+        per: dict[str, list[float | None]] = {}
+        for i, b in enumerate(buckets):
+            for r in b.get("results") or []:
+                name = _group_name(r, group)
+                values = per.setdefault(name, [0.0] * len(buckets))
+                value = _cost_result(r) if metric == "cost_usd" else r.get(metric)
+                values[i] = None if value is None or values[i] is None else (values[i] or 0) + value
+        totals = {n: (None if None in v else sum(x or 0 for x in v)) for n, v in per.items()}
+        ranked = sorted(per, key=lambda n: -(totals[n] or 0))
+        shown = [(n, per[n]) for n in ranked[:TOP_GROUPS]]
+        if len(ranked) > TOP_GROUPS:
+            rest = [per[n] for n in ranked[TOP_GROUPS:]]
+            shown.append(("other", [sum(v[i] or 0 for v in rest) for i in range(len(times))]))
+        label = dict(METRICS)[metric]
+        data = {
+            "metric": metric,
+            "group_by": group,
+            "range": chosen,
+            "bucket_width": width,
+            "start_time": start,
+            "error": error,
+            "totals": [{"group": n, "total": totals[n]} for n in ranked],
+            "charts": {"usage": _chart(times, shown, label)},
+        }
+        filters = (
+            html.select("metric", "Metric", list(METRICS), metric)
+            + html.select("group_by", "Group by", list(GROUPS_ALL), group)
+            + html.select("range", "Range", [(r, r) for r in RANGES_LONG], chosen)
+            + html.select(
+                "bucket_width",
+                "Bucket",
+                [("1m", "1 minute"), ("1h", "1 hour"), ("1d", "1 day")],
+                width,
+            )
+        )
+        twin = url("usage.json", query)
+        rows = [(esc(n), esc("unknown" if totals[n] is None else _num(totals[n]))) for n in ranked]
+        body = (
+            html.form(url("usage"), filters, "Show", method="get", name="usage")
+            + (html.notice(error, kind="error") if error else "")
+            + html.chart(twin + "#usage", f"{label} per {width}")
+            + html.table(["Group", label], rows, empty="No usage in this range.")
+            + f"<p>{link(url('usage.csv', query), 'Download as CSV')}</p>"
+        )
+        return View("Usage explorer", data, body)
+
+    async def _usage_csv(self, session: Session, query: dict[str, str]) -> Response:
+        """The explorer's buckets, one row per bucket and group, every metric."""
+        _, _, width, start = self._range(query, RANGES_LONG)
+        group = _choice(query, "group_by", dict(GROUPS_ALL), "")
+        params = {"start_time": str(start), "bucket_width": width, "limit": _max_limit(width)}
+        if group:
+            params["group_by"] = str(group)
+        buckets, error = await self._buckets(session, "usage/completions", params)
+        if error:
+            return self._plain(502, f"Usage: {error}")
+        head = ["start_time", "end_time", "group", *(k for k, _ in METRICS if k != "cost_usd")]
+        lines = [",".join(head)]
+        for b in buckets:
+            for r in b.get("results") or []:
+                cells = [b["start_time"], b["end_time"], _group_name(r, str(group))]
+                cells += [r.get(k) for k in head[3:]]
+                lines.append(",".join(_csv_cell(c) for c in cells))
+        return _response(
+            200,
+            ("\n".join(lines) + "\n").encode(),
+            b"text/csv; charset=utf-8",
+            [(b"content-disposition", b'attachment; filename="saltgate-usage.csv"')],
+        )
+
+    async def _tenants(self, session: Session, query: dict[str, str]) -> View:
+        tenants, error = await self._list(session, "tenants")
+        start = (int(time.time()) - 30 * 86400) // 86400 * 86400
+        params = {
+            "start_time": str(start),
+            "bucket_width": "1d",
+            "limit": "31",
+            "group_by": "tenant",
+        }
+        usage, usage_error = await self._buckets(session, "usage/completions", params)
+        costs, _ = await self._buckets(session, "costs", params)
+        prompt: dict[str, int] = {}
+        cached: dict[str, int | None] = {}
+        spend: dict[str, float] = {}
+        for b in usage:
+            for r in b.get("results") or []:
+                t = str(r.get("tenant_id"))
+                prompt[t] = prompt.get(t, 0) + _int(r.get("input_tokens"))
+                c = r.get("input_cached_tokens")
+                cached[t] = (
+                    None
+                    if c is None or (t in cached and cached[t] is None)
+                    else (cached.get(t) or 0) + int(c)
+                )
+        for b in costs:
+            for r in b.get("results") or []:
+                t = str(r.get("tenant_id"))
+                spend[t] = spend.get(t, 0.0) + _cost_result(r)
+        rows = []
+        for tenant in tenants:
+            tid = str(tenant["id"])
+            keys, _ = await self._list(session, f"tenants/{tid}/keys")
+            live = sum(1 for k in keys if k.get("revoked_at") is None)
+            c = cached.get(tid)
+            hit = None if c is None or not prompt.get(tid) else c / prompt[tid]
+            limits = tenant.get("limits") or {}
+            tenant.update(
+                {
+                    "live_keys": live,
+                    "spend_30d_usd": spend.get(tid, 0.0),
+                    "cache_hit_rate_30d": hit,
+                    "budget_usd": None
+                    if limits.get("budget_micro_usd") is None
+                    else limits["budget_micro_usd"] / 1e6,
+                }
+            )
+            rows.append(
+                (
+                    link(url(f"tenants/{tid}"), tenant["name"]),
+                    esc(tid),
+                    esc(f"${spend.get(tid, 0.0):.6f}"),
+                    esc(_budget(limits)),
+                    esc(_limits_text(limits)),
+                    link(url("keys", {"tenant": tid}), live),
+                    esc("unknown" if hit is None else f"{hit:.1%}"),
+                    esc("archived" if tenant.get("archived_at") else "active"),
+                )
+            )
+        data = {"tenants": tenants, "error": error, "usage_error": usage_error}
+        body = (
+            (html.notice(error, kind="error") if error else "")
+            + html.table(
+                [
+                    "Tenant",
+                    "Id",
+                    "Spend (30 d)",
+                    "Budget",
+                    "Limits",
+                    "Live keys",
+                    "Cache hit rate (30 d)",
+                    "State",
+                ],
+                rows,
+                empty="No tenants yet.",
+            )
+            + "<h2>New tenant</h2>"
+            + html.form(
+                url("tenants"), html.field("name", "Name"), "Create tenant", name="create-tenant"
+            )
+        )
+        return View("Tenants", data, body)
+
+    async def _tenant(self, session: Session, tenant_id: str, query: dict[str, str]) -> View:
+        status, tenant = await self.api(session, "GET", f"tenants/{quote(tenant_id, safe='')}")
+        if status != 200:
+            return View(
+                "Tenant",
+                {"error": _message(tenant, status)},
+                html.notice(_message(tenant, status), kind="error"),
+                "tenants",
+                status,
+            )
+        limits = tenant.get("limits") or {}
+        fields = "".join(
+            html.field(k, label, limits.get(k, ""), kind="number") for k, label in LIMIT_FIELDS
+        )
+        tid = esc(tenant["id"])
+        body = (
+            html.table(
+                ["Name", "Id", "Salt epoch", "Models", "Created", "Limits"],
+                [
+                    (
+                        esc(tenant["name"]),
+                        tid,
+                        esc(tenant.get("epoch")),
+                        esc(", ".join(tenant.get("models") or []) or "all"),
+                        esc(when(tenant.get("created_at"))),
+                        esc(_limits_text(limits)),
+                    )
+                ],
+            )
+            + f"<p>{link(url('keys', {'tenant': str(tenant['id'])}), 'Keys of this tenant')}</p>"
+            + "<h2>Limits</h2><p>Leave a field empty for no limit of that kind.</p>"
+            + html.form(url(f"tenants/{tenant['id']}/limits"), fields, "Save limits", name="limits")
+            + "<h2>Cache namespace</h2>"
+            + html.form(
+                url(f"tenants/{tenant['id']}/rotate-salt"),
+                "",
+                "Rotate the salt",
+                name="rotate-salt",
+            )
+        )
+        return View(f"Tenant {tenant['name']}", {"tenant": tenant}, body, "tenants")
+
+    async def _keys(self, session: Session, query: dict[str, str]) -> View:
+        tenants, error = await self._list(session, "tenants")
+        chosen = query.get("tenant") or (str(tenants[0]["id"]) if tenants else "")
+        keys: list[dict[str, Any]] = []
+        if chosen and not error:
+            keys, error = await self._list(session, f"tenants/{quote(chosen, safe='')}/keys")
+        rows = []
+        for k in keys:
+            kid = str(k["id"])
+            actions = ""
+            if k.get("revoked_at") is None:
+                actions = html.form(
+                    url(f"keys/{kid}/rotate"),
+                    html.field("grace_period_s", "Grace (s)", "86400", kind="number"),
+                    "Rotate",
+                    name=f"rotate-{kid}",
+                ) + html.form(url(f"keys/{kid}/revoke"), "", "Revoke", name=f"revoke-{kid}")
+            rows.append(
+                (
+                    esc(kid),
+                    esc(k.get("redacted_value")),
+                    esc(when(k.get("created_at"))),
+                    esc(when(k.get("last_used_at")) or "never"),
+                    esc(when(k.get("expires_at")) or "none"),
+                    esc("revoked " + when(k["revoked_at"]) if k.get("revoked_at") else "live"),
+                    actions,
+                )
+            )
+        options = [(str(t["id"]), str(t["name"])) for t in tenants]
+        data = {"tenant": chosen, "keys": keys, "error": error}
+        body = (
+            html.form(
+                url("keys"),
+                html.select("tenant", "Tenant", options, chosen),
+                "Show",
+                method="get",
+                name="pick-tenant",
+            )
+            + (html.notice(error, kind="error") if error else "")
+            + html.table(
+                ["Key id", "Key", "Created", "Last used", "Expires", "State", ""],
+                rows,
+                empty="No keys.",
+            )
+            + (
+                "<h2>New key</h2>"
+                + html.form(
+                    url("keys/create"),
+                    f'<input type="hidden" name="tenant" value="{esc(chosen)}">',
+                    "Mint a key",
+                    name="create-key",
+                )
+                if chosen
+                else ""
+            )
+        )
+        return View("Keys", data, body)
+
+    async def _fleet(self, session: Session, query: dict[str, str]) -> View:
+        snap = await self._snapshot()
+        gauges = {
+            name: {dict(labels).get("replica", ""): v for labels, v in g.values}
+            for name, g in snap.gauges.items()
+        }
+        healthy = gauges.get("saltgate_replica_healthy", {})
+        inflight = gauges.get("saltgate_replica_inflight", {})
+        start = (int(time.time()) - 3600) // 60 * 60
+        params = {
+            "start_time": str(start),
+            "bucket_width": "1m",
+            "limit": "60",
+            "group_by": "replica",
+        }
+        usage, usage_error = await self._buckets(session, "usage/completions", params)
+        ratio: dict[str, tuple[int, int | None]] = {}
+        for b in usage:
+            for r in b.get("results") or []:
+                name = str(r.get("replica"))
+                p, c = ratio.get(name, (0, 0))
+                rc = r.get("input_cached_tokens")
+                ratio[name] = (
+                    p + _int(r.get("input_tokens")),
+                    None if c is None or rc is None else c + int(rc),
+                )
+        replicas = []
+        for name in sorted(set(healthy) | set(inflight)):
+            p, c = ratio.get(name, (0, 0))
+            replicas.append(
+                {
+                    "replica": name,
+                    "healthy": healthy.get(name) == 1.0,
+                    "inflight": int(inflight.get(name, 0)),
+                    "cached_ratio_1h": None if c is None or not p else c / p,
+                }
+            )
+        single = {name: g.values[0][1] for name, g in snap.gauges.items() if len(g.values) == 1}
+        bus = {
+            "configured": self.config.cluster is not None,
+            "up": single.get("saltgate_cluster_bus_up"),
+            "peers": single.get("saltgate_cluster_peers"),
+            "workers_alive": single.get("saltgate_workers_alive"),
+        }
+        store = {
+            "backend": self.config.store_settings.backend,
+            "where": self.config.store_settings.describe(),
+            "unreachable_s": single.get("saltgate_store_unreachable_seconds"),
+            "spooled_records": single.get("saltgate_ledger_spooled_records"),
+        }
+        data = {"replicas": replicas, "cluster": bus, "store": store, "usage_error": usage_error}
+        rows = [
+            (
+                esc(r["replica"]),
+                esc("healthy" if r["healthy"] else "unhealthy"),
+                esc(r["inflight"]),
+                esc("unknown" if r["cached_ratio_1h"] is None else f"{r['cached_ratio_1h']:.1%}"),
+            )
+            for r in replicas
+        ]
+        peers = (
+            "not configured"
+            if not bus["configured"]
+            else f"bus {'up' if bus['up'] else 'down'}, {int(bus['peers'] or 0)} other gateways"
+        )
+        body = (
+            "<h2>Replicas</h2>"
+            + html.table(
+                ["Replica", "Health", "In flight", "Cached ratio (1 h)"], rows, empty="No replicas."
+            )
+            + "<h2>Gateways on the bus</h2>"
+            + f"<p>{esc(peers)}</p>"
+            + (
+                f"<p>{esc(int(bus['workers_alive'] or 0))} worker processes alive</p>"
+                if bus["workers_alive"] is not None
+                else ""
+            )
+            + "<h2>Store</h2>"
+            + html.table(
+                ["Backend", "Where", "Unreachable for", "Spooled records"],
+                [
+                    (
+                        esc(store["backend"]),
+                        esc(store["where"]),
+                        esc(f"{store['unreachable_s'] or 0:.0f} s"),
+                        esc(int(store["spooled_records"] or 0)),
+                    )
+                ],
+            )
+        )
+        return View("Routing and fleet", data, body)
+
+    async def _audit(self, session: Session, query: dict[str, str]) -> View:
+        params = {"limit": "50", "after": query.get("after", "")}
+        status, answer = await self.api(session, "GET", "audit_logs", params)
+        error = None if status == 200 else _message(answer, status)
+        entries = answer.get("data") or [] if status == 200 else []
+        rows = [
+            (
+                esc(e.get("id")),
+                esc(when(e.get("created_at") or e.get("ts"))),
+                esc(e.get("actor") or e.get("actor_id")),
+                esc(e.get("action") or e.get("type")),
+                esc(e.get("resource_id")),
+                f"<code>{esc(orjson.dumps(e.get('before')).decode())}</code>",
+                f"<code>{esc(orjson.dumps(e.get('after')).decode())}</code>",
+            )
+            for e in entries
+        ]
+        more = ""
+        if answer.get("has_more"):
+            after = {"after": str(answer.get("last_id") or "")}
+            more = f"<p>{link(url('audit', after), 'Next entries')}</p>"
+        body = (
+            (html.notice(error, kind="error") if error else "")
+            + html.table(
+                ["#", "Time", "Who", "What", "Resource", "Before", "After"],
+                rows,
+                empty="No entries.",
+            )
+            + more
+        )
+        return View(
+            "Audit log",
+            {"entries": entries, "error": error, "has_more": answer.get("has_more", False)},
+            body,
+        )
+
+    async def _admin_tokens(self, session: Session, query: dict[str, str]) -> View:
+        tokens, error = await self._list(session, "admin_tokens")
+        rows = [
+            (
+                esc(t.get("id")),
+                esc(t.get("redacted_value")),
+                esc(", ".join(t.get("scopes") or [])),
+                esc(t.get("tenant_id") or "every tenant"),
+                esc(when(t.get("last_used_at")) or "never"),
+                esc("revoked" if t.get("revoked_at") else "live"),
+                ""
+                if t.get("revoked_at")
+                else html.form(
+                    url(f"admin-tokens/{t['id']}/revoke"),
+                    "",
+                    "Revoke",
+                    name=f"revoke-token-{t['id']}",
+                ),
+            )
+            for t in tokens
+        ]
+        boxes = "".join(
+            f'<label><input type="checkbox" name="scopes" value="{esc(s)}"'
+            f"{' checked' if s in session.scopes else ''}> {esc(s)}</label>"
+            for s in SCOPE_NAMES
+            if s in session.scopes
+        )
+        body = (
+            (html.notice(error, kind="error") if error else "")
+            + html.table(
+                ["Id", "Token", "Scopes", "Tenant", "Last used", "State", ""],
+                rows,
+                empty="No admin tokens visible.",
+            )
+            + "<h2>New admin token</h2><p>A token can have only scopes this one has.</p>"
+            + html.form(
+                url("admin-tokens"),
+                f'<fieldset class="scopes">{boxes}</fieldset>'
+                + html.field("tenant_id", "Pinned to tenant (id, optional)"),
+                "Create admin token",
+                name="create-admin-token",
+            )
+        )
+        return View("Admin tokens", {"admin_tokens": tokens, "error": error}, body)
+
+    async def _prices(self, session: Session, query: dict[str, str]) -> View:
+        versions = price_versions(self.config.prices)
+        prices = [
+            {
+                "model": model,
+                "input_per_mtok": p.input_per_mtok,
+                "cached_input_per_mtok": p.cached_input_per_mtok,
+                "output_per_mtok": p.output_per_mtok,
+                "version": v.version,
+            }
+            for model, v in sorted(versions.items())
+            for p in (self.config.prices[model],)
+        ]
+        rows = [
+            (
+                esc(p["model"]),
+                esc(f"${p['input_per_mtok']}"),
+                esc(f"${p['cached_input_per_mtok']}"),
+                esc(f"${p['output_per_mtok']}"),
+                esc(p["version"]),
+            )
+            for p in prices
+        ]
+        body = (
+            html.table(
+                ["Model", "Input / Mtok", "Cached input / Mtok", "Output / Mtok", "Version"],
+                rows,
+                empty="No prices configured: usage is counted, not priced.",
+            )
+            + "<p>Prices are set in the configuration's <code>[prices]</code> tables; a "
+            "request is billed at the price of its time.</p>"
+        )
+        return View("Prices", {"prices": prices}, body)
+
+    # -- forms -----------------------------------------------------------------------------
+
+    async def _action(self, session: Session, rest: str, request: Request) -> Response:
+        """A form's POST: the matching admin API call, then a page (or the new secret)."""
+        parts = rest.split("/")
+        # "tenants" or "keys/create" as they are; "keys/ID/revoke" as ("keys", "revoke").
+        name = rest if len(parts) < 3 else f"{parts[0]}/{parts[-1]}"
+        ident = quote(parts[1], safe="") if len(parts) == 3 else ""
+        action = self._actions.get(name)
+        if action is None or len(parts) > 3:
+            return self._plain(404, "No such form.")
+        form = parse_qs(request.body.decode("utf-8", "replace"), keep_blank_values=True)
+        return await action(session, ident, Form(form))
+
+    async def _create_tenant(self, session: Session, _: str, form: Form) -> Response:
+        status, answer = await self.api(session, "POST", "tenants", body={"name": form.one("name")})
+        return self._after(
+            status, answer, url(f"tenants/{answer.get('id')}", {"done": "Tenant created."})
+        )
+
+    async def _set_limits(self, session: Session, tenant: str, form: Form) -> Response:
+        try:
+            limits = {k: int(form.one(k)) for k, _ in LIMIT_FIELDS if form.one(k)}
+        except ValueError:
+            return self._plain(400, "Limits are whole numbers.")
+        status, answer = await self.api(session, "PUT", f"tenants/{tenant}/limits", body=limits)
+        return self._after(status, answer, url(f"tenants/{tenant}", {"done": "Limits saved."}))
+
+    async def _rotate_salt(self, session: Session, tenant: str, _: Form) -> Response:
+        status, answer = await self.api(session, "POST", f"tenants/{tenant}/rotate_salt")
+        done = {"done": "Salt rotated: a fresh cache namespace."}
+        return self._after(status, answer, url(f"tenants/{tenant}", done))
+
+    async def _create_key(self, session: Session, _: str, form: Form) -> Response:
+        tenant = form.one("tenant")
+        status, answer = await self.api(session, "POST", f"tenants/{quote(tenant, safe='')}/keys")
+        return self._shown_once(status, answer, "New API key", url("keys", {"tenant": tenant}))
+
+    async def _revoke_key(self, session: Session, key: str, _: Form) -> Response:
+        status, answer = await self.api(session, "DELETE", f"keys/{key}")
+        back = {"tenant": str(answer.get("tenant_id") or ""), "done": f"Key {key} revoked."}
+        return self._after(status, answer, url("keys", back))
+
+    async def _rotate_key(self, session: Session, key: str, form: Form) -> Response:
+        try:
+            grace = float(form.one("grace_period_s") or 86400)
+        except ValueError:
+            return self._plain(400, "The grace period is a number of seconds.")
+        status, answer = await self.api(
+            session, "POST", f"keys/{key}/rotate", body={"grace_period_s": grace}
+        )
+        back = url("keys", {"tenant": str(answer.get("tenant_id") or "")})
+        return self._shown_once(status, answer, "Rotated API key", back)
+
+    async def _create_admin_token(self, session: Session, _: str, form: Form) -> Response:
+        body: dict[str, Any] = {"scopes": form.values.get("scopes") or []}
+        if form.one("tenant_id"):
+            body["tenant_id"] = form.one("tenant_id")
+        status, answer = await self.api(session, "POST", "admin_tokens", body=body)
+        return self._shown_once(status, answer, "New admin token", url("admin-tokens"))
+
+    async def _revoke_admin_token(self, session: Session, token_id: str, _: Form) -> Response:
+        status, answer = await self.api(session, "DELETE", f"admin_tokens/{token_id}")
+        done = {"done": f"Admin token {token_id} revoked."}
+        return self._after(status, answer, url("admin-tokens", done))
+
+    def _after(self, status: int, answer: dict[str, Any], to: str) -> Response:
+        """Post, then redirect to a page (so a reload does not post again); or the error."""
+        if status >= 400:
+            return self._plain(status, _message(answer, status))
+        return redirect(to)
+
+    def _shown_once(self, status: int, answer: dict[str, Any], title: str, back: str) -> Response:
+        """A new secret, on this response only (never in a URL, never stored here)."""
+        if status >= 400:
+            return self._plain(status, _message(answer, status))
+        body = (
+            html.notice("Copy it now: it is shown this once.")
+            + f'<p><code class="secret" data-secret="1">{esc(answer.get("value"))}</code></p>'
+            + f"<p>Id {esc(answer.get('id'))}. {link(back, 'Back')}</p>"
+        )
+        return _response(201, html.page(title, body, signed_in=""), HTML_TYPE, [])
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _message(answer: Mapping[str, Any], status: int) -> str:
+    error = answer.get("error")
+    if isinstance(error, dict) and error.get("message"):
+        return f"{error['message']} ({status})"
+    return f"the admin API answered {status}"
+
+
+def _max_limit(width: str) -> str:
+    return {"1m": "1440", "1h": "168", "1d": "31"}[width]
+
+
+def _choice(
+    query: Mapping[str, str], name: str, allowed: Mapping[str, object], default: str
+) -> str:
+    """A URL filter's value if it is one of `allowed`, else the default."""
+    given = query.get(name)
+    return given if given is not None and given in allowed else default
+
+
+def _total(values: list[float | None]) -> float | None:
+    """A series' sum; None (unknown) when any point is."""
+    return None if None in values else sum(v or 0 for v in values)
+
+
+def _sum(bucket: Mapping[str, Any], key: str) -> int | None:
+    """A bucket's total of one field; None when any result's is unknown."""
+    total = 0
+    for r in bucket.get("results") or []:
+        v = r.get(key)
+        if v is None:
+            return None
+        total += int(v)
+    return total
+
+
+def _cost_result(result: Mapping[str, Any]) -> float:
+    micro = result.get("amount_micro_usd")
+    if isinstance(micro, int):
+        return micro / 1e6
+    amount = result.get("amount") or {}
+    return float(amount.get("value") or 0)
+
+
+def _cost(bucket: Mapping[str, Any]) -> float:
+    return sum(_cost_result(r) for r in bucket.get("results") or [])
+
+
+def _group_name(result: Mapping[str, Any], group: str) -> str:
+    field_name = {
+        "tenant": "tenant_id",
+        "key": "api_key_id",
+        "model": "model",
+        "replica": "replica",
+    }.get(group)
+    return "all" if field_name is None else str(result.get(field_name) or "none")
+
+
+def _chart(times: list[int], series: list[tuple[str, list[Any]]], unit: str) -> dict[str, Any]:
+    """What static/console.js draws: x (unix seconds) and labelled y series."""
+    return {"x": times, "unit": unit, "series": [{"label": n, "values": v} for n, v in series]}
+
+
+def _num(value: object) -> str:
+    if value is None:
+        return "unknown"
+    return f"{value:,.0f}" if isinstance(value, int | float) else str(value)
+
+
+def _ttft_text(ttft: Mapping[str, Any]) -> str:
+    p50, p95 = ttft.get("p50_s"), ttft.get("p95_s")
+    if p50 is None or p95 is None:
+        return "no streamed requests yet"
+    return f"≤ {p50:g} s / ≤ {p95:g} s"
+
+
+def _budget(limits: Mapping[str, Any]) -> str:
+    if limits.get("budget_micro_usd") is None:
+        return "none"
+    return f"${limits['budget_micro_usd'] / 1e6:.2f} per {limits.get('budget_period_s')} s"
+
+
+def _limits_text(limits: Mapping[str, Any]) -> str:
+    shown = [f"{k} {limits[k]}" for k, _ in LIMIT_FIELDS[:4] if limits.get(k) is not None]
+    return ", ".join(shown) or "none"
+
+
+def _csv_cell(value: object) -> str:
+    text = "" if value is None else str(value)
+    if text[:1] in ("=", "+", "-", "@"):  # a spreadsheet would run it as a formula
+        text = "'" + text
+    if any(c in text for c in ',"\n'):
+        text = '"' + text.replace('"', '""') + '"'
+    return text
