@@ -45,7 +45,7 @@ class Model:
 
     def arrive(self, w: Waiter[int]) -> None:
         queue = self.backlog.setdefault((w.band, w.tenant), [])
-        if not queue:
+        if not any(q for (_, t), q in self.backlog.items() if t == w.tenant):  # from idle
             live = [self.counters[t] for (b, t), q in self.backlog.items() if q and b == w.band]
             start = min(live) if live else self.last_served.get(w.band, 0.0)
             self.counters[w.tenant] = max(self.counters.get(w.tenant, 0.0), start)
@@ -78,6 +78,20 @@ ops = st.lists(
     ),
     max_size=120,
 )
+
+
+def test_a_tenant_in_both_bands_keeps_one_counter_and_its_place() -> None:
+    """A tenant joining the batch band while it waits in the interactive one is not
+    returning from idle: lifting it there moved the counter its interactive place was
+    filed under, and the next release found no one to release (an IndexError)."""
+    q: FairQueue[str] = FairQueue(quantum_tokens=0)
+    q.push("a1", "a", 1, deadline=FAR)
+    q.push("a2", "a", 1, deadline=FAR, band=BATCH)
+    assert (w := q.pop()) is not None and w.item == "a1"
+    q.push("b1", "b", 1, deadline=FAR)
+    q.push("b2", "b", 1, deadline=FAR, band=BATCH)  # a waits in batch, at counter 1
+    assert q.counters["b"] == 0.0  # from idle to the last served in its band (a, at 0)
+    assert [w.item for w in iter(q.pop, None)] == ["b1", "a2", "b2"]
 
 
 @settings(max_examples=300, deadline=None)

@@ -9,8 +9,9 @@ tested without sockets (tests/governance/test_fairness.py).
   Sheng et al., OSDI'24): a released request charges its tenant input + 2 x output tokens
   divided by the tenant's weight (the prompt estimate when released, corrected to the
   metered usage when it ends: `correct`). The backlogged tenant with the smallest counter
-  goes next. A tenant that returns from idle is lifted to the smallest counter of those
-  waiting (or, with none waiting, to the last one served), so idling banks no credit.
+  goes next. A tenant that returns from idle (nothing waiting in any band) is lifted to the
+  smallest counter of those waiting in its band (or, with none waiting, to the last one
+  served there), so idling banks no credit.
 - Locality survives fairness: a turn goes on while the tenant has waiting requests of the
   same route key as the one that opened it, up to `quantum_tokens` of service (a deficit
   quantum, as in DLPM), so requests sharing a prefix go out together to the replica that
@@ -155,11 +156,15 @@ class FairQueue(Generic[T]):
         waiter = Waiter(item, tenant, band, cost, locality, deadline, seq)
         t = b.tenants.get(tenant)
         if t is None:
+            counter = self.counters.get(tenant, 0.0)
+            if not any(tenant in other.tenants for other in self._bands.values()):
+                # Back from idle: no credit for the time it sent nothing (VTC's lift). A
+                # tenant already waiting in the other band is not idle: its counter, which
+                # orders it there too, stays what its service made it.
+                live = self._min_counter(b)
+                counter = max(counter, b.floor if live is None else live)
+                self.counters[tenant] = counter
             t = b.tenants[tenant] = _Tenant()
-            # Back from idle: no credit for the time it sent nothing (VTC's lift).
-            live = self._min_counter(b)
-            start = b.floor if live is None else live
-            counter = self.counters[tenant] = max(self.counters.get(tenant, 0.0), start)
             heapq.heappush(b.heap, (counter, seq, tenant))
         t.fifo.append(waiter)
         if locality is not None:
