@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 from redis.asyncio import Redis
 from tests.gateway.stack import MODEL, new_state_dir, run
 from tests.support.gateways import GatewayProcess, write_gateway_config
@@ -17,10 +18,13 @@ from tests.support.http import async_client
 from tests.support.waiting import eventually
 
 from saltgate.bench.services import RedisServer
-from saltgate.gateway.shared_limits import SharedLimits
+from saltgate.derivations.derive import ROUTE_CHAT
+from saltgate.gateway.admission import Admission
+from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
 from saltgate.governance.limits import CONCURRENCY, OUTPUT_TOKENS, REQUESTS, Demand, Limits
+from saltgate.policy.errors import ApiError
 from saltgate.sim.run import SimConfig, start_sim
-from saltgate.store.tenants import TenantStore
+from saltgate.store.tenants import Principal, TenantStore
 
 TENANT = ("tenant", "tn_0000000000000001")
 KEY = ("key", "key_000000000001")
@@ -186,5 +190,78 @@ def test_two_gateway_processes_on_one_redis_hold_the_tenants_limit(
             for g in gateways:
                 await g.stop()
             await sim.close()
+
+    run(main)
+
+
+def test_a_gateway_that_loses_redis_counts_what_it_admitted_through_it(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A gateway with share 2 of rpm 10 admits 3 requests through Redis, then loses it:
+    its fallback share of 5 already holds those 3, so 2 more are admitted in the window,
+    not a whole share again (which let a loaded fleet reach 2 x L, docs/limits.md)."""
+
+    async def main() -> None:
+        sim = await start_sim(SimConfig(port=0))
+        state = tmp_path / "state"
+        key = new_state_dir(state, ("acme",))["acme"]
+        with TenantStore.from_state_dir(state) as store:
+            store.set_limits("acme", Limits(rpm=10))
+        config = write_gateway_config(
+            tmp_path / "gw.toml",
+            state_dir=state,
+            replicas=[sim.url],
+            sections=(
+                f'[cluster]\nurl = "{redis_server.url()}"\n'
+                f'password_file = "{redis_server.password_file}"\ngateway_id = "gw0"\n'
+                "[limits]\nshare = 2\n"
+            ),
+        )
+        gateway = await GatewayProcess.start(config, tmp_path / "gw.log")
+        http = async_client(timeout=30, headers={"authorization": f"Bearer {key}"})
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        try:
+            for _ in range(3):
+                shared = await http.post(f"{gateway.url}/v1/completions", json=body)
+                assert shared.status_code == 200
+                assert shared.headers["x-ratelimit-limit-requests"] == "10"  # through Redis
+
+            redis_server.stop()
+            alone = [await http.post(f"{gateway.url}/v1/completions", json=body) for _ in range(6)]
+            assert [r.status_code for r in alone] == [200, 200, 429, 429, 429, 429]
+            assert alone[0].headers["x-ratelimit-limit-requests"] == "5"  # the fallback share
+            assert "Limit 5, Used 5" in alone[-1].json()["error"]["message"]
+            metrics = (await http.get(gateway.metrics_url)).text
+            assert "saltgate_limits_shared_up 0.0" in metrics
+        finally:
+            await http.aclose()
+            await gateway.stop()
+            await sim.close()
+
+    run(main)
+
+
+def test_a_redis_admission_is_settled_in_the_local_share_too(redis_server: RedisServer) -> None:
+    """Admitted through Redis, then Redis lost: the local share holds the request's lease
+    and its 400 reserved output tokens until it ends, then what it used (10) and no lease,
+    so the fallback admits exactly what is left of the share (490 of 500)."""
+
+    async def main() -> None:
+        principal = Principal(
+            "tn_1", "acme", "key_1", 0, limits=Limits(output_tpm=1000, concurrency=2)
+        )
+        async with engines(redis_server, 1) as (engine,):
+            admission = Admission({}, share=2, shared=engine)
+            ticket, _ = await admission.admit(principal, ROUTE_CHAT, MODEL, 40, 400)
+            assert isinstance(ticket, SharedTicket) and ticket.local is not None
+            redis_server.stop()
+            with pytest.raises(ApiError, match="concurrent requests"):  # its one lease
+                await admission.admit(principal, ROUTE_CHAT, MODEL, 40, 1)
+            admission.settle(ticket, 11, 10, 0)
+            with_all_left, _ = await admission.admit(principal, ROUTE_CHAT, MODEL, 40, 490)
+            assert not isinstance(with_all_left, SharedTicket)  # the local share admitted it
+            admission.settle(with_all_left, 11, 10, 0)
+            with pytest.raises(ApiError, match="Limit 500, Used 20"):
+                await admission.admit(principal, ROUTE_CHAT, MODEL, 40, 481)
 
     run(main)

@@ -109,6 +109,45 @@ def test_concurrency_lease_released_or_expired() -> None:
     assert gov.admit([TENANT], Demand(0, 0), 36.0).admitted
 
 
+def test_a_fallback_counts_the_admissions_recorded_from_elsewhere() -> None:
+    """A share of 10 rpm after 4 admissions the fleet's Redis granted here (recorded, not
+    checked): the fallback admits 6 more, not a whole share, until the 4 leave the window."""
+    share = Limits(rpm=40, output_tpm=4000).share(4)
+    gov = governor(share, key=share)
+    recorded = [gov.record([TENANT, KEY], Demand(0, 100), float(t)) for t in range(4)]
+    assert [t.subjects for t in recorded] == [(TENANT, KEY)] * 4
+    admitted = sum(gov.admit([TENANT, KEY], Demand(0, 0), 10.0).admitted for _ in range(20))
+    assert admitted == 10 - 4
+    refused = gov.admit([TENANT, KEY], Demand(0, 0), 10.0)
+    assert refused.denial is not None and refused.denial.kind == REQUESTS
+    assert refused.denial.retry_at == 60.0  # the first recorded admission leaves
+    assert gov.admit([TENANT, KEY], Demand(0, 0), 60.0).admitted
+
+
+def test_recorded_admissions_are_settled_and_hold_leases() -> None:
+    """A recorded admission takes a lease and its reservation is corrected at the end,
+    like an admitted one; recording never refuses, even past the share."""
+    gov = governor(Limits(output_tpm=1000, concurrency=2))
+    tickets = [gov.record([TENANT], Demand(0, 600), 0.0) for _ in range(3)]
+    assert {q.kind: q.remaining for q in gov.quotas([TENANT], 0.0)} == {OUTPUT_TOKENS: 0}
+    refused = gov.admit([TENANT], Demand(0, 0), 1.0)
+    assert refused.denial is not None
+    for ticket in tickets:
+        gov.settle(ticket, Demand(0, 100), 2.0)
+    assert {q.kind: q.remaining for q in gov.quotas([TENANT], 2.0)} == {OUTPUT_TOKENS: 700}
+    assert gov.admit([TENANT], Demand(0, 700), 3.0).admitted
+    assert gov.admit([TENANT], Demand(0, 0), 3.0).admitted  # the leases came back
+
+
+def test_recording_alone_keeps_its_logs_a_window_long() -> None:
+    """While Redis answers, nothing here checks: the logs still drop what left the window."""
+    gov = governor(Limits(rpm=5))
+    for t in range(600):
+        gov.record([TENANT], Demand(0, 0), float(t))
+    # Looked at before anything else prunes it (a quota or an admission would).
+    assert len(gov._subjects[TENANT].logs[REQUESTS].entries) == 60
+
+
 def test_budget_overshoots_by_at_most_one_reservation() -> None:
     gov = governor(Limits(budget_micro_usd=1000, budget_period_s=3600))
     admitted = 0

@@ -10,6 +10,7 @@ it (gateway/server.py tests two attributes of the principal).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -124,12 +125,17 @@ class Admission:
                 if limits is not None
             ]
             failure: Exception | None = None
+            granted: SharedTicket | None = None
             try:
-                ticket, denial, quotas = await self.shared.admit(limited, demand)
+                granted, denial, quotas = await self.shared.admit(limited, demand)
             except (RedisError, OSError) as exc:
                 failure = exc
             if failure is None:
                 shared_answered = True
+                if granted is not None:
+                    # Counted here too, so a fallback to the share sees it (docs/limits.md).
+                    local = self.governor.record(self._subjects(principal), demand, self._clock())
+                    ticket = SharedTicket(granted.id, granted.specs, local)
                 if not self.shared_up:
                     log.warning("saltgate: limits shared through Redis again")
                     self.shared_up = True
@@ -170,7 +176,10 @@ class Admission:
         used = Demand(uncached, output, cost)
         if isinstance(ticket, Ticket):
             self.governor.settle(ticket, used, self._clock())
-        elif self.shared is not None:
+            return
+        if ticket.local is not None:
+            self.governor.settle(ticket.local, used, self._clock())
+        if self.shared is not None:
             task = asyncio.create_task(self._settle_shared(self.shared, ticket, used))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
@@ -195,6 +204,9 @@ def reservation(
     return Demand(prompt, allowance, cost)
 
 
+# Every admission through Redis installs the local shares too (to record it): computed
+# once per distinct limits, not per request.
+@functools.lru_cache(maxsize=4096)
 def _shared(limits: Limits | None, share: int) -> Limits | None:
     return None if limits is None else limits.share(share)
 

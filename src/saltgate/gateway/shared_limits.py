@@ -36,6 +36,7 @@ from saltgate.governance.limits import (
     Denial,
     Limits,
     Quota,
+    Ticket,
     amounts,
     tightest,
 )
@@ -166,10 +167,13 @@ class _Spec:
 
 @dataclass(frozen=True, slots=True)
 class SharedTicket:
-    """An admission recorded in Redis, settled there when the request ends."""
+    """An admission recorded in Redis, settled there when the request ends; `local` is
+    the same admission recorded in this process's governor (gateway/admission.py), so a
+    fallback to the local share counts it, settled there too."""
 
     id: str
     specs: tuple[_Spec, ...]
+    local: Ticket | None = None
 
 
 def _specs(

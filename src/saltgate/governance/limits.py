@@ -331,6 +331,19 @@ class Governor:
         denials = [d for name, subject in present for d in self._check(name, subject, demand, now)]
         if denials:
             return Decision(None, max(denials, key=_lateness), self._quotas(present, now))
+        return Decision(self._record(present, demand, now), None, self._quotas(present, now))
+
+    def record(self, subjects: Sequence[tuple[str, str]], demand: Demand, now: float) -> Ticket:
+        """Count an admission decided elsewhere (the fleet's Redis) without checking it,
+        so that a later `admit` here (falling back to this process's share) counts what
+        this process already admitted in the window; settle the ticket like any other."""
+        present = [(s, self._subjects[s]) for s in subjects if s in self._subjects]
+        return self._record(present, demand, now)
+
+    def _record(
+        self, present: Sequence[tuple[tuple[str, str], _Subject]], demand: Demand, now: float
+    ) -> Ticket:
+        """Add the demand to every log and take a lease in every subject (no check)."""
         self._last_id += 1
         ticket = Ticket(self._last_id, tuple(name for name, _ in present), {})
         counted = amounts(demand)
@@ -339,10 +352,13 @@ class Governor:
             for kind in (*WINDOWED, BUDGET):
                 limit = limits.budget_micro_usd if kind == BUDGET else limits.windowed(kind)
                 if limit is not None:
-                    ticket.entries[(name, kind)] = subject.log(kind).add(now, counted[kind])
+                    log = subject.log(kind)
+                    # `record` alone never checks: prune here so its logs stay a window long.
+                    log.prune(now)
+                    ticket.entries[(name, kind)] = log.add(now, counted[kind])
             if limits.concurrency is not None:
                 subject.leases[ticket.id] = now + self.lease_ttl_s
-        return Decision(ticket, None, self._quotas(present, now))
+        return ticket
 
     def _check(
         self, name: tuple[str, str], subject: _Subject, demand: Demand, now: float
