@@ -201,6 +201,27 @@ def test_csv_streams_every_bucket_with_unknown_spelled_out(usage_store: StoreSet
     assert rows[2]["cost_usd"] == "1.500000"
 
 
+def test_csv_never_hands_a_spreadsheet_a_formula(store_settings: StoreSettings) -> None:
+    """A model named like a formula is written as text (`'=...`), as the console's own
+    CSV writer did before it became this export."""
+    db = open_database(store_settings)
+    try:
+        db.execute_many(USAGE_INSERT, [record(1, ts=T0, model='=HYPERLINK("x")')])
+    finally:
+        db.close()
+
+    async def go() -> bytes:
+        reader = open_usage_reader(store_settings)
+        try:
+            query = hourly(group_by="model")
+            return b"".join([chunk async for chunk in usage_csv(reader, query, None)])
+        finally:
+            await reader.aclose()
+
+    [row] = list(csv.DictReader(io.StringIO(asyncio.run(go()).decode())))
+    assert row["model"] == '\'=HYPERLINK("x")'
+
+
 def test_reconcile_answers_ok_and_the_ledger_totals(usage_store: StoreSettings) -> None:
     status, body = call(usage_store, reconcile, {}, None)
     assert status == 200 and body["ok"] is True and body["mismatches"] == []

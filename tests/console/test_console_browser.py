@@ -120,7 +120,7 @@ def test_forms_tenant_key_limit_usage_and_revocation(tmp_path: Path) -> None:
         csv = b.page.request.get(stack.origin + href)
         assert csv.status == 200 and csv.headers["content-type"].startswith("text/csv")
         header, *rows = csv.text().splitlines()
-        assert header.startswith("start_time,end_time,group,num_model_requests")
+        assert header.startswith("start_time,end_time,tenant_id,api_key_id,model,replica,num_model")
         assert any(r.split(",")[2] == tenant_id for r in rows), rows
         b.assert_clean()
 

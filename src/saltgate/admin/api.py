@@ -48,6 +48,7 @@ from saltgate.store.tenants import ApiKeyInfo, Tenant, TenantStore, last_used
 from saltgate.store.usage_rollups import UsageReader
 
 JSON = (b"content-type", b"application/json")
+CSV = (b"content-type", b"text/csv; charset=utf-8")
 ADMIN_PATH = "/admin"
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
@@ -129,6 +130,10 @@ class Call:
                 self._body = parsed
         return self._body
 
+    def args(self) -> dict[str, str]:
+        """The query, each parameter's last value."""
+        return {k: v[-1] for k, v in self.query.items()}
+
     def arg(self, name: str) -> str | None:
         values = self.query.get(name)
         return values[-1] if values else None
@@ -149,7 +154,9 @@ class Call:
         return given
 
 
-Handler = Callable[[Call], Awaitable[tuple[int, dict[str, Any]]]]
+# A JSON answer (status, document), or a whole response (a streamed CSV).
+Answer = tuple[int, dict[str, Any]] | Response
+Handler = Callable[[Call], Awaitable[Answer]]
 
 
 def page(
@@ -210,6 +217,8 @@ class AdminApi:
             # OpenAI-shaped usage and costs from the rollups (saltgate.admin.usage).
             "usage_completions": self._usage_completions,
             "costs": self._costs,
+            "usage_completions_csv": self._usage_completions_csv,
+            "usage_reconcile": self._usage_reconcile,
         }
         missing = {r.name for r in scopes.ROUTES} ^ set(self._handlers)
         assert not missing, f"routes and handlers differ: {sorted(missing)}"
@@ -220,8 +229,11 @@ class AdminApi:
             return None
         request_id = new_request_id()
         try:
-            status, answer = await self._handle(request, path, request_id)
-            response = Response(status, [JSON], orjson.dumps(answer))
+            answer = await self._handle(request, path, request_id)
+            if isinstance(answer, Response):
+                response = answer
+            else:
+                response = Response(answer[0], [JSON], orjson.dumps(answer[1]))
         except ApiError as error:
             response = Response(error.status, [JSON, *error.headers], error.body())
         except StoreError as error:
@@ -230,9 +242,7 @@ class AdminApi:
         response.headers.append((b"x-request-id", request_id.encode()))
         return response
 
-    async def _handle(
-        self, request: Request, path: str, request_id: str
-    ) -> tuple[int, dict[str, Any]]:
+    async def _handle(self, request: Request, path: str, request_id: str) -> Answer:
         method = request.method.decode("ascii", "replace")
         found = scopes.match(method, path)
         if found is None:
@@ -510,6 +520,23 @@ class AdminApi:
     async def _costs(self, call: Call) -> tuple[int, dict[str, Any]]:
         return await self._usage_query(usage.costs, call)
 
+    async def _usage_completions_csv(self, call: Call) -> Response:
+        """Every bucket of the range as CSV (usage.usage_csv), streamed. The query is
+        checked first: a bad parameter is a 400, not a stream cut short."""
+        reader, query = self._usage_reader(), call.args()
+        usage.parse_query(query, call.pinned)
+        disposition = (b"content-disposition", b'attachment; filename="saltgate-usage.csv"')
+        return Response(200, [CSV, disposition], stream=usage.usage_csv(reader, query, call.pinned))
+
+    async def _usage_reconcile(self, call: Call) -> tuple[int, dict[str, Any]]:
+        """Rollups against the ledger; a pinned token reconciles only its tenant's rows."""
+        return await self._usage_query(usage.reconcile, call)
+
+    def _usage_reader(self) -> UsageReader:
+        if self.usage is None:
+            raise ApiError(501, "usage is not served by this listener", code="not_implemented")
+        return self.usage
+
     async def _usage_query(
         self,
         query: Callable[
@@ -518,6 +545,4 @@ class AdminApi:
         call: Call,
     ) -> tuple[int, dict[str, Any]]:
         """A usage or costs page; a pinned token reads only its tenant's."""
-        if self.usage is None:
-            raise ApiError(501, "usage is not served by this listener", code="not_implemented")
-        return await query(self.usage, {k: v[-1] for k, v in call.query.items()}, call.pinned)
+        return await query(self._usage_reader(), call.args(), call.pinned)

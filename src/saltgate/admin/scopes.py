@@ -107,6 +107,8 @@ ROUTES: Final = (
     Route("DELETE", "admin_tokens/{token_id}", ADMIN_TOKENS_WRITE, "admin_tokens_revoke"),
     # Usage and costs (saltgate.admin.usage), from the rollups.
     Route("GET", "usage/completions", USAGE_READ, "usage_completions"),
+    Route("GET", "usage/completions.csv", USAGE_READ, "usage_completions_csv"),
+    Route("GET", "usage/reconcile", USAGE_READ, "usage_reconcile"),
     Route("GET", "costs", USAGE_READ, "costs"),
 )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,6 +299,8 @@ def _csv_field(value: object) -> str:
     if value is None:
         return ""
     text = str(value)
+    if isinstance(value, str) and text[:1] in ("=", "+", "-", "@"):
+        text = "'" + text  # a spreadsheet would run a name (a model's, say) as a formula
     if any(c in text for c in ',"\r\n'):
         return '"' + text.replace('"', '""') + '"'
     return text
@@ -306,7 +308,7 @@ def _csv_field(value: object) -> str:
 
 async def usage_csv(
     store: UsageReader, query: Mapping[str, str], tenant_id: str | None
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Every bucket of the range (not one page) as CSV, streamed a page of buckets at a
     time; unknown cached tokens are `unknown`. Check the query with `parse_query` first:
     an error here can only end the stream."""

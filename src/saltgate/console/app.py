@@ -138,6 +138,14 @@ def _response(status: int, body: bytes, kind: bytes, extra: list[tuple[bytes, by
     return Response(status, [(b"content-type", kind), *security_headers(), *extra], body)
 
 
+def _json(response: Response | None) -> tuple[int, dict[str, Any]]:
+    """An admin API answer as (status, JSON object); None: no admin API here."""
+    if response is None:
+        return 404, {"error": {"message": "no admin API here"}}
+    answer = orjson.loads(response.body) if response.body else {}
+    return response.status, answer if isinstance(answer, dict) else {}
+
+
 def redirect(to: str, extra: list[tuple[bytes, bytes]] | None = None) -> Response:
     return _response(303, b"", HTML_TYPE, [(b"location", to.encode()), *(extra or [])])
 
@@ -306,6 +314,24 @@ class Console:
 
     # -- the admin API, in-process ---------------------------------------------------------
 
+    async def _request(
+        self,
+        token: str,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> Response | None:
+        """The admin API's own response to a call with `token` (None: no admin API)."""
+        request = Request(
+            method.encode(),
+            (API + path).encode(),
+            urlencode(query or {}).encode(),
+            [(b"authorization", f"Bearer {token}".encode()), (b"content-type", JSON_TYPE)],
+            b"" if body is None else orjson.dumps(body),
+        )
+        return await self.admin(request)
+
     async def _call(
         self,
         token: str,
@@ -314,18 +340,7 @@ class Console:
         query: Mapping[str, str] | None = None,
         body: dict[str, Any] | None = None,
     ) -> tuple[int, dict[str, Any]]:
-        request = Request(
-            method.encode(),
-            (API + path).encode(),
-            urlencode(query or {}).encode(),
-            [(b"authorization", f"Bearer {token}".encode()), (b"content-type", JSON_TYPE)],
-            b"" if body is None else orjson.dumps(body),
-        )
-        response = await self.admin(request)
-        if response is None:
-            return 404, {"error": {"message": "no admin API here"}}
-        answer = orjson.loads(response.body) if response.body else {}
-        return response.status, answer if isinstance(answer, dict) else {}
+        return _json(await self._request(token, method, path, query, body))
 
     async def api(
         self,
@@ -338,10 +353,14 @@ class Console:
         """An admin API call as the session's token. A refused token (revoked since
         sign-in) ends the session and sends the browser to sign in again."""
         status, answer = await self._call(session.token, method, path, query, body)
+        self._sign_out_if_refused(session, status)
+        return status, answer
+
+    def _sign_out_if_refused(self, session: Session, status: int) -> None:
+        """A 401 from the API: the session's token was revoked; sign in again."""
         if status == 401:
             self.sessions.end_token(session.token)
             raise _Answer(redirect(url("sign-in")))
-        return status, answer
 
     async def _list(
         self, session: Session, path: str, query: Mapping[str, str] | None = None
@@ -562,28 +581,20 @@ class Console:
         return View("Usage explorer", data, body)
 
     async def _usage_csv(self, session: Session, query: dict[str, str]) -> Response:
-        """The explorer's buckets, one row per bucket and group, every metric."""
+        """The explorer's range as the admin API's CSV export (usage/completions.csv),
+        streamed through: one row per bucket and group, every metric."""
         _, _, width, start = self._range(query, RANGES_LONG)
         group = _choice(query, "group_by", dict(GROUPS_ALL), "")
         params = {"start_time": str(start), "bucket_width": width, "limit": _max_limit(width)}
         if group:
             params["group_by"] = str(group)
-        buckets, error = await self._buckets(session, "usage/completions", params)
-        if error:
-            return self._plain(502, f"Usage: {error}")
-        head = ["start_time", "end_time", "group", *(k for k, _ in METRICS if k != "cost_usd")]
-        lines = [",".join(head)]
-        for b in buckets:
-            for r in b.get("results") or []:
-                cells = [b["start_time"], b["end_time"], _group_name(r, str(group))]
-                cells += [r.get(k) for k in head[3:]]
-                lines.append(",".join(_csv_cell(c) for c in cells))
-        return _response(
-            200,
-            ("\n".join(lines) + "\n").encode(),
-            b"text/csv; charset=utf-8",
-            [(b"content-disposition", b'attachment; filename="saltgate-usage.csv"')],
-        )
+        response = await self._request(session.token, "GET", "usage/completions.csv", params)
+        if response is None or response.stream is None:  # refused: a JSON error
+            status, answer = _json(response)
+            self._sign_out_if_refused(session, status)
+            return self._plain(502, f"Usage: {_message(answer, status)}")
+        headers = [(k, v) for k, v in response.headers if k != b"x-request-id"]
+        return Response(200, [*headers, *security_headers()], stream=response.stream)
 
     async def _tenants(self, session: Session, query: dict[str, str]) -> View:
         tenants, error = await self._list(session, "tenants")
@@ -1145,12 +1156,3 @@ def _budget(limits: Mapping[str, Any]) -> str:
 def _limits_text(limits: Mapping[str, Any]) -> str:
     shown = [f"{k} {limits[k]}" for k, _ in LIMIT_FIELDS[:4] if limits.get(k) is not None]
     return ", ".join(shown) or "none"
-
-
-def _csv_cell(value: object) -> str:
-    text = "" if value is None else str(value)
-    if text[:1] in ("=", "+", "-", "@"):  # a spreadsheet would run it as a formula
-        text = "'" + text
-    if any(c in text for c in ',"\n'):
-        text = '"' + text.replace('"', '""') + '"'
-    return text
