@@ -160,6 +160,9 @@ class Browser:
         self.page.fill("input[name=token]", token or stack.admin_token)
         self.page.click("form[data-form=sign-in] button")
         self.page.wait_for_url("**/console/overview")
+        # The overview's charts fetch its .json twin after the page loads: done before a
+        # test moves on (say, expires the session under a fetch still in flight).
+        self.page.wait_for_load_state("networkidle")
 
     def session_cookie(self) -> str:
         values = [c["value"] for c in self.context.cookies() if c["name"] == "saltgate_console"]
