@@ -7,11 +7,17 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from saltgate.admin.scopes import SCOPES
+from saltgate.config import create_master_key
+from saltgate.store.admin_tokens import AdminTokens
+from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
+from saltgate.store.tenants import TenantStore
 
 SALTGATE = Path(sys.executable).parent / "saltgate"
 
@@ -116,3 +122,29 @@ class GatewayProcess:
         if self.proc.returncode is None:
             self.proc.terminate()
             await asyncio.wait_for(self.proc.wait(), 30)
+
+
+@asynccontextmanager
+async def admin_supervisor(
+    tmp_path: Path, store: StoreSettings
+) -> AsyncIterator[tuple[GatewayProcess, str, str]]:
+    """`saltgate serve --workers 2` on `store` holding the tenant "acme": the gateway, its
+    admin listener's URL and an admin token with every scope. Its one replica is never
+    called: for tests of the admin plane, which makes no inference request."""
+    master = tmp_path / "master.key"
+    create_master_key(master)
+    with TenantStore(open_database(store)) as tenants:
+        tenants.create_tenant("acme")
+        token = AdminTokens(tenants.db).create(SCOPES)[1]
+    config = write_gateway_config(
+        tmp_path / "gw.toml",
+        state_dir=tmp_path / "state",
+        master_key_file=master,
+        replicas=["http://127.0.0.1:9"],
+        store=store,
+    )
+    gateway = await GatewayProcess.start(config, tmp_path / "gw.log", workers=2)
+    try:
+        yield gateway, gateway.metrics_url.removesuffix("/metrics"), token
+    finally:
+        await gateway.stop()
