@@ -48,6 +48,7 @@ from saltgate.bench.procs import (
     default_tools_venv,
     find_tools,
     machine_info,
+    parse_counts,
     positive,
     run_header,
     tool_versions,
@@ -58,7 +59,6 @@ from saltgate.bench.replay import (
     Options,
     add_run_arguments,
     add_sim_arguments,
-    parse_counts,
     sim_settings,
 )
 from saltgate.bench.replay_fleet import FleetOptions, variant_label

@@ -85,6 +85,7 @@ from saltgate.bench.procs import (
     free_port,
     http_request,
     machine_info,
+    parse_counts,
     pinned,
     source_state,
     tool_versions,
@@ -674,23 +675,13 @@ def _csv(kinds: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,32,64; got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("concurrency values must be >= 1")
-    return values
-
-
 HELP = "per-request overhead of saltgate vs direct, smg and vllm-router"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", type=_csv(TARGETS), default=TARGETS, help="comma-separated")
     p.add_argument("--scenarios", type=_csv(SCENARIOS), default=SCENARIOS, help="comma-separated")
-    p.add_argument("--concurrency", type=_ints, default=(1, 32), help="e.g. 1,32,64")
+    p.add_argument("--concurrency", type=parse_counts, default=(1, 32), help="e.g. 1,32,64")
     p.add_argument("--duration", type=int, default=5, help="seconds per measured point")
     p.add_argument("--warmup", type=int, default=2, help="seconds of warm-up per target")
     p.add_argument("--rounds", type=int, default=1, help="repeat all targets; report medians")

@@ -171,6 +171,17 @@ def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+def parse_counts(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated counts of at least 1, such as 1,4."""
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 1,4, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected counts of at least 1, got {text!r}")
+    return counts
+
+
 def pinned(tools: Tools, cpu: int | Sequence[int] | None, argv: Sequence[str]) -> list[str]:
     """`argv` run on one CPU, or on a set of CPUs (taskset's list), or as it is (None)."""
     if cpu is None:

@@ -45,6 +45,7 @@ from saltgate.bench.procs import (
     find_tools,
     free_port,
     machine_info,
+    parse_counts,
     positive,
     run_header,
     tool_versions,
@@ -441,16 +442,6 @@ def _policies(text: str) -> tuple[str, ...]:
             f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}"
         )
     return names
-
-
-def parse_counts(text: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected counts like 1,4, got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected counts of at least 1, got {text!r}")
-    return counts
 
 
 def _switches(text: str) -> tuple[bool, ...]:
