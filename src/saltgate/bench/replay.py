@@ -87,6 +87,9 @@ from saltgate.governance.limits import Limits
 from saltgate.http import UpstreamPool
 
 MODEL = "sim-model"
+# `--queue`: saltgate's arms with the saturation gate and the fair queue at their defaults
+# (docs/fairness.md), to show what governance costs a trace that does not overload.
+QUEUE_SECTION = "\n[queue]\nenabled = true\n"
 # Mooncake's public trace (github.com/kvcache-ai/Mooncake, FAST25-release/traces, Apache-2.0),
 # kept in the repo with its licence (data/traces/README.md).
 DEFAULT_TRACE = checkout_dir() / "data" / "traces" / "mooncake" / "conversation_trace.jsonl"
@@ -582,6 +585,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kill-gateway-at", type=float, help="SIGKILL one gateway this many s into each run"
     )
     g.add_argument("--kill-gateway", type=int, default=0, help="which gateway to kill")
+    r.add_argument(
+        "--queue",
+        action="store_true",
+        help="saltgate's policies with the saturation gate and fair queue on ([queue])",
+    )
     add_run_arguments(r)
 
 
@@ -629,6 +637,7 @@ def _options(args: argparse.Namespace) -> Options:
         startup_timeout_s=args.startup_timeout,
         progress=not args.no_progress,
         fleet=fleet,
+        gateway_sections=QUEUE_SECTION if args.queue else "",
     )
 
 
@@ -697,6 +706,7 @@ def run(args: argparse.Namespace) -> int:
                 "router_settings": list(options.router_settings),
                 "fault": asdict(options.fault) if options.fault else None,
                 "fleet": asdict(options.fleet) if options.fleet else None,
+                "queue": bool(options.gateway_sections),
             },
             "machine": asdict(machine_info()),
             "tools": tool_versions(tools),
