@@ -15,6 +15,8 @@ queue and gate, reads the clock, and is driven by the exchange and the replica s
   `overloaded_error` (Anthropic), with Retry-After; one whose client leaves is out of the
   queue at once (`Client.on_gone`, or its task cancelled with on_client_gone = "abort").
 - `done`: when the request ends, its tenant is charged what the replica metered.
+- With [cluster], the bus publishes what the queue charged and adds the other gateways'
+  service to its counters (gateway/cluster.py): `on_charge` wakes it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -78,6 +81,7 @@ class FairShare:
         self.replicas = replicas
         self.metrics = metrics
         self._timer: asyncio.TimerHandle | None = None
+        self.on_charge: Callable[[], None] | None = None  # the cluster bus's wake-up
         replicas.on_free = self.release
         replicas.on_queue = self.probed
         metrics.gauge(
@@ -136,6 +140,11 @@ class FairShare:
     def done(self, tenant: str, charged: float, used: float) -> None:
         """A request the queue released ended: charge its tenant what it used."""
         self.queue.correct(tenant, charged, used)
+        self._charged()
+
+    def _charged(self) -> None:
+        if self.on_charge is not None:
+            self.on_charge()
 
     def _left(self, waiter: Waiter[_Entry]) -> None:
         if self.queue.remove(waiter):
@@ -152,6 +161,7 @@ class FairShare:
             if isinstance(attempt, Attempt):
                 attempt.close()
                 self.queue.correct(waiter.tenant, waiter.cost, 0.0)
+                self._charged()
 
     # -- release ---------------------------------------------------------------------------
     def probed(
@@ -185,6 +195,7 @@ class FairShare:
                 queue.correct(waiter.tenant, waiter.cost, 0.0)
             self.metrics.observe(_WAIT, (("tenant", waiter.tenant),), now - entry.since)
             entry.future.set_result(attempt)
+            self._charged()
 
     def _arm(self) -> None:
         if self._timer is None:
