@@ -32,6 +32,7 @@ from saltgate.config import QueueConfig
 from saltgate.gateway.metrics import Metrics, duration_buckets
 from saltgate.gateway.replicas import Attempt, ReplicaSet
 from saltgate.governance.fairness import BATCH, INTERACTIVE, FairQueue, SaturationGate, Waiter
+from saltgate.governance.limits import fair_weight
 from saltgate.http import Client
 from saltgate.policy.errors import AnthropicApiError, ApiError
 from saltgate.routing import Plan, ReplicaId
@@ -116,6 +117,7 @@ class FairShare:
             deadline=now + self.max_queue_s,
             band=BATCH if principal.priority == BATCH else INTERACTIVE,
             locality=plan.key,
+            weight=fair_weight(principal.limits),
         )
         self.release()
         if not future.done():
