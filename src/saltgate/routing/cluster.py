@@ -15,16 +15,16 @@ in batches off the request path (gateway/cluster.py does the I/O):
 and applies the others' to its router: placements into the affinity table (the newer of
 two wins, so gateways converge), counts into the key rates, backlogs summed per replica
 beside its own (`Router.set_remote_load`), service into its fair queue's counters
-(`FairQueue.charge_elsewhere`: the counters are the fleet's). A gateway that goes silent for
-``backlog_ttl_s`` stops counting: its backlog is dropped, and if the bus itself is down
-each gateway routes on its own state until it returns.
+(`FairQueue.charge_elsewhere`: the counters are the fleet's). A gateway that goes silent
+for ``backlog_ttl_s`` stops counting: its backlog is dropped, and if the bus itself is
+down each gateway routes on its own state until it returns.
 
 What a batch holds is only keyed digests (SHA-256 under K_route: docs/spec.md, 7), route
 keys (HMAC under K_route), replica ids (their URLs), the sender's gateway id, tenant ids
 (the ids metrics label by, never a name or a key) and numbers: no salt, prompt, token or
-API key, and nothing a reader could test a guess against
-without the master key. Each batch is tagged under K_bus (docs/spec.md, 11); batches that
-do not verify are dropped and counted.
+API key, and nothing a reader could test a guess against without the master key. Each
+batch is tagged under K_bus (docs/spec.md, 11); batches that do not verify are dropped
+and counted.
 """
 
 from __future__ import annotations
