@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -217,7 +218,8 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_tenants_set_models)
     p = tsub.add_parser(
         "set-limits",
-        help="set a tenant's rate limits and budget (replacing the old ones), or --clear them",
+        help="set a tenant's rate limits, budget and fair-share weight (replacing the old "
+        "ones), or --clear them",
     )
     p.add_argument("name", help="the tenant's name")
     _limit_args(p)
@@ -294,6 +296,11 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, help="requests in flight at once")
     p.add_argument("--budget-usd", help="spend in any --budget-period, priced as billed")
     p.add_argument("--budget-period", help="the budget's period, e.g. 30d, 7d, 24h")
+    p.add_argument(
+        "--weight",
+        help="a tenant's fair share of saturated replicas (default 1; 2: twice a tenant of "
+        "1's; tenants only, docs/fairness.md)",
+    )
     p.add_argument("--clear", action="store_true", help="remove every limit")
 
 
@@ -491,7 +498,9 @@ def _limits_from_args(args: argparse.Namespace) -> Limits | None:
     from saltgate.governance.limits import Limits, parse_duration
     from saltgate.prices import micro_per_mtok
 
-    given = [args.rpm, args.input_tpm, args.output_tpm, args.concurrency, args.budget_usd]
+    given = [
+        args.rpm, args.input_tpm, args.output_tpm, args.concurrency, args.budget_usd, args.weight
+    ]  # fmt: skip
     if args.clear:
         if any(v is not None for v in (*given, args.budget_period)):
             raise ConfigError("set-limits: give --clear alone, or the limits without it")
@@ -499,7 +508,7 @@ def _limits_from_args(args: argparse.Namespace) -> Limits | None:
     if all(v is None for v in given):
         raise ConfigError(
             "set-limits: give at least one of --rpm, --input-tpm, --output-tpm, "
-            "--concurrency, --budget-usd (or --clear)"
+            "--concurrency, --budget-usd, --weight (or --clear)"
         )
     budget = period = None
     if (args.budget_usd is None) != (args.budget_period is None):
@@ -517,14 +526,31 @@ def _limits_from_args(args: argparse.Namespace) -> Limits | None:
                 f"--budget-period {args.budget_period!r}: expected a duration like 30d, 7d, 24h"
             )
         period = int(seconds)
+    weight = None if args.weight is None else _weight_arg(args.weight)
     try:
-        return Limits(args.rpm, args.input_tpm, args.output_tpm, args.concurrency, budget, period)
+        return Limits(
+            args.rpm, args.input_tpm, args.output_tpm, args.concurrency, budget, period, weight
+        )
     except ValueError as exc:
         raise ConfigError(f"set-limits: {exc}") from None
 
 
+def _weight_arg(text: str) -> float:
+    """--weight's value; ConfigError unless a positive finite number."""
+    from saltgate.config import ConfigError
+
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = math.nan
+    if not (math.isfinite(weight) and weight > 0):
+        raise ConfigError(f"--weight {text!r}: expected a positive number such as 1, 2 or 0.5")
+    return weight
+
+
 def _limits_label(limits: Limits | None) -> str:
-    """Limits as `tenants list` shows them: "rpm=60 input_tpm=10000 budget=$5/30d"."""
+    """Limits as `tenants list` shows them: "rpm=60 input_tpm=10000 budget=$5/30d
+    weight=2"."""
     if limits is None:
         return "none"
     parts = [
@@ -540,6 +566,8 @@ def _limits_label(limits: Limits | None) -> str:
     if limits.budget_micro_usd is not None and limits.budget_period_s is not None:
         dollars = limits.budget_micro_usd / 1_000_000
         parts.append(f"budget=${dollars:g}/{_period_label(limits.budget_period_s)}")
+    if limits.weight is not None:
+        parts.append(f"weight={limits.weight:g}")
     return " ".join(parts)
 
 

@@ -414,3 +414,44 @@ async def _last_used(listed: Callable[[], Any]) -> bool:
 
 async def _status_is(s: Stack, key: str, status: int) -> bool:
     return await completes(s, key) == status
+
+
+def test_a_tenants_weight_through_the_api(tmp_path: Path) -> None:
+    """`"weight"` in a tenant's limits body: kept and shown; not a positive number, or on
+    a key, a 400 in the OpenAI error shape that says why."""
+
+    async def go() -> None:
+        async with admin_stack(tmp_path) as admin:
+            root = admin.root
+            r = await admin.call(root, "POST", "tenants", {"name": "carol"})
+            carol = r.json()["id"]
+            path = f"tenants/{carol}/limits"
+            r = await admin.call(root, "PUT", path, {"weight": 2.5, "rpm": 60})
+            assert r.status_code == 200 and r.json()["limits"] == {"weight": 2.5, "rpm": 60}
+            r = await admin.call(root, "PUT", path, {"weight": 2})
+            assert r.status_code == 200 and r.json()["limits"] == {"weight": 2}
+            assert (await admin.call(root, "GET", f"tenants/{carol}")).json()["limits"] == {
+                "weight": 2
+            }
+            for bad in (0, -1, -0.5, "2", "abc", True):
+                r = await admin.call(root, "PUT", path, {"weight": bad})
+                error = r.json()["error"]
+                assert (
+                    r.status_code == 400
+                    and "weight must be a positive number" in (error["message"])
+                ), (bad, r.text)
+                assert error["type"] == "invalid_request_error"
+            async with admin.client(root) as c:
+                r = await c.put("/admin/v1/" + path, content=b'{"weight": NaN}')
+            assert r.status_code == 400 and r.json()["error"]["message"]
+            assert (await admin.call(root, "GET", f"tenants/{carol}")).json()["limits"] == {
+                "weight": 2
+            }
+            r = await admin.call(root, "POST", f"tenants/{carol}/keys")
+            key_path = f"keys/{r.json()['id']}/limits"
+            r = await admin.call(root, "PUT", key_path, {"weight": 2, "rpm": 5})
+            assert r.status_code == 400 and "a key cannot set it" in r.json()["error"]["message"]
+            r = await admin.call(root, "PUT", key_path, {"rpm": 5})
+            assert r.status_code == 200 and r.json()["limits"] == {"rpm": 5}
+
+    run(go)

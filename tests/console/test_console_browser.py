@@ -124,12 +124,15 @@ def test_forms_tenant_key_limit_usage_and_revocation(tmp_path: Path) -> None:
         assert any(r.split(",")[2] == tenant_id for r in rows), rows
         b.assert_clean()
 
-        # Set a limit: one request a minute; the request above already used it.
+        # Set a limit: one request a minute; the request above already used it. And a
+        # fair-share weight, kept beside it (saving the form again keeps it).
         b.page.goto(stack.console_url + f"tenants/{tenant_id}")
         b.page.fill("form[data-form=limits] input[name=rpm]", "1")
+        b.page.fill("form[data-form=limits] input[name=weight]", "2.5")
         b.page.click("form[data-form=limits] button")
         b.page.wait_for_url(f"**/console/tenants/{tenant_id}?done=*")
-        assert "rpm 1" in b.page.inner_text("main")
+        assert "rpm 1, weight 2.5" in b.page.inner_text("main")
+        assert b.page.input_value("form[data-form=limits] input[name=weight]") == "2.5"
         deadline = time.monotonic() + 10
         while (status := stack.complete(key).status_code) != 429:
             assert status == 200 and time.monotonic() < deadline, f"no 429 under rpm 1: {status}"

@@ -10,6 +10,7 @@ a locality turn stays within its quantum; removed and expired requests never lea
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,14 +100,15 @@ def test_a_tenant_in_both_bands_keeps_one_counter_and_its_place() -> None:
 def test_releases_follow_vtc(script: list[tuple[Any, ...]], weights: dict[str, float]) -> None:
     """No locality here (quantum aside): every release is the smallest counter of the
     highest band, each tenant's requests in arrival order, and nothing leaves twice."""
-    q: FairQueue[int] = FairQueue(quantum_tokens=0, weights=weights)
+    q: FairQueue[int] = FairQueue(quantum_tokens=0)
     model = Model(weights)
     pushed: list[Waiter[int]] = []
     released: list[Waiter[int]] = []
     for op in script:
         if op[0] == "push":
             _, tenant, cost, band = op
-            w = q.push(len(pushed), tenant, cost, deadline=FAR, band=band)
+            weight = weights.get(tenant, 1.0)
+            w = q.push(len(pushed), tenant, cost, deadline=FAR, band=band, weight=weight)
             model.arrive(w)
             pushed.append(w)
         elif op[0] == "pop":
@@ -174,6 +176,104 @@ def test_a_tenant_back_from_idle_banks_no_credit() -> None:
     assert order[:2] in (["a", "b"], ["b", "a"])
     # never two of b in a row: it was lifted to a's counter
     assert all(not (x == y == "b") for x, y in itertools.pairwise(order))
+
+
+def test_a_tenant_of_weight_two_gets_twice_the_releases() -> None:
+    """Both backlogged throughout with equal requests: the tenant of weight 2 is charged
+    half per request, so it gets about two releases for every one of the other's."""
+    q: FairQueue[None] = FairQueue(quantum_tokens=0)
+    for _ in range(200):
+        q.push(None, "heavy", 10, deadline=FAR, weight=2.0)
+        q.push(None, "light", 10, deadline=FAR)
+    released = [w.tenant for w in itertools.islice(iter(q.pop, None), 150)]
+    heavy, light = released.count("heavy"), released.count("light")
+    assert heavy + light == 150
+    assert 1.9 <= heavy / light <= 2.1, (heavy, light)
+    assert q.counters["heavy"] == pytest.approx(q.counters["light"], abs=10)
+
+
+def test_without_weights_the_same_tenants_alternate() -> None:
+    """The control: the same backlog with weight 1 each is released half and half."""
+    q: FairQueue[None] = FairQueue(quantum_tokens=0)
+    for _ in range(200):
+        q.push(None, "heavy", 10, deadline=FAR)
+        q.push(None, "light", 10, deadline=FAR)
+    released = [w.tenant for w in itertools.islice(iter(q.pop, None), 150)]
+    assert abs(released.count("heavy") - released.count("light")) <= 1
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0, math.nan, math.inf])
+def test_push_refuses_a_weight_that_is_not_positive(weight: float) -> None:
+    with pytest.raises(ValueError, match="weight must be a positive number"):
+        FairQueue[None]().push(None, "a", 1, deadline=FAR, weight=weight)
+
+
+def test_service_elsewhere_puts_a_tenant_behind_a_quiet_one() -> None:
+    """Gateway B's queue: noisy was served through another gateway (charge_elsewhere),
+    quiet was not; quiet waits here, then noisy joins: all of quiet's requests go first.
+    Without the service from elsewhere (the control) noisy joins at quiet's counter and
+    they alternate. (Had noisy been alone here, quiet would join at noisy's counter
+    whatever it was: VTC lifts a returning tenant to the smallest counter waiting.)"""
+    for shared in (True, False):
+        q: FairQueue[str] = FairQueue(quantum_tokens=0)
+        if shared:
+            q.charge_elsewhere("noisy", 5000.0)
+        for i in range(3):
+            q.push(f"q{i}", "quiet", 100, deadline=FAR)
+        for i in range(3):
+            q.push(f"n{i}", "noisy", 100, deadline=FAR)
+        order = [w.item for w in iter(q.pop, None)]
+        expected = (
+            ["q0", "q1", "q2", "n0", "n1", "n2"] if shared else ["q0", "n0", "q1", "n1", "q2", "n2"]
+        )
+        assert order == expected, shared
+
+
+def test_service_elsewhere_is_not_swallowed_by_the_lift() -> None:
+    """A tenant not waiting here is lifted to this queue's level before the service from
+    elsewhere is added, so it counts above the level a returning tenant starts at; a
+    tenant waiting here is simply charged; a correction downward applies as is."""
+    q: FairQueue[None] = FairQueue(quantum_tokens=0)
+    for _ in range(10):
+        q.push(None, "a", 100, deadline=FAR)
+    for _ in range(5):
+        assert q.pop() is not None  # a's counter: 500; the band's level: 400 .. 500
+    q.charge_elsewhere("b", 50.0)  # b never waited here
+    assert q.counters["b"] == pytest.approx(500.0 + 50.0)
+    q.charge_elsewhere("a", 30.0)  # a waits here: charged as if served here
+    assert q.counters["a"] == pytest.approx(530.0)
+    q.charge_elsewhere("b", -20.0)  # a correction of what b was charged elsewhere
+    assert q.counters["b"] == pytest.approx(530.0)
+    q.charge_elsewhere("c", -5.0)  # nothing known of c: nothing to correct
+    q.charge_elsewhere("c", math.nan)
+    assert "c" not in q.counters
+    q.push(None, "b", 100, deadline=FAR)  # b arrives: its counter stands (above a's min)
+    assert q.counters["b"] == pytest.approx(530.0)
+
+
+def test_an_idle_queue_takes_service_from_elsewhere_at_face_value() -> None:
+    """Nothing waits or was served here: no level to lift to, the counters are the sum."""
+    q: FairQueue[None] = FairQueue()
+    q.charge_elsewhere("a", 10.0)
+    q.charge_elsewhere("a", 5.0)
+    assert q.counters == {"a": 15.0}
+
+
+def test_take_charged_hands_out_what_was_charged_here_once() -> None:
+    """What the bus publishes: the counter moves made here (weighted, corrections
+    included), not what came from elsewhere; nothing is kept before a bus is linked."""
+    q: FairQueue[None] = FairQueue(quantum_tokens=0)
+    q.push(None, "a", 100, deadline=FAR)
+    assert q.pop() is not None
+    assert q.take_charged() == {}  # no bus linked: nothing was kept
+    q.keep_charged()
+    q.push(None, "a", 100, deadline=FAR, weight=4.0)
+    q.push(None, "b", 10, deadline=FAR)
+    assert q.pop() is not None and q.pop() is not None
+    q.correct("b", 10, 30)
+    q.charge_elsewhere("c", 7.0)
+    assert q.take_charged() == {"a": 25.0, "b": 30.0}
+    assert q.take_charged() == {}
 
 
 def test_bands_are_strict_and_fair_within() -> None:

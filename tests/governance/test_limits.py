@@ -25,6 +25,7 @@ from saltgate.governance.limits import (
     Governor,
     Limits,
     Ticket,
+    fair_weight,
     output_allowance,
 )
 
@@ -293,3 +294,20 @@ def test_random_sequences_against_brute_force(
         for end in records:
             inside = sum(r.amounts[kind] for r in records if end.at - WINDOW < r.at <= end.at)
             assert inside <= limit
+
+
+def test_a_weight_is_kept_with_the_limits_but_limits_nothing() -> None:
+    """The tenant's fair-share weight rides in the limits' JSON; alone it is no limit, so
+    the governor keeps no state for it (admission is skipped) and it is 1 when unset."""
+    weighted = Limits(weight=2.5)
+    assert Limits.from_json(weighted.to_json()) == weighted
+    assert not weighted.empty and not weighted.limiting
+    assert fair_weight(weighted) == 2.5 and fair_weight(None) == fair_weight(Limits(rpm=1)) == 1
+    both = Limits(rpm=60, weight=2)
+    assert both.limiting and both.share(2) == Limits(rpm=30, weight=2)
+    governor = Governor()
+    governor.set_limits(("tenant", "t"), weighted)
+    assert not governor.governs([("tenant", "t")])
+    for bad in (0, -1, float("nan"), float("inf"), "2", True):
+        with pytest.raises(ValueError, match="weight must be a positive number"):
+            Limits(weight=bad)  # type: ignore[arg-type]

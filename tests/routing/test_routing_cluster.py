@@ -3,6 +3,7 @@ routers exchanging batches the way two gateways do over Redis (gateway/cluster.p
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -10,15 +11,19 @@ import msgpack
 import pytest
 
 from saltgate.derivations.derive import (
+    CLUSTER_TAG_BYTES,
     ROUTE_COMPLETIONS,
     PrefixDigest,
     Prompt,
     RouteKey,
     cluster_keys,
 )
+from saltgate.governance.fairness import FairQueue
 from saltgate.routing import Router, RouterConfig
 from saltgate.routing.cluster import (
     HEARTBEAT_S,
+    WIRE_VERSION,
+    WIRE_VERSION_NO_SERVICE,
     Backlog,
     BadBatch,
     Batch,
@@ -94,6 +99,25 @@ def test_a_batch_survives_the_wire() -> None:
     assert decode_batch(KEYS, encode_batch(KEYS, batch)) == batch
 
 
+def test_service_survives_the_wire_and_without_it_the_batch_is_version_1() -> None:
+    """With service the batch is version 2; without, it is written as version 1, byte for
+    byte what a gateway of the older wire writes, and a version-1 batch from such a
+    gateway is read (with no service)."""
+    shared = dataclasses.replace(sample_batch(), service=(("tn_a", 812.5), ("tn_b", -3.0)))
+    data = encode_batch(KEYS, shared)
+    assert decode_batch(KEYS, data) == shared
+    assert msgpack.unpackb(data[:-CLUSTER_TAG_BYTES])[0] == WIRE_VERSION == 2
+    plain = sample_batch()
+    payload = encode_batch(KEYS, plain)[:-CLUSTER_TAG_BYTES]
+    doc = msgpack.unpackb(payload)
+    assert doc[0] == WIRE_VERSION_NO_SERVICE == 1 and len(doc) == 7
+    old = msgpack.packb(  # as a version-1 gateway encodes it
+        [1, plain.sender, plain.seq, *doc[3:]]
+    )
+    assert old == payload
+    assert decode_batch(KEYS, old + KEYS.tag(old)) == plain
+
+
 def test_a_batch_with_a_bad_tag_or_from_another_cluster_is_refused() -> None:
     data = encode_batch(KEYS, sample_batch())
     flipped = data[:5] + bytes([data[5] ^ 1]) + data[6:]
@@ -110,7 +134,18 @@ def test_a_batch_with_a_bad_tag_or_from_another_cluster_is_refused() -> None:
 @pytest.mark.parametrize(
     "doc",
     [
-        [2, "s", 1, [], [], [], []],  # a future wire version
+        [3, "s", 1, [], [], [], [], []],  # a future wire version
+        [2, "s", 1, [], [], [], []],  # version 2 without its service
+        [1, "s", 1, [], [], [], [], [["tn_a", 1.0]]],  # version 1 with a service
+        [2, "s", 1, [], [], [], [], [["tn_a", "1"]]],  # an amount that is not a number
+        [2, "s", 1, [], [], [], [], [["tn_a", True]]],
+        [2, "s", 1, [], [], [], [], [["tn_a", float("nan")]]],
+        [2, "s", 1, [], [], [], [], [["tn_a", float("inf")]]],
+        [2, "s", 1, [], [], [], [], [["", 1.0]]],  # no tenant id
+        [2, "s", 1, [], [], [], [], [["t" * 65, 1.0]]],  # not a tenant id's length
+        [2, "s", 1, [], [], [], [], [[7, 1.0]]],
+        [2, "s", 1, [], [], [], [], [["tn_a", 1.0, 2]]],
+        [],
         [1, "s", 1, ["http://r"], [[0, 10, 1000, b"short"]], [], []],  # not a 32-byte digest
         [1, "s", 1, ["http://r"], [[5, 10, 1000, b"d" * 32]], [], []],  # no such replica
         [1, "s", 1, [], [], [[b"k" * 31, 1]], []],  # a route key of 31 bytes
@@ -215,6 +250,48 @@ def test_own_batches_are_not_applied_and_bad_ones_are_counted() -> None:
     assert a.incoming(data, 0.0) is None and a.received == 0
     assert b.incoming(b"\x00" * 40, 0.0) is None and b.rejected == 1
     assert b.incoming(data, 0.0) is not None and b.received == 1
+
+
+def fair_pair() -> tuple[ClusterState, ClusterState, FairQueue[None], FairQueue[None]]:
+    a, b = pair()
+    a.fair, b.fair = qa, qb = FairQueue[None](quantum_tokens=0), FairQueue[None](quantum_tokens=0)
+    qa.keep_charged()
+    qb.keep_charged()
+    return a, b, qa, qb
+
+
+def test_service_charged_through_one_gateway_moves_the_counter_on_the_other() -> None:
+    a, b, qa, qb = fair_pair()
+    qa.push(None, "tn_noisy", 500, deadline=1e9, weight=2.0)
+    assert qa.pop() is not None
+    batch = b.incoming(a.outgoing(0.0) or b"", 0.0)
+    assert batch is not None and batch.service == (("tn_noisy", 250.0),)  # weighted
+    assert qb.counters == {"tn_noisy": 250.0}
+    assert a.outgoing(0.1) is None, "nothing new: the service went out once"
+    qa.correct("tn_noisy", 500, 900)  # it used more than its estimate
+    assert b.incoming(a.outgoing(0.2) or b"", 0.2) is not None
+    assert qb.counters["tn_noisy"] == pytest.approx(450.0) == qa.counters["tn_noisy"]
+    # and back: what b serves reaches a; a's own batches are never applied to a
+    qb.push(None, "tn_quiet", 40, deadline=1e9)
+    assert qb.pop() is not None
+    assert a.incoming(b.outgoing(0.3) or b"", 0.3) is not None
+    assert qa.counters["tn_quiet"] == 40.0 and qa.counters["tn_noisy"] == 450.0
+
+
+def test_without_a_fair_queue_linked_service_is_neither_sent_nor_applied() -> None:
+    """The control: a receiver with no queue linked ignores service (a batch still
+    applies its placements); a sender with none writes version-1 batches."""
+    a, b, qa, qb = fair_pair()
+    b.fair = None
+    qa.push(None, "tn_noisy", 500, deadline=1e9)
+    assert qa.pop() is not None
+    batch = b.incoming(a.outgoing(0.0) or b"", 0.0)
+    assert batch is not None and batch.service and qb.counters == {}
+    a.fair = None
+    qa.push(None, "tn_noisy", 500, deadline=1e9)
+    assert qa.pop() is not None
+    data = a.outgoing(1.0)  # a heartbeat
+    assert data is not None and msgpack.unpackb(data[:-CLUSTER_TAG_BYTES])[0] == 1
 
 
 def test_while_the_bus_is_down_placements_wait_bounded() -> None:

@@ -168,3 +168,43 @@ def test_an_unreachable_store_is_one_line_not_a_traceback(
     assert code == 1
     assert err.startswith("saltgate keys: cannot reach the store postgresql://sg@127.0.0.1:1/x")
     assert "\n" not in err and "Traceback" not in err
+
+
+def test_a_tenants_weight_is_set_listed_and_refused_on_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tenants set-limits NAME --weight W`: kept with the limits, listed, and reaching the
+    gateway's principal (a weight alone is no limit: admission stays skipped); a bad
+    weight and a weight on a key are one clear line each."""
+    c = ("--state-dir", str(tmp_path / "state"))
+    assert _saltgate(capsys, "tenants", "create", "acme", *c)[0] == 0
+    code, key, _ = _saltgate(capsys, "keys", "create", "acme", *c)
+    assert code == 0
+    set_limits = ("tenants", "set-limits", "acme")
+    assert _saltgate(capsys, *set_limits, "--weight", "2", *c)[:2] == (
+        0,
+        "tenant acme limits weight=2",
+    )
+    code, out, _ = _saltgate(capsys, *set_limits, "--rpm", "60", "--weight", "0.5", *c)
+    assert (code, out) == (0, "tenant acme limits rpm=60 weight=0.5")
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tlimits rpm=60 weight=0.5")
+    for bad in ("0", "-1", "nan", "inf", "abc", ""):
+        code, _, err = _saltgate(capsys, *set_limits, "--weight", bad, *c)
+        assert code == 1 and f"--weight {bad!r}: expected a positive number" in err, (bad, err)
+    code, _, err = _saltgate(capsys, *set_limits, "--weight", "2", "--clear", *c)
+    assert code == 1 and "--clear alone" in err
+    key_id = _saltgate(capsys, "keys", "list", *c)[1].split("\t")[0]
+    code, _, err = _saltgate(capsys, "keys", "set-limits", key_id, "--weight", "2", *c)
+    assert code == 1 and "a key cannot set it" in err and "\n" not in err
+    assert _saltgate(capsys, "keys", "list", *c)[1].endswith("\tlimits none")
+    assert _saltgate(capsys, *set_limits, "--weight", "3", *c)[0] == 0
+
+    async def principal() -> tuple[float | None, bool]:
+        store = await open_gateway_store(StoreSettings.in_state_dir(tmp_path / "state"))
+        found = store.keys.authenticate(key)
+        await store.aclose()
+        assert found is not None and found.limits is not None
+        return found.limits.weight, found.limited
+
+    assert asyncio.run(principal()) == (3.0, False)
+    assert _saltgate(capsys, *set_limits, "--clear", *c)[1] == "tenant acme limits none"

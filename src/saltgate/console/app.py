@@ -12,6 +12,7 @@ gateway's metrics, prices from its configuration.
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -77,6 +78,7 @@ LIMIT_FIELDS: Final = (
     ("budget_micro_usd", "Budget (micro-USD)"),
     ("budget_period_s", "Budget period (s)"),
 )
+WEIGHT_LABEL: Final = "Fair-share weight"
 SCOPE_NAMES: Final = (
     "usage:read",
     "tenants:read",
@@ -691,7 +693,7 @@ class Console:
         limits = tenant.get("limits") or {}
         fields = "".join(
             html.field(k, label, limits.get(k, ""), kind="number") for k, label in LIMIT_FIELDS
-        )
+        ) + html.field("weight", WEIGHT_LABEL, limits.get("weight", ""))
         tid = esc(tenant["id"])
         body = (
             html.table(
@@ -708,7 +710,8 @@ class Console:
                 ],
             )
             + f"<p>{link(url('keys', {'tenant': str(tenant['id'])}), 'Keys of this tenant')}</p>"
-            + "<h2>Limits</h2><p>Leave a field empty for no limit of that kind.</p>"
+            + "<h2>Limits</h2><p>Leave a field empty for no limit of that kind. The weight is"
+            " the tenant's fair share when the replicas are saturated (empty: 1).</p>"
             + html.form(url(f"tenants/{tenant['id']}/limits"), fields, "Save limits", name="limits")
             + "<h2>Cache namespace</h2>"
             + html.form(
@@ -1007,9 +1010,16 @@ class Console:
 
     async def _set_limits(self, session: Session, tenant: str, form: Form) -> Response:
         try:
-            limits = {k: int(form.one(k)) for k, _ in LIMIT_FIELDS if form.one(k)}
+            limits: dict[str, float] = {k: int(form.one(k)) for k, _ in LIMIT_FIELDS if form.one(k)}
         except ValueError:
             return self._plain(400, "Limits are whole numbers.")
+        if weight := form.one("weight"):
+            try:
+                limits["weight"] = float(weight)
+            except ValueError:
+                limits["weight"] = math.nan
+            if not math.isfinite(limits["weight"]):  # JSON has no NaN: it would clear it
+                return self._plain(400, "The weight is a positive number, such as 1, 2 or 0.5.")
         status, answer = await self.api(session, "PUT", f"tenants/{tenant}/limits", body=limits)
         return self._after(status, answer, url(f"tenants/{tenant}", {"done": "Limits saved."}))
 
@@ -1155,4 +1165,6 @@ def _budget(limits: Mapping[str, Any]) -> str:
 
 def _limits_text(limits: Mapping[str, Any]) -> str:
     shown = [f"{k} {limits[k]}" for k, _ in LIMIT_FIELDS[:4] if limits.get(k) is not None]
+    if limits.get("weight") is not None:
+        shown.append(f"weight {limits['weight']:g}")
     return ", ".join(shown) or "none"

@@ -1,4 +1,5 @@
-"""The cluster bus: a gateway's routing state to and from the other gateways, over Redis.
+"""The cluster bus: a gateway's routing state (and, with [queue], the service its fair
+queue charged each tenant) to and from the other gateways, over Redis.
 
 The deciding part is pure (routing/cluster.py: what a batch holds, what applying one
 does); this module is its I/O. When the router changes (the replica set says so) it
@@ -38,6 +39,7 @@ from redis.exceptions import RedisError
 
 from saltgate.config import ConfigError, read_secret_file
 from saltgate.derivations.derive import ClusterKeys, cluster_keys
+from saltgate.gateway.fairshare import FairShare
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.routing import Router
@@ -314,13 +316,22 @@ class ClusterBus:
 
 
 def start_cluster_bus(
-    settings: ClusterSettings | None, replicas: ReplicaSet, k_route: bytes, metrics: Metrics
+    settings: ClusterSettings | None,
+    replicas: ReplicaSet,
+    k_route: bytes,
+    metrics: Metrics,
+    fair: FairShare | None = None,
 ) -> ClusterBus | None:
-    """The bus of ``[cluster]`` for the router of ``replicas``, told of every change to it
+    """The bus of ``[cluster]`` for the router of ``replicas`` and the fair queue of
+    ``fair`` ([queue]; its counters become the fleet's), told of every change to either
     and connecting in the background; None without the section."""
     if settings is None:
         return None
     bus = ClusterBus(settings, replicas.router, cluster_keys(k_route), metrics=metrics)
+    if fair is not None:
+        fair.queue.keep_charged()
+        bus.state.fair = fair.queue
+        fair.on_charge = bus.changed
     bus.start()
     replicas.on_change = bus.changed
     return bus

@@ -15,6 +15,8 @@ queue and gate, reads the clock, and is driven by the exchange and the replica s
   `overloaded_error` (Anthropic), with Retry-After; one whose client leaves is out of the
   queue at once (`Client.on_gone`, or its task cancelled with on_client_gone = "abort").
 - `done`: when the request ends, its tenant is charged what the replica metered.
+- With [cluster], the bus publishes what the queue charged and adds the other gateways'
+  service to its counters (gateway/cluster.py): `on_charge` wakes it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -29,6 +32,7 @@ from saltgate.config import QueueConfig
 from saltgate.gateway.metrics import Metrics, duration_buckets
 from saltgate.gateway.replicas import Attempt, ReplicaSet
 from saltgate.governance.fairness import BATCH, INTERACTIVE, FairQueue, SaturationGate, Waiter
+from saltgate.governance.limits import fair_weight
 from saltgate.http import Client
 from saltgate.policy.errors import AnthropicApiError, ApiError
 from saltgate.routing import Plan, ReplicaId
@@ -78,6 +82,7 @@ class FairShare:
         self.replicas = replicas
         self.metrics = metrics
         self._timer: asyncio.TimerHandle | None = None
+        self.on_charge: Callable[[], None] | None = None  # the cluster bus's wake-up
         replicas.on_free = self.release
         replicas.on_queue = self.probed
         metrics.gauge(
@@ -112,6 +117,7 @@ class FairShare:
             deadline=now + self.max_queue_s,
             band=BATCH if principal.priority == BATCH else INTERACTIVE,
             locality=plan.key,
+            weight=fair_weight(principal.limits),
         )
         self.release()
         if not future.done():
@@ -136,6 +142,11 @@ class FairShare:
     def done(self, tenant: str, charged: float, used: float) -> None:
         """A request the queue released ended: charge its tenant what it used."""
         self.queue.correct(tenant, charged, used)
+        self._charged()
+
+    def _charged(self) -> None:
+        if self.on_charge is not None:
+            self.on_charge()
 
     def _left(self, waiter: Waiter[_Entry]) -> None:
         if self.queue.remove(waiter):
@@ -152,6 +163,7 @@ class FairShare:
             if isinstance(attempt, Attempt):
                 attempt.close()
                 self.queue.correct(waiter.tenant, waiter.cost, 0.0)
+                self._charged()
 
     # -- release ---------------------------------------------------------------------------
     def probed(
@@ -185,6 +197,7 @@ class FairShare:
                 queue.correct(waiter.tenant, waiter.cost, 0.0)
             self.metrics.observe(_WAIT, (("tenant", waiter.tenant),), now - entry.since)
             entry.future.set_result(attempt)
+            self._charged()
 
     def _arm(self) -> None:
         if self._timer is None:

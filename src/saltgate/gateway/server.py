@@ -288,7 +288,7 @@ class Gateway:
             route, body.obj, inspected.model, salt, remember=inspected.user_cache_secret is None
         )
         admission = ticket = limit_headers = None
-        if principal.limits is not None or principal.key_limits is not None:
+        if principal.limited:
             admission = self.admission  # no limits, no cost: all of this is skipped
             ticket, limit_headers = await admission.admit(
                 principal, route, inspected.model, len(request.body), inspected.max_tokens

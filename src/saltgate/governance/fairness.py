@@ -12,6 +12,9 @@ tested without sockets (tests/governance/test_fairness.py).
   goes next. A tenant that returns from idle (nothing waiting in any band) is lifted to the
   smallest counter of those waiting in its band (or, with none waiting, to the last one
   served there), so idling banks no credit.
+- The counters are the fleet's: what this queue charged is handed out (`take_charged`)
+  for the cluster bus to tell the other gateways, and what they charged is added here
+  (`charge_elsewhere`), so a tenant served through another gateway waits its turn here too.
 - Locality survives fairness: a turn goes on while the tenant has waiting requests of the
   same route key as the one that opened it, up to `quantum_tokens` of service (a deficit
   quantum, as in DLPM), so requests sharing a prefix go out together to the replica that
@@ -24,8 +27,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
@@ -108,15 +112,16 @@ class FairQueue(Generic[T]):
         self,
         *,
         quantum_tokens: float = 4096.0,
-        weights: Mapping[str, float] | None = None,
         fifo: bool = False,
     ) -> None:
         if quantum_tokens < 0:
             raise ValueError("quantum_tokens must be >= 0")
         self.quantum = float(quantum_tokens)
-        self.weights: Mapping[str, float] = weights or {}
         self.fifo = fifo
         self.counters: dict[str, float] = {}  # the tenants' VTC, weighted
+        self.weights: dict[str, float] = {}  # as the tenants' last requests gave them; else 1
+        # Charged here since the last `take_charged`; None: not kept (no bus to tell).
+        self._charged: dict[str, float] | None = None
         self._bands = {band: _Band() for band in BANDS}
         self._deadlines: list[tuple[float, int, Waiter[T]]] = []
         self._seq = itertools.count()
@@ -147,11 +152,19 @@ class FairQueue(Generic[T]):
         deadline: float,
         band: str = INTERACTIVE,
         locality: bytes | None = None,
+        weight: float = 1.0,
     ) -> Waiter[T]:
-        """A request starts waiting; returns its entry (for `remove`)."""
+        """A request starts waiting; returns its entry (for `remove`). ``weight``: its
+        tenant's fair share (the tenant's limits say it; the latest request's holds)."""
         b = self._bands.get(band)
         if b is None:
             raise ValueError(f"unknown priority band {band!r}; expected one of {BANDS}")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"a tenant's weight must be a positive number, got {weight!r}")
+        if weight == 1.0:
+            self.weights.pop(tenant, None)
+        else:
+            self.weights[tenant] = weight
         seq = next(self._seq)
         waiter = Waiter(item, tenant, band, cost, locality, deadline, seq)
         t = b.tenants.get(tenant)
@@ -161,8 +174,7 @@ class FairQueue(Generic[T]):
                 # Back from idle: no credit for the time it sent nothing (VTC's lift). A
                 # tenant already waiting in the other band is not idle: its counter, which
                 # orders it there too, stays what its service made it.
-                live = self._min_counter(b)
-                counter = max(counter, b.floor if live is None else live)
+                counter = max(counter, self._level(b))
                 self.counters[tenant] = counter
             t = b.tenants[tenant] = _Tenant()
             heapq.heappush(b.heap, (counter, seq, tenant))
@@ -268,7 +280,52 @@ class FairQueue(Generic[T]):
         if tenant in self.counters:
             self._charge(tenant, (used - charged) / self._weight(tenant))
 
+    def keep_charged(self) -> None:
+        """From now on keep what is charged here for `take_charged` (a bus is linked;
+        without one nothing is kept)."""
+        if self._charged is None:
+            self._charged = {}
+
+    def take_charged(self) -> dict[str, float]:
+        """What this queue charged each tenant (weighted, as its counter moved) since the
+        last call, corrections included: the cluster bus publishes it."""
+        charged = self._charged
+        if not charged:
+            return {}
+        self._charged = {}
+        return charged
+
+    def charge_elsewhere(self, tenant: str, amount: float) -> None:
+        """Another gateway charged ``tenant`` ``amount`` (weighted, from its
+        `take_charged`): the counters are global, so it moves the counter here too.
+
+        A tenant waiting here is backlogged: its counter moves as if served here. One not
+        waiting here was served elsewhere, so it is not idle for the fleet: it is first
+        lifted as a tenant returning here would be (to the lowest level of the bands in
+        use), then charged. Without the lift, the service it received elsewhere while this
+        gateway's level rose past its old counter would be swallowed by the lift when it
+        next arrives, and it would take a turn here it already had elsewhere. A correction
+        downward (a released request that used less than its estimate) is applied as is.
+        """
+        if not (math.isfinite(amount) and amount):
+            return
+        waits = any(tenant in b.tenants for b in self._bands.values())
+        if not waits and amount > 0:
+            levels = [self._level(b) for b in self._bands.values() if b.tenants or b.floor]
+            lifted = max(self.counters.get(tenant, 0.0), min(levels, default=0.0))
+            self.counters[tenant] = lifted
+        elif tenant not in self.counters:
+            return  # nothing here to correct
+        self._move(tenant, amount)
+
     def _charge(self, tenant: str, amount: float) -> None:
+        """Charge a tenant for service given here (told to the others by the bus)."""
+        charged = self._charged
+        if charged is not None:
+            charged[tenant] = charged.get(tenant, 0.0) + amount
+        self._move(tenant, amount)
+
+    def _move(self, tenant: str, amount: float) -> None:
         """Move a tenant's counter, and its place in every band it waits in."""
         counter = self.counters[tenant] = self.counters[tenant] + amount
         for b in self._bands.values():
@@ -284,9 +341,11 @@ class FairQueue(Generic[T]):
                 return
             heapq.heappop(heap)
 
-    def _min_counter(self, b: _Band) -> float | None:
+    def _level(self, b: _Band) -> float:
+        """Where a tenant returning from idle starts in ``b``: the smallest counter of
+        those waiting there, or with none waiting the last one served there."""
         self._live(b)
-        return b.heap[0][0] if b.heap else None
+        return b.heap[0][0] if b.heap else b.floor
 
 
 class SaturationGate:

@@ -18,6 +18,7 @@ upper bound of what it cost).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -49,12 +50,20 @@ def parse_duration(text: str) -> float | None:
     return None if m is None else float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
+KEY_WEIGHT_REFUSED: Final = (
+    "weight is a tenant's fair share of the replicas: set it on the tenant, a key cannot set it"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """One tenant's or key's limits; None means no limit of that kind.
 
     ``budget_micro_usd`` is spend per ``budget_period_s`` (a sliding period, like the
     minute of the others), priced as the ledger prices requests (prices.py).
+    ``weight`` is not a limit but the tenant's fair share when the replicas are saturated
+    (docs/fairness.md; None: 1): kept here, in the same stored JSON, so it reaches every
+    gateway as limits do. A tenant's only; a key's limits never hold one.
     """
 
     rpm: int | None = None
@@ -63,11 +72,15 @@ class Limits:
     concurrency: int | None = None
     budget_micro_usd: int | None = None
     budget_period_s: int | None = None
+    weight: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and (type(value) is not int or value < 0):
+            if f.name == "weight":
+                if value is not None and not _positive_number(value):
+                    raise ValueError(f"weight must be a positive number, got {value!r}")
+            elif value is not None and (type(value) is not int or value < 0):
                 raise ValueError(f"limit {f.name} must be a non-negative integer, got {value!r}")
         if (self.budget_micro_usd is None) != (self.budget_period_s is None):
             raise ValueError("a budget needs both an amount and a period")
@@ -94,8 +107,14 @@ class Limits:
 
     @property
     def empty(self) -> bool:
-        """True when nothing is limited (the gateway then skips admission entirely)."""
+        """True when nothing is set, not even a weight (stored as SQL NULL)."""
         return all(getattr(self, f.name) is None for f in fields(self))
+
+    @property
+    def limiting(self) -> bool:
+        """True when something is limited (else the gateway skips admission entirely: a
+        weight alone is no limit)."""
+        return any(getattr(self, f.name) is not None for f in fields(self) if f.name != "weight")
 
     def windowed(self, kind: str) -> int | None:
         """The per-minute limit of a windowed kind."""
@@ -119,7 +138,22 @@ class Limits:
             concurrency=part(self.concurrency),
             budget_micro_usd=part(self.budget_micro_usd),
             budget_period_s=self.budget_period_s,
+            weight=self.weight,
         )
+
+
+def _positive_number(value: object) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def fair_weight(limits: Limits | None) -> float:
+    """A tenant's fair share from its limits (1 when they set none)."""
+    return 1.0 if limits is None or limits.weight is None else float(limits.weight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +344,7 @@ class Governor:
 
     def set_limits(self, subject: tuple[str, str], limits: Limits | None) -> None:
         """Install (or with None / empty limits, remove) a subject's limits."""
-        if limits is None or limits.empty:
+        if limits is None or not limits.limiting:
             self._subjects.pop(subject, None)
             return
         current = self._subjects.get(subject)

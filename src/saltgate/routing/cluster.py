@@ -8,19 +8,23 @@ in batches off the request path (gateway/cluster.py does the I/O):
 - placements: the keyed prefix digests of each routed request, the replica it went to,
   the prompt's length and how long the placement stays valid (routing/affinity.py);
 - route keys seen, with counts, so a hot key is hot on every gateway (routing/hotkeys.py);
-- its own per-replica backlog: requests in flight and prompt bytes not yet prefilled.
+- its own per-replica backlog: requests in flight and prompt bytes not yet prefilled;
+- with [queue], the service its fair queue charged each tenant since its last batch
+  (tenant id -> the counter's move: governance/fairness.py, `FairQueue.take_charged`).
 
 and applies the others' to its router: placements into the affinity table (the newer of
 two wins, so gateways converge), counts into the key rates, backlogs summed per replica
-beside its own (`Router.set_remote_load`). A gateway that goes silent for
-``backlog_ttl_s`` stops counting: its backlog is dropped, and if the bus itself is down
-each gateway routes on its own state until it returns.
+beside its own (`Router.set_remote_load`), service into its fair queue's counters
+(`FairQueue.charge_elsewhere`: the counters are the fleet's). A gateway that goes silent
+for ``backlog_ttl_s`` stops counting: its backlog is dropped, and if the bus itself is
+down each gateway routes on its own state until it returns.
 
 What a batch holds is only keyed digests (SHA-256 under K_route: docs/spec.md, 7), route
-keys (HMAC under K_route), replica ids (their URLs), the sender's gateway id and numbers:
-no salt, prompt, token or API key, and nothing a reader could test a guess against
-without the master key. Each batch is tagged under K_bus (docs/spec.md, 11); batches that
-do not verify are dropped and counted.
+keys (HMAC under K_route), replica ids (their URLs), the sender's gateway id, tenant ids
+(the ids metrics label by, never a name or a key) and numbers: no salt, prompt, token or
+API key, and nothing a reader could test a guess against without the master key. Each
+batch is tagged under K_bus (docs/spec.md, 11); batches that do not verify are dropped
+and counted.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 import msgpack
@@ -41,12 +45,16 @@ from saltgate.routing.domain import ReplicaId
 from saltgate.routing.router import Router
 from saltgate.tables import check_keys, toml_string
 
-WIRE_VERSION: Final = 1
+# Version 2 adds the service charged per tenant; a batch without any is still written as
+# version 1 (byte for byte what a version-1 gateway writes and reads), and both are read.
+WIRE_VERSION: Final = 2
+WIRE_VERSION_NO_SERVICE: Final = 1
 DIGEST_BYTES: Final = 32
 HEARTBEAT_S: Final = 0.5  # a silent gateway still sends its backlog this often
 MAX_BATCH_PLACEMENTS: Final = 4096  # per batch; the rest wait for the next one
 MAX_PENDING_PLACEMENTS: Final = 65_536  # kept while the bus is down; oldest dropped beyond
 MAX_SENDERS: Final = 4096  # senders whose last sequence number is remembered
+MAX_TENANT_ID: Final = 64  # characters: a tenant id is "tn_" and 16 hex digits
 
 _GATEWAY_ID: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _KEYS: Final = frozenset(
@@ -178,6 +186,7 @@ class Batch:
     placements: tuple[Placement, ...] = ()
     keys: tuple[tuple[RouteKey, int], ...] = ()
     backlog: tuple[Backlog, ...] = ()
+    service: tuple[tuple[str, float], ...] = ()  # (tenant id, counter move) since the last
 
 
 class BadBatch(ValueError):
@@ -185,10 +194,11 @@ class BadBatch(ValueError):
 
 
 def encode_batch(keys: ClusterKeys, batch: Batch) -> bytes:
-    """msgpack ``[version, sender, seq, replicas, placements, keys, backlog]`` + tag, where
-    replicas lists each replica id once and the others refer to it by index:
+    """msgpack ``[version, sender, seq, replicas, placements, keys, backlog, service]`` +
+    tag, where replicas lists each replica id once and the others refer to it by index:
     placements ``[replica, prompt_bytes, ttl_ms, digests concatenated]``, keys
-    ``[route_key, count]``, backlog ``[replica, inflight, prefill_bytes]``."""
+    ``[route_key, count]``, backlog ``[replica, inflight, prefill_bytes]``, service
+    ``[tenant_id, amount]``. Without service: version 1, which ends at backlog."""
     index: dict[str, int] = {}
 
     def ref(replica: str) -> int:
@@ -199,17 +209,18 @@ def encode_batch(keys: ClusterKeys, batch: Batch) -> bytes:
         for p in batch.placements
     ]
     backlog = [[ref(b.replica), b.inflight, round(b.prefill)] for b in batch.backlog]
-    payload: bytes = msgpack.packb(
-        [
-            WIRE_VERSION,
-            batch.sender,
-            batch.seq,
-            list(index),
-            placements,
-            [[k, n] for k, n in batch.keys],
-            backlog,
-        ]
-    )
+    doc: list[Any] = [
+        WIRE_VERSION if batch.service else WIRE_VERSION_NO_SERVICE,
+        batch.sender,
+        batch.seq,
+        list(index),
+        placements,
+        [[k, n] for k, n in batch.keys],
+        backlog,
+    ]
+    if batch.service:
+        doc.append([[tenant, float(amount)] for tenant, amount in batch.service])
+    payload: bytes = msgpack.packb(doc)
     return payload + keys.tag(payload)
 
 
@@ -222,9 +233,18 @@ def decode_batch(keys: ClusterKeys, data: bytes) -> Batch:
         raise BadBatch("tag does not verify (another cluster's, or forged)")
     try:
         doc = msgpack.unpackb(payload, use_list=True, raw=False, strict_map_key=True)
-        version, sender, seq, replicas, placements, route_keys, backlog = doc
-        if version != WIRE_VERSION:
-            raise BadBatch(f"wire version {version!r}, expected {WIRE_VERSION}")
+        if not isinstance(doc, list) or not doc:
+            raise BadBatch("not a list")
+        version = doc[0]
+        if version == WIRE_VERSION_NO_SERVICE:
+            _, sender, seq, replicas, placements, route_keys, backlog = doc
+            service = []
+        elif version == WIRE_VERSION:
+            _, sender, seq, replicas, placements, route_keys, backlog, service = doc
+        else:
+            raise BadBatch(
+                f"wire version {version!r}, expected {WIRE_VERSION_NO_SERVICE} or {WIRE_VERSION}"
+            )
         if not (isinstance(sender, str) and isinstance(seq, int)):
             raise BadBatch("bad sender or sequence number")
         if not all(isinstance(r, str) for r in replicas):
@@ -237,6 +257,7 @@ def decode_batch(keys: ClusterKeys, data: bytes) -> Batch:
             tuple(
                 Backlog(ReplicaId(replicas[r]), _count(n), float(_count(b))) for r, n, b in backlog
             ),
+            tuple(_service(s) for s in service),
         )
     except BadBatch:
         raise
@@ -262,6 +283,17 @@ def _placement(item: Any, replicas: Sequence[str]) -> Placement:
     )
 
 
+def _service(item: Any) -> tuple[str, float]:
+    tenant, amount = item
+    if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_ID:
+        raise BadBatch("a tenant id is not a short string")
+    if isinstance(amount, bool) or not isinstance(amount, int | float):
+        raise BadBatch("a service amount is not a number")
+    if not math.isfinite(amount):
+        raise BadBatch("a service amount is not finite")
+    return tenant, float(amount)
+
+
 def _key(item: Any) -> tuple[RouteKey, int]:
     key, count = item
     if not isinstance(key, bytes) or len(key) != DIGEST_BYTES:
@@ -270,6 +302,14 @@ def _key(item: Any) -> tuple[RouteKey, int]:
 
 
 # -- one gateway's side ------------------------------------------------------------------
+
+
+class FairCounters(Protocol):
+    """The fair queue's side of the bus (governance/fairness.py `FairQueue`)."""
+
+    def take_charged(self) -> dict[str, float]: ...
+
+    def charge_elsewhere(self, tenant: str, amount: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -283,7 +323,9 @@ class ClusterState:
 
     ``sender`` names this process on the bus (the gateway id and a random suffix drawn at
     start: a worker, or a restarted gateway, is a peer of its own, even where every
-    container's process id is 1). The caller supplies the clock.
+    container's process id is 1). The caller supplies the clock. ``fair``: the fair
+    queue's counters to share ([queue]); None: no service sent, and what others send is
+    not applied (each gateway then orders its queue by its own service alone).
     """
 
     def __init__(
@@ -292,6 +334,7 @@ class ClusterState:
         self.router = router
         self.keys = keys
         self.sender = sender
+        self.fair: FairCounters | None = None
         self.backlog_ttl_s = backlog_ttl_s
         self._seq = 0
         self._peers: dict[str, _Peer] = {}
@@ -310,9 +353,11 @@ class ClusterState:
         placements, shared_keys, own = router.take_shared(MAX_BATCH_PLACEMENTS)
         keys = tuple(shared_keys)
         backlog = tuple(Backlog(*row) for row in own)
+        service = tuple(self.fair.take_charged().items()) if self.fair is not None else ()
         if (
             not placements
             and not keys
+            and not service
             and backlog == self._last_backlog
             and now - self._last_sent < HEARTBEAT_S
         ):
@@ -330,6 +375,7 @@ class ClusterState:
             ),
             keys,
             backlog,
+            service,
         )
         return encode_batch(self.keys, batch)
 
@@ -367,6 +413,10 @@ class ClusterState:
             peer.heard_at = max(peer.heard_at, now - age_s)
             peer.backlog = {b.replica: b for b in batch.backlog}
             self._apply_backlog()
+        fair = self.fair
+        if fair is not None:  # service is history, not load: applied whatever its age
+            for tenant, amount in batch.service:
+                fair.charge_elsewhere(tenant, amount)
         return batch
 
     def expire(self, now: float) -> int:

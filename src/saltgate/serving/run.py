@@ -187,7 +187,9 @@ async def start_gateway(
     )
     running.console = console
     try:
-        running.cluster = start_cluster_bus(config.cluster, replicas, subkeys.route, metrics)
+        running.cluster = start_cluster_bus(
+            config.cluster, replicas, subkeys.route, metrics, gateway.fair
+        )
         running.kv_relay = start_kv_relay(config, subkeys.kv_events)
     except BaseException:
         await running.close()

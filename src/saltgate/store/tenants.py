@@ -33,7 +33,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
-from saltgate.governance.limits import Limits
+from saltgate.governance.limits import KEY_WEIGHT_REFUSED, Limits
 from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
 from saltgate.store import audit
 from saltgate.store.audit import Actor
@@ -146,6 +146,13 @@ class Principal:
     def epoch_label(self) -> str:
         """The epoch as the spec's derivation takes it (``lp(str(epoch))``)."""
         return str(self.epoch)
+
+    @property
+    def limited(self) -> bool:
+        """Whether admission has anything to check (a tenant's weight alone is no limit)."""
+        return (self.limits is not None and self.limits.limiting) or (
+            self.key_limits is not None and self.key_limits.limiting
+        )
 
 
 # The live keys with what a request needs of their tenant: the gateway's snapshot. A key
@@ -425,7 +432,10 @@ class TenantStore:
             return self._changed_tenant("tenant.limits_set", t)
 
     def set_key_limits(self, key_id: str, limits: Limits | None) -> ApiKeyInfo:
-        """Replace a key's own limits, which narrow its tenant's (None: the tenant's)."""
+        """Replace a key's own limits, which narrow its tenant's (None: the tenant's);
+        InvalidInputError for a weight (a tenant's alone)."""
+        if limits is not None and limits.weight is not None:
+            raise InvalidInputError(KEY_WEIGHT_REFUSED)
         stored = None if limits is None else limits.to_json()
         with self._db.transaction():
             info = self._get_key(key_id)
