@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from tests.support.waiting import eventually
 
+from saltgate.cli import main
 from saltgate.prices import Price, PriceVersion, price_from_fields
 from saltgate.store.audit import Actor, list_entries, verify_chain
 from saltgate.store.backends import open_database
@@ -160,5 +161,50 @@ def test_a_postgres_gateway_hears_of_a_price_by_notify(pg_store: StoreSettings) 
 
     try:
         asyncio.run(run())
+    finally:
+        db.close()
+
+
+def test_prices_cli(
+    store_settings: StoreSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`saltgate prices list|set|clear` on either backend: the config's price, the
+    store's over it, back to the config's; bad prices are one line on stderr; each change
+    in the audit log as the CLI's."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[gateway]\nstate_dir = "{tmp_path / "state"}"\n{store_settings.toml()}'
+        '[[replicas]]\nurl = "http://127.0.0.1:1"\n'
+        "[prices.m]\ninput = 1.0\ncached_input = 0.1\noutput = 2.0\n"
+    )
+    c = ("--config", str(config))
+
+    def saltgate(*args: str) -> tuple[int, str, str]:
+        code = main([*args, *c])
+        out, err = capsys.readouterr()
+        return code, out.strip(), err.strip()
+
+    config_version = PriceVersion.of("m", CONFIG["m"]).version
+    line = f"m\tinput 1.000000\tcached_input 0.100000\toutput 2.000000\t{config_version}\tconfig"
+    assert saltgate("prices", "list") == (0, line, "")
+    code, out, err = saltgate(
+        "prices", "set", "m", "--input", "1.5", "--cached-input", "0.15", "--output", "6"
+    )
+    new = PriceVersion.of("m", Price(1.5, 0.15, 6.0)).version
+    assert (code, err) == (0, "") and out.endswith(f"\t{new}\tstore")
+    assert saltgate("prices", "list")[1] == out
+    code, _, err = saltgate(
+        "prices", "set", "m", "--input", "-1", "--cached-input", "0", "--output", "0"
+    )
+    assert code == 1 and "decimal number >= 0" in err
+    assert saltgate("prices", "clear", "m")[:2] == (0, "cleared the store's price of m")
+    assert saltgate("prices", "list")[1] == line
+    code, _, err = saltgate("prices", "clear", "m")
+    assert code == 1 and "no price is set in the store for model 'm'" in err
+    db = open_database(store_settings)
+    try:
+        entries = [e for e in list_entries(db) if e.resource_type == "model_price"]
+        assert [e.action for e in entries] == ["price.set", "price.cleared"]
+        assert all(e.actor.startswith("cli:") for e in entries)
     finally:
         db.close()
