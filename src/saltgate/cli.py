@@ -288,6 +288,39 @@ def _add_admin_plane(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.set_defaults(func=_audit_log_verify)
 
 
+def _add_prices(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`prices`: the store's prices, over the config's [prices] (docs/billing.md)."""
+    prices = sub.add_parser(
+        "prices",
+        help="list the prices in effect, set a model's in the store (over the config's), "
+        "or clear it",
+    )
+    psub = prices.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = psub.add_parser("list", help="every priced model: USD per million tokens, version, source")
+    _state_dir_arg(p)
+    p.set_defaults(func=_prices_list)
+    p = psub.add_parser(
+        "set", help="set a model's price in the store; gateways bill with it within a second"
+    )
+    p.add_argument("model", help="the model's name, as requests give it")
+    for option, what in (
+        ("--input", "uncached input"),
+        ("--cached-input", "cached input"),
+        ("--output", "output"),
+    ):
+        p.add_argument(
+            option, required=True, help=f"USD per million {what} tokens (at most 6 decimals)"
+        )
+    _state_dir_arg(p)
+    p.set_defaults(func=_prices_set)
+    p = psub.add_parser(
+        "clear", help="delete a model's store price: the config's applies again (or none)"
+    )
+    p.add_argument("model", help="the model's name")
+    _state_dir_arg(p)
+    p.set_defaults(func=_prices_clear)
+
+
 def _limit_args(p: argparse.ArgumentParser) -> None:
     """The options of `tenants set-limits` and `keys set-limits` (docs/limits.md)."""
     p.add_argument("--rpm", type=int, help="requests in any 60 s window")
@@ -677,6 +710,53 @@ def _admin_tokens_revoke(args: argparse.Namespace) -> int:
     )
 
 
+def _price_line(price: dict[str, object]) -> str:
+    return (
+        f"{price['model']}\tinput {price['input_per_mtok']}\tcached_input "
+        f"{price['cached_input_per_mtok']}\toutput {price['output_per_mtok']}\t"
+        f"{price['version']}\t{price['source']}"
+    )
+
+
+def _prices_list(args: argparse.Namespace) -> int:
+    from saltgate.store.model_prices import PriceStore, effective_prices
+
+    def show(st: TenantStore) -> str:
+        _, config = _store_settings(args)
+        configured = {} if config is None else config.prices
+        shown = effective_prices(configured, PriceStore(st.db).stored())
+        return "\n".join(_price_line(p.to_dict()) for p in shown)
+
+    return _with_store(args, show)
+
+
+def _prices_set(args: argparse.Namespace) -> int:
+    from saltgate.prices import price_from_fields
+    from saltgate.store.model_prices import PriceStore
+
+    def apply(st: TenantStore) -> str:
+        price = price_from_fields(
+            {
+                "input_per_mtok": args.input,
+                "cached_input_per_mtok": args.cached_input,
+                "output_per_mtok": args.output,
+            }
+        )
+        return _price_line(PriceStore(st.db, st.actor).set(args.model, price).to_dict())
+
+    return _with_store(args, apply)
+
+
+def _prices_clear(args: argparse.Namespace) -> int:
+    from saltgate.store.model_prices import PriceStore
+
+    def apply(st: TenantStore) -> str:
+        PriceStore(st.db, st.actor).clear(args.model)
+        return f"cleared the store's price of {args.model}"
+
+    return _with_store(args, apply)
+
+
 def _audit_log_verify(args: argparse.Namespace) -> int:
     from saltgate.config import ConfigError
     from saltgate.store.audit import verify_chain
@@ -1047,6 +1127,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway(sub)
     _add_admin(sub)
     _add_admin_plane(sub)
+    _add_prices(sub)
     _add_usage(sub)
     _add_store(sub)
     _add_needing_modules(sub, "sim", _add_sim)

@@ -1,4 +1,5 @@
-"""Per-model prices, as the config file's ``[prices.MODEL]`` tables give them, and the
+"""Per-model prices, as the config file's ``[prices.MODEL]`` tables give them (or the
+store's, set over the admin API or `saltgate prices set`, which take precedence), and the
 integer arithmetic that bills a request with them.
 
 Pure: the types, the parser and the cost. The gateway prices each request when it records
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -24,6 +26,13 @@ _PRICE_FIELDS = {
     "output": "output_per_mtok",
 }
 MICRO = 1_000_000  # micro-dollars per dollar; also pico-dollars per micro-dollar
+PRICE_FIELDS = tuple(_PRICE_FIELDS.values())
+_DECIMAL = re.compile(r"[0-9]{1,15}(\.[0-9]{1,15})?")
+# What a price set at run time may be at most: the store keeps 64-bit integers.
+MAX_PER_MTOK = 1_000_000_000
+# A model's name as a price set at run time may give it: as clients send them
+# ("meta-llama/Llama-3.1-8B", "qwen2.5:7b"), nothing that could be read as markup or SQL.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 
 
 def micro_per_mtok(value: float) -> int:
@@ -44,7 +53,7 @@ class Price:
     output_per_mtok: float
 
     def __post_init__(self) -> None:
-        for name in ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok"):
+        for name in PRICE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"price {name} must be a number, got {value!r}")
@@ -72,11 +81,18 @@ class PriceVersion:
 
     @classmethod
     def of(cls, model: str, price: Price) -> PriceVersion:
-        amounts = (
+        return cls.of_micro(
+            model,
             micro_per_mtok(price.input_per_mtok),
             micro_per_mtok(price.cached_input_per_mtok),
             micro_per_mtok(price.output_per_mtok),
         )
+
+    @classmethod
+    def of_micro(cls, model: str, input: int, cached_input: int, output: int) -> PriceVersion:
+        """From amounts already in micro-dollars per million tokens (the store's rows):
+        the same version as `of` gives the same price, wherever it was set."""
+        amounts = (int(input), int(cached_input), int(output))
         text = "\0".join((model, *map(str, amounts))).encode()
         return cls("pv_" + hashlib.sha256(text).hexdigest()[:16], model, *amounts)
 
@@ -91,6 +107,32 @@ class PriceVersion:
             + completion * self.output
         )
         return (pico + MICRO // 2) // MICRO
+
+
+def price_from_fields(given: Mapping[str, object]) -> Price:
+    """A price as the admin API takes it: exactly ``input_per_mtok``,
+    ``cached_input_per_mtok`` and ``output_per_mtok``, each a number or a decimal string
+    ("1.5"); validated as `Price` is (finite, >= 0, at most 6 decimals). ValueError."""
+    unknown = sorted(set(given) - set(PRICE_FIELDS))
+    missing = sorted(set(PRICE_FIELDS) - set(given))
+    if unknown or missing:
+        raise ValueError(
+            f"give exactly {', '.join(PRICE_FIELDS)} (USD per million tokens); "
+            f"missing {missing}, unknown {unknown}"
+        )
+    amounts: dict[str, object] = {}
+    for name in PRICE_FIELDS:
+        value = given[name]
+        if isinstance(value, str):
+            if not _DECIMAL.fullmatch(value.strip()):
+                raise ValueError(f"price {name} must be a decimal number >= 0 like 1.5")
+            value = float(value.strip())
+        amounts[name] = value
+    price = Price(**amounts)  # type: ignore[arg-type]  # Price checks the types
+    for name in PRICE_FIELDS:
+        if getattr(price, name) > MAX_PER_MTOK:
+            raise ValueError(f"price {name} is over {MAX_PER_MTOK} USD per million tokens")
+    return price
 
 
 def price_versions(prices: Mapping[str, Price]) -> dict[str, PriceVersion]:

@@ -65,6 +65,22 @@ def test_match_routes() -> None:
     assert match("GET", "/admin/v1/tenants/") is None  # an empty id
 
 
+def test_a_price_route_takes_the_rest_of_the_path_as_the_model() -> None:
+    """Model names hold slashes and colons: the last {model+} takes the rest, decoded once."""
+    for path, model in (
+        ("/admin/v1/prices/m", "m"),
+        ("/admin/v1/prices/meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B"),
+        ("/admin/v1/prices/qwen2.5%3A7b", "qwen2.5:7b"),
+    ):
+        m = match("PUT", path)
+        assert m is not None and m.route is not None, path
+        assert (m.route.name, m.params) == ("prices_set", {"model": model})
+    assert match("PUT", "/admin/v1/prices/") is None  # no model
+    assert match("PUT", "/admin/v1/prices/" + "m" * 1025) is None
+    listing = match("PUT", "/admin/v1/prices")
+    assert listing is not None and listing.route is None and listing.allowed == ("GET",)
+
+
 def test_every_route_is_unique_and_scoped_with_a_known_scope() -> None:
     assert len({(r.method, r.pattern) for r in ROUTES}) == len(ROUTES)
     assert len({r.name for r in ROUTES}) == len(ROUTES)

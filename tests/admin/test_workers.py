@@ -1,14 +1,18 @@
 """The admin API under `saltgate serve --workers 2` (the supervisor's admin listener) on
-a PostgreSQL store: served beside /metrics, never on the inference port."""
+a PostgreSQL store: served beside /metrics, never on the inference port; a price set
+through it bills in every worker."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.gateway.stack import run
+from tests.gateway.stack import MODEL, run
 from tests.support.gateways import admin_supervisor
 from tests.support.http import async_client
+from tests.support.sim import sim
+from tests.support.waiting import eventually
 
+from saltgate.prices import Price, PriceVersion
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore
@@ -18,7 +22,7 @@ def test_the_supervisor_serves_the_admin_api_on_postgresql(
     tmp_path: Path, pg_store: StoreSettings
 ) -> None:
     async def go() -> None:
-        async with admin_supervisor(tmp_path, pg_store) as (gateway, admin, token):
+        async with admin_supervisor(tmp_path, pg_store) as (gateway, admin, token, _):
             auth = {"authorization": f"Bearer {token}"}
             async with async_client(base_url=admin, headers=auth, timeout=30) as c:
                 r = await c.post("/admin/v1/tenants", json={"name": "globex"})
@@ -32,3 +36,60 @@ def test_the_supervisor_serves_the_admin_api_on_postgresql(
             assert store.get_tenant("globex").name == "globex"
 
     run(go)
+
+
+def test_every_worker_bills_with_a_price_set_over_the_api(
+    tmp_path: Path, pg_store: StoreSettings
+) -> None:
+    """`--workers 2` on PostgreSQL: each worker's key snapshot hears of the price
+    (NOTIFY); once one request is billed with it, a run of requests, each on a new
+    connection so they spread over the workers, are all billed with it too."""
+    new = PriceVersion.of(MODEL, Price(1.5, 0.15, 6.0))
+    prices = f'[prices."{MODEL}"]\ninput = 1.0\ncached_input = 0.1\noutput = 2.0\n'
+
+    async def go() -> None:
+        async with (
+            sim() as (replica, _),
+            admin_supervisor(tmp_path, pg_store, replica=replica.url, sections=prices) as (
+                gateway,
+                admin,
+                token,
+                key,
+            ),
+        ):
+            auth = {"authorization": f"Bearer {token}"}
+            async with async_client(base_url=admin, headers=auth, timeout=30) as c:
+                body = {"input_per_mtok": 1.5, "cached_input_per_mtok": 0.15}
+                body["output_per_mtok"] = 6
+                r = await c.put(f"/admin/v1/prices/{MODEL}", json=body)
+                assert r.status_code == 200 and r.json()["version"] == new.version, r.text
+            streak = 0
+
+            async def twelve_in_a_row() -> bool:
+                nonlocal streak
+                billed = await _billed(gateway.url, key, pg_store)
+                streak = streak + 1 if billed == new.version else 0
+                return streak >= 12
+
+            await eventually(twelve_in_a_row, timeout_s=20, what="every worker bills anew")
+
+    run(go)
+
+
+async def _billed(url: str, key: str, store: StoreSettings) -> str:
+    """The price version of one completion's record, sent on a connection of its own."""
+    async with async_client(base_url=url, timeout=30) as c:
+        r = await c.post(
+            "/v1/completions",
+            headers={"authorization": f"Bearer {key}", "connection": "close"},
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+        )
+        assert r.status_code == 200, r.text
+    db = open_database(store)
+    try:
+        [(version,)] = db.query(
+            "SELECT price_version FROM usage WHERE request_id = ?", (r.headers["x-request-id"],)
+        )
+    finally:
+        db.close()
+    return str(version)

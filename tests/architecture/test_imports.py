@@ -88,6 +88,7 @@ IO_PACKAGES = (
     "saltgate.store.tenants",
     "saltgate.store.audit",
     "saltgate.store.admin_tokens",
+    "saltgate.store.model_prices",
     "saltgate.admin.api",
     "saltgate.admin.store",
     "saltgate.admin.tokens",

@@ -9,16 +9,18 @@ control that shows the test would see them broken.
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 from playwright.sync_api import expect
-from tests.support.console import Browser, ConsoleStack, browser, console_stack
+from tests.support.console import MODEL, Browser, ConsoleStack, browser, console_stack
 
 from saltgate.console.security import COOKIE, CSP, SESSION_IDLE_S, SIGN_IN_PER_CLIENT
 from saltgate.http import HttpServer, Request, Response
+from saltgate.prices import Price, PriceVersion
 from saltgate.store.tenants import TenantStore
 
 PAGES = ("overview", "usage", "tenants", "keys", "fleet", "audit", "admin-tokens", "prices")
@@ -46,6 +48,16 @@ def post(
     return httpx.post(
         stack.console_url + path, data=data, cookies=cookies, headers={"origin": origin}, timeout=30
     )
+
+
+def last_price_version(stack: ConsoleStack) -> str | None:
+    """The price version of the ledger's newest record."""
+    conn = sqlite3.connect(stack.state_dir / "saltgate.db")
+    try:
+        row = conn.execute("SELECT price_version FROM usage ORDER BY rowid DESC LIMIT 1").fetchone()
+    finally:
+        conn.close()
+    return None if row is None else str(row[0])
 
 
 def tenant_names(stack: ConsoleStack) -> set[str]:
@@ -124,7 +136,35 @@ def test_forms_tenant_key_limit_usage_and_revocation(tmp_path: Path) -> None:
         assert any(r.split(",")[2] == tenant_id for r in rows), rows
         b.assert_clean()
 
-        # Set a limit: one request a minute; the request above already used it. And a
+        # Set the model's price over the config's, see the key billed with it, clear it.
+        b.page.goto(stack.console_url + "prices")
+        assert "config" in b.page.inner_text("table")
+        for name, value in (
+            ("model", MODEL),
+            ("input_per_mtok", "3"),
+            ("cached_input_per_mtok", "0.3"),
+            ("output_per_mtok", "12.5"),
+        ):
+            b.page.fill(f"form[data-form=set-price] input[name={name}]", value)
+        b.page.click("form[data-form=set-price] button")
+        b.page.wait_for_url("**/console/prices?done=*")
+        new = PriceVersion.of(MODEL, Price(3.0, 0.3, 12.5)).version
+        assert new in b.page.inner_text("table")
+        twin = b.page.request.get(stack.console_url + "prices.json").json()["prices"]
+        assert [(p["source"], p["version"], p["output_per_mtok"]) for p in twin] == [
+            ("store", new, "12.500000")
+        ]
+        deadline = time.monotonic() + 10
+        while last_price_version(stack) != new:
+            assert stack.complete(key).status_code == 200 and time.monotonic() < deadline
+        b.page.click(f"form[data-form='clear-price-{MODEL}'] button")
+        b.page.wait_for_url("**/console/prices?done=*")
+        twin = b.page.request.get(stack.console_url + "prices.json").json()["prices"]
+        assert [p["source"] for p in twin] == ["config"]
+        assert b.page.locator("form[data-form^=clear-price-]").count() == 0
+        b.assert_clean()
+
+        # Set a limit: one request a minute; the requests above already used it. And a
         # fair-share weight, kept beside it (saving the form again keeps it).
         b.page.goto(stack.console_url + f"tenants/{tenant_id}")
         b.page.fill("form[data-form=limits] input[name=rpm]", "1")

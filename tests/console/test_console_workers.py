@@ -17,7 +17,7 @@ def test_the_supervisor_serves_the_console_on_postgresql(
     tmp_path: Path, pg_store: StoreSettings
 ) -> None:
     async def go() -> None:
-        async with admin_supervisor(tmp_path, pg_store) as (gateway, admin, token):
+        async with admin_supervisor(tmp_path, pg_store) as (gateway, admin, token, _):
             async with async_client(base_url=admin, timeout=30) as c:
                 r = await c.post(
                     "/console/sign-in", data={"token": token}, headers={"origin": admin}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from tests.support.waiting import eventually
 
 from saltgate.config import QueueConfig
 from saltgate.gateway.fairshare import FairShare
+from saltgate.prices import PriceVersion
 from saltgate.routing import RouterConfig
 from saltgate.sim.run import SimConfig
 from saltgate.store.tenants import KeySource, Principal
@@ -336,6 +337,10 @@ class BatchKeys:
         if principal is not None and principal.tenant_name == self.batch_tenant:
             return dataclasses.replace(principal, priority="batch")
         return principal
+
+    @property
+    def prices(self) -> Mapping[str, PriceVersion]:
+        return self.keys.prices
 
     async def aclose(self) -> None:
         await self.keys.aclose()

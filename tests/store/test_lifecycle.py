@@ -26,6 +26,7 @@ from saltgate.store.lifecycle import (
     OWN_TABLES,
     PRUNE_BATCH_ROWS,
 )
+from saltgate.store.model_prices import MODEL_PRICES_SQL, PriceStore
 from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import LIVE_KEYS_SQL, KeySnapshot, TenantStore
 
@@ -99,6 +100,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     _, batch_key = tenants.create_key("acme", "batch")
     price = PriceVersion.of("m", Price(1.0, 0.5, 2.0))
     src.execute_many(PRICE_INSERT, price_rows([price], 1.0))
+    PriceStore(src).set("m", Price(2.0, 0.2, 4.0))  # over the config's, with its version
     src.execute_many(USAGE_INSERT, _records(12, 1000.0, acme.id, acme_key_id))
     # A row from before schema version 3: no request id, which PostgreSQL requires.
     src.execute(
@@ -112,12 +114,13 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert (code, err) == (0, ""), err
     assert pg_store.password_file is not None
     assert pg_store.password_file.read_text().strip() not in out
-    table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:9]}
+    table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:10]}
     audited = str(len(src.query("SELECT seq FROM audit_log")))
     assert table == {
         "tenants": ["2", "2"],
         "api_keys": ["4", "4"],
-        "prices": ["1", "1"],
+        "prices": ["2", "2"],
+        "model_prices": ["1", "1"],
         "admin_tokens": ["0", "0"],
         "audit_log": [audited, audited],
         "key_last_used": ["0", "0"],
@@ -133,6 +136,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
         rpm=60, budget_micro_usd=5, budget_period_s=86400
     )
     assert _rows(dst, PRICES_SQL) == _rows(src, PRICES_SQL)
+    assert _rows(dst, MODEL_PRICES_SQL) == _rows(src, MODEL_PRICES_SQL) != set()
     legacy = LEGACY_REQUEST_ID.format(legacy_id)
     expected = {(legacy, *r[1:]) if r[0] is None else r for r in _rows(src, USAGE_SQL)}
     assert _rows(dst, USAGE_SQL) == expected
@@ -156,10 +160,12 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     tenants.revoke_key(late_id)
     tenants.rotate_salt("acme")
     tenants.set_limits("acme", None)
+    PriceStore(src).set("m", Price(3.0, 0.3, 6.0))
     since = ("--since", "1970-01-01T00:16:40")  # ts 1000: the first pass's rows too
     code, out, err = _saltgate(capsys, "store", "copy", "--from", source.url, *to, *since)
     assert (code, err) == (0, ""), err
-    assert out.splitlines()[8].split() == ["usage", "17", "17"]
+    assert out.splitlines()[9].split() == ["usage", "17", "17"]
+    assert _rows(dst, MODEL_PRICES_SQL) == _rows(src, MODEL_PRICES_SQL)  # the new price
     assert verify_chain(dst).checked == len(src.query("SELECT seq FROM audit_log"))
     assert len(dst.query(USAGE_SQL)) == 18
     assert set(new) <= _rows(dst, USAGE_SQL)
@@ -175,6 +181,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert (code, err) == (0, ""), err
     round_trip = open_database(back)
     assert _rows(round_trip, USAGE_SQL) == _rows(dst, USAGE_SQL)
+    assert _rows(round_trip, MODEL_PRICES_SQL) == _rows(dst, MODEL_PRICES_SQL)
     assert _authenticates(round_trip, acme_key) == (acme.id, 1, "interactive")
     assert _authenticates(round_trip, batch_key) == (acme.id, 1, "batch")
     for db in (src, dst, round_trip):

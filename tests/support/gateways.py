@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from saltgate.admin.scopes import SCOPES
 from saltgate.config import create_master_key
@@ -124,27 +125,36 @@ class GatewayProcess:
             await asyncio.wait_for(self.proc.wait(), 30)
 
 
+class AdminGateway(NamedTuple):
+    gateway: GatewayProcess
+    admin_url: str  # the admin listener: /admin/v1/, /console/, /metrics
+    token: str  # an admin token with every scope
+    api_key: str  # an API key of the tenant "acme"
+
+
 @asynccontextmanager
 async def admin_supervisor(
-    tmp_path: Path, store: StoreSettings
-) -> AsyncIterator[tuple[GatewayProcess, str, str]]:
-    """`saltgate serve --workers 2` on `store` holding the tenant "acme": the gateway, its
-    admin listener's URL and an admin token with every scope. Its one replica is never
-    called: for tests of the admin plane, which makes no inference request."""
+    tmp_path: Path, store: StoreSettings, *, replica: str = "http://127.0.0.1:9", sections: str = ""
+) -> AsyncIterator[AdminGateway]:
+    """`saltgate serve --workers 2` on `store` holding the tenant "acme" with a key, and an
+    admin token. Its one replica (by default nothing listens there) and ``sections`` (more
+    TOML tables) are the caller's."""
     master = tmp_path / "master.key"
     create_master_key(master)
     with TenantStore(open_database(store)) as tenants:
         tenants.create_tenant("acme")
+        api_key = tenants.create_key("acme")[1]
         token = AdminTokens(tenants.db).create(SCOPES)[1]
     config = write_gateway_config(
         tmp_path / "gw.toml",
         state_dir=tmp_path / "state",
         master_key_file=master,
-        replicas=["http://127.0.0.1:9"],
+        replicas=[replica],
         store=store,
+        sections=sections,
     )
     gateway = await GatewayProcess.start(config, tmp_path / "gw.log", workers=2)
     try:
-        yield gateway, gateway.metrics_url.removesuffix("/metrics"), token
+        yield AdminGateway(gateway, gateway.metrics_url.removesuffix("/metrics"), token, api_key)
     finally:
         await gateway.stop()

@@ -11,7 +11,7 @@ as if they did not exist. Every error is in OpenAI's shape; none is a 500.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
@@ -25,6 +25,7 @@ from saltgate.governance.limits import Limits
 from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError
+from saltgate.prices import Price, price_from_fields
 from saltgate.store import audit
 from saltgate.store.admin_tokens import AdminTokens
 from saltgate.store.audit import Actor
@@ -35,6 +36,7 @@ from saltgate.store.errors import (
     KeyExpiredError,
     KeyNotFoundError,
     KeyRevokedError,
+    PriceNotFoundError,
     StoreError,
     StoreUnavailableError,
     TenantArchivedError,
@@ -44,6 +46,7 @@ from saltgate.store.errors import (
     TokenRevokedError,
 )
 from saltgate.store.ledger import new_request_id
+from saltgate.store.model_prices import PriceStore, effective_prices
 from saltgate.store.tenants import ApiKeyInfo, Tenant, TenantStore, last_used
 from saltgate.store.usage_rollups import UsageReader
 
@@ -63,6 +66,7 @@ _STATUS: tuple[tuple[type[StoreError], int], ...] = (
     (TenantNotFoundError, 404),
     (KeyNotFoundError, 404),
     (TokenNotFoundError, 404),
+    (PriceNotFoundError, 404),
     (TenantExistsError, 409),
     (TenantArchivedError, 409),
     (KeyRevokedError, 409),
@@ -192,9 +196,15 @@ def _limits(body: dict[str, Any]) -> Limits | None:
 class AdminApi:
     """`handle` answers /admin/... requests (None for any other path)."""
 
-    def __init__(self, store: AdminStore, usage: UsageReader | None = None) -> None:
+    def __init__(
+        self,
+        store: AdminStore,
+        usage: UsageReader | None = None,
+        prices: Mapping[str, Price] | None = None,
+    ) -> None:
         self.store = store
         self.usage = usage  # the rollups' reader (saltgate.admin.usage); None: not served
+        self.prices = prices or {}  # the config's [prices]; the store's go over them
         self._handlers: dict[str, Handler] = {
             "me": self._me,
             "tenants_list": self._tenants_list,
@@ -219,6 +229,9 @@ class AdminApi:
             "costs": self._costs,
             "usage_completions_csv": self._usage_completions_csv,
             "usage_reconcile": self._usage_reconcile,
+            "prices_list": self._prices_list,
+            "prices_set": self._prices_set,
+            "prices_clear": self._prices_clear,
         }
         missing = {r.name for r in scopes.ROUTES} ^ set(self._handlers)
         assert not missing, f"routes and handlers differ: {sorted(missing)}"
@@ -546,3 +559,37 @@ class AdminApi:
     ) -> tuple[int, dict[str, Any]]:
         """A usage or costs page; a pinned token reads only its tenant's."""
         return await query(self._usage_reader(), call.args(), call.pinned)
+
+    async def _prices_list(self, call: Call) -> tuple[int, dict[str, Any]]:
+        """Every priced model's price in effect: the store's over the config's."""
+        stored = await self._run(lambda db: PriceStore(db).stored())
+        shown = [p.to_dict() for p in effective_prices(self.prices, stored)]
+        return 200, {"object": "list", "data": shown, "has_more": False}
+
+    @staticmethod
+    def _unpinned(call: Call) -> None:
+        """Prices are every tenant's: a token pinned to one cannot change them."""
+        if call.pinned is not None:
+            raise ApiError(403, "a token pinned to a tenant cannot change prices")
+
+    async def _prices_set(self, call: Call) -> tuple[int, dict[str, Any]]:
+        """Set a model's price in the store, over the config's; the gateways bill with it
+        within a second."""
+        self._unpinned(call)
+        try:
+            price = price_from_fields(call.body())
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        model = call.params["model"]
+        changed = await self._run(lambda db: PriceStore(db, call.actor).set(model, price))
+        return 200, changed.to_dict()
+
+    async def _prices_clear(self, call: Call) -> tuple[int, dict[str, Any]]:
+        """Delete a model's store price: the config's applies again (or none). The answer
+        is the price deleted and the one now in effect (null: the model is unpriced)."""
+        self._unpinned(call)
+        model = call.params["model"]
+        deleted = await self._run(lambda db: PriceStore(db, call.actor).clear(model))
+        now = next((p for p in effective_prices(self.prices, {}) if p.version.model == model), None)
+        effective = None if now is None else now.to_dict()
+        return 200, {**deleted.to_dict(), "deleted": True, "effective": effective}

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
+from urllib.parse import unquote
 
 USAGE_READ: Final = "usage:read"
 TENANTS_READ: Final = "tenants:read"
@@ -81,7 +82,7 @@ def may_see(pinned: str | None, tenant_id: str | None) -> bool:
 @dataclass(frozen=True, slots=True)
 class Route:
     method: str
-    pattern: str  # under PREFIX; {name} matches one path segment
+    pattern: str  # under PREFIX; {name} matches one path segment, a last {name+} the rest
     scope: str | None  # None: any admin token (who am I)
     name: str  # the handler's name in saltgate.admin.api
 
@@ -110,13 +111,32 @@ ROUTES: Final = (
     Route("GET", "usage/completions.csv", USAGE_READ, "usage_completions_csv"),
     Route("GET", "usage/reconcile", USAGE_READ, "usage_reconcile"),
     Route("GET", "costs", USAGE_READ, "costs"),
+    # Prices: read as costs are; set through the store over the config's (docs/billing.md).
+    Route("GET", "prices", USAGE_READ, "prices_list"),
+    Route("PUT", "prices/{model+}", PRICES_WRITE, "prices_set"),
+    Route("DELETE", "prices/{model+}", PRICES_WRITE, "prices_clear"),
 )
 
 SEGMENT: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
+MAX_TAIL: Final = 1024
+
+
+def _match_tail(want: list[str], parts: list[str]) -> dict[str, str] | None:
+    """A pattern ending in {name+}: a model name, the rest of the path, slashes and all
+    ("meta-llama/Llama-3.1-8B"), percent-decoded once ("qwen2.5%3A7b"); the handler says
+    if it is no valid name."""
+    head = len(want) - 1
+    tail = unquote("/".join(parts[head:]))
+    if len(parts) <= head or not tail or len(tail) > MAX_TAIL:
+        return None
+    params = _match_pattern("/".join(want[:-1]), parts[:head])
+    return None if params is None else {**params, want[-1][1:-2]: tail}
 
 
 def _match_pattern(pattern: str, parts: list[str]) -> dict[str, str] | None:
     want = pattern.split("/")
+    if want[-1].endswith("+}"):
+        return _match_tail(want, parts)
     if len(want) != len(parts):
         return None
     params = {}

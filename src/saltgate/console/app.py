@@ -6,7 +6,7 @@ in-process with the admin token the operator signed in with (kept server side in
 session, saltgate.console.security): the console adds no access rule of its own, so a
 token's scopes and tenant pinning hold here exactly as they do over HTTP, and every
 change it makes is in the audit log under that token. Routing and fleet come from the
-gateway's metrics, prices from its configuration.
+gateway's metrics.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from saltgate.console.security import (
 )
 from saltgate.gateway.metrics import Histogram, Snapshot
 from saltgate.http import Request, Response
-from saltgate.prices import price_versions
 
 AdminCall = Callable[[Request], Awaitable[Response | None]]
 SnapshotSource = Callable[[], Snapshot | Awaitable[Snapshot]]
@@ -210,6 +209,8 @@ class Console:
             "keys/rotate": self._rotate_key,
             "admin-tokens": self._create_admin_token,
             "admin-tokens/revoke": self._revoke_admin_token,
+            "prices": self._set_price,
+            "prices/clear": self._clear_price,
         }
 
     # -- entry -----------------------------------------------------------------------------
@@ -955,38 +956,64 @@ class Console:
         return View("Admin tokens", {"admin_tokens": tokens, "error": error}, body)
 
     async def _prices(self, session: Session, query: dict[str, str]) -> View:
-        versions = price_versions(self.config.prices)
-        prices = [
-            {
-                "model": model,
-                "input_per_mtok": p.input_per_mtok,
-                "cached_input_per_mtok": p.cached_input_per_mtok,
-                "output_per_mtok": p.output_per_mtok,
-                "version": v.version,
-            }
-            for model, v in sorted(versions.items())
-            for p in (self.config.prices[model],)
-        ]
+        """The prices in effect (the store's over the config's), and with prices:write a
+        form to set a model's and a button to clear each set in the store."""
+        status, answer = await self.api(session, "GET", "prices")
+        error = None if status == 200 else _message(answer, status)
+        prices = answer.get("data") or [] if status == 200 else []
+        writes = "prices:write" in session.scopes and session.tenant_id is None
         rows = [
             (
-                esc(p["model"]),
-                esc(f"${p['input_per_mtok']}"),
-                esc(f"${p['cached_input_per_mtok']}"),
-                esc(f"${p['output_per_mtok']}"),
-                esc(p["version"]),
+                esc(p.get("model")),
+                esc(f"${p.get('input_per_mtok')}"),
+                esc(f"${p.get('cached_input_per_mtok')}"),
+                esc(f"${p.get('output_per_mtok')}"),
+                esc(p.get("version")),
+                esc(p.get("source")),
+                html.form(
+                    url("prices/clear"),
+                    f'<input type="hidden" name="model" value="{esc(p.get("model"))}">',
+                    "Clear",
+                    name=f"clear-price-{p.get('model')}",
+                )
+                if writes and p.get("source") == "store"
+                else "",
             )
             for p in prices
         ]
-        body = (
-            html.table(
-                ["Model", "Input / Mtok", "Cached input / Mtok", "Output / Mtok", "Version"],
-                rows,
-                empty="No prices configured: usage is counted, not priced.",
-            )
-            + "<p>Prices are set in the configuration's <code>[prices]</code> tables; a "
-            "request is billed at the price of its time.</p>"
+        body = (html.notice(error, kind="error") if error else "") + html.table(
+            [
+                "Model",
+                "Input / Mtok",
+                "Cached input / Mtok",
+                "Output / Mtok",
+                "Version",
+                "Source",
+                "",
+            ],
+            rows,
+            empty="No prices: usage is counted, not priced.",
         )
-        return View("Prices", {"prices": prices}, body)
+        body += (
+            "<p>A price set here (source <em>store</em>) overrides the configuration's "
+            "<code>[prices]</code> table for that model; clearing it reverts to the "
+            "configuration's. The gateways bill with a change within a second; a request "
+            "keeps the price of its time.</p>"
+        )
+        if writes:
+            body += (
+                "<h2>Set a price</h2><p>USD per million tokens, up to 6 decimals.</p>"
+                + html.form(
+                    url("prices"),
+                    html.field("model", "Model")
+                    + html.field("input_per_mtok", "Input")
+                    + html.field("cached_input_per_mtok", "Cached input")
+                    + html.field("output_per_mtok", "Output"),
+                    "Set price",
+                    name="set-price",
+                )
+            )
+        return View("Prices", {"prices": prices, "error": error}, body)
 
     # -- forms -----------------------------------------------------------------------------
 
@@ -1061,6 +1088,20 @@ class Console:
         done = {"done": f"Admin token {token_id} revoked."}
         return self._after(status, answer, url("admin-tokens", done))
 
+    async def _set_price(self, session: Session, _: str, form: Form) -> Response:
+        model = form.one("model")
+        fields = ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok")
+        status, answer = await self.api(
+            session, "PUT", _price_path(model), body={f: form.one(f) for f in fields}
+        )
+        return self._after(status, answer, url("prices", {"done": f"Price of {model} set."}))
+
+    async def _clear_price(self, session: Session, _: str, form: Form) -> Response:
+        model = form.one("model")
+        status, answer = await self.api(session, "DELETE", _price_path(model))
+        done = {"done": f"Price of {model} cleared: the configuration's applies."}
+        return self._after(status, answer, url("prices", done))
+
     def _after(self, status: int, answer: dict[str, Any], to: str) -> Response:
         """Post, then redirect to a page (so a reload does not post again); or the error."""
         if status >= 400:
@@ -1087,6 +1128,12 @@ def _message(answer: Mapping[str, Any], status: int) -> str:
     if isinstance(error, dict) and error.get("message"):
         return f"{error['message']} ({status})"
     return f"the admin API answered {status}"
+
+
+def _price_path(model: str) -> str:
+    """The admin API's path of a model's price (its name may hold slashes); the API
+    says what is wrong with a blank or odd name (400)."""
+    return "prices/" + quote(model or "-", safe="/")
 
 
 def _max_limit(width: str) -> str:

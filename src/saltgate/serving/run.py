@@ -167,7 +167,9 @@ async def start_gateway(
     admin_port = None
     admin_api = console = None
     if config.admin_port is not None:
-        api = admin_api = AdminApi(AdminStore(config.store_settings), usage=gateway.usage)
+        api = admin_api = AdminApi(
+            AdminStore(config.store_settings), usage=gateway.usage, prices=config.prices
+        )
         console = Console(api.handle, metrics.snapshot, config)
 
         async def admin_handler(request: Request) -> Response:

@@ -137,7 +137,9 @@ class Supervisor:
         self._board: ConnectionBoard | None = None
         self._admin: HttpServer | None = None
         self._usage = open_usage_reader(config.store_settings)
-        self._admin_api = AdminApi(AdminStore(config.store_settings), usage=self._usage)
+        self._admin_api = AdminApi(
+            AdminStore(config.store_settings), usage=self._usage, prices=config.prices
+        )
         self._console = Console(self._admin_api.handle, self.metrics, config)
         self._ehbp_private_key: bytes | None = None
         self.ehbp_fingerprint: str | None = None

@@ -43,6 +43,10 @@ class TokenRevokedError(StoreError):
     """The admin token id names a token that was already revoked."""
 
 
+class PriceNotFoundError(StoreError):
+    """The model has no price set through the store (its price, if any, is the config's)."""
+
+
 class ConflictError(StoreError):
     """A write broke a uniqueness or reference constraint (either backend)."""
 

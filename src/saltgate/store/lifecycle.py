@@ -1,9 +1,10 @@
 """Moving a store and trimming its ledger: `saltgate store copy`, `saltgate usage prune`.
 
-A copy moves what a store holds of its own (tenants, hashed API keys, prices, the usage
-ledger, hashed admin tokens, the audit log with its hash chain) as it is: a key is stored
-as its SHA-256 (saltgate.store.tenants), so the hashes move and every key keeps working,
-and tenant ids and epochs move, so every tenant keeps its cache namespace. What each store
+A copy moves what a store holds of its own (tenants, hashed API keys, prices: the
+versions billed and those set through the store, the usage ledger, hashed admin tokens,
+the audit log with its hash chain) as it is: a key is stored as its SHA-256
+(saltgate.store.tenants), so the hashes move and every key keeps working, and tenant ids
+and epochs move, so every tenant keeps its cache namespace. What each store
 keeps for itself (`meta`, `schema_version`) is not copied: the destination is migrated to
 the current schema when it is opened, and its own triggers count its auth generation.
 docs/upgrading.md says how to switch a fleet.
@@ -24,6 +25,8 @@ from saltgate.store.audit import INSERT_ENTRY, SELECT_ENTRIES
 from saltgate.store.db import Database
 from saltgate.store.errors import StoreError
 from saltgate.store.ledger import KEY_USE_UPSERT, PRICE_INSERT, USAGE_INSERT, UsageRecord
+from saltgate.store.model_prices import MODEL_PRICES_SQL
+from saltgate.store.model_prices import UPSERT as MODEL_PRICE_UPSERT
 from saltgate.store.schema import ROLLUPS
 
 # Tenants and keys are upserted by id: a second pass (--since) brings a salt rotation or a
@@ -67,6 +70,9 @@ _SMALL_TABLES = (
         "output_micro_usd_per_mtok, effective_from FROM prices",
         PRICE_INSERT,
     ),
+    # The source's price per model wins; one cleared in the source since a first pass
+    # stays in the destination (clear it there, `saltgate prices clear`).
+    (MODEL_PRICES_SQL, MODEL_PRICE_UPSERT),
     (f"SELECT {_ADMIN_TOKEN_COLUMNS} FROM admin_tokens", _ADMIN_TOKEN_UPSERT),  # noqa: S608
     ("SELECT key_id, ts FROM key_last_used", KEY_USE_UPSERT),
     # Entries move as they are (their hashes cover their seq); a second pass adds the new.
@@ -77,6 +83,7 @@ COPIED_TABLES = (
     "tenants",
     "api_keys",
     "prices",
+    "model_prices",
     "admin_tokens",
     "audit_log",
     "key_last_used",

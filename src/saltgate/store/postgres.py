@@ -1,6 +1,7 @@
 """The PostgreSQL backend: connections, migrations, the CLI's database and the gateway's keys.
 
-Every gateway of a fleet shares one database. Changes to tenants and keys reach them all
+Every gateway of a fleet shares one database. Changes to tenants, keys and the prices set
+through the store reach them all
 through LISTEN/NOTIFY: a statement trigger bumps ``meta.auth_generation`` and notifies
 channel ``saltgate_auth`` at commit (saltgate.store.schema); each gateway holds one
 listening connection and reloads its key snapshot when the generation moved. The same
@@ -19,14 +20,16 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import psycopg
 from psycopg import IsolationLevel
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from saltgate.prices import PriceVersion
 from saltgate.store.errors import ConflictError, StoreError, StoreUnavailableError
+from saltgate.store.model_prices import MODEL_PRICES_SQL, store_versions
 from saltgate.store.schema import (
     LISTEN_AUTH_SQL,
     MIGRATION_LOCK_ID,
@@ -235,6 +238,10 @@ class PgKeyIndex:
     def __len__(self) -> int:
         return len(self._keys)
 
+    @property
+    def prices(self) -> Mapping[str, PriceVersion]:
+        return self._keys.prices
+
     def authenticate(self, presented: str) -> Principal | None:
         if self._down_since is not None:
             down_for = time.monotonic() - self._down_since
@@ -268,18 +275,20 @@ class PgKeyIndex:
         return conn
 
     async def _reload(self, conn: psycopg.AsyncConnection[tuple[Any, ...]]) -> None:
-        """Generation and live keys from one snapshot (REPEATABLE READ transaction)."""
+        """Generation, live keys and the store's prices from one snapshot (REPEATABLE
+        READ transaction)."""
 
-        async def read() -> tuple[int, list[tuple[Any, ...]]]:
+        async def read() -> tuple[int, list[tuple[Any, ...]], list[tuple[Any, ...]]]:
             async with conn.transaction():
                 cur = await conn.execute("SELECT auth_generation FROM meta WHERE id = 1")
                 row = await cur.fetchone()
                 rows = await (await conn.execute(LIVE_KEYS_SQL)).fetchall()
+                prices = await (await conn.execute(MODEL_PRICES_SQL)).fetchall()
             assert row is not None  # migration 3 inserts the one meta row
-            return int(row[0]), rows
+            return int(row[0]), rows, prices
 
-        generation, rows = await asyncio.wait_for(read(), self.query_timeout_s)
-        self._keys = KeySnapshot(rows)
+        generation, rows, prices = await asyncio.wait_for(read(), self.query_timeout_s)
+        self._keys = KeySnapshot(rows, store_versions(prices))
         self._generation = generation
         self.reloads += 1
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# PostgreSQL NOTIFY channel on which the trigger below says "tenants or keys changed".
+# PostgreSQL NOTIFY channel on which the trigger below says "tenants, keys or prices changed".
 LISTEN_AUTH_SQL = "LISTEN saltgate_auth"
 # pg_advisory_xact_lock key: gateways and CLIs starting together migrate one at a time.
 MIGRATION_LOCK_ID = 0x5A17_6A7E
@@ -285,6 +285,31 @@ def _postgres_rollups() -> tuple[str, ...]:
 
 ROLLUPS_NAME = "usage rollups"
 
+
+def _model_prices(integer: str, real: str, changed: tuple[str, ...]) -> Migration:
+    """Version 10 on one backend: prices set through the store (the admin API's
+    ``PUT /admin/v1/prices/{model}``, `saltgate prices set`), one row per model, in
+    micro-dollars per million tokens. A row overrides the config's ``[prices.MODEL]``;
+    deleting it reverts to the config's. A change bumps the auth generation (`changed`),
+    so the gateways reload prices with their keys, within a second (saltgate.store.prices).
+    """
+    return Migration(
+        10,
+        "prices set through the store",
+        (
+            f"""CREATE TABLE model_prices (
+                model TEXT PRIMARY KEY,
+                input_micro_usd_per_mtok {integer} NOT NULL CHECK (input_micro_usd_per_mtok >= 0),
+                cached_input_micro_usd_per_mtok {integer} NOT NULL
+                    CHECK (cached_input_micro_usd_per_mtok >= 0),
+                output_micro_usd_per_mtok {integer} NOT NULL CHECK (output_micro_usd_per_mtok >= 0),
+                updated_at {real} NOT NULL
+            )""",
+            *changed,
+        ),
+    )
+
+
 SQLITE_VERSION_TABLE = (
     "CREATE TABLE IF NOT EXISTS schema_version ("
     "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL)"
@@ -414,6 +439,15 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
         ),
     ),
     Migration(9, ROLLUPS_NAME, _sqlite_rollups()),
+    _model_prices(
+        "INTEGER",
+        "REAL",
+        tuple(
+            f"CREATE TRIGGER model_prices_{event.lower()}_bump AFTER {event} ON model_prices "
+            "BEGIN UPDATE meta SET auth_generation = auth_generation + 1; END"
+            for event in ("INSERT", "UPDATE", "DELETE")
+        ),
+    ),
 )
 
 POSTGRES_VERSION_TABLE = (
@@ -508,6 +542,14 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
         ),
     ),
     Migration(9, ROLLUPS_NAME, _postgres_rollups()),
+    _model_prices(
+        "BIGINT",
+        "DOUBLE PRECISION",
+        (
+            "CREATE TRIGGER model_prices_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE "
+            "ON model_prices FOR EACH STATEMENT EXECUTE FUNCTION saltgate_auth_changed()",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version

@@ -1,8 +1,9 @@
 """Tenants, hashed API keys and salt epochs, on either backend (docs/store.md).
 
 The CLI (another process) writes here; a running gateway reads a snapshot of the live keys
-and refreshes it when something changes, so revocations and rotations take effect within
-a second on every gateway without a restart: `KeyIndex` polls the SQLite file, and
+(and of the prices set through the store, saltgate.store.model_prices) and refreshes it
+when something changes, so revocations, rotations and prices take effect within a second
+on every gateway without a restart: `KeyIndex` polls the SQLite file, and
 saltgate.store.postgres.PgKeyIndex listens for PostgreSQL's notifications.
 
 Why SHA-256 and no slow KDF: a key is ``"sg_"`` + 32 random bytes (256 bits of entropy).
@@ -27,7 +28,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -35,6 +36,7 @@ from typing import Protocol
 
 from saltgate.governance.limits import KEY_WEIGHT_REFUSED, Limits
 from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
+from saltgate.prices import PriceVersion
 from saltgate.store import audit
 from saltgate.store.audit import Actor
 from saltgate.store.db import Database
@@ -49,6 +51,7 @@ from saltgate.store.errors import (
     TenantExistsError,
     TenantNotFoundError,
 )
+from saltgate.store.model_prices import MODEL_PRICES_SQL, store_versions
 from saltgate.store.settings import DB_FILENAME
 from saltgate.store.sqlite import SqliteDatabase, open_db
 
@@ -570,21 +573,30 @@ class KeySource(Protocol):
         been out of reach for longer than the gateway may authenticate without it."""
         ...
 
+    @property
+    def prices(self) -> Mapping[str, PriceVersion]:
+        """The prices set through the store, by model, as of the snapshot: a new object
+        whenever the snapshot is reloaded (the gateway compares them by identity)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
 class KeySnapshot:
-    """The live keys by SHA-256 digest: what `authenticate` consults, on either backend."""
+    """The live keys by SHA-256 digest: what `authenticate` consults, on either backend;
+    and the prices set through the store, read in the same transaction."""
 
-    __slots__ = ("_by_hash",)
+    __slots__ = ("_by_hash", "prices")
 
     def __init__(
         self,
         rows: Iterable[
             tuple[bytes, str, str, str, int, str | None, str | None, str | None, str, float | None]
         ] = (),
+        prices: Mapping[str, PriceVersion] | None = None,
     ) -> None:
-        """`rows` as LIVE_KEYS_SQL returns them."""
+        """`rows` as LIVE_KEYS_SQL returns them; `prices` from MODEL_PRICES_SQL's rows."""
+        self.prices: Mapping[str, PriceVersion] = prices or {}
         allowed: dict[str, frozenset[str] | None] = {}  # one set per tenant, not per key
         limits: dict[str, Limits | None] = {}
         # digest -> (digest, principal, expiry: math.inf for none)
@@ -663,6 +675,10 @@ class KeyIndex:
     def __len__(self) -> int:
         return len(self._keys)
 
+    @property
+    def prices(self) -> Mapping[str, PriceVersion]:
+        return self._keys.prices
+
     def authenticate(self, presented: str) -> Principal | None:
         """The principal of a live key, or None (see `KeySnapshot.lookup`)."""
         if self.max_staleness is not None:
@@ -672,7 +688,7 @@ class KeyIndex:
         return self._keys.lookup(presented)
 
     def refresh_if_changed(self) -> bool:
-        """Reload if tenants or keys changed since the last load; True if reloaded.
+        """Reload if tenants, keys or prices changed since the last load; True if reloaded.
 
         Cheap enough to call per request: ``PRAGMA data_version`` answers from the
         connection without touching the tables, and only when some other connection has
@@ -699,8 +715,9 @@ class KeyIndex:
                 "SELECT auth_generation FROM meta WHERE id = 1"
             ).fetchone()
             rows = self._conn.execute(LIVE_KEYS_SQL).fetchall()
+            prices = store_versions(self._conn.execute(MODEL_PRICES_SQL).fetchall())
         finally:
             self._conn.execute("COMMIT")
-        self._keys = KeySnapshot(rows)
+        self._keys = KeySnapshot(rows, prices)
         self._generation = generation
         self.reloads += 1
