@@ -16,6 +16,9 @@ tested without sockets (tests/governance/test_fairness.py).
   same route key as the one that opened it, up to `quantum_tokens` of service (a deficit
   quantum, as in DLPM), so requests sharing a prefix go out together to the replica that
   holds it instead of being interleaved one by one with other tenants'.
+- Work-conserving: a request none of whose replicas can take it now (the saturation gate
+  holds it) does not hold up the other tenants': `candidates` offers their next ones,
+  still in fair order, and the shell releases the first it can place.
 - A waiting request that leaves (its client went away) is removed in O(1); one that waits
   past its deadline is handed back by `expire`.
 """
