@@ -86,14 +86,20 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--prefill-ms-per-1k-tokens",
         type=float,
         default=d.prefill_ms_per_1k_tokens,
-        help="simulated prefill time of uncached prompt tokens (one prompt at a time)",
+        help="simulated prefill time of uncached prompt tokens (one step at a time)",
     )
     p.add_argument(
-        "--prefill-chunk-tokens",
+        "--max-num-batched-tokens",
         type=int,
-        default=d.prefill_chunk_tokens,
-        help="prefill long prompts in turns of this many tokens (vLLM's chunked prefill; "
-        "0: a prompt in one go)",
+        default=d.max_num_batched_tokens,
+        help="prompt tokens one prefill step computes, running prefills first (vLLM's "
+        "chunked prefill; 0: one whole prompt per step)",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=d.long_prefill_token_threshold,
+        help="most tokens of a step one running prefill takes (vLLM's; 0: no cap)",
     )
     p.add_argument(
         "--decode-ms-per-token",
@@ -136,7 +142,8 @@ def _run_sim(args: argparse.Namespace) -> int:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
         prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
-        prefill_chunk_tokens=args.prefill_chunk_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         decode_ms_per_token=args.decode_ms_per_token,
         max_concurrency=args.max_concurrency,
         max_model_len=args.max_model_len,

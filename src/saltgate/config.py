@@ -212,6 +212,9 @@ class QueueConfig:
     max_queue_s: float = 30.0  # a request waiting longer is answered 503 / 529
     max_waiting_per_replica: int = 2  # a replica's estimated queue at which it is saturated
     quantum_tokens: int = 4096  # service a tenant's same-prefix run may take in one turn
+    # Prompt tokens sent to a replica and not yet prefilled past which it takes no more
+    # (a replica with none takes any prompt); 0: no such budget.
+    max_prefill_tokens_per_replica: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -668,7 +671,13 @@ def _limits(table: Any) -> dict[str, Any]:
 def _queue(table: Any) -> QueueConfig:
     if not isinstance(table, dict):
         raise ConfigError("queue: expected a table")
-    known = ("enabled", "max_queue_s", "max_waiting_per_replica", "quantum_tokens")
+    known = (
+        "enabled",
+        "max_queue_s",
+        "max_waiting_per_replica",
+        "quantum_tokens",
+        "max_prefill_tokens_per_replica",
+    )
     unknown = sorted(set(table) - set(known))
     if unknown:
         raise ConfigError(f"queue: unknown keys {unknown}; expected {list(known)}")
@@ -680,7 +689,7 @@ def _queue(table: Any) -> QueueConfig:
         if not 0 < wait <= 3600:
             raise ConfigError("queue.max_queue_s: expected seconds, more than 0 and at most 3600")
         out["max_queue_s"] = float(wait)
-    for key in ("max_waiting_per_replica", "quantum_tokens"):
+    for key in ("max_waiting_per_replica", "quantum_tokens", "max_prefill_tokens_per_replica"):
         if key in table:
             value = _expect(table, key, int, "queue")
             if value < 0:

@@ -70,12 +70,12 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert config.limits_lease_ttl_s == 600.0
     path.write_text(GOOD + "[limits]\nshare = 4\nlease_ttl_s = 120\n")
     assert (load_config(path).limits_share, load_config(path).limits_lease_ttl_s) == (4, 120.0)
-    assert config.queue == QueueConfig(False, 30.0, 2, 4096)  # off unless enabled
+    assert config.queue == QueueConfig(False, 30.0, 2, 4096, 0)  # off unless enabled
     path.write_text(
         GOOD + "[queue]\nenabled = true\nmax_queue_s = 5\nmax_waiting_per_replica = 0\n"
-        "quantum_tokens = 0\n"
+        "quantum_tokens = 0\nmax_prefill_tokens_per_replica = 8192\n"
     )
-    assert load_config(path).queue == QueueConfig(True, 5.0, 0, 0)
+    assert load_config(path).queue == QueueConfig(True, 5.0, 0, 0, 8192)
 
 
 @pytest.mark.parametrize(
@@ -108,6 +108,10 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         ('[[replicas]]\nurl = "http://h:1"\n[queue]\nenabled = 1\n', "queue.enabled"),
         ('[[replicas]]\nurl = "http://h:1"\n[queue]\nmax_queue_s = 0\n', "queue.max_queue_s"),
         ('[[replicas]]\nurl = "http://h:1"\n[queue]\nquantum_tokens = -1\n', "queue.quantum"),
+        (
+            '[[replicas]]\nurl = "http://h:1"\n[queue]\nmax_prefill_tokens_per_replica = -1\n',
+            "queue.max_prefill_tokens_per_replica",
+        ),
         ('[[replicas]]\nurl = "http://h:1"\n[queue]\nmax_waiting = 2\n', "queue: unknown keys"),
         ('queue = 2\n[[replicas]]\nurl = "http://h:1"\n', "queue: expected a table"),
         (

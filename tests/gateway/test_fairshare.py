@@ -184,14 +184,14 @@ def record(share: FairShare) -> list[tuple[str, str]]:
         events.append(("push", waiter.tenant))
         return waiter
 
-    def popped() -> Any:
-        waiter = pop()
+    def popped(chosen: Any = None) -> Any:
+        waiter = pop(chosen)
         if waiter is not None:
             events.append(("pop", waiter.tenant))
         return waiter
 
     queue.push = pushed  # type: ignore[method-assign]
-    queue.pop = popped  # type: ignore[method-assign]
+    queue.pop = popped  # type: ignore[method-assign, assignment]
     return events
 
 
@@ -377,3 +377,59 @@ def test_interactive_requests_go_before_a_batch_backlog(tmp_path: Path) -> None:
             assert order[:2] == [True, True], order
 
     run(main)
+
+
+async def short_beside_long(tmp_path: Path, budget: int) -> tuple[int, bool]:
+    """One replica scheduling as vLLM with a long-prefill threshold; the noisy tenant sends
+    two long prompts (about 2k tokens each, 2 s of prefill each), then the
+    quiet one a short prompt. Returns (the most requests saltgate held meanwhile, whether
+    the quiet answer came while the second long prompt was still held there)."""
+    sim = SimConfig(
+        port=0,
+        prefill_ms_per_1k_tokens=1000.0,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,
+        decode_ms_per_token=1.0,
+    )
+    queue = QueueConfig(enabled=True, max_prefill_tokens_per_replica=budget)
+    long_prompt = " ".join(f"w{i}" for i in range(1700))  # ~8.5 kB: ~2k tokens
+    async with (
+        stack(tmp_path, replicas=1, sim=sim, router=FAST_PROBES, queue=queue,
+              tenants=("noisy", "quiet")) as s,
+        s.client("noisy") as noisy,
+        s.client("quiet") as quiet,
+    ):  # fmt: skip
+        share = fair(s)
+        state = s.gateway.gateway.replicas.router.states[0]
+        first = asyncio.create_task(
+            noisy.post("/v1/completions", json=completion("a " + long_prompt, 1))
+        )
+        await eventually(lambda: state.prefill > 0, what="the first long prompt is sent")
+        second = asyncio.create_task(
+            noisy.post("/v1/completions", json=completion("b " + long_prompt, 1))
+        )
+        held: list[int] = []
+        sampler = asyncio.create_task(_sample(lambda: len(share.queue), held))
+        await eventually(  # the router counts prompt bytes: two long prompts are ~17 kB
+            lambda: len(share.queue) > 0 or state.prefill > 12_000,
+            what="the second long prompt is held or sent",
+        )
+        answer = await quiet.post("/v1/completions", json=completion("hello", 1))
+        assert answer.status_code == 200, answer.text
+        overtaken = len(share.queue) > 0 and not second.done()
+        for resp in await asyncio.gather(first, second):
+            assert resp.status_code == 200, resp.text
+        sampler.cancel()
+        return max(held), overtaken
+
+
+def test_a_prefill_budget_lets_a_short_prompt_past_long_ones(tmp_path: Path) -> None:
+    """With a budget of about one long prompt, the second long prompt waits in saltgate
+    while the quiet tenant's short one goes at once and is answered before it leaves;
+    without one (the control) both long prompts go to the replica at once."""
+    (tmp_path / "budget").mkdir()
+    (tmp_path / "none").mkdir()
+    held, overtaken = asyncio.run(short_beside_long(tmp_path / "budget", 1500))
+    assert held >= 1 and overtaken
+    held, overtaken = asyncio.run(short_beside_long(tmp_path / "none", 0))
+    assert held == 0 and not overtaken

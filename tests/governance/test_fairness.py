@@ -385,3 +385,41 @@ def test_a_gate_of_zero_keeps_the_replica_queue_empty() -> None:
     gate.probed("r", inflight=5, waiting=1)  # runs 4
     assert not gate.saturated("r", 3)
     assert gate.saturated("r", 4), "all four places taken: the next would wait there"
+
+
+def test_a_prefill_budget_holds_long_prompts_and_lets_short_ones_by() -> None:
+    """With a budget, a replica prefilling one long prompt takes a short one (at most
+    1/16 of the budget, even past it) but not a second long one; with nothing to prefill
+    it takes any prompt, even one over the budget, so nothing starves. Without a budget
+    (the control) the second long prompt goes too."""
+    gate = SaturationGate(max_waiting=2, max_prefill_tokens=8192)
+    assert not gate.saturated("r", 0, prefill=0, request=12_000), "idle: a long prompt goes"
+    assert not gate.saturated("r", 1, prefill=12_000, request=300), "a short one goes beside"
+    assert gate.saturated("r", 1, prefill=12_000, request=600), "a longer one waits"
+    assert not gate.saturated("r", 1, prefill=6_000, request=300), "a short one fits beside"
+    assert gate.saturated("r", 1, prefill=6_000, request=6_000), "a second long one waits"
+    assert not gate.saturated("r", 2, prefill=2_000, request=6_000), "once most is prefilled"
+    assert not SaturationGate(max_waiting=2).saturated("r", 1, prefill=6_000, request=6_000)
+    gate.probed("r", inflight=5, waiting=2, running=3)  # the queue rule still holds
+    assert gate.saturated("r", 5, prefill=0, request=10)
+    with pytest.raises(ValueError):
+        SaturationGate(max_waiting=0, max_prefill_tokens=-1)
+
+
+def test_a_request_held_back_does_not_hold_up_another_tenant() -> None:
+    """`candidates` offers the next in fair order first, then the other tenants' oldest:
+    the shell releases the first its replicas can take. Bands stay strict, and a
+    tenant's own requests keep their order."""
+    q: FairQueue[str] = FairQueue(quantum_tokens=0)
+    q.push("noisy-long", "noisy", 12_000, deadline=FAR)
+    q.push("noisy-next", "noisy", 12_000, deadline=FAR)
+    q.push("quiet", "quiet", 300, deadline=FAR)  # lifted to noisy's counter: the tie
+    q.push("batch", "other", 10, deadline=FAR, band=BATCH)
+    assert [w.item for w in q.candidates()] == ["noisy-long", "quiet"]
+    held, quiet = list(q.candidates())
+    assert q.pop(quiet) is quiet and q.counters["quiet"] == 300  # charged as released
+    assert [w.item for w in q.candidates()] == ["noisy-long"]
+    assert q.pop() is held
+    assert [w.item for w in q.candidates()] == ["noisy-next"]
+    q.pop()
+    assert [w.item for w in q.candidates()] == ["batch"]  # interactive gone: batch's turn

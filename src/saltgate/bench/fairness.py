@@ -82,18 +82,28 @@ POLICY = {
 SMG_ARGS = "--max-concurrent-requests 4"
 # Saturating replicas on a small machine: 2.5k prompt tokens/s each, so 2 replicas are
 # full at ~0.6 noisy requests/s of 8k tokens while the load generator, the routers and
-# the simulators' tokenizers stay within a couple of cores. Long prompts are prefilled in
-# chunks of 256 tokens (about 100 ms a turn, a GPU step's order), as vLLM chunks them: a
-# replica without chunks would hold every short prompt behind a whole 8k prefill (3.3 s),
-# whatever the router does.
-SIM = SimSettings(prefill_ms_per_1k_tokens=400.0, decode_ms_per_token=2.0, prefill_chunk_tokens=256)
+# the simulators' tokenizers stay within a couple of cores. The replicas schedule as vLLM
+# V1 does (docs/sim.md): steps of at most 256 prompt tokens (about 100 ms, a GPU step's
+# order at this pace), running prefills first; `--long-prefill-token-threshold 64`, set
+# as for interactive tenants, leaves each step's rest to newly arrived prompts. Without
+# it (vLLM's default) the oldest running prefill takes every step until it is done, so a
+# short prompt behind a noisy 8k prefill waits for it whatever the router does.
+SIM = SimSettings(
+    prefill_ms_per_1k_tokens=400.0,
+    decode_ms_per_token=2.0,
+    max_num_batched_tokens=256,
+    long_prefill_token_threshold=64,
+)
+# The governed arm's prefill budget per replica: about one noisy prompt's estimate, so
+# the replicas prefill one long prompt at a time each, short ones beside it.
+PREFILL_BUDGET_TOKENS = 8192
 
 
 def governed_sections() -> str:
     """The governed arm's extra gateway tables, and the one place that writes them: the
     fair queue ([queue], docs/config.md). A gateway that does not know [queue] refuses
     the config, and the arm reports that instead of running ungoverned."""
-    return "\n[queue]\nenabled = true\n"
+    return f"\n[queue]\nenabled = true\nmax_prefill_tokens_per_replica = {PREFILL_BUDGET_TOKENS}\n"
 
 
 @dataclass(frozen=True, slots=True)

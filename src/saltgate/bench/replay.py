@@ -470,10 +470,16 @@ def add_sim_arguments(p: argparse.ArgumentParser, d: SimSettings) -> None:
         help="prefill time of uncached prompt tokens (serial per replica)",
     )
     s.add_argument(
-        "--prefill-chunk-tokens",
+        "--max-num-batched-tokens",
         type=int,
-        default=d.prefill_chunk_tokens,
-        help="prefill long prompts in turns of this many tokens (0: a prompt in one go)",
+        default=d.max_num_batched_tokens,
+        help="prompt tokens one prefill step computes (vLLM's; 0: one whole prompt a step)",
+    )
+    s.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=d.long_prefill_token_threshold,
+        help="most tokens of a step one running prefill takes (vLLM's; 0: no cap)",
     )
     s.add_argument(
         "--decode-ms-per-token",
@@ -494,7 +500,8 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
         block_size=args.sim_block_size,
         num_blocks=args.num_blocks,
         prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
-        prefill_chunk_tokens=args.prefill_chunk_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         decode_ms_per_token=args.decode_ms_per_token,
         max_concurrency=args.max_concurrency,
     )

@@ -58,7 +58,8 @@ class SimSettings:
     block_size: int = 16
     num_blocks: int = 8192
     prefill_ms_per_1k_tokens: float = 60.0
-    prefill_chunk_tokens: int = 0
+    max_num_batched_tokens: int = 0
+    long_prefill_token_threshold: int = 0
     decode_ms_per_token: float = 2.0
     max_concurrency: int = 64
 
@@ -68,7 +69,8 @@ class SimSettings:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             prefill_ms_per_1k_tokens=self.prefill_ms_per_1k_tokens,
-            prefill_chunk_tokens=self.prefill_chunk_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             decode_ms_per_token=self.decode_ms_per_token,
             max_concurrency=self.max_concurrency,
         )

@@ -34,6 +34,7 @@ from saltgate.governance.limits import (
     Quota,
     Ticket,
     output_allowance,
+    prompt_estimate,
 )
 from saltgate.http import Headers
 from saltgate.policy.errors import AnthropicApiError, ApiError
@@ -198,7 +199,7 @@ def reservation(
     """What a request reserves at admission: the prompt estimate, its output allowance
     and their price (docs/limits.md; saltgate bench limits bounds a budget's overshoot
     with it)."""
-    prompt = body_bytes // 4 + 1  # OpenAI's estimate: a token per 4 characters
+    prompt = prompt_estimate(body_bytes)
     allowance = output_allowance(max_tokens) if route in GENERATION_ROUTES else 0
     cost = 0 if price is None else price.cost_micro_usd(prompt, None, allowance)
     return Demand(prompt, allowance, cost)

@@ -42,7 +42,7 @@ from saltgate.gateway.replicas import Attempt, ReplicaSet
 from saltgate.gateway.shared_limits import SharedTicket
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
 from saltgate.governance.fairness import service
-from saltgate.governance.limits import Ticket
+from saltgate.governance.limits import Ticket, prompt_estimate
 from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
 from saltgate.policy.errors import ApiError
 from saltgate.policy.headers import scrub_response_headers
@@ -331,7 +331,7 @@ class Exchange:
     async def _queued(self, fair: FairShare, plan: Plan, body_bytes: int) -> Attempt | None:
         """The first attempt, in its turn in the fair queue; the 503 / 529 (settled) when
         it waited too long, the end of it when its client left."""
-        cost = float(body_bytes // 4 + 1)  # the prompt estimate, as admission's
+        cost = float(prompt_estimate(body_bytes))
         route = self._context.route
         acquired = await fair.acquire(
             self._principal, plan, self._client, cost, route in ANTHROPIC_ROUTES

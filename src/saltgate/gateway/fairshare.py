@@ -6,11 +6,12 @@ queue and gate, reads the clock, and is driven by the exchange and the replica s
 - `acquire` (the exchange's first attempt): the request joins its tenant's queue in its
   key's priority band, and gets a replica once one of its replicas is below the gate and
   it is next in fair order; with nothing queued and a replica free that is at once.
-- `release` runs whenever a place may have freed: a request left a replica
-  (`ReplicaSet.on_free`), a probe showed a replica's queue (`ReplicaSet.on_queue`, which
-  also teaches the gate the replica's capacity). It hands replicas out while the next
-  request in fair order has one below the gate; the attempt is taken here, so two
-  releases never count on the same place.
+- `release` runs whenever a place may have freed: a request left a replica or its
+  prompt is prefilled (its first output; `ReplicaSet.on_free`), a probe showed a
+  replica's queue (`ReplicaSet.on_queue`, which also teaches the gate the replica's
+  capacity). It hands replicas out while a request has one below the gate, the first
+  such in fair order (one held back does not hold up the other tenants'); the attempt
+  is taken here, so two releases never count on the same place.
 - A request still waiting after `max_queue_s` gets 503 (OpenAI routes) or 529
   `overloaded_error` (Anthropic), with Retry-After; one whose client leaves is out of the
   queue at once (`Client.on_gone`, or its task cancelled with on_client_gone = "abort").
@@ -32,10 +33,10 @@ from saltgate.config import QueueConfig
 from saltgate.gateway.metrics import Metrics, duration_buckets
 from saltgate.gateway.replicas import Attempt, ReplicaSet
 from saltgate.governance.fairness import BATCH, INTERACTIVE, FairQueue, SaturationGate, Waiter
-from saltgate.governance.limits import fair_weight
+from saltgate.governance.limits import BYTES_PER_TOKEN, fair_weight
 from saltgate.http import Client
 from saltgate.policy.errors import AnthropicApiError, ApiError
-from saltgate.routing import Plan, ReplicaId
+from saltgate.routing import Plan, ReplicaId, Router
 from saltgate.store.tenants import Principal
 
 _WAITING: Final = "saltgate_queue_waiting"
@@ -78,7 +79,9 @@ class FairShare:
     ) -> None:
         self.max_queue_s = config.max_queue_s
         self.queue: FairQueue[_Entry] = FairQueue(quantum_tokens=config.quantum_tokens, fifo=fifo)
-        self.gate = SaturationGate(config.max_waiting_per_replica)
+        self.gate = SaturationGate(
+            config.max_waiting_per_replica, config.max_prefill_tokens_per_replica
+        )
         self.replicas = replicas
         self.metrics = metrics
         self._timer: asyncio.TimerHandle | None = None
@@ -174,30 +177,49 @@ class FairShare:
         self.release()
 
     def release(self) -> None:
-        """Hand replicas to waiting requests in fair order while the next one has a
+        """Hand replicas to waiting requests in fair order while one of them has a
         replica below the gate."""
         queue = self.queue
         if not len(queue):
             return
         router = self.replicas.router
-        gate = self.gate
         now = time.monotonic()
-        while (waiter := queue.peek()) is not None:
+        while self._release_one(queue, router, now):
+            pass
+
+    def _release_one(self, queue: FairQueue[_Entry], router: Router, now: float) -> bool:
+        """Release the first request, in fair order, that one of its replicas can take
+        (one held back by the gate does not hold up the other tenants'); whether one
+        left the queue (then look again: the order changed)."""
+        gate = self.gate
+        for waiter in queue.candidates():
             entry = waiter.item
             if entry.future.done():  # its task was cancelled and has not run yet
                 queue.remove(waiter)
-                continue
-            usable = router.usable(entry.plan.model, now)
-            full = [s.id for s in usable if gate.saturated(s.id, s.all_inflight)]
+                return True
+            plan = entry.plan
+            usable = router.usable(plan.model, now)
+            full = [
+                s.id
+                for s in usable
+                if gate.saturated(
+                    s.id,
+                    s.all_inflight,
+                    (s.prefill + s.remote_prefill) / BYTES_PER_TOKEN,
+                    plan.uncached_bytes(s.id) / BYTES_PER_TOKEN,
+                )
+            ]
             if usable and len(full) == len(usable):
-                return  # its turn waits for one of its replicas
-            attempt = self.replicas.acquire(entry.plan, full) if usable else None
-            queue.pop()
+                continue  # its turn waits for one of its replicas
+            attempt = self.replicas.acquire(plan, full) if usable else None
+            queue.pop(waiter)
             if attempt is None:  # no replica serves it at all: 503, and nothing served
                 queue.correct(waiter.tenant, waiter.cost, 0.0)
             self.metrics.observe(_WAIT, (("tenant", waiter.tenant),), now - entry.since)
             entry.future.set_result(attempt)
             self._charged()
+            return True
+        return False
 
     def _arm(self) -> None:
         if self._timer is None:

@@ -120,6 +120,8 @@ class Attempt:
             self._prefill = 0.0
             if self._changed is not None:
                 self._changed()
+            if self._freed is not None:
+                self._freed()  # its prefill no longer counts against the gate's budget
 
     def failed(self) -> None:
         self._router.failed(self.replica.id, time.monotonic())
@@ -145,8 +147,9 @@ class ReplicaSet:
         # publishes on it: gateway/cluster.py); None without one.
         self.on_change: Callable[[], None] | None = None
         # The fair queue's (gateway/fairshare.py), None without [queue]: told when a
-        # request leaves a replica, and of each probe's queue (replica, every gateway's
-        # requests in flight there, its waiting and running counts; None: not reported).
+        # request leaves a replica or its prompt is prefilled, and of each probe's queue
+        # (replica, every gateway's requests in flight there, its waiting and running
+        # counts; None: not reported).
         self.on_free: Callable[[], None] | None = None
         self.on_queue: Callable[[ReplicaId, int, float | None, float | None], None] | None = None
         self._replicas: dict[str, Replica] = {}

@@ -19,6 +19,9 @@ tested without sockets (tests/governance/test_fairness.py).
   same route key as the one that opened it, up to `quantum_tokens` of service (a deficit
   quantum, as in DLPM), so requests sharing a prefix go out together to the replica that
   holds it instead of being interleaved one by one with other tenants'.
+- Work-conserving: a request none of whose replicas can take it now (the saturation gate
+  holds it) does not hold up the other tenants': `candidates` offers their next ones,
+  still in fair order, and the shell releases the first it can place.
 - A waiting request that leaves (its client went away) is removed in O(1); one that waits
   past its deadline is handed back by `expire`.
 """
@@ -29,7 +32,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
@@ -229,12 +232,37 @@ class FairQueue(Generic[T]):
         chosen = self._next()
         return None if chosen is None else chosen[0]
 
-    def pop(self) -> Waiter[T] | None:
-        """Release the next request in fair order (None if none waits), charged to its
-        tenant."""
+    def candidates(self) -> Iterator[Waiter[T]]:
+        """The requests a release may take, best first: `peek`'s, then every other
+        tenant's oldest by counter, all in the first band with any (bands stay strict).
+        The shell releases the first one a replica can take (`pop(waiter)`), so a request
+        its replicas' gate holds back does not hold up the other tenants' (work-conserving,
+        as VTC serves whoever can be served). Lazy; stale once the queue changes."""
+        chosen = self._next()
+        if chosen is None:
+            return
+        first = chosen[0]
+        yield first
+        if self.fifo:
+            return
+        tenants = self._bands[first.band].tenants
+        heads = sorted(
+            (t.head() for name, t in tenants.items() if name != first.tenant),
+            key=lambda w: (self.counters[w.tenant], w.seq),
+        )
+        first_tenant = tenants.get(first.tenant)
+        if first_tenant is not None and first_tenant.head() is not first:
+            yield first_tenant.head()  # the turn's tenant's oldest, past its same-key run
+        yield from heads
+
+    def pop(self, waiter: Waiter[T] | None = None) -> Waiter[T] | None:
+        """Release the next request in fair order, or ``waiter`` (one of `candidates`),
+        charged to its tenant; None if none waits."""
         chosen = self._next()
         if chosen is None:
             return None
+        if waiter is not None and waiter is not chosen[0]:
+            chosen = (waiter, False)  # another tenant's turn (or a new one of the same)
         waiter, continues = chosen
         b = self._bands[waiter.band]
         tenant = waiter.tenant
@@ -348,6 +376,9 @@ class FairQueue(Generic[T]):
         return b.heap[0][0] if b.heap else b.floor
 
 
+SHORT: Final = 16  # a prompt within 1/SHORT of the prefill budget is not held by it
+
+
 class SaturationGate:
     """Whether a replica may take one more request, from what its probes showed.
 
@@ -362,12 +393,23 @@ class SaturationGate:
     that reaches ``max_waiting`` (with 0: when every place it runs is taken). A probe with no
     queue only raises the capacity (it ran all it had); a replica whose capacity is not
     known yet (no queue seen) or that reports no queue metric is never held back.
+
+    A short queue is not enough: vLLM computes the prompts it runs oldest first, so a
+    request it starts still waits for the prefills ahead of it. With ``max_prefill_tokens``
+    the replica also takes no request that would bring the prompt tokens sent to it and not
+    yet prefilled (estimated uncached, every gateway's) over that budget: long prompts go
+    one budget at a time. A replica with none takes any prompt, so one longer than the
+    budget still goes, alone; a short one (at most 1/`SHORT` of the budget) is never held
+    by it, so, released first in fair order, it starts beside the long ones (as vLLM does
+    when `--long-prefill-token-threshold` leaves it part of a step) instead of queueing
+    behind them. 0: no budget.
     """
 
-    def __init__(self, max_waiting: int) -> None:
-        if max_waiting < 0:
-            raise ValueError("max_waiting must be >= 0")
+    def __init__(self, max_waiting: int, max_prefill_tokens: int = 0) -> None:
+        if max_waiting < 0 or max_prefill_tokens < 0:
+            raise ValueError("max_waiting and max_prefill_tokens must be >= 0")
         self.max_waiting = max_waiting
+        self.max_prefill_tokens = max_prefill_tokens
         self._capacity: dict[str, int] = {}
 
     def probed(
@@ -389,8 +431,15 @@ class SaturationGate:
         capacity = self._capacity.get(replica)
         return None if capacity is None else max(inflight - capacity, 0)
 
-    def saturated(self, replica: str, inflight: int) -> bool:
-        """Whether one more request would queue more than ``max_waiting`` there."""
+    def saturated(
+        self, replica: str, inflight: int, prefill: float = 0.0, request: float = 0.0
+    ) -> bool:
+        """Whether one more request would queue more than ``max_waiting`` there, or
+        (``prefill``: the replica's prompt tokens not yet prefilled, ``request``: this
+        request's) bring its prefill backlog over ``max_prefill_tokens``."""
+        budget = self.max_prefill_tokens
+        if budget and prefill > 0 and prefill + request > budget and request > budget / SHORT:
+            return True
         capacity = self._capacity.get(replica)
         return capacity is not None and inflight - capacity >= self.max_waiting
 

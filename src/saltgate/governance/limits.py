@@ -166,6 +166,15 @@ class Demand:
     cost_micro_usd: int = 0
 
 
+BYTES_PER_TOKEN: Final = 4  # OpenAI's rule of thumb: a token per 4 characters
+
+
+def prompt_estimate(body_bytes: int) -> int:
+    """A request's prompt tokens before any replica counted them: OpenAI's estimate, a
+    token per 4 characters of the body (what limits reserve and the fair queue charges)."""
+    return body_bytes // BYTES_PER_TOKEN + 1
+
+
 def output_allowance(max_tokens: int | None) -> int:
     """The output a request reserves: its own max_tokens (or max_completion_tokens /
     max_output_tokens) as OpenAI counts it, else DEFAULT_OUTPUT_ALLOWANCE."""

@@ -1,12 +1,16 @@
-"""The simulated replica's scheduler: admission queue, prefill, decode, and its KV blocks.
+"""The simulated replica's scheduler: waiting queue, prefill steps, decode, and its KV blocks.
 
-Time model (docs/sim.md): a request waits while `max_concurrency` requests are running
-(vllm:num_requests_waiting); prefills run one at a time, as one accelerator computes them,
-taking `prefill_ms_per_1k_tokens` per thousand UNCACHED prompt tokens, in turns of at most
-`prefill_chunk_tokens` when that is set (vLLM's chunked prefill); then every output
-token takes `decode_ms_per_token`, concurrently with other requests. All waiting is done
-with event-loop sleeps against absolute deadlines, so a replica costs almost no CPU and a
-prefix-cache hit shows in time to first token as it does on a GPU.
+Time model (docs/sim.md): prefills run on one accelerator in steps scheduled as vLLM V1's
+scheduler does: each step first continues the running requests' prefills in the order they
+started, then starts waiting requests first come, first served, while the step's token
+budget (`max_num_batched_tokens`, 0: one whole prompt per step) and `max_concurrency`
+(vLLM's `--max-num-seqs`) allow; a running prefill takes at most
+`long_prefill_token_threshold` tokens of a step when that is set. A request counts as
+running (vllm:num_requests_running) from its first step, as waiting until then. A step
+takes `prefill_ms_per_1k_tokens` per thousand UNCACHED prompt tokens it computes; then
+every output token takes `decode_ms_per_token`, concurrently with other requests. All
+waiting is done with event-loop sleeps against absolute deadlines, so a replica costs
+almost no CPU and a prefix-cache hit shows in time to first token as it does on a GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
@@ -27,10 +32,14 @@ from saltgate.sim.tokenizer import filler_pieces
 class TimeModel:
     prefill_ms_per_1k_tokens: float = 20.0
     decode_ms_per_token: float = 2.0
-    # A prefill holds the accelerator for at most this many tokens, then waits its turn
-    # again behind the prefills that arrived meanwhile, so a short prompt is not stuck
-    # behind a long one (vLLM schedules long prompts in chunks). 0: a prompt in one go.
-    prefill_chunk_tokens: int = 0
+    # vLLM's --max-num-batched-tokens: the prompt tokens one step may compute, shared by
+    # the running prefills first and then the waiting requests (chunked prefill).
+    # 0: no chunking, a step computes one whole prompt.
+    max_num_batched_tokens: int = 0
+    # vLLM's --long-prefill-token-threshold: a running prefill takes at most this many
+    # tokens of a step (unless it is the only request), leaving the rest of the budget to
+    # the others. 0: no cap (vLLM's default), the oldest prefill takes the whole budget.
+    long_prefill_token_threshold: int = 0
 
     def prefill_seconds(self, uncached_tokens: int) -> float:
         return uncached_tokens * self.prefill_ms_per_1k_tokens / 1_000_000.0
@@ -68,8 +77,23 @@ async def sleep_until(deadline: float) -> None:
         await asyncio.sleep(delay)
 
 
+@dataclass(slots=True, eq=False)
+class _Prefill:
+    """One request from its arrival to the end of its prefill."""
+
+    prompt: list[int]
+    salt: str | None
+    gen: Generation
+    request_id: str
+    done: asyncio.Future[None]  # set when its prompt is computed (ContextTooLong: refused)
+    left: int = 0  # uncached prompt tokens still to compute, from its first step
+    admitted: float = 0.0  # its first step: from then it is running
+    scheduled: bool = False
+
+
 class ReplicaEngine:
-    """One simulated vLLM engine: a block pool, a queue and a time model."""
+    """One simulated vLLM engine: a block pool, a waiting queue, a stepper and a time
+    model."""
 
     def __init__(
         self,
@@ -85,9 +109,10 @@ class ReplicaEngine:
         self.max_concurrency = max_concurrency
         self.max_model_len = max_model_len
         self._publish = publish
-        self._admission = asyncio.Semaphore(max_concurrency)
-        self._prefill = asyncio.Lock()
-        self._blocks_freed = asyncio.Condition()
+        self._waiting: deque[_Prefill] = deque()
+        self._prefilling: list[_Prefill] = []  # running, prompt not computed yet, by start
+        self._stepper: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
         self._ids = itertools.count()
         self.num_running = 0
         self.num_waiting = 0
@@ -124,21 +149,17 @@ class ReplicaEngine:
         ``max_tokens=0`` is a pooling request: a prefill and no output, finished "stop".
         """
         request_id = f"sim-{next(self._ids)}"
-        arrived = admitted = time.monotonic()
+        arrived = time.monotonic()
         first_token: float | None = None
+        item = _Prefill(
+            prompt, cache_salt, gen, request_id, asyncio.get_running_loop().create_future()
+        )
+        self._waiting.append(item)
         self.num_waiting += 1
-        admitted_ok = started = completed = False
+        self._kick()
+        completed = False
         try:
-            await self._admission.acquire()
-            admitted_ok = True
-            admitted = time.monotonic()
-            self.num_waiting -= 1
-            self.num_running += 1
-            gen.cached_tokens = await self._allocate(request_id, prompt, cache_salt)
-            full = len(prompt) // self.pool.block_size * self.pool.block_size
-            gen.created_cache_tokens = max(0, full - gen.cached_tokens)
-            started = True
-            await self._prefill_turns(len(prompt) - gen.cached_tokens)
+            await item.done
             self.pool.prompt_computed(request_id)
             self._flush_events()
             first_token = time.monotonic()
@@ -148,40 +169,115 @@ class ReplicaEngine:
                 yield piece
             completed = True
         finally:
-            if started:
+            if item.scheduled:
+                if item in self._prefilling:
+                    self._prefilling.remove(item)
                 self.pool.finish(request_id)
                 self._flush_events()
-                async with self._blocks_freed:
-                    self._blocks_freed.notify_all()
-            if admitted_ok:
                 self.num_running -= 1
-                self._admission.release()
-            else:
+                self._kick()  # its place and blocks are free
+            elif item in self._waiting:
+                self._waiting.remove(item)
                 self.num_waiting -= 1
             self.metrics.finished(
                 RequestTimes(
                     arrived=arrived,
-                    admitted=admitted,
+                    admitted=item.admitted or time.monotonic(),
                     first_token=first_token,
                     finished=time.monotonic(),
-                    prompt_tokens=len(prompt) if started else 0,
+                    prompt_tokens=len(prompt) if item.scheduled else 0,
                     cached_tokens=gen.cached_tokens,
                     completion_tokens=gen.completion_tokens,
                     finished_reason=gen.finish_reason if completed else "abort",
                 )
             )
 
-    async def _prefill_turns(self, uncached: int) -> None:
-        """Compute `uncached` prompt tokens on the one accelerator, a chunk per turn; the
-        lock is first come, first served, so turns alternate between waiting prefills."""
-        chunk = self.time_model.prefill_chunk_tokens or uncached
-        while True:
-            part = min(chunk, uncached)
-            async with self._prefill:
-                await sleep_until(time.monotonic() + self.time_model.prefill_seconds(part))
-            uncached -= part
-            if uncached <= 0:
-                return
+    def _kick(self) -> None:
+        """Something changed that a step may use: start the stepper or wake it."""
+        if self._stepper is None:
+            if self._waiting or self._prefilling:
+                self._stepper = asyncio.get_running_loop().create_task(self._steps())
+        else:
+            self._wake.set()
+
+    async def _steps(self) -> None:
+        """Run prefill steps while there are prefills to compute; sleep while nothing
+        can be scheduled (every place or block taken) until a request ends."""
+        try:
+            while self._waiting or self._prefilling:
+                self._wake.clear()
+                step = self._schedule()
+                if not step:
+                    await self._wake.wait()
+                    continue
+                tokens = sum(n for _, n in step)
+                await sleep_until(time.monotonic() + self.time_model.prefill_seconds(tokens))
+                for item, n in step:
+                    item.left -= n
+                    if item.left <= 0 and item in self._prefilling:
+                        self._prefilling.remove(item)
+                        if not item.done.done():
+                            item.done.set_result(None)
+        finally:
+            self._stepper = None
+
+    def _schedule(self) -> list[tuple[_Prefill, int]]:
+        """One step's prompt tokens per request, as vLLM V1 schedules them: the running
+        prefills first, in the order they started, then the waiting requests in arrival
+        order while the budget and `max_concurrency` allow (module doc)."""
+        model = self.time_model
+        budget = model.max_num_batched_tokens or None  # None: one whole prompt per step
+        eligible = self.num_running + len(self._waiting)
+        threshold = model.long_prefill_token_threshold if eligible > 1 else 0
+        step: list[tuple[_Prefill, int]] = []
+
+        def take(item: _Prefill) -> bool:
+            """Give ``item`` its share of the step; whether the step can take more."""
+            nonlocal budget
+            n = item.left
+            if budget is None:
+                step.append((item, n))
+                return False
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget)
+            budget -= n
+            step.append((item, n))
+            return budget > 0
+
+        for item in self._prefilling:
+            if not take(item):
+                return step
+        waiting = self._waiting
+        while waiting and self.num_running < self.max_concurrency:
+            item = waiting[0]
+            if item.done.done():  # its request was cancelled while it waited
+                waiting.popleft()
+                self.num_waiting -= 1
+                continue
+            try:
+                cached = self.pool.begin(item.request_id, item.prompt, item.salt)
+            except RequestTooLarge as exc:
+                waiting.popleft()
+                self.num_waiting -= 1
+                item.done.set_exception(ContextTooLong(str(exc)))
+                continue
+            except NotEnoughBlocks:
+                break  # it waits for running requests to free blocks, as in vLLM
+            waiting.popleft()
+            self.num_waiting -= 1
+            self.num_running += 1
+            item.scheduled = True
+            item.admitted = time.monotonic()
+            gen = item.gen
+            gen.cached_tokens = cached
+            full = len(item.prompt) // self.pool.block_size * self.pool.block_size
+            gen.created_cache_tokens = max(0, full - cached)
+            item.left = len(item.prompt) - cached
+            self._prefilling.append(item)
+            if not take(item):
+                break
+        return step
 
     async def _decode(
         self, request_id: str, prompt_len: int, max_tokens: int, gen: Generation, t0: float
@@ -215,17 +311,6 @@ class ReplicaEngine:
         except NotEnoughBlocks:
             return False
         return True
-
-    async def _allocate(self, request_id: str, prompt: list[int], salt: str | None) -> int:
-        """Take KV blocks for the prompt, waiting for running requests to free some."""
-        while True:
-            try:
-                return self.pool.begin(request_id, prompt, salt)
-            except RequestTooLarge as exc:
-                raise ContextTooLong(str(exc)) from None
-            except NotEnoughBlocks:
-                async with self._blocks_freed:
-                    await self._blocks_freed.wait()
 
     def reset_prefix_cache(self) -> bool:
         ok = self.pool.reset()

@@ -62,7 +62,8 @@ class SimConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
     prefill_ms_per_1k_tokens: float = 20.0
-    prefill_chunk_tokens: int = 0
+    max_num_batched_tokens: int = 0  # vLLM's flags of the same names (docs/sim.md)
+    long_prefill_token_threshold: int = 0
     decode_ms_per_token: float = 2.0
     max_concurrency: int = 64
     max_model_len: int = 32768
@@ -98,7 +99,8 @@ class SimServer:
             time_model=TimeModel(
                 config.prefill_ms_per_1k_tokens,
                 config.decode_ms_per_token,
-                config.prefill_chunk_tokens,
+                config.max_num_batched_tokens,
+                config.long_prefill_token_threshold,
             ),
             max_concurrency=config.max_concurrency,
             max_model_len=config.max_model_len,
