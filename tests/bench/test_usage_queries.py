@@ -30,9 +30,20 @@ def test_the_fill_leaves_rollups_equal_to_the_ledger(store_settings: StoreSettin
         fill(db, rows=3000, keys=40, tenants=7, end=END)
         [(keys,)] = db.query("SELECT count(*) FROM api_keys")
         [(hours,)] = db.query("SELECT count(*) FROM usage_rollup_1h")
+        # Each row's key is one of its tenant's (a row's values from one draw, not one
+        # per use), and each tenant has 3 keys x 2 models x 2 replicas.
+        [(foreign,)] = db.query(
+            "SELECT count(*) FROM usage WHERE substr(key_id, 1, length(key_id) - 2) "
+            "<> 'key_' || substr(tenant_id, 4)"
+        )
+        [(kinds,)] = db.query(
+            "SELECT count(DISTINCT key_id || model || replica) FROM usage WHERE tenant_id = 'tn_0'"
+        )
     finally:
         db.close()
     assert keys == 40
+    assert foreign == 0
+    assert kinds == 12
     assert hours > 0
     totals, mismatches = asyncio.run(_reconcile(store_settings))
     assert mismatches == []

@@ -41,6 +41,11 @@ DAYS = 90
 CHUNK = 1_000_000  # ledger rows per INSERT statement
 FILL_CACHE_KIB = 1_048_576  # the loading connection's page cache / work memory (1 GiB)
 KEYS_PAGE = 100
+# Each row's tenant, key, model, ... from its number, the same on both backends. Not
+# random(): SQLite flattens the subquery and calls random() again for every use of the
+# value, so a row's key belonged to another tenant than the row (twice the hourly rollup
+# rows PostgreSQL had from the same --rows).
+SCRAMBLE = "i * 2654435761 % 1000003"
 TOP_N = 10  # the tenants with the most tokens over the 90 days
 TARGETS_MS = {
     "tenant 30-day hourly": 50.0,
@@ -58,24 +63,22 @@ def _ledger_chunk(
     tokens. Numbers only: nothing the user gives reaches this SQL."""
     if pg:
         rows = f"SELECT i FROM generate_series({first}, {first + count - 1}) AS g(i)"
-        rnd = "floor(random() * 1000000)::bigint"
         request_id = "'r' || lpad(i::text, 10, '0')"
     else:
         rows = (
             f"WITH RECURSIVE g(i) AS (SELECT {first} UNION ALL SELECT i + 1 FROM g "
             f"WHERE i < {first + count - 1}) SELECT i FROM g"
         )
-        rnd = "abs(random() % 1000000)"
         request_id = "printf('r%010d', i)"
     return (
         "INSERT INTO usage (request_id, ts, tenant_id, key_id, model, prompt_tokens, "
         "cached_tokens, completion_tokens, status, cost_micro_usd, price_version, replica) "
-        f"SELECT {request_id}, ts, 'tn_' || t, 'key_' || t || '_' || (r % 3), 'model_' || (r % 2), "
-        "p, CASE WHEN r % 10 = 0 THEN NULL ELSE p / 2 END, r % 500, "
+        f"SELECT {request_id}, ts, 'tn_' || t, 'key_' || t || '_' || (r % 3), "
+        "'model_' || (r / 3 % 2), p, CASE WHEN r % 10 = 0 THEN NULL ELSE p / 2 END, r % 500, "
         "CASE WHEN r % 50 = 0 THEN 502 ELSE 200 END, p + 2 * (r % 500), 'pv_bench', "
-        "'http://replica-' || (r % 2) || ':8000' "
+        "'http://replica-' || (r / 6 % 2) || ':8000' "
         f"FROM (SELECT i, {start} + i * {step!r} AS ts, r % {tenants} AS t, r, "
-        f"100 + r % 2000 AS p FROM (SELECT i, {rnd} AS r FROM ({rows}) AS n) AS x) AS y"
+        f"100 + r % 2000 AS p FROM (SELECT i, {SCRAMBLE} AS r FROM ({rows}) AS n) AS x) AS y"
     )
 
 
@@ -154,6 +157,8 @@ def fill(db: Database, rows: int, keys: int, tenants: int, end: int) -> float:
         else:
             db.execute(sqlite_rollup_trigger())
     db.execute("VACUUM ANALYZE" if pg else "ANALYZE")
+    if not pg:  # a gateway's WAL is checkpointed as it goes: read the database, not a log
+        db.query("PRAGMA wal_checkpoint(TRUNCATE)")  # of every page the load wrote
     return time.monotonic() - started
 
 
