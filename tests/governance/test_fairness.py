@@ -380,6 +380,20 @@ def test_gate_learns_capacity_from_a_queue_and_counts_dispatches_at_once() -> No
     assert gate.waiting("r", 50) is None
 
 
+def test_a_queue_seen_between_two_steps_does_not_close_the_replica() -> None:
+    """A probe that catches a request before the engine's next step starts it sees a
+    queue with nothing running (vLLM counts it waiting until then). Learning a capacity
+    of 0 from it held every request back for good at a gate of 0 (nothing sent, nothing
+    running, no later probe to correct it): the capacity learnt is at least 1."""
+    gate = SaturationGate(max_waiting=0)
+    gate.probed("r", inflight=1, waiting=1, running=0)
+    assert gate.waiting("r", 0) == 0
+    assert not gate.saturated("r", 0), "an idle replica must take a request"
+    assert gate.saturated("r", 1)
+    gate.probed("r", inflight=1, waiting=1)  # without the running metric, the same
+    assert not gate.saturated("r", 0)
+
+
 def test_a_gate_of_zero_keeps_the_replica_queue_empty() -> None:
     gate = SaturationGate(max_waiting=0)
     gate.probed("r", inflight=5, waiting=1)  # runs 4

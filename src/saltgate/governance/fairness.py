@@ -422,7 +422,11 @@ class SaturationGate:
             return
         ran = max(inflight - int(waiting), 0) if running is None else int(running)
         if waiting > 0:
-            self._capacity[replica] = ran
+            # At least 1: a request counts as waiting until the engine's next step starts
+            # it (vLLM), so a probe between steps can see a queue with nothing running; a
+            # capacity of 0 would then hold every request back, and with nothing sent
+            # nothing would run for a later probe to correct it.
+            self._capacity[replica] = max(ran, 1)
         elif replica in self._capacity:
             self._capacity[replica] = max(self._capacity[replica], ran)
 
