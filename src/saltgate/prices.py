@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -109,17 +109,23 @@ class PriceVersion:
         return (pico + MICRO // 2) // MICRO
 
 
+def _require_exactly(given: Mapping[str, object], names: Sequence[str], lead: str) -> None:
+    """Refuse a price with a field missing or unknown (a forgotten cached price must be
+    an error, not a silent full-price or free default). ValueError naming both."""
+    unknown = sorted(set(given) - set(names))
+    missing = sorted(set(names) - set(given))
+    if unknown or missing:
+        raise ValueError(
+            f"{lead} {', '.join(names)} (USD per million tokens); "
+            f"missing {missing}, unknown {unknown}"
+        )
+
+
 def price_from_fields(given: Mapping[str, object]) -> Price:
     """A price as the admin API takes it: exactly ``input_per_mtok``,
     ``cached_input_per_mtok`` and ``output_per_mtok``, each a number or a decimal string
     ("1.5"); validated as `Price` is (finite, >= 0, at most 6 decimals). ValueError."""
-    unknown = sorted(set(given) - set(PRICE_FIELDS))
-    missing = sorted(set(PRICE_FIELDS) - set(given))
-    if unknown or missing:
-        raise ValueError(
-            f"give exactly {', '.join(PRICE_FIELDS)} (USD per million tokens); "
-            f"missing {missing}, unknown {unknown}"
-        )
+    _require_exactly(given, PRICE_FIELDS, "give exactly")
     amounts: dict[str, object] = {}
     for name in PRICE_FIELDS:
         value = given[name]
@@ -148,13 +154,7 @@ def parse_prices(config: Mapping[str, Mapping[str, object]]) -> dict[str, Price]
     """
     prices: dict[str, Price] = {}
     for model, entry in config.items():
-        unknown = sorted(set(entry) - set(_PRICE_FIELDS))
-        missing = sorted(set(_PRICE_FIELDS) - set(entry))
-        if unknown or missing:
-            raise ValueError(
-                f"prices for model {model!r}: need exactly {sorted(_PRICE_FIELDS)} "
-                f"(USD per million tokens); missing {missing}, unknown {unknown}"
-            )
+        _require_exactly(entry, sorted(_PRICE_FIELDS), f"prices for model {model!r}: need exactly")
         try:
             prices[model] = Price(**{_PRICE_FIELDS[k]: v for k, v in entry.items()})  # type: ignore[arg-type]
         except ValueError as exc:

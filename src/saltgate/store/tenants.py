@@ -29,7 +29,7 @@ import re
 import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Protocol
@@ -144,18 +144,18 @@ class Principal:
     limits: Limits | None = None  # the tenant's limits; None: unlimited
     key_limits: Limits | None = None  # the key's own, narrowing the tenant's
     priority: str = "interactive"  # the key's band (PRIORITIES): the fair queue's order
+    # Whether admission has anything to check (a tenant's weight alone is no limit):
+    # decided once, when the key snapshot builds the principal, not on every request.
+    limited: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        limited = any(lim is not None and lim.limiting for lim in (self.limits, self.key_limits))
+        object.__setattr__(self, "limited", limited)
 
     @property
     def epoch_label(self) -> str:
         """The epoch as the spec's derivation takes it (``lp(str(epoch))``)."""
         return str(self.epoch)
-
-    @property
-    def limited(self) -> bool:
-        """Whether admission has anything to check (a tenant's weight alone is no limit)."""
-        return (self.limits is not None and self.limits.limiting) or (
-            self.key_limits is not None and self.key_limits.limiting
-        )
 
 
 # The live keys with what a request needs of their tenant: the gateway's snapshot. A key
