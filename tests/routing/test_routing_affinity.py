@@ -160,6 +160,26 @@ def test_the_plan_knows_what_each_owner_holds() -> None:
     assert plan.uncached_bytes(ReplicaId("elsewhere")) == plan.prompt_bytes
 
 
+def test_what_a_shared_digest_proves_bounds_the_uncached_part_from_above() -> None:
+    """A document shared between two prompts ends between two digest depths (4 and 8 kB
+    here): routing's guess takes up to the next depth as cached, while what may need
+    prefilling counts only the depth a digest proves. The truth lies between the two."""
+    router = Router(RouterConfig(min_prompt_bytes=100_000), KEY, MEMBERS[:1])
+    document = " ".join(f"d{i}" for i in range(1200))
+    home = MEMBERS[0].id
+    plans = []
+    for tag in ("a", "b"):
+        body = {"prompt": f"{document} {tag} " + "x " * 1700}
+        keys = router.namespace("m", "s")
+        plans.append(router.plan(None, 0.0, router.prefixes(Prompt(body, ROUTE_COMPLETIONS), keys)))
+        assert router.pick(plans[-1], 0.0) == home  # remembered for the next prompt
+    first, second = plans
+    assert first.uncached_bytes(home) == first.uncached_at_most(home) == first.prompt_bytes
+    truly_uncached = second.prompt_bytes - len(document) - 1  # the document and its space
+    assert second.uncached_bytes(home) < truly_uncached <= second.uncached_at_most(home)
+    assert second.prompt_bytes - second.uncached_at_most(home) == 4096  # the deepest digest
+
+
 def test_a_prefill_backlog_moves_a_fresh_prompt_but_a_cached_conversation_stays() -> None:
     router, home, plan, saved = second_turn_at_home(fresh_delta=1, cached_delta=1)
     # A backlog smaller than what the home replica has cached: the conversation stays.

@@ -206,7 +206,7 @@ class FairShare:
                     s.id,
                     s.all_inflight,
                     (s.prefill + s.remote_prefill) / BYTES_PER_TOKEN,
-                    plan.uncached_bytes(s.id) / BYTES_PER_TOKEN,
+                    plan.uncached_at_most(s.id) / BYTES_PER_TOKEN,
                 )
             ]
             if usable and len(full) == len(usable):

@@ -235,7 +235,7 @@ class ReplicaSet:
         replica_id = router.pick(plan, now, tried)
         if replica_id is None:
             return None
-        prefill = float(plan.uncached_bytes(replica_id))
+        prefill = float(plan.uncached_at_most(replica_id))
         router.started(replica_id, now, prefill)
         changed = self.on_change
         if changed is not None:

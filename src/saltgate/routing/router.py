@@ -159,8 +159,9 @@ class Plan(NamedTuple):
     one is built per request, and a frozen dataclass costs 3x as much to build.
 
     ``owners``: the replicas that recently served a prefix of this prompt, deepest first
-    (in insertion order), each with that prefix's length in bytes: what it would find in
-    its cache.
+    (in insertion order), each with the bytes of this prompt it likely holds (what
+    routing weighs); ``proven``: the same replicas with the bytes they surely hold (the
+    deepest shared digest), so that budgets count what may still need prefilling.
     """
 
     key: RouteKey | None
@@ -168,13 +169,21 @@ class Plan(NamedTuple):
     prefixes: tuple[PrefixDigest, ...] = ()
     prompt_bytes: int = 0
     owners: Mapping[ReplicaId, int] = MappingProxyType({})
+    proven: Mapping[ReplicaId, int] = MappingProxyType({})
     # Only replicas serving this model may take the request; None: any replica (a
     # request that names none, which the replica answers with its default model).
     model: str | None = None
 
     def uncached_bytes(self, replica_id: ReplicaId) -> int:
-        """The prompt bytes ``replica_id`` would have to prefill (its cached prefix aside)."""
+        """The prompt bytes ``replica_id`` would likely have to prefill (its cached prefix
+        aside): what choosing between replicas weighs."""
         return max(0, self.prompt_bytes - self.owners.get(replica_id, 0))
+
+    def uncached_at_most(self, replica_id: ReplicaId) -> int:
+        """The prompt bytes ``replica_id`` may have to prefill: only the prefix a shared
+        digest proves is taken as cached. What a replica's prefill backlog counts, so a
+        budget on it (the saturation gate's) is never exceeded by an optimistic guess."""
+        return max(0, self.prompt_bytes - self.proven.get(replica_id, 0))
 
     def __repr__(self) -> str:
         return (
@@ -410,17 +419,18 @@ class Router:
             if sharing is not None:
                 sharing.keys[key] = sharing.keys.get(key, 0) + 1
         owners: dict[ReplicaId, int] = {}
+        proven: dict[ReplicaId, int] = {}
         if prefixes.digests and self._affinity is not None:
             first = self.config.affinity_first_depth
             found = self._affinity.owners(prefixes.digests, now)
             # A shared digest at depth d proves d bytes in common; the next depth did not
             # match, so fewer than 2d. Within that, what the replica holds is at most the
             # earlier prompt: the whole of it when this is its conversation's next turn.
-            owners = {
-                rid: _shared_estimate(first << index, length, prefixes.prompt_bytes)
-                for rid, index, length in found
-            }
-        return Plan(key, rate, prefixes.digests, prefixes.prompt_bytes, owners, model)
+            for rid, index, length in found:
+                depth = first << index
+                proven[rid] = depth
+                owners[rid] = _shared_estimate(depth, length, prefixes.prompt_bytes)
+        return Plan(key, rate, prefixes.digests, prefixes.prompt_bytes, owners, proven, model)
 
     def pick(self, plan: Plan, now: float, exclude: Collection[ReplicaId] = ()) -> ReplicaId | None:
         """The replica for a request not yet tried on ``exclude``, among those serving its
@@ -542,7 +552,7 @@ class Router:
     # -- events ----------------------------------------------------------------------------
     def started(self, replica_id: ReplicaId, now: float, prefill: float = 0.0) -> None:
         """A request went to the replica; ``prefill``: its uncached prompt bytes there
-        (`Plan.uncached_bytes`), counted until `prefilled` or `finished`."""
+        (`Plan.uncached_at_most`), counted until `prefilled` or `finished`."""
         state = self._states.get(replica_id)
         if state is not None:
             state.inflight += 1

@@ -32,7 +32,7 @@ class ReplicaState:
         self._inflight = 0
         self._remote_inflight = 0  # the other gateways' (cluster bus), 0 without one
         self.load = 0.0  # in-flight requests (all gateways') per unit of capacity weight
-        self.prefill = 0.0  # prompt bytes sent here and not yet prefilled (estimated uncached)
+        self.prefill = 0.0  # prompt bytes sent here and not yet prefilled (at most: uncached)
         self.remote_prefill = 0.0  # ... by the other gateways of the cluster
         # The model names it serves (`Router.set_models`); None (unknown) until it is told.
         self.models: frozenset[str] | None = None
