@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from saltgate.policy.errors import ApiError, invalid_request
 from saltgate.store import usage_rollups
 from saltgate.store.pricing import usd
 from saltgate.store.schema import ROLLUP_DIMS
-from saltgate.store.usage_rollups import Group, Top, UsageReader, read_buckets
+from saltgate.store.usage_rollups import Group, Top, UsageReader, rank_groups, read_buckets
 
 WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 # OpenAI's default and largest `limit` (buckets per page) per width; its Costs API allows
@@ -47,6 +48,10 @@ FILTERS = {
 FIELDS = {"tenant_id": "tenant_id", "key_id": "api_key_id", "model": "model", "replica": "replica"}
 _CURSOR_PREFIX = "page_"
 MAX_TOP = 1000
+# The longest cursor that carries `top`'s ranking (a URL of a few kB is as long as some
+# proxies and browsers take); a longer ranking (up to MAX_TOP groups of long names) is left
+# out, and the next page ranks again.
+MAX_CURSOR = 2000
 # What `top` ranks groups by: all their tokens (usage), their cost (costs).
 USAGE_RANK = ("input_tokens", "output_tokens")
 COST_RANK = ("cost_micro_usd",)
@@ -54,7 +59,8 @@ COST_RANK = ("cost_micro_usd",)
 
 @dataclass(frozen=True, slots=True)
 class UsageQuery:
-    """A checked query: buckets [start, end) of `width` seconds; this page starts at `page`."""
+    """A checked query: buckets [start, end) of `width` seconds; this page starts at `page`.
+    `ranking`: the groups `top` keeps, as the cursor carried them (None: not ranked yet)."""
 
     width_name: str
     width: int
@@ -65,14 +71,11 @@ class UsageQuery:
     group_by: tuple[str, ...]
     filters: Mapping[str, tuple[str, ...]]
     top: int | None = None
+    ranking: tuple[tuple[str, ...], ...] | None = None
 
     @property
     def page_end(self) -> int:
         return min(self.end, self.page + self.limit * self.width)
-
-    def ranked(self, rank: tuple[str, ...]) -> Top | None:
-        """`top` as the store reads it: over the whole range, not only this page."""
-        return None if self.top is None else Top(self.top, rank, self.start, self.end)
 
 
 def _int_param(query: Mapping[str, str], name: str) -> int | None:
@@ -161,29 +164,99 @@ def parse_query(
         raise invalid_request(
             f"'top' takes 1 to {MAX_TOP} groups, and needs a group_by.", param="top"
         )
-    page = start
+    page, ranking = start, None
     cursor = query.get("page")
     if cursor:
-        page = _decode_cursor(cursor)
+        page, ranking = _decode_cursor(cursor, top, len(group_by))
         if not (start <= page < end and (page - start) % width == 0):
-            raise invalid_request("'page' is not a cursor of this query.", param="page")
+            raise _not_a_cursor()
     return UsageQuery(
-        width_name, width, start, end, page, limit, group_by, _filters(query, tenant_id), top
+        width_name,
+        width,
+        start,
+        end,
+        page,
+        limit,
+        group_by,
+        _filters(query, tenant_id),
+        top,
+        ranking,
     )
 
 
-def _encode_cursor(page: int) -> str:
-    return _CURSOR_PREFIX + base64.urlsafe_b64encode(str(page).encode()).decode().rstrip("=")
+def _not_a_cursor() -> ApiError:
+    return invalid_request("'page' is not a cursor of this query.", param="page")
 
 
-def _decode_cursor(cursor: str) -> int:
+def _encode_cursor(page: int, ranking: tuple[tuple[str, ...], ...] | None) -> str:
+    """Opaque: base64url of the next page's start, or of {"p": start, "r": ranking} with
+    the groups `top` ranked on the first page, so that every page lists those (and ranks
+    no more), even while usage arrives. A ranking that would make the cursor longer than
+    MAX_CURSOR is left out: the next page ranks again (and may then list other groups)."""
+
+    def encode(value: object) -> str:
+        text = json.dumps(value, separators=(",", ":"))
+        return _CURSOR_PREFIX + base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+    if ranking is not None:
+        cursor = encode({"p": page, "r": ranking})
+        if len(cursor) <= MAX_CURSOR:
+            return cursor
+    return encode(page)
+
+
+def _decode_cursor(
+    cursor: str, top: int | None, arity: int
+) -> tuple[int, tuple[tuple[str, ...], ...] | None]:
+    """The page start and ranking of a cursor (a bare start: one handed out before cursors
+    carried rankings, or one without). A ranking is checked strictly: it only narrows what
+    the filters (the tenant pin among them) let through, but must fit this query: at most
+    `top` groups of `arity` strings each."""
     try:
         if not cursor.startswith(_CURSOR_PREFIX):
             raise ValueError
         raw = cursor[len(_CURSOR_PREFIX) :]
-        return int(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode("ascii"))
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise invalid_request("'page' is not a cursor of this query.", param="page") from None
+        value = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
+    except (ValueError, binascii.Error, UnicodeDecodeError, RecursionError):
+        raise _not_a_cursor() from None
+    ranking = None
+    if isinstance(value, dict) and value.keys() == {"p", "r"}:
+        value, ranking = value["p"], _ranking(value["r"], top, arity)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _not_a_cursor()
+    return value, ranking
+
+
+def _ranking(value: object, top: int | None, arity: int) -> tuple[tuple[str, ...], ...]:
+    if not (
+        top is not None
+        and isinstance(value, list)
+        and len(value) <= top
+        and all(
+            isinstance(group, list)
+            and len(group) == arity
+            and all(isinstance(v, str) for v in group)
+            for group in value
+        )
+    ):
+        raise _not_a_cursor()
+    return tuple(tuple(group) for group in value)
+
+
+async def _top_groups(
+    reader: UsageReader, q: UsageQuery, rank: tuple[str, ...]
+) -> tuple[tuple[str, ...], ...] | None:
+    """The groups `top` keeps (None: every group): the cursor's, or ranked now over the
+    whole range, not only this page (on the first page, or after a cursor without them)."""
+    if q.top is None or q.ranking is not None:
+        return q.ranking
+    return await rank_groups(
+        reader,
+        q.width,
+        group_by=q.group_by,
+        filters=q.filters,
+        top=Top(q.top, rank, q.start, q.end),
+    )
 
 
 def _dims(group: Group, grouped: tuple[str, ...]) -> dict[str, Any]:
@@ -238,14 +311,9 @@ async def _page(
     except ApiError as error:
         return error.status, error.to_dict()
     end = q.page_end
+    ranking = await _top_groups(reader, q, rank)
     groups = await read_buckets(
-        reader,
-        q.width,
-        q.page,
-        end,
-        group_by=q.group_by,
-        filters=q.filters,
-        top=q.ranked(rank),
+        reader, q.width, q.page, end, group_by=q.group_by, filters=q.filters, groups=ranking
     )
     by_bucket: dict[int, list[dict[str, Any]]] = {b: [] for b in range(q.page, end, q.width)}
     for group in groups:
@@ -259,7 +327,7 @@ async def _page(
         "object": "page",
         "data": data,
         "has_more": more,
-        "next_page": _encode_cursor(end) if more else None,
+        "next_page": _encode_cursor(end, ranking) if more else None,
     }
 
 
@@ -310,10 +378,11 @@ async def usage_csv(
     store: UsageReader, query: Mapping[str, str], tenant_id: str | None
 ) -> AsyncGenerator[bytes, None]:
     """Every bucket of the range (not one page) as CSV, streamed a page of buckets at a
-    time; unknown cached tokens are `unknown`. Check the query with `parse_query` first:
-    an error here can only end the stream."""
+    time (`top` ranked once, for all of them); unknown cached tokens are `unknown`. Check
+    the query with `parse_query` first: an error here can only end the stream."""
     q = parse_query(query, tenant_id)
     yield (",".join(CSV_COLUMNS) + "\r\n").encode()
+    ranking = await _top_groups(store, q, USAGE_RANK)
     page = q.page
     while page < q.end:
         end = min(q.end, page + q.limit * q.width)
@@ -325,7 +394,7 @@ async def usage_csv(
             end,
             group_by=q.group_by,
             filters=q.filters,
-            top=q.ranked(USAGE_RANK),
+            groups=ranking,
         ):
             u = usage_result(g, q.group_by)
             cached = u["input_cached_tokens"]

@@ -2,7 +2,8 @@
 
 The rollups are written by triggers in the ledger's own transactions (store/schema.py,
 `ROLLUPS`), so here is only reading: `read_buckets` sums one rollup table into buckets of
-the width asked for, grouped as asked; `reconcile` checks every rollup table against the
+the width asked for, grouped as asked (and kept to the groups `rank_groups` found
+largest, for `top`); `reconcile` checks every rollup table against the
 ledger, to the token. Reads go through a `UsageReader` of their own (a connection that is
 not the ledger's), so a query never waits on or holds up a ledger commit.
 """
@@ -127,13 +128,64 @@ def choose_rollup(width: int, needed: frozenset[str]) -> tuple[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class Top:
-    """Keep the `n` groups with the largest `rank` (a sum of these rollup columns) over
-    [start, end), which may be wider than the buckets read (a page of a range)."""
+    """Rank the groups by `rank` (a sum of these rollup columns) over [start, end), which
+    may be wider than the buckets read (a whole series of pages), and keep the `n` largest."""
 
     n: int
     rank: tuple[str, ...]
     start: int
     end: int
+
+
+def _filtered(
+    reader: UsageReader, table: str, filters: Mapping[str, Sequence[str]]
+) -> tuple[str, list[str], list[object]] | None:
+    """The table to read (by its tenant index when filtered by tenant), the WHERE clauses
+    of `filters` and their values; None when a filter keeps nothing."""
+    where: list[str] = []
+    params: list[object] = []
+    for dim in ROLLUP_DIMS:  # a fixed order: the same query text for the same question
+        if dim in filters:
+            wanted = filters[dim]
+            if not wanted:
+                return None
+            where.append(f"{dim} IN ({', '.join('?' * len(wanted))})")
+            params += wanted
+    # A tenant's rows by its index: with the statistics of a large table SQLite would
+    # rather scan the bucket range of every tenant (PostgreSQL picks the index itself).
+    source = table
+    if reader.backend == "sqlite" and "tenant_id" in filters:
+        source = f"{table} INDEXED BY {table}_tenant"
+    return source, where, params
+
+
+async def rank_groups(
+    reader: UsageReader,
+    width: int,
+    *,
+    group_by: Sequence[str],
+    filters: Mapping[str, Sequence[str]],
+    top: Top,
+) -> tuple[tuple[str, ...], ...]:
+    """The `top.n` largest groups over [top.start, top.end), largest first (ties in key
+    order): their dimensions' values as stored (in ROLLUP_DIMS order; a replica unnamed
+    is ''), for `read_buckets(groups=...)`. Ranked once for a whole series of pages, so
+    every page lists the same groups, however much usage arrives meanwhile."""
+    table, _ = choose_rollup(width, frozenset(group_by) | frozenset(filters))
+    filtered = _filtered(reader, table, filters)
+    dims = [d for d in ROLLUP_DIMS if d in group_by]
+    if filtered is None or not dims:
+        return ()
+    source, where, params = filtered
+    key = ", ".join(dims)
+    rank = " + ".join(f"sum({c})" for c in top.rank)
+    rows = await reader.query(
+        f"SELECT {key} FROM {source} "
+        f"WHERE {' AND '.join(['bucket >= ?', 'bucket < ?', *where])} "
+        f"GROUP BY {key} ORDER BY {rank} DESC, {key} LIMIT {int(top.n)}",
+        [top.start, top.end, *params],
+    )
+    return tuple(tuple(row) for row in rows)
 
 
 async def read_buckets(
@@ -144,61 +196,47 @@ async def read_buckets(
     *,
     group_by: Sequence[str],
     filters: Mapping[str, Sequence[str]],
-    top: Top | None = None,
+    groups: Sequence[Sequence[str]] | None = None,
 ) -> list[Group]:
     """Sums per bucket (start aligned to `width`, in [start, end)) and group, in order.
 
-    `filters` keeps only rows whose dimension is one of the values (an empty list: none).
+    `filters` keeps only rows whose dimension is one of the values (an empty list: none);
+    `groups` (None: all) only these groups, each its grouped dimensions' stored values in
+    ROLLUP_DIMS order (what `rank_groups` answers).
     """
-    needed = frozenset(group_by) | frozenset(filters)
-    table, table_width = choose_rollup(width, needed)
-    where: list[str] = []
-    params: list[object] = []
-    for dim in ROLLUP_DIMS:  # a fixed order: the same query text for the same question
-        if dim in filters:
-            wanted = filters[dim]
-            if not wanted:
-                return []
-            where.append(f"{dim} IN ({', '.join('?' * len(wanted))})")
-            params += wanted
+    table, table_width = choose_rollup(width, frozenset(group_by) | frozenset(filters))
+    filtered = _filtered(reader, table, filters)
+    if filtered is None or (groups is not None and not groups):
+        return []
+    source, where, params = filtered
     dims = [d for d in ROLLUP_DIMS if d in group_by]
-    ranked: list[str] = []
-    if top is not None and dims:
-        key = ", ".join(dims)
-        rank = " + ".join(f"sum({c})" for c in top.rank)
-        within = " AND ".join(["bucket >= ?", "bucket < ?", *where])
-        best = (
-            f"SELECT {key} FROM {table} WHERE {within} "
-            f"GROUP BY {key} ORDER BY {rank} DESC, {key} LIMIT {int(top.n)}"
-        )
-        ranked = [f"({key}) IN ({best})"]
-        params = [start, end, *params, top.start, top.end, *params]
-    else:
-        params = [start, end, *params]
+    if groups is not None:
+        # One dimension: `model IN (?, ?)`; several: row values (both backends take them).
+        if len(dims) == 1:
+            where.append(f"{dims[0]} IN ({', '.join('?' * len(groups))})")
+        else:
+            one = f"({', '.join('?' * len(dims))})"
+            where.append(f"({', '.join(dims)}) IN (VALUES {', '.join([one] * len(groups))})")
+        params += [value for group in groups for value in group]
     # Buckets of the table's own width are its rows' buckets: grouped in key order, unsorted.
     bucket = "bucket" if width == table_width else f"bucket / {width} * {width}"
     columns = ", ".join((bucket, *dims, *(f"CAST(sum({s}) AS BIGINT)" for s in SUMS)))
     order = ", ".join(str(i) for i in range(1, len(dims) + 2))
-    # A tenant's rows by its index: with the statistics of a large table SQLite would
-    # rather scan the bucket range of every tenant (PostgreSQL picks the index itself).
-    source = table
-    if reader.backend == "sqlite" and "tenant_id" in filters:
-        source = f"{table} INDEXED BY {table}_tenant"
     sql = (
         f"SELECT {columns} FROM {source} "
-        f"WHERE {' AND '.join(['bucket >= ?', 'bucket < ?', *where, *ranked])} "
+        f"WHERE {' AND '.join(['bucket >= ?', 'bucket < ?', *where])} "
         f"GROUP BY {order} ORDER BY {order}"
     )
-    groups = []
-    for row in await reader.query(sql, params):
+    found = []
+    for row in await reader.query(sql, [start, end, *params]):
         grouped = dict(zip(dims, row[1 : 1 + len(dims)], strict=True))
         named: dict[str, str | None] = {d: grouped.get(d) for d in ROLLUP_DIMS}
         if named["replica"] == "":
             named["replica"] = None  # rows from before the ledger named replicas
-        groups.append(
+        found.append(
             Group(int(row[0]), named, dict(zip(SUMS, map(int, row[1 + len(dims) :]), strict=True)))
         )
-    return groups
+    return found
 
 
 @dataclass(frozen=True, slots=True)
