@@ -438,18 +438,20 @@ def test_a_prefill_budget_lets_a_short_prompt_past_long_ones(tmp_path: Path) -> 
 def test_the_prefill_budget_counts_a_shared_prefix_only_as_far_as_it_is_proven(
     tmp_path: Path,
 ) -> None:
-    """Two long prompts share a 6 kB document, which lies between two prefix digests (4
-    and 8 kB): the router proves 4 kB in common and guesses up to 8 kB. The budget lies
-    between the two counts of the pair (about 3,700 prompt tokens proven, 2,700 guessed),
-    so the second prompt waits in saltgate only if the gate counts what is proven. Counted
-    by the guess (as before), it went straight to the replica, and under a noisy tenant's
-    documents four long prefills shared each replica (docs/benchmarks.md, "Fairness")."""
+    """Long prompts share a 6 kB document, which ends between two prefix digests (4 and 8
+    kB): the router proves 4 kB in common and guesses up to 8 kB. Once the first has gone
+    (and put the document in the replica's cache), the second is prefilling and the third
+    arrives; the budget lies between the two counts of that pair (about 2,700 prompt
+    tokens proven, 1,700 guessed), so the third waits in saltgate only if the gate counts
+    both the backlog and the request by what is proven. Counted by the guess (as
+    before), it went straight to the replica, and under a noisy tenant's documents four
+    long prefills shared each replica (docs/benchmarks.md, "Fairness")."""
     sim = SimConfig(port=0, prefill_ms_per_1k_tokens=2000.0, decode_ms_per_token=1.0)
-    queue = QueueConfig(enabled=True, max_prefill_tokens_per_replica=3200)
+    queue = QueueConfig(enabled=True, max_prefill_tokens_per_replica=2000)
     document = " ".join(f"d{i}" for i in range(1200))  # ~6.1 kB
 
-    def own(tag: str) -> str:
-        return document + " " + " ".join(f"{tag}{i}" for i in range(700))  # ~9.5 kB in all
+    def own(tag: str) -> dict[str, Any]:
+        return completion(document + " " + " ".join(f"{tag}{i}" for i in range(700)), 1)
 
     async def main() -> None:
         async with (
@@ -458,24 +460,22 @@ def test_the_prefill_budget_counts_a_shared_prefix_only_as_far_as_it_is_proven(
         ):
             share = fair(s)
             state = s.gateway.gateway.replicas.router.states[0]
-            first = asyncio.create_task(
-                client.post("/v1/completions", json=completion(own("a"), 1))
-            )
-            await eventually(lambda: state.prefill > 0, what="the first long prompt is sent")
+            first = await client.post("/v1/completions", json=own("a"))
+            assert first.status_code == 200, first.text
+            second = asyncio.create_task(client.post("/v1/completions", json=own("b")))
+            await eventually(lambda: state.prefill > 0, what="the second long prompt is sent")
             sent = state.prefill
-            second = asyncio.create_task(
-                client.post("/v1/completions", json=completion(own("b"), 1))
-            )
+            third = asyncio.create_task(client.post("/v1/completions", json=own("c")))
             await eventually(
-                lambda: len(share.queue) > 0 or state.prefill != sent or first.done(),
-                what="the second long prompt is held or sent",
+                lambda: len(share.queue) > 0 or state.prefill != sent or second.done(),
+                what="the third long prompt is held or sent",
             )
             held = len(share.queue)
-            assert not first.done(), "the first prompt's prefill ended before the second came"
+            assert not second.done(), "the second prompt's prefill ended before the third came"
             assert held == 1, (
-                f"the second prompt went to the replica (backlog {state.prefill:.0f} B)"
+                f"the third prompt went to the replica (backlog {state.prefill:.0f} B)"
             )
-            for resp in await asyncio.gather(first, second):
+            for resp in await asyncio.gather(second, third):
                 assert resp.status_code == 200, resp.text
 
     run(main)

@@ -101,7 +101,7 @@ def simulate(
         plan = router.plan_request(ROUTE_COMPLETIONS, body, "m", salt, now, remember=True)
         replica_id = router.pick(plan, now)
         assert replica_id is not None
-        estimate = float(plan.uncached_at_most(replica_id))
+        estimate = float(plan.uncached_bytes(replica_id))
         router.started(replica_id, now, estimate)
         admit(req, router, replica_id, estimate, now)
 

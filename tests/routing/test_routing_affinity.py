@@ -180,6 +180,23 @@ def test_what_a_shared_digest_proves_bounds_the_uncached_part_from_above() -> No
     assert second.prompt_bytes - second.uncached_at_most(home) == 4096  # the deepest digest
 
 
+def test_the_backlog_keeps_the_likely_count_for_routing_and_the_bound_for_budgets() -> None:
+    """Routing weighs a replica's likely backlog; the saturation gate and the other
+    gateways (the cluster bus) get the bound. Both drain to zero as prompts prefill."""
+    router = Router(RouterConfig(), KEY, MEMBERS[:1])
+    router.start_sharing()
+    home = MEMBERS[0].id
+    router.started(home, 0.0, prefill=1_000, at_most=5_000)
+    router.started(home, 0.0, prefill=2_000)  # nothing cached: the bound is the same
+    state = router.state(home)
+    assert state is not None and (state.prefill, state.prefill_at_most) == (3_000, 7_000)
+    assert router.take_shared(0).backlog == [(home, 2, 7_000)]
+    router.prefilled(home, 1_000, 5_000)
+    assert (state.prefill, state.prefill_at_most) == (2_000, 2_000)
+    router.finished(home, 2_000)
+    assert (state.prefill, state.prefill_at_most) == (0, 0) and state.inflight == 1
+
+
 def test_a_prefill_backlog_moves_a_fresh_prompt_but_a_cached_conversation_stays() -> None:
     router, home, plan, saved = second_turn_at_home(fresh_delta=1, cached_delta=1)
     # A backlog smaller than what the home replica has cached: the conversation stays.

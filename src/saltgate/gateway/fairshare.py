@@ -205,7 +205,7 @@ class FairShare:
                 if gate.saturated(
                     s.id,
                     s.all_inflight,
-                    (s.prefill + s.remote_prefill) / BYTES_PER_TOKEN,
+                    (s.prefill_at_most + s.remote_prefill) / BYTES_PER_TOKEN,
                     plan.uncached_at_most(s.id) / BYTES_PER_TOKEN,
                 )
             ]

@@ -94,19 +94,19 @@ class Attempt:
     prefill backlog return to zero.
     """
 
-    __slots__ = ("_changed", "_closed", "_freed", "_prefill", "_router", "replica")
+    __slots__ = ("_at_most", "_changed", "_closed", "_freed", "_prefill", "_router", "replica")
 
     def __init__(
         self,
         router: Router,
         replica: Replica,
-        prefill: float,
+        prefill: tuple[float, float],  # (likely, at most): `Router.started`
         changed: Callable[[], None] | None = None,
         freed: Callable[[], None] | None = None,
     ) -> None:
         self._router = router
         self.replica = replica
-        self._prefill = prefill
+        self._prefill, self._at_most = prefill
         self._closed = False
         self._changed = changed
         self._freed = freed
@@ -115,9 +115,9 @@ class Attempt:
         self._router.responded(self.replica.id)
 
     def first_output(self) -> None:
-        if self._prefill:
-            self._router.prefilled(self.replica.id, self._prefill)
-            self._prefill = 0.0
+        if self._at_most:
+            self._router.prefilled(self.replica.id, self._prefill, self._at_most)
+            self._prefill = self._at_most = 0.0
             if self._changed is not None:
                 self._changed()
             if self._freed is not None:
@@ -129,8 +129,8 @@ class Attempt:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._router.finished(self.replica.id, self._prefill)
-            self._prefill = 0.0
+            self._router.finished(self.replica.id, self._prefill, self._at_most)
+            self._prefill = self._at_most = 0.0
             if self._changed is not None:
                 self._changed()
             if self._freed is not None:
@@ -235,8 +235,8 @@ class ReplicaSet:
         replica_id = router.pick(plan, now, tried)
         if replica_id is None:
             return None
-        prefill = float(plan.uncached_at_most(replica_id))
-        router.started(replica_id, now, prefill)
+        prefill = (float(plan.uncached_bytes(replica_id)), float(plan.uncached_at_most(replica_id)))
+        router.started(replica_id, now, *prefill)
         changed = self.on_change
         if changed is not None:
             changed()

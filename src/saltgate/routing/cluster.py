@@ -8,7 +8,8 @@ in batches off the request path (gateway/cluster.py does the I/O):
 - placements: the keyed prefix digests of each routed request, the replica it went to,
   the prompt's length and how long the placement stays valid (routing/affinity.py);
 - route keys seen, with counts, so a hot key is hot on every gateway (routing/hotkeys.py);
-- its own per-replica backlog: requests in flight and prompt bytes not yet prefilled;
+- its own per-replica backlog: requests in flight and prompt bytes not yet prefilled
+  (at most: a cached prefix counted only as far as a digest proves it);
 - with [queue], the service its fair queue charged each tenant since its last batch
   (tenant id -> the counter's move: governance/fairness.py, `FairQueue.take_charged`).
 

@@ -181,8 +181,8 @@ class Plan(NamedTuple):
 
     def uncached_at_most(self, replica_id: ReplicaId) -> int:
         """The prompt bytes ``replica_id`` may have to prefill: only the prefix a shared
-        digest proves is taken as cached. What a replica's prefill backlog counts, so a
-        budget on it (the saturation gate's) is never exceeded by an optimistic guess."""
+        digest proves is taken as cached. What a budget on prefill counts (the saturation
+        gate's), so that an optimistic guess never lets it be exceeded."""
         return max(0, self.prompt_bytes - self.proven.get(replica_id, 0))
 
     def __repr__(self) -> str:
@@ -550,21 +550,30 @@ class Router:
         return listed[turn:] + listed[:turn]
 
     # -- events ----------------------------------------------------------------------------
-    def started(self, replica_id: ReplicaId, now: float, prefill: float = 0.0) -> None:
+    def started(
+        self,
+        replica_id: ReplicaId,
+        now: float,
+        prefill: float = 0.0,
+        at_most: float | None = None,
+    ) -> None:
         """A request went to the replica; ``prefill``: its uncached prompt bytes there
-        (`Plan.uncached_at_most`), counted until `prefilled` or `finished`."""
+        (`Plan.uncached_bytes`), ``at_most`` their bound (`Plan.uncached_at_most`; None:
+        the same), counted until `prefilled` or `finished`."""
         state = self._states.get(replica_id)
         if state is not None:
             state.inflight += 1
             self._inflight_total += 1
-            state.prefill += prefill
+            _add_prefill(state, prefill, at_most)
             state.health.breaker.started(now)
 
-    def prefilled(self, replica_id: ReplicaId, prefill: float) -> None:
+    def prefilled(
+        self, replica_id: ReplicaId, prefill: float, at_most: float | None = None
+    ) -> None:
         """The request's first output arrived: its prompt no longer waits for prefill."""
         state = self._states.get(replica_id) or self._retired.get(replica_id)
         if state is not None:
-            state.prefill = max(0.0, state.prefill - prefill)
+            _add_prefill(state, -prefill, None if at_most is None else -at_most)
 
     def responded(self, replica_id: ReplicaId) -> None:
         """The replica answered (any status): the exchange worked."""
@@ -578,9 +587,12 @@ class Router:
         if state is not None:
             state.health.breaker.failed(now)
 
-    def finished(self, replica_id: ReplicaId, prefill: float = 0.0) -> None:
+    def finished(
+        self, replica_id: ReplicaId, prefill: float = 0.0, at_most: float | None = None
+    ) -> None:
         """The request no longer occupies the replica (every `started` gets one);
-        ``prefill``: what of its `started` prefill `prefilled` has not taken back."""
+        ``prefill``, ``at_most``: what of its `started` prefill `prefilled` has not taken
+        back."""
         state = self._states.get(replica_id)
         if state is None:
             state = self._retired.get(replica_id)
@@ -589,7 +601,7 @@ class Router:
         if state is not None and state.inflight > 0:
             state.inflight -= 1
             self._inflight_total -= 1
-            state.prefill = max(0.0, state.prefill - prefill)
+            _add_prefill(state, -prefill, None if at_most is None else -at_most)
 
     def probed(self, replica_id: ReplicaId, ok: bool) -> None:
         state = self._states.get(replica_id)
@@ -613,7 +625,8 @@ class Router:
         del pending[:max_placements]
         keys = list(sharing.keys.items())
         sharing.keys.clear()
-        backlog = [(s.id, s.inflight, s.prefill) for s in self._states.values()]
+        # What may still be prefilled (the bound): the others' gates budget on it.
+        backlog = [(s.id, s.inflight, s.prefill_at_most) for s in self._states.values()]
         return Shared(placements, keys, backlog)
 
     def drop_shared(self, keep: int) -> int:
@@ -667,6 +680,14 @@ class Router:
 
 def _union(states: Iterable[ReplicaState]) -> frozenset[str]:
     return frozenset[str]().union(*(s.models for s in states if s.models is not None))
+
+
+def _add_prefill(state: ReplicaState, likely: float, at_most: float | None) -> None:
+    """Change a replica's prefill backlog, both counts (never below zero)."""
+    state.prefill = max(0.0, state.prefill + likely)
+    state.prefill_at_most = max(
+        0.0, state.prefill_at_most + (likely if at_most is None else at_most)
+    )
 
 
 def _shared_estimate(depth: int, earlier_prompt: int, prompt: int) -> int:

@@ -22,6 +22,7 @@ class ReplicaState:
         "member",
         "models",
         "prefill",
+        "prefill_at_most",
         "remote_prefill",
     )
 
@@ -32,7 +33,10 @@ class ReplicaState:
         self._inflight = 0
         self._remote_inflight = 0  # the other gateways' (cluster bus), 0 without one
         self.load = 0.0  # in-flight requests (all gateways') per unit of capacity weight
-        self.prefill = 0.0  # prompt bytes sent here and not yet prefilled (at most: uncached)
+        # Prompt bytes sent here and not yet prefilled: likely (routing weighs it) and at
+        # most (a cached prefix counted only as far as proven: the saturation gate's budget).
+        self.prefill = 0.0
+        self.prefill_at_most = 0.0
         self.remote_prefill = 0.0  # ... by the other gateways of the cluster
         # The model names it serves (`Router.set_models`); None (unknown) until it is told.
         self.models: frozenset[str] | None = None
