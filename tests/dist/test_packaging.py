@@ -89,7 +89,8 @@ def test_a_command_whose_parser_needs_the_server_says_so(
         )
     with pytest.raises(SystemExit):
         main(["--help"])
-    assert "sim       (not installed: pip install 'saltgate')" in capsys.readouterr().out
+    listing = capsys.readouterr().out  # its column's width follows the longest command
+    assert re.search(r"^ +sim +\(not installed: pip install 'saltgate'\)$", listing, re.M)
     with pytest.raises(SystemExit):
         main(["up", "--bogus"])  # other commands still refuse what they do not know
     monkeypatch.setattr(cli, "_add_sim", lambda _: missing("saltgate.sim.server"))
