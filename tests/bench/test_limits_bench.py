@@ -25,6 +25,9 @@ def test_the_window_count_slides_and_is_half_open() -> None:
 
 
 def test_a_short_run_reports_every_figure_and_its_controls_fail(tmp_path: Path) -> None:
+    """About 30 s: two 12-s windows (with a shared engine, then the control without one)
+    are the shortest that still put twice the limit through two gateways, and the
+    gateways, Redis and a replica start for it."""
     out = tmp_path / "limits.json"
     done = subprocess.run(
         [

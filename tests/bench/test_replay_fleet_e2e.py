@@ -11,6 +11,9 @@ from tests.bench.test_replay_e2e import REQUIRED, bench_replay
 
 
 def test_one_and_two_gateways_with_and_without_shared_state(tmp_path: Path) -> None:
+    """About 30 s: three fleets (1 gateway; 2 with the bus, 2 without) each start
+    behind HAProxy on a PostgreSQL store and a Redis bus, for a replay of the trace's
+    first 30 s at 10x (3 s each): the start-ups are most of it."""
     report = bench_replay(
         tmp_path,
         "--policy", "saltgate", "--duration", "30",
