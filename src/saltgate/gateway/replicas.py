@@ -100,13 +100,16 @@ class Attempt:
         self,
         router: Router,
         replica: Replica,
-        prefill: tuple[float, float],  # (likely, at most): `Router.started`
+        prefill: float,  # likely and at most: what `Router.started` counted
+        at_most: float,
+        *,
         changed: Callable[[], None] | None = None,
         freed: Callable[[], None] | None = None,
     ) -> None:
         self._router = router
         self.replica = replica
-        self._prefill, self._at_most = prefill
+        self._prefill = prefill
+        self._at_most = at_most
         self._closed = False
         self._changed = changed
         self._freed = freed
@@ -235,12 +238,20 @@ class ReplicaSet:
         replica_id = router.pick(plan, now, tried)
         if replica_id is None:
             return None
-        prefill = (float(plan.uncached_bytes(replica_id)), float(plan.uncached_at_most(replica_id)))
-        router.started(replica_id, now, *prefill)
+        prefill = float(plan.uncached_bytes(replica_id))
+        at_most = float(plan.uncached_at_most(replica_id))
+        router.started(replica_id, now, prefill, at_most)
         changed = self.on_change
         if changed is not None:
             changed()
-        return Attempt(router, self._replicas[replica_id], prefill, changed, self.on_free)
+        return Attempt(
+            router,
+            self._replicas[replica_id],
+            prefill,
+            at_most,
+            changed=changed,
+            freed=self.on_free,
+        )
 
     def available(self) -> list[tuple[int, Replica, bool]]:
         """(index in the configuration, replica, may be picked now) for the metrics."""
