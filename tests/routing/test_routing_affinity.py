@@ -149,7 +149,7 @@ def test_the_plan_knows_what_each_owner_holds() -> None:
         == router.prefixes(Prompt(second, ROUTE_CHAT), router.namespace("m", "s")).prompt_bytes
         > 0
     )
-    (owner, depth), *_ = plan.owners.items()
+    (owner, (depth, proven)), *_ = plan.owners.items()
     assert (
         owner == home
         and 256
@@ -157,6 +157,7 @@ def test_the_plan_knows_what_each_owner_holds() -> None:
         <= router.prefixes(Prompt(first, ROUTE_CHAT), router.namespace("m", "s"))[1]
     )
     assert plan.uncached_bytes(home) == plan.prompt_bytes - depth
+    assert 0 < proven <= depth and plan.uncached_at_most(home) == plan.prompt_bytes - proven
     assert plan.uncached_bytes(ReplicaId("elsewhere")) == plan.prompt_bytes
 
 

@@ -159,17 +159,16 @@ class Plan(NamedTuple):
     one is built per request, and a frozen dataclass costs 3x as much to build.
 
     ``owners``: the replicas that recently served a prefix of this prompt, deepest first
-    (in insertion order), each with the bytes of this prompt it likely holds (what
-    routing weighs); ``proven``: the same replicas with the bytes they surely hold (the
-    deepest shared digest), so that budgets count what may still need prefilling.
+    (in insertion order), each with two byte counts of this prompt it holds: likely (what
+    routing weighs) and surely (the deepest shared digest), so that budgets count what may
+    still need prefilling.
     """
 
     key: RouteKey | None
     rate: float = 0.0
     prefixes: tuple[PrefixDigest, ...] = ()
     prompt_bytes: int = 0
-    owners: Mapping[ReplicaId, int] = MappingProxyType({})
-    proven: Mapping[ReplicaId, int] = MappingProxyType({})
+    owners: Mapping[ReplicaId, tuple[int, int]] = MappingProxyType({})  # (likely, surely)
     # Only replicas serving this model may take the request; None: any replica (a
     # request that names none, which the replica answers with its default model).
     model: str | None = None
@@ -177,13 +176,15 @@ class Plan(NamedTuple):
     def uncached_bytes(self, replica_id: ReplicaId) -> int:
         """The prompt bytes ``replica_id`` would likely have to prefill (its cached prefix
         aside): what choosing between replicas weighs."""
-        return max(0, self.prompt_bytes - self.owners.get(replica_id, 0))
+        held = self.owners.get(replica_id)
+        return self.prompt_bytes if held is None else max(0, self.prompt_bytes - held[0])
 
     def uncached_at_most(self, replica_id: ReplicaId) -> int:
         """The prompt bytes ``replica_id`` may have to prefill: only the prefix a shared
         digest proves is taken as cached. What a budget on prefill counts (the saturation
         gate's), so that an optimistic guess never lets it be exceeded."""
-        return max(0, self.prompt_bytes - self.proven.get(replica_id, 0))
+        held = self.owners.get(replica_id)
+        return self.prompt_bytes if held is None else max(0, self.prompt_bytes - held[1])
 
     def __repr__(self) -> str:
         return (
@@ -418,8 +419,7 @@ class Router:
             sharing = self._sharing
             if sharing is not None:
                 sharing.keys[key] = sharing.keys.get(key, 0) + 1
-        owners: dict[ReplicaId, int] = {}
-        proven: dict[ReplicaId, int] = {}
+        owners: dict[ReplicaId, tuple[int, int]] = {}
         if prefixes.digests and self._affinity is not None:
             first = self.config.affinity_first_depth
             found = self._affinity.owners(prefixes.digests, now)
@@ -428,9 +428,8 @@ class Router:
             # earlier prompt: the whole of it when this is its conversation's next turn.
             for rid, index, length in found:
                 depth = first << index
-                proven[rid] = depth
-                owners[rid] = _shared_estimate(depth, length, prefixes.prompt_bytes)
-        return Plan(key, rate, prefixes.digests, prefixes.prompt_bytes, owners, proven, model)
+                owners[rid] = (_shared_estimate(depth, length, prefixes.prompt_bytes), depth)
+        return Plan(key, rate, prefixes.digests, prefixes.prompt_bytes, owners, model)
 
     def pick(self, plan: Plan, now: float, exclude: Collection[ReplicaId] = ()) -> ReplicaId | None:
         """The replica for a request not yet tried on ``exclude``, among those serving its
@@ -479,7 +478,7 @@ class Router:
         return self._warm_pick(ranked, eligible, plan.rate, owner)
 
     def _follow_prefix(
-        self, owners: Mapping[ReplicaId, int], eligible: list[ReplicaState]
+        self, owners: Mapping[ReplicaId, tuple[int, int]], eligible: list[ReplicaState]
     ) -> ReplicaState | None:
         """The replica that served the deepest shared prefix, if within the load cap."""
         ceiling = min(map(_load, eligible)) + self.config.max_inflight_delta
