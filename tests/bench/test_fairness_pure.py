@@ -168,10 +168,12 @@ def test_a_phase_row_counts_what_was_sent_and_what_finished_in_it() -> None:
 
 
 def test_targets_compare_the_governed_arm_with_the_ungoverned_one() -> None:
-    def row(router: str, phase: str, p99: float, diff: float) -> dict[str, object]:
+    def row(
+        router: str, phase: str, p99: float, diff: float, service: float = 1000.0
+    ) -> dict[str, object]:
         return {"router": router, "gateways": 1, "phase": phase, "quiet_ttft_p99_ms": p99,
                 "quiet_rejected": 0, "service_difference": diff, "cached_token_ratio": 0.4,
-                "service_per_s": 1000.0}  # fmt: skip
+                "service_per_s": service}  # fmt: skip
 
     rows = [
         row("saltgate", "alone", 100, 0),
@@ -184,6 +186,26 @@ def test_targets_compare_the_governed_arm_with_the_ungoverned_one() -> None:
     rows[1] = row("saltgate", "noisy", 130, 30)
     lines = check_targets(rows)
     assert sum(line.startswith("MISS") for line in lines) == 2, lines
+
+
+def test_the_throughput_target_misses_only_capacity_lost_to_fairness() -> None:
+    """Fairness must not waste capacity: 5 % less service than the ungoverned arm misses,
+    20 % more (replicas with short queues finishing more in the phase) does not."""
+
+    def throughput_line(governed_service: float) -> str:
+        rows = [
+            {"router": router, "gateways": 1, "phase": phase, "quiet_ttft_p99_ms": 100.0,
+             "quiet_rejected": 0, "service_difference": 0.0, "cached_token_ratio": 0.4,
+             "service_per_s": governed_service if router == "saltgate" else 1000.0}
+            for router, phase in [("saltgate", "alone"), ("saltgate", "noisy"),
+                                  ("saltgate-ungoverned", "noisy")]
+        ]  # fmt: skip
+        return next(line for line in check_targets(rows) if "throughput" in line)
+
+    assert throughput_line(1200.0).startswith("PASS"), throughput_line(1200.0)
+    assert "+20%" in throughput_line(1200.0)
+    assert throughput_line(950.0).startswith("PASS")
+    assert throughput_line(940.0).startswith("MISS"), throughput_line(940.0)
 
 
 def options(**changes: object) -> fairness.FairnessOptions:

@@ -274,7 +274,10 @@ QUIET_P99_TARGET = 1.2  # noisy-phase quiet TTFT p99 over the alone phase's
 DIFFERENCE_TARGET = 5.0  # service difference at least this many times lower than ungoverned
 FLEET_DIFFERENCE_TARGET = 1.1  # N gateways' service difference over one gateway's
 CACHE_TARGET = 0.9  # cached-token ratio at least this share of the ungoverned one
-THROUGHPUT_TARGET = 0.05  # total service per second within this of the ungoverned one
+# Total service per second at most this share below the ungoverned arm's: the target is
+# that fairness wastes no capacity. More is no waste (a short queue per replica can finish
+# more in the phase than replicas carrying a backlog), so only a shortfall misses.
+THROUGHPUT_TARGET = 0.05
 
 
 def _row(rows: Sequence[dict[str, Any]], router: str, gateways: int, phase: str) -> Any:
@@ -328,10 +331,11 @@ def check_targets(rows: Sequence[dict[str, Any]], governed: str = "saltgate") ->
                 f"ungoverned (target >= {CACHE_TARGET}x)"
             )
             ours, ref = noisy["service_per_s"], base["service_per_s"]
-            ok = abs(ours - ref) <= THROUGHPUT_TARGET * ref
+            ok = ours >= (1 - THROUGHPUT_TARGET) * ref
             lines.append(
                 f"{'PASS' if ok else 'MISS'}: {name} throughput {ours:.0f} service/s against "
-                f"{ref:.0f}/s ungoverned (target within {THROUGHPUT_TARGET:.0%})"
+                f"{ref:.0f}/s ungoverned ({ours / ref - 1 if ref else 0.0:+.0%}; target: "
+                f"at most {THROUGHPUT_TARGET:.0%} less)"
             )
         one = _row(rows, governed, 1, "noisy")
         if n > 1 and one is not None:
