@@ -31,8 +31,15 @@ def _serving() -> Iterator[PostgresServer]:
 
 
 @pytest.fixture(scope="session")
-def postgres_server() -> Iterator[PostgresServer]:
-    yield from _serving()
+def postgres_server(pytestconfig: pytest.Config) -> PostgresServer:
+    """The session's server, removed when pytest ends rather than in a fixture teardown:
+    pytest tears session fixtures down inside the last test's teardown, under that test's
+    timeout, and by then the cluster holds a database per test (gigabytes, tens of
+    thousands of files). Beside two CPU hogs its removal took the last test past 120 s."""
+    server = PostgresServer()
+    pytestconfig.add_cleanup(server.destroy)  # also when start fails half-way
+    server.start()
+    return server
 
 
 def new_database(server: PostgresServer, tmp_path: Path) -> StoreSettings:
