@@ -93,9 +93,9 @@ services:
 # compiling breaks; then all but the real-vLLM conformance tests and the install of the
 # built distributions into fresh environments, which .venv's build does not change
 # (they take ~6 of the compiled run's ~20 minutes; FAST_TESTS leaves them out), on the
-# pure build, which development runs. In that order .venv ends editable. Each step installs its build first (a sub-make, since the other build's
-# install undoes it), and the suite checks it runs the build it was told to
-# (tests/architecture/test_builds.py).
+# pure build, which development runs. In that order .venv ends editable. Each step
+# installs its build first (a sub-make, since the other build's install undoes it), and
+# the suite checks it runs the build it was told to (tests/architecture/test_builds.py).
 FAST_TESTS := -m "not vllm and not dist"
 
 pytest: pytest-compiled pytest-pure

@@ -152,6 +152,7 @@ class Prefixes(NamedTuple):
 
 
 NO_PREFIXES: Final = Prefixes()
+_NOTHING_HELD: Final = (0, 0)  # (likely, surely) bytes of a replica that owns no prefix
 
 
 class Plan(NamedTuple):
@@ -176,15 +177,13 @@ class Plan(NamedTuple):
     def uncached_bytes(self, replica_id: ReplicaId) -> int:
         """The prompt bytes ``replica_id`` would likely have to prefill (its cached prefix
         aside): what choosing between replicas weighs."""
-        held = self.owners.get(replica_id)
-        return self.prompt_bytes if held is None else max(0, self.prompt_bytes - held[0])
+        return max(0, self.prompt_bytes - self.owners.get(replica_id, _NOTHING_HELD)[0])
 
     def uncached_at_most(self, replica_id: ReplicaId) -> int:
         """The prompt bytes ``replica_id`` may have to prefill: only the prefix a shared
         digest proves is taken as cached. What a budget on prefill counts (the saturation
         gate's), so that an optimistic guess never lets it be exceeded."""
-        held = self.owners.get(replica_id)
-        return self.prompt_bytes if held is None else max(0, self.prompt_bytes - held[1])
+        return max(0, self.prompt_bytes - self.owners.get(replica_id, _NOTHING_HELD)[1])
 
     def __repr__(self) -> str:
         return (
