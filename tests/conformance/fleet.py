@@ -220,11 +220,17 @@ def _start_all(
             _stop(proc)
 
 
+def dashed_key() -> str:
+    """A random key that begins with `-`, as one in 64 of `secrets.token_urlsafe` does: the
+    documented line must start vLLM with it too (tests/audit/test_vllm_line.py)."""
+    return "-" + secrets.token_urlsafe(24)
+
+
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two generation replicas."""
     workdir = tmp_path_factory.mktemp("vllm")
-    yield from _start_all(workdir, secrets.token_urlsafe(24), [(), ()])
+    yield from _start_all(workdir, dashed_key(), [(), ()])
 
 
 POOLING_CONVERSIONS = ("embed", "classify")
@@ -237,7 +243,7 @@ def pooling_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     extras: list[tuple[str, ...]] = [
         ("--runner", "pooling", "--convert", c) for c in POOLING_CONVERSIONS
     ]
-    yield from _start_all(workdir, secrets.token_urlsafe(24), extras, first_index=2)
+    yield from _start_all(workdir, dashed_key(), extras, first_index=2)
 
 
 @pytest.fixture(scope="session")

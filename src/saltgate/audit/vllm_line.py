@@ -35,23 +35,22 @@ HOST = "--host"
 VLLM_SERVE: tuple[str, ...] = (
     "vllm", "serve", "$MODEL",
     HOST, "$HOST", "--port", "$PORT",
-    API_KEY, "$API_KEY",
+    f"{API_KEY}=$API_KEY",
     PREFIX_CACHING, HASH_ALGO, EXPECTED_HASH_ALGOS[0],
     PROMPT_TOKENS_DETAILS,
 )  # fmt: skip
 """`vllm serve` and saltgate's flags. $HOST is the replica's private address (never
 0.0.0.0: vLLM binds every interface by default), $API_KEY the secret in the gateway's
-`[[replicas]] api_key_file`."""
+`[[replicas]] api_key_file`, joined to its flag by `=`: a random key may begin with `-`,
+which `--api-key KEY` would take for another option and refuse to start."""
 
-_VARIABLE = re.compile(r"^\$([A-Z_]+)$")
+_VARIABLE = re.compile(r"\$([A-Z_]+)")
 
 
 def vllm_serve_argv(values: Mapping[str, str], executable: str = "vllm") -> list[str]:
     """The argv with every $VARIABLE filled in from ``values`` (all must be given)."""
-    names = [m.group(1) if (m := _VARIABLE.match(word)) else None for word in VLLM_SERVE]
-    missing = sorted({n for n in names if n is not None} - set(values))
+    missing = sorted({n for word in VLLM_SERVE for n in _VARIABLE.findall(word)} - set(values))
     if missing:
         raise KeyError(f"no value for {', '.join(missing)}")
-    filled = zip(VLLM_SERVE, names, strict=True)
-    argv = [word if name is None else values[name] for word, name in filled]
+    argv = [_VARIABLE.sub(lambda m: values[m.group(1)], word) for word in VLLM_SERVE]
     return [executable, *argv[1:]]
