@@ -92,7 +92,7 @@ services:
 # The whole suite on the compiled build, which deployments run and which alone shows what
 # compiling breaks; then all but the real-vLLM conformance tests and the install of the
 # built distributions into fresh environments, which .venv's build does not change
-# (they take ~6 of the compiled run's ~20 minutes; FAST_TESTS leaves them out), on the
+# (they take ~10 of the compiled run's ~22 minutes; FAST_TESTS leaves them out), on the
 # pure build, which development runs. In that order .venv ends editable. Each step
 # installs its build first (a sub-make, since the other build's install undoes it), and
 # the suite checks it runs the build it was told to (tests/architecture/test_builds.py).
