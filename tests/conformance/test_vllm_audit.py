@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from tests.conformance.fleet import MODEL_NAME, Fleet, Tenancy, gateway
 from saltgate.audit.deployment import Severity, run_deployment_audit
 from saltgate.audit.plan import Identity, TimingAuditConfig
 from saltgate.audit.stats import Verdict
-from saltgate.audit.timing import TimingReport, run_timing_audit
+from saltgate.audit.timing import CONTROL_FRACTION, TimingReport, run_timing_audit
 from saltgate.config import GatewayConfig, ReplicaConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -21,6 +22,24 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 # 16 blocks of 32 tokens; two primes at a time stay well inside the replicas' 160 blocks,
 # so a victim's prefix is still cached when the attacker probes it.
 PREFIX = (512,)
+
+# The audits sample in rounds until they decide, up to a cap; test_7's timeout is the time
+# both caps take beside two CPU hogs, so a busy machine makes the test slow, never red.
+BARE_ROUND, BARE_CAP = 80, 640
+GATEWAY_ROUND, GATEWAY_CAP = 250, 1500
+# Measured 2026-12-02 beside two hogs: 3,750 probes through saltgate in 1,898 s, each
+# after its victim's prime (docs/testing.md).
+SECONDS_PER_PROBE_BESIDE_HOGS = 0.51
+
+
+def probes_at_cap(cap: int) -> int:
+    """A deciding audit's probes at its cap: both arms of the attack and of its control."""
+    return 2 * (cap + math.ceil(cap * CONTROL_FRACTION))
+
+
+TEST_7_TIMEOUT_S = round(
+    1.3 * SECONDS_PER_PROBE_BESIDE_HOGS * (probes_at_cap(BARE_CAP) + probes_at_cap(GATEWAY_CAP))
+)
 
 
 async def audit(base_url: str, victim: Identity, attacker: Identity, **kw: int) -> TimingReport:
@@ -44,16 +63,20 @@ def summary(report: TimingReport) -> str:
     return json.dumps({k: v for k, v in doc.items() if k != "configurations"}, default=str)
 
 
+@pytest.mark.timeout(TEST_7_TIMEOUT_S)
 def test_7_audit_detects_unsalted_vllm_and_passes_saltgate(fleet: Fleet, tenancy: Tenancy) -> None:
-    """Over 30 s (about 6 minutes), and must be: a PASS needs the whole AUC interval under
-    0.55, which takes at least ~250 probes per arm through saltgate, one at a time so none
-    queues behind another, each a real prefill; plus the bare replica's audit."""
+    """Over 30 s (6 to 13 minutes, up to about 45 beside two hogs), and must be: a PASS
+    needs the whole AUC interval under 0.55, which takes 250 to 1,500 probes per arm through
+    saltgate, one at a time so none queues behind another, each a real prefill; plus the
+    bare replica's audit."""
     replica = fleet.replicas[0]
     # No salts, straight to vLLM (with its API key): the attacker sees the victim's hits.
     # The audit samples in rounds of 80 until its Bonferroni-corrected tests decide (a busy
     # machine blurs vLLM's 30-vs-80 ms hit/miss gap and needs more rounds), up to 640.
     key_only = Identity(api_key=fleet.api_key)
-    bare = asyncio.run(audit(replica.url, key_only, key_only, samples=80, max_samples=640))
+    bare = asyncio.run(
+        audit(replica.url, key_only, key_only, samples=BARE_ROUND, max_samples=BARE_CAP)
+    )
     attack = bare.configurations[0].attack
     assert bare.verdict is Verdict.LEAK, summary(bare)
     # And the hits are faster by the rank measure too: the bootstrap AUC interval, computed
@@ -68,8 +91,8 @@ def test_7_audit_detects_unsalted_vllm_and_passes_saltgate(fleet: Fleet, tenancy
                 url,
                 Identity(api_key=tenancy.keys["alice"]),
                 Identity(api_key=tenancy.keys["bob"]),
-                samples=250,
-                max_samples=1500,
+                samples=GATEWAY_ROUND,
+                max_samples=GATEWAY_CAP,
             )
 
     salted = asyncio.run(through_gateway())
