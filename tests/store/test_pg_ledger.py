@@ -19,6 +19,7 @@ from tests.support.postgres import new_database
 from tests.support.waiting import eventually
 
 from saltgate.bench.services import PostgresServer
+from saltgate.prices import PriceVersion
 from saltgate.store.ledger import LedgerError, UsageRecord, new_request_id
 from saltgate.store.pg_ledger import PgLedger
 from saltgate.store.postgres import PostgresDatabase, conninfo
@@ -249,6 +250,39 @@ def test_a_refused_record_is_set_aside_without_taking_good_ones_or_the_ledger_do
     [kept] = list(pg_store.spool_dir.glob("rejected-*.jsonl"))
     assert read_records(kept.read_bytes()) == ([bad], 0)
     assert oct(kept.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_database_that_connects_but_does_not_answer_starts_the_ledger_spooling(
+    pg_store: StoreSettings,
+) -> None:
+    """`start` promises spooling mode when the database does not answer: one that accepts
+    the connection and then holds the prices insert (a lock on the table) must not hold up
+    a gateway's start. Once the lock goes, the spooled record reaches PostgreSQL."""
+    PostgresDatabase(pg_store).close()
+    holder = psycopg.connect(conninfo(pg_store))  # a transaction: the lock lasts until rollback
+    try:
+        holder.execute("LOCK TABLE prices IN ACCESS EXCLUSIVE MODE")
+
+        async def run() -> PgLedger:
+            ledger = PgLedger(
+                pg_store,
+                prices=[PriceVersion.of_micro("m", 1, 1, 1)],
+                commit_timeout_s=0.5,
+                retry_interval_s=0.1,
+            )
+            await asyncio.wait_for(ledger.start(), 60)  # before the fix: waits for the lock
+            assert not ledger.healthy
+            await ledger.record(usage_record(0))
+            assert ledger.spooled == 1 and postgres_rows(pg_store) == []
+            await asyncio.to_thread(holder.rollback)
+            await eventually(lambda: ledger.healthy and not _spooled(pg_store), what="the replay")
+            await ledger.aclose()
+            return ledger
+
+        assert asyncio.run(run()).replayed == 1
+    finally:
+        holder.close()
+    assert postgres_rows(pg_store) == [tuple(usage_record(0))]
 
 
 def test_a_replay_cut_short_leaves_every_segment_claimable(pg_store: StoreSettings) -> None:

@@ -397,7 +397,12 @@ class PgLedger:
                 pool.connection(timeout=self.commit_timeout_s) as conn,
                 conn.cursor() as cursor,
             ):
-                await cursor.executemany(_PRICE_INSERT, price_rows(self.prices, time.time()))
+                # Bounded like every other statement here: a database that connects and
+                # then holds this insert (a lock on the table) must not hold up start.
+                await asyncio.wait_for(
+                    cursor.executemany(_PRICE_INSERT, price_rows(self.prices, time.time())),
+                    self.commit_timeout_s,
+                )
         except BaseException:
             await pool.close(timeout=0)
             raise
