@@ -1,9 +1,14 @@
-"""Fixtures shared across test packages (servers the project starts for its tests), and
-the check that the saltgate under test is this checkout's source (tests/support/builds.py)."""
+"""Fixtures shared across test packages (servers the project starts for its tests), the
+check that the saltgate under test is this checkout's source (tests/support/builds.py),
+and, for a failed test, what its PostgreSQL servers logged meanwhile."""
+
+from collections.abc import Generator
 
 import pytest
 from tests.support.builds import stale_install
 from tests.support.postgres import (
+    log_section,
+    note_log_sizes,
     pg_store,
     postgres_server,
     private_postgres,
@@ -18,3 +23,19 @@ def pytest_configure(config: pytest.Config) -> None:
     problem = stale_install()
     if problem is not None:
         raise pytest.UsageError(problem)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    note_log_sizes(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed and call.when != "teardown":
+        section = log_section(item)
+        if section:
+            report.sections.append(("PostgreSQL log during the test", section))
+    return report

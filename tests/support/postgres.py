@@ -5,6 +5,10 @@ cluster on a free loopback port, run as an unprivileged user, stopped at the end
 that needs it and cannot have it fails with the reason (ServiceError names what is
 missing and how to install it); it is never skipped. Tests that stop the server on
 purpose (outages) take a private one with `private_postgres`.
+
+A test that fails shows what these servers logged while it ran (`log_section`): a slow
+statement or a lock wait is named there with its time, which a client-side timeout alone
+cannot tell.
 """
 
 from __future__ import annotations
@@ -19,14 +23,52 @@ from saltgate.bench.services import PostgresServer
 from saltgate.store.settings import StoreSettings
 
 BACKENDS = ("sqlite", "postgresql")
+LOG_SECTION_CHARS = 8000
+
+# The servers whose logs a failing test shows, and each log's size when the test began.
+_SERVERS = pytest.StashKey[list[PostgresServer]]()
+_LOG_SIZES = pytest.StashKey[dict[Path, int]]()
 
 
-def _serving() -> Iterator[PostgresServer]:
+def _servers(config: pytest.Config) -> list[PostgresServer]:
+    return config.stash.setdefault(_SERVERS, [])
+
+
+def _log_size(server: PostgresServer) -> int:
+    try:
+        return server.log.stat().st_size
+    except OSError:
+        return 0
+
+
+def note_log_sizes(item: pytest.Item) -> None:
+    """At a test's start: where each server's log stands (a server started later: at 0)."""
+    item.stash[_LOG_SIZES] = {s.log: _log_size(s) for s in _servers(item.config)}
+
+
+def log_section(item: pytest.Item) -> str:
+    """What the servers logged since the test began, the end of it if long."""
+    sizes = item.stash.get(_LOG_SIZES, {})
+    parts = []
+    for server in _servers(item.config):
+        try:
+            with server.log.open("rb") as f:
+                f.seek(sizes.get(server.log, 0))
+                text = f.read().decode(errors="replace")
+        except OSError as exc:
+            text = f"(log unreadable: {exc.strerror})\n"
+        parts.append(f"--- {server.log} ---\n{text[-LOG_SECTION_CHARS:]}")
+    return "\n".join(parts)
+
+
+def _serving(config: pytest.Config) -> Iterator[PostgresServer]:
     server = PostgresServer()
+    _servers(config).append(server)
     try:
         server.start()
         yield server
     finally:
+        _servers(config).remove(server)
         server.destroy()
 
 
@@ -38,6 +80,7 @@ def postgres_server(pytestconfig: pytest.Config) -> PostgresServer:
     thousands of files). Beside two CPU hogs its removal took the last test past 120 s."""
     server = PostgresServer()
     pytestconfig.add_cleanup(server.destroy)  # also when start fails half-way
+    _servers(pytestconfig).append(server)
     server.start()
     return server
 
@@ -65,6 +108,6 @@ def store_settings(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSetti
 
 
 @pytest.fixture
-def private_postgres() -> Iterator[PostgresServer]:
+def private_postgres(pytestconfig: pytest.Config) -> Iterator[PostgresServer]:
     """A server for this test alone, which it may stop and start (outage tests)."""
-    yield from _serving()
+    yield from _serving(pytestconfig)

@@ -232,7 +232,8 @@ class PostgresServer:
     # -- internals ------------------------------------------------------------------------
 
     def _configure(self) -> None:
-        """Loopback only, our port, the socket in our directory, logs to our file."""
+        """Loopback only, our port, the socket in our directory, logs to our file; the log
+        names any statement that takes over a second or waits on a lock, with its time."""
         conf = self.data / "postgresql.auto.conf"
         settings = {
             "listen_addresses": "'127.0.0.1'",
@@ -241,6 +242,9 @@ class PostgresServer:
             "max_connections": str(self._max_connections),
             "fsync": "on" if self._fsync else "off",
             "logging_collector": "off",
+            "log_line_prefix": "'%m [%p] %q%d '",
+            "log_min_duration_statement": "1000",
+            "log_lock_waits": "on",
         }
         conf.write_text("".join(f"{k} = {v}\n" for k, v in settings.items()))
         if self._user is not None:
