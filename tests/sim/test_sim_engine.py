@@ -12,6 +12,7 @@ import pytest
 
 from saltgate.sim.blockpool import BlockPool
 from saltgate.sim.engine import Generation, ReplicaEngine, TimeModel
+from saltgate.sim.tokenizer import filler_pieces
 
 LONG, SHORT = 4000, 40  # tokens; at 1 ms per token the long prefill takes 4 s
 
@@ -145,3 +146,34 @@ def test_a_cancelled_request_leaves_the_queue_and_its_place() -> None:
         assert engine.num_running == 0
 
     asyncio.run(main())
+
+
+def test_the_inter_token_gaps_add_up_to_the_decode_steps_on_a_paused_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The process paused between the first token's time and its yield (a busy machine:
+    beside two CPU hogs this showed as a first gap of 0.2 ms at 5 ms per token) must not
+    shorten the first gap: the gaps of a request's n tokens add up to n - 1 steps. The
+    pause is longer than those steps, so measured from the yield they would add up to 0."""
+    pause_s, step_ms, tokens = 0.02, 5.0, 4
+
+    def paused_filler(n: int, seed: int) -> tuple[list[int], list[str]]:
+        time.sleep(pause_s)  # where the engine prepares its tokens, before the first yield
+        return filler_pieces(n, seed)
+
+    monkeypatch.setattr("saltgate.sim.engine.filler_pieces", paused_filler)
+    engine = ReplicaEngine(
+        pool=BlockPool(1024, 16, "sha256"),
+        time_model=TimeModel(decode_ms_per_token=step_ms),
+        max_concurrency=8,
+        max_model_len=32768,
+    )
+
+    async def main() -> None:
+        async for _ in engine.generate(_prompt(1, SHORT), tokens, None, Generation(SHORT)):
+            pass
+
+    asyncio.run(main())
+    itl = engine.metrics.histograms["inter_token_latency_seconds"]
+    assert itl.n == tokens - 1
+    assert itl.total >= (tokens - 1) * step_ms / 1000, itl.total  # the old code: about 0

@@ -282,19 +282,25 @@ class ReplicaEngine:
     async def _decode(
         self, request_id: str, prompt_len: int, max_tokens: int, gen: Generation, t0: float
     ) -> AsyncGenerator[str, None]:
-        """The output tokens, one per decode step from ``t0`` (the first token's time)."""
+        """The output tokens, one per decode step from ``t0`` (the first token's time).
+
+        The first inter-token gap starts at ``t0`` too, not at a second clock read: work
+        before the first yield (or the process paused there) must not shorten it, so a
+        request's gaps add up to at least its steps, as its time to first token assumes.
+        """
         tokens, pieces = filler_pieces(max_tokens, seed=prompt_len)
         step = self.time_model.decode_seconds
         previous = t0
         caching_output = True
         for i, piece in enumerate(pieces):
+            since_previous = None
             if i:
                 await sleep_until(t0 + i * step)
                 # The previous token's KV is computed now (the last one's never is).
                 caching_output = caching_output and self._cache_output(request_id, tokens[i - 1])
-            now = time.monotonic()
-            self.metrics.token(now - previous if i else None)
-            previous = now
+                now = time.monotonic()
+                since_previous, previous = now - previous, now
+            self.metrics.token(since_previous)
             gen.completion_tokens = i + 1
             gen.pieces.append(piece)
             yield piece
