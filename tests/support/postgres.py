@@ -47,7 +47,7 @@ def note_log_sizes(item: pytest.Item) -> None:
 
 
 def log_section(item: pytest.Item) -> str:
-    """What the servers logged since the test began, the end of it if long."""
+    """What the servers logged since the test began, the end of it if long ("" if nothing)."""
     sizes = item.stash.get(_LOG_SIZES, {})
     parts = []
     for server in _servers(item.config):
@@ -57,7 +57,8 @@ def log_section(item: pytest.Item) -> str:
                 text = f.read().decode(errors="replace")
         except OSError as exc:
             text = f"(log unreadable: {exc.strerror})\n"
-        parts.append(f"--- {server.log} ---\n{text[-LOG_SECTION_CHARS:]}")
+        if text:
+            parts.append(f"--- {server.log} ---\n{text[-LOG_SECTION_CHARS:]}")
     return "\n".join(parts)
 
 

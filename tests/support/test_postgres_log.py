@@ -37,3 +37,5 @@ def test_the_log_section_names_slow_statements_and_lock_waits_of_this_test_only(
     assert "during_the_test" in section and "duration:" in section
     assert "still waiting for RowExclusiveLock" in section and name in section
     assert "before_the_test" not in section
+    note_log_sizes(request.node)
+    assert log_section(request.node) == ""  # a test during which nothing was logged
