@@ -952,7 +952,13 @@ def _add_kv_relay(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--publish", help="where consumers subscribe, e.g. tcp://127.0.0.1:5600")
     p.add_argument("--replay", help="where consumers ask for replay, e.g. tcp://127.0.0.1:5601")
-    p.add_argument("--client-key", action="append", default=[], help="a consumer's public key")
+    p.add_argument(
+        "--client-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a consumer's public key, written --client-key=KEY (a Z85 key may begin with '-')",
+    )
     p.add_argument("--client-keys-file", help="consumers' public keys, one per line")
     p.add_argument("--replay-window", type=int, help="messages kept for replay")
     p.add_argument(

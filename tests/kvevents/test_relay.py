@@ -73,6 +73,13 @@ def client_keys() -> CurveKeyPair:
     return CurveKeyPair(public.decode(), secret.decode())
 
 
+def dashed_client_key() -> str:
+    """A consumer's public key beginning with '-', as about one random Z85 key in 82 does."""
+    while not (public := client_keys().public).startswith("-"):
+        pass
+    return public
+
+
 # ---------------------------------------------------------------------------- pure
 
 
@@ -607,7 +614,8 @@ def test_the_standalone_relay_refuses_plaintext_upstreams_off_loopback(
     key = tmp_path / "master.key"
     key.write_text("ab" * 32 + "\n")
     key.chmod(0o600)
-    common = ["kv-relay", "--master-key-file", str(key), "--client-key", client_keys().public]
+    dashed = dashed_client_key()
+    common = ["kv-relay", "--master-key-file", str(key), f"--client-key={dashed}"]
     common += ["--publish", "tcp://127.0.0.1:*", "--replay", "tcp://127.0.0.1:*"]
     assert main([*common, "--upstream", "tcp://10.0.0.5:5557,tcp://127.0.0.1:5558"]) == 2
     assert "--upstream tcp://10.0.0.5:5557: off loopback without CURVE" in capsys.readouterr().err
@@ -617,3 +625,17 @@ def test_the_standalone_relay_refuses_plaintext_upstreams_off_loopback(
     assert [u.endpoint for u in upstreams] == ["tcp://10.0.0.5:5557"]
     args = build_parser().parse_args([*common, "--upstream", "tcp://127.0.0.1:5557"])
     assert [u.endpoint for u in _kv_relay_from_args(args)[1]] == ["tcp://127.0.0.1:5557"]
+    assert args.client_key == [dashed]
+
+
+def test_a_client_key_beginning_with_a_dash_needs_the_equals_form(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """About one Z85 key in 82 begins with '-': as a word of its own argparse takes it for an
+    option, which is why the help and docs/kv-relay.md write --client-key=KEY."""
+    dashed = dashed_client_key()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["kv-relay", "--client-key", dashed])
+    assert "--client-key: expected one argument" in capsys.readouterr().err
+    args = build_parser().parse_args(["kv-relay", f"--client-key={dashed}"])
+    assert args.client_key == [dashed]
