@@ -145,13 +145,80 @@ def collapsed(kinds: list[str]) -> list[str]:
     return [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
 
 
+# vLLM sends the events that carry an Anthropic or Responses answer's text only for text it
+# has: when the tiny model's 3 tokens decode to nothing (special tokens, an unfinished UTF-8
+# sequence; one /v1/messages stream in 49 runs of test_8 on 2026-12-03), a /v1/messages
+# stream has no content block and a /v1/responses stream no output item (both skip empty
+# content: https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/anthropic/serving.py,
+# .../vllm/entrypoints/openai/responses/streaming_events.py). The simulator's answers always
+# have text.
+TEXT_EVENTS = frozenset(
+    {
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    }
+)
+
+
+def streams_vllm_may_send(sim_kinds: list[str]) -> list[list[str]]:
+    """The event kinds vLLM may send where the simulator sent `sim_kinds`, runs collapsed.
+
+    Besides the same: vLLM merges the deltas its HTTP layer has not taken yet
+    (`RequestOutputCollector`,
+    https://github.com/vllm-project/vllm/blob/main/vllm/v1/engine/output_processor.py), so
+    on a busy machine all of a short completion's tokens may come in its last chunk; and an
+    answer without text has none of the TEXT_EVENTS.
+    """
+    same = collapsed(sim_kinds)
+    all_merged = [k for k in same if k != "token"]
+    textless = [k for k in same if k not in TEXT_EVENTS]
+    return [same, all_merged, textless]
+
+
 def assert_same_stream(sim: list[tuple[str, Any]], real: list[tuple[str, Any]], what: str) -> None:
+    """The same events in the same order, each shaped alike (but see streams_vllm_may_send)."""
     sim_kinds, real_kinds = [k for k, _ in sim], [k for k, _ in real]
-    assert collapsed(sim_kinds) == collapsed(real_kinds), f"{what}: {sim_kinds} vs {real_kinds}"
+    expected = streams_vllm_may_send(sim_kinds)
+    assert collapsed(real_kinds) in expected, f"{what}: {sim_kinds} vs {real_kinds}"
     first_of = {k: d for k, d in reversed(real)}
     for kind, data in sim:
-        if kind != "[DONE]":
+        if kind != "[DONE]" and kind in first_of:
             assert_same_shape(data, first_of[kind], f"{what} {kind}")
+
+
+def test_vllm_may_merge_deltas_and_leave_out_empty_text_and_nothing_more() -> None:
+    token = {"choices": [{"text": "a", "finish_reason": None}]}
+    last = {"choices": [{"text": "b", "finish_reason": "length"}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 1}}
+    sim = [("token", token), ("token", token), ("last", last), ("usage", usage), ("[DONE]", "")]
+    done = [("usage", usage), ("[DONE]", "")]
+    assert_same_stream(sim, [("token", token), ("last", last), *done], "unmerged")
+    assert_same_stream(sim, [("last", last), *done], "merged")  # CI, Dec 3, at 3ec63e8
+    with pytest.raises(AssertionError, match="vs"):
+        assert_same_stream(sim, [("last", last), ("[DONE]", "")], "no usage")
+    with pytest.raises(AssertionError, match="vs"):
+        assert_same_stream(sim[2:], [("token", token), ("last", last), *done], "no sim deltas")
+    with pytest.raises(AssertionError, match="last"):
+        assert_same_stream(sim, [("last", {"choices": [{"text": "b"}]}), *done], "a last apart")
+
+    def events(*kinds: str) -> list[tuple[str, Any]]:
+        return [(kind, {"type": kind}) for kind in kinds]
+
+    ends = ("message_delta", "message_stop")
+    block = ("content_block_start", "content_block_delta", "content_block_stop")
+    answer = events("message_start", *block, *ends)
+    assert_same_stream(answer, events("message_start", *ends), "no text")  # Dec 3, 1 in 50
+    with pytest.raises(AssertionError, match="vs"):
+        assert_same_stream(answer, events("message_start", *block[::2], *ends), "half a block")
+    with pytest.raises(AssertionError, match="vs"):
+        assert_same_stream(events("message_start", *ends), answer, "simulated without text")
 
 
 # ------------------------------------------------------------------------------ generation
