@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import multiprocessing
 import re
 import sqlite3
 import stat
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.store.open_db_child import open_each_when_all_are_ready
 from tests.support.leaks import leaks
 from tests.support.waiting import eventually_blocking
 
@@ -78,6 +80,33 @@ def test_db_file_private_and_versioned(tmp_path: Path) -> None:
     # Reopening keeps the data (no re-migration).
     with TenantStore.from_state_dir(tmp_path / "state") as store:
         assert [t.name for t in store.list_tenants()] == ["acme"]
+
+
+def test_processes_opening_a_new_database_at_once_all_open_it(tmp_path: Path) -> None:
+    """Four processes open each of 20 new databases together, as the workers of `saltgate
+    serve --workers N` open a new state directory: every open succeeds. (Putting a new file
+    in WAL mode fails at once for all but one of them when nobody waits; before
+    store/sqlite.py waited, about half of these rounds lost an open.)"""
+    processes, rounds = 4, 20
+    paths = [tmp_path / f"saltgate-{i}.db" for i in range(rounds)]
+    errors = tmp_path / "errors.txt"
+    spawn = multiprocessing.get_context("spawn")
+    ready = spawn.Barrier(processes)
+    openers = [
+        spawn.Process(target=open_each_when_all_are_ready, args=(paths, ready, errors))
+        for _ in range(processes)
+    ]
+    for opener in openers:
+        opener.start()
+    for opener in openers:
+        opener.join(timeout=120)
+    assert [opener.exitcode for opener in openers] == [0] * processes
+    assert not errors.exists(), errors.read_text()
+    for path in paths:
+        conn = sqlite3.connect(path)
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        conn.close()
 
 
 def test_an_older_schema_migrates_and_keeps_its_rows(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def open_db(path: str | os.PathLike[str], *, check_same_thread: bool = True) -> 
         p, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=check_same_thread
     )
     try:
-        conn.execute("PRAGMA journal_mode=WAL")
+        _use_wal(conn)
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
         migrate(conn)
@@ -54,6 +54,29 @@ def open_db(path: str | os.PathLike[str], *, check_same_thread: bool = True) -> 
         conn.close()
         raise
     return conn
+
+
+def _use_wal(conn: sqlite3.Connection) -> None:
+    """Put the file in WAL mode, waiting (up to the busy timeout) for others converting it.
+
+    The conversion needs the file alone, and while another connection holds it SQLite
+    refuses at once with "database is locked" instead of running the busy handler: the
+    workers of `saltgate serve --workers N` opening a new state directory together could
+    lose one of them. WAL is a property of the file: once one has converted it, the
+    others find it done.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    pause = 0.001
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
+            if not busy or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 def migrate(conn: sqlite3.Connection) -> None:
