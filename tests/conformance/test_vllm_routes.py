@@ -147,11 +147,11 @@ def collapsed(kinds: list[str]) -> list[str]:
 
 # vLLM sends the events that carry an Anthropic or Responses answer's text only for text it
 # has: when the tiny model's 3 tokens decode to nothing (special tokens, an unfinished UTF-8
-# sequence; one /v1/messages stream in 49 runs of test_8 on 2026-12-03), a /v1/messages
+# sequence; one /v1/messages stream in 50 runs of test_8 on 2026-12-03), a /v1/messages
 # stream has no content block and a /v1/responses stream no output item (both skip empty
 # content: https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/anthropic/serving.py,
-# .../vllm/entrypoints/openai/responses/streaming_events.py). The simulator's answers always
-# have text.
+# https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/openai/responses/streaming_events.py).
+# The simulator's answers always have text.
 TEXT_EVENTS = frozenset(
     {
         "content_block_start",
