@@ -42,6 +42,17 @@ def prompt(seed: str) -> str:
     return long_prompt(seed, words=800)  # over the 4096-byte floor: it gets a route key
 
 
+async def fresh_keys_reach(s: Stack, client: httpx.AsyncClient, replica: int) -> bool:
+    """Whether new route keys reach `replica`: fresh prompts until one lands there, at most
+    100. Each key's replica is a draw keyed by the run's random master key (1 in 3 here), so
+    a fixed two dozen would miss a member in 1 run of 17,000; 100 miss it by chance in
+    under 1 of 10^17."""
+    for i in range(100):
+        if (await send(s, client, prompt(f"fresh{i}_")))[0] == replica:
+            return True
+    return False
+
+
 async def kill(tap: Tap) -> None:
     """Stop a replica's front: no new connections, and kept-alive ones closed once idle
     (HttpServer.close leaves a connection that is mid-request, e.g. a probe, open)."""
@@ -157,8 +168,7 @@ def test_a_killed_replica_is_skipped_before_the_first_byte_and_rejoins_after_its
             _, hits = await send(s, alice, texts[0])
             assert hits > 0
             # ... and the replica is a member again: new keys ranked to it go to it.
-            fresh = [(await send(s, alice, prompt(f"fresh{i}_")))[0] for i in range(24)]
-            assert victim in fresh
+            assert await fresh_keys_reach(s, alice, victim)
 
     run(main)
 
@@ -237,8 +247,7 @@ def test_reload_removes_and_adds_replicas_without_a_restart(tmp_path: Path) -> N
             running.reload(full)
             _, hits = await send(s, alice, texts[0])
             assert hits > 0  # the moved keys stay with their fresh cache (prefix affinity)
-            fresh = [(await send(s, alice, prompt(f"fresh{i}_")))[0] for i in range(24)]
-            assert gone in fresh  # and the re-added replica takes new keys again
+            assert await fresh_keys_reach(s, alice, gone)  # the re-added one takes new keys
 
     run(main)
 
@@ -316,8 +325,11 @@ def test_no_response_or_error_names_the_replica(tmp_path: Path) -> None:
             )
             assert resp.status_code == 503
             assert resp.json()["error"]["code"] == "no_replica"
+            # The x-request-id is the gateway's random hex, where a 5-digit port number
+            # turns up by chance in about 1 run of 15,000: not a header that names anything.
+            headers = str({k: v for k, v in resp.headers.items() if k != "x-request-id"})
             for tap in s.taps:
-                assert str(tap.port) not in resp.text and str(tap.port) not in str(resp.headers)
+                assert str(tap.port) not in resp.text and str(tap.port) not in headers
             assert "127.0.0.1" not in resp.text
 
     run(main)
