@@ -27,6 +27,15 @@ SIM = SimConfig(port=0, prefill_ms_per_1k_tokens=200.0, decode_ms_per_token=0.1)
 SLOW_SIM = SimConfig(port=0, prefill_ms_per_1k_tokens=500.0, decode_ms_per_token=0.1)
 SECRET = "victim-user-cache-secret-0001"
 
+# The tests that expect a PASS run thousands of times, where the operator's defaults
+# (alpha 1e-3, cap 1,500 per arm) would fail about 1 run in 600 with nothing leaking: a
+# chance LEAK (alpha) or an interval still over 0.55 at the cap. Over 50,000 simulated
+# audits of two arms drawn alike (tests/audit/bench_pass_rate.py, docs/testing.md), these
+# settings gave no such failure. A PASS still needs the whole AUC interval under 0.55, and
+# any leak whose rank test the default alpha flags within 1,500 per arm keeps it above.
+PASS_SETTINGS: dict[str, object] = {"alpha": 1e-6, "max_samples": 3000}
+PASS_TIMEOUT_S = 240  # the cap took 100 to 106 s beside two CPU hogs
+
 
 async def audit(base_url: str, victim: Identity, attacker: Identity, **kw: object) -> TimingReport:
     settings: dict[str, object] = {
@@ -89,17 +98,19 @@ def test_gateway_with_salting_switched_off_leaks_across_tenants(tmp_path: Path) 
     run(body)
 
 
+@pytest.mark.timeout(PASS_TIMEOUT_S)
 def test_saltgate_passes_across_tenants_on_a_shared_replica(tmp_path: Path) -> None:
-    """Up to about 45 s, and must be: a PASS needs the AUC interval's upper bound under
-    0.55, which takes 250 to 1,500 probes per arm in rounds of 250. At the cap the audit
-    took 42 to 45 s beside two CPU hogs (docs/testing.md), inside the suite's 120-s timeout.
+    """Up to about 100 s, and must be: a PASS needs the AUC interval's upper bound under
+    0.55, which takes 250 to 3,000 probes per arm in rounds of 250 (PASS_SETTINGS). Most
+    runs decide in one or two rounds; at the cap the audit took 100 to 106 s beside two
+    CPU hogs (docs/testing.md).
     """
 
     async def body() -> None:
         async with stack(tmp_path, replicas=1, sim=SIM) as s:
             victim = Identity(s.keys["alice"])
             attacker = apply_preset("other-tenant", victim, Identity(s.keys["bob"]))
-            report = await audit(s.url, victim, attacker, preset="other-tenant")
+            report = await audit(s.url, victim, attacker, preset="other-tenant", **PASS_SETTINGS)
         result = report.configurations[0]
         assert report.verdict is Verdict.PASS, describe(report)
         assert result.attack is not None and result.attack.auc_high <= 0.55
@@ -110,17 +121,20 @@ def test_saltgate_passes_across_tenants_on_a_shared_replica(tmp_path: Path) -> N
     run(body)
 
 
+@pytest.mark.timeout(PASS_TIMEOUT_S)
 def test_saltgate_passes_the_operator_probe_in_client_keyed_mode(tmp_path: Path) -> None:
     """The operator holds alice's API key but not her user_cache_secret.
 
-    Up to about 45 s, for the reason the test above gives: the same audit, the same cap.
+    Up to about 100 s, for the reason the test above gives: the same audit, the same cap.
     """
 
     async def body() -> None:
         async with stack(tmp_path, replicas=1, sim=SIM) as s:
             victim = Identity(s.keys["alice"], SECRET)
             attacker = apply_preset("operator", victim, Identity())
-            report = await audit(s.url, victim, attacker, preset="operator", model=MODEL)
+            report = await audit(
+                s.url, victim, attacker, preset="operator", model=MODEL, **PASS_SETTINGS
+            )
         assert report.verdict is Verdict.PASS, describe(report)
         control = report.configurations[0].control
         assert control is not None and control.p_min < 1e-8  # alice + secret sees her hits

@@ -26,7 +26,11 @@ PREFIX = (512,)
 # The audits sample in rounds until they decide, up to a cap; test_7's timeout is the time
 # both caps take beside two CPU hogs, so a busy machine makes the test slow, never red.
 BARE_ROUND, BARE_CAP = 80, 640
-GATEWAY_ROUND, GATEWAY_CAP = 250, 1500
+# Through saltgate a PASS is expected: alpha and cap as PASS_SETTINGS in
+# tests/audit/test_audit_timing.py explains, but a cap of 2,250, where 50,000 simulated
+# audits of arms drawn alike all passed (docs/testing.md); 3,000 would add half an hour to
+# the rare run that reaches it.
+GATEWAY_ROUND, GATEWAY_CAP, GATEWAY_ALPHA = 250, 2250, 1e-6
 # Measured 2026-12-02 beside two hogs: 3,750 probes through saltgate in 1,898 s, each
 # after its victim's prime (docs/testing.md).
 SECONDS_PER_PROBE_BESIDE_HOGS = 0.51
@@ -42,7 +46,7 @@ TEST_7_TIMEOUT_S = round(
 )
 
 
-async def audit(base_url: str, victim: Identity, attacker: Identity, **kw: int) -> TimingReport:
+async def audit(base_url: str, victim: Identity, attacker: Identity, **kw: float) -> TimingReport:
     config = TimingAuditConfig(
         base_url,
         victim,
@@ -65,10 +69,10 @@ def summary(report: TimingReport) -> str:
 
 @pytest.mark.timeout(TEST_7_TIMEOUT_S)
 def test_7_audit_detects_unsalted_vllm_and_passes_saltgate(fleet: Fleet, tenancy: Tenancy) -> None:
-    """Over 30 s (6 to 13 minutes, up to about 45 beside two hogs), and must be: a PASS
-    needs the whole AUC interval under 0.55, which takes 250 to 1,500 probes per arm through
-    saltgate, one at a time so none queues behind another, each a real prefill; plus the
-    bare replica's audit."""
+    """Over 30 s (6 to 13 minutes; at both caps beside two hogs about an hour), and must
+    be: a PASS needs the whole AUC interval under 0.55, which takes 250 to 2,250 probes per
+    arm through saltgate, one at a time so none queues behind another, each a real prefill;
+    plus the bare replica's audit."""
     replica = fleet.replicas[0]
     # No salts, straight to vLLM (with its API key): the attacker sees the victim's hits.
     # The audit samples in rounds of 80 until its Bonferroni-corrected tests decide (a busy
@@ -93,6 +97,7 @@ def test_7_audit_detects_unsalted_vllm_and_passes_saltgate(fleet: Fleet, tenancy
                 Identity(api_key=tenancy.keys["bob"]),
                 samples=GATEWAY_ROUND,
                 max_samples=GATEWAY_CAP,
+                alpha=GATEWAY_ALPHA,
             )
 
     salted = asyncio.run(through_gateway())
