@@ -85,8 +85,8 @@ def test_db_file_private_and_versioned(tmp_path: Path) -> None:
 def test_processes_opening_a_new_database_at_once_all_open_it(tmp_path: Path) -> None:
     """Four processes open each of 20 new databases together, as the workers of `saltgate
     serve --workers N` open a new state directory: every open succeeds. (Putting a new file
-    in WAL mode fails at once for all but one of them when nobody waits; before
-    store/sqlite.py waited, about half of these rounds lost an open.)"""
+    in WAL mode fails at once, unless someone waits, for each that tries while another
+    holds the file; before store/sqlite.py waited, about half of these rounds lost an open.)"""
     processes, rounds = 4, 20
     paths = [tmp_path / f"saltgate-{i}.db" for i in range(rounds)]
     errors = tmp_path / "errors.txt"
