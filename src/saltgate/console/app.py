@@ -882,7 +882,7 @@ class Console:
         rows = [
             (
                 esc(e.get("id")),
-                esc(when(e.get("created_at") or e.get("ts"))),
+                esc(when(e.get("effective_at"))),
                 esc(e.get("actor") or e.get("actor_id")),
                 esc(e.get("action") or e.get("type")),
                 esc(e.get("resource_id")),
