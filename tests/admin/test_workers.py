@@ -4,6 +4,7 @@ through it bills in every worker."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from tests.gateway.stack import MODEL, run
@@ -16,6 +17,9 @@ from saltgate.prices import Price, PriceVersion
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore
+
+WORKERS = 2  # admin_supervisor's
+ROUND = 4  # requests at once: least-connections spreads them over both workers
 
 
 def test_the_supervisor_serves_the_admin_api_on_postgresql(
@@ -42,8 +46,10 @@ def test_every_worker_bills_with_a_price_set_over_the_api(
     tmp_path: Path, pg_store: StoreSettings
 ) -> None:
     """`--workers 2` on PostgreSQL: each worker's key snapshot hears of the price
-    (NOTIFY); once one request is billed with it, a run of requests, each on a new
-    connection so they spread over the workers, are all billed with it too."""
+    (NOTIFY). Rounds of requests at once, each on a connection of its own, go until one
+    round was served by both workers (their request counters say which served how many)
+    and billed with the new price throughout: a worker that kept the old price spoils
+    every round it serves, so it can never pass."""
     new = PriceVersion.of(MODEL, Price(1.5, 0.15, 6.0))
     prices = f'[prices."{MODEL}"]\ninput = 1.0\ncached_input = 0.1\noutput = 2.0\n'
 
@@ -63,15 +69,28 @@ def test_every_worker_bills_with_a_price_set_over_the_api(
                 body["output_per_mtok"] = 6
                 r = await c.put(f"/admin/v1/prices/{MODEL}", json=body)
                 assert r.status_code == 200 and r.json()["version"] == new.version, r.text
-            streak = 0
+            rounds: list[tuple[list[str], dict[int, float]]] = []
 
-            async def twelve_in_a_row() -> bool:
-                nonlocal streak
-                billed = await _billed(gateway.url, key, pg_store)
-                streak = streak + 1 if billed == new.version else 0
-                return streak >= 12
+            async def both_workers_bill_anew() -> bool:
+                before = await gateway.served_per_worker()
+                billed = await asyncio.gather(
+                    *(_billed(gateway.url, key, pg_store) for _ in range(ROUND))
+                )
+                after = await gateway.served_per_worker()
+                served = {i: after[i] - before.get(i, 0.0) for i in after}
+                # The counters count these requests and nothing else: which worker served
+                # each is known exactly, not guessed.
+                assert sum(served.values()) == ROUND, served
+                rounds.append((billed, served))
+                return set(billed) == {new.version} and all(served[i] for i in range(WORKERS))
 
-            await eventually(twelve_in_a_row, timeout_s=20, what="every worker bills anew")
+            try:
+                await eventually(
+                    both_workers_bill_anew, timeout_s=20, what="a round of both, billed anew"
+                )
+            except AssertionError as failed:
+                last = rounds[-3:]
+                raise AssertionError(f"{failed}; {len(rounds)} rounds, the last: {last}") from None
 
     run(go)
 

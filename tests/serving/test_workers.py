@@ -16,7 +16,6 @@ import asyncio
 import functools
 import os
 import random
-import re
 import signal
 import subprocess
 import time
@@ -32,7 +31,13 @@ import httpx
 import orjson
 from tests.gateway.stack import MODEL, Tap, run
 from tests.routing.test_routing_gateway import kill
-from tests.support.gateways import SALTGATE, GatewayProcess, write_gateway_config
+from tests.support.gateways import (
+    SALTGATE,
+    GatewayProcess,
+    per_worker,
+    series,
+    write_gateway_config,
+)
 from tests.support.http import async_client
 from tests.support.leaks import leaks
 from tests.support.waiting import eventually
@@ -82,21 +87,6 @@ def gone(pid: int) -> bool:
         return state == "Z" and os.listdir(f"/proc/{pid}/task") == [str(pid)]
     except OSError:
         return True
-
-
-def series(text: str) -> dict[str, float]:
-    """`name{labels}` -> value, from the Prometheus text."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-def per_worker(values: dict[str, float], name: str) -> dict[int, float]:
-    pattern = re.compile(re.escape(name) + r'\{worker="(\d+)"\}')
-    return {int(m[1]): v for k, v in values.items() if (m := pattern.fullmatch(k))}
 
 
 @dataclass

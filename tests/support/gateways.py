@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,6 +13,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+from tests.support.http import async_client
 
 from saltgate.admin.scopes import SCOPES
 from saltgate.config import create_master_key
@@ -119,10 +122,31 @@ class GatewayProcess:
             if "metrics on" in line:
                 return cls(proc, url, line.split()[3], log)
 
+    async def served_per_worker(self) -> dict[int, float]:
+        """The requests each worker has answered so far (saltgate_worker_requests_total)."""
+        async with async_client(timeout=10) as http:
+            text = (await http.get(self.metrics_url)).text
+        return per_worker(series(text), "saltgate_worker_requests_total")
+
     async def stop(self) -> None:
         if self.proc.returncode is None:
             self.proc.terminate()
             await asyncio.wait_for(self.proc.wait(), 30)
+
+
+def series(text: str) -> dict[str, float]:
+    """`name{labels}` -> value, from the Prometheus text."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def per_worker(values: dict[str, float], name: str) -> dict[int, float]:
+    pattern = re.compile(re.escape(name) + r'\{worker="(\d+)"\}')
+    return {int(m[1]): v for k, v in values.items() if (m := pattern.fullmatch(k))}
 
 
 class AdminGateway(NamedTuple):
