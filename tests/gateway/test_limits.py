@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 from tests.gateway.stack import MODEL, Stack, new_state_dir, run, stack
-from tests.support.gateways import GatewayProcess, write_gateway_config
+from tests.support.gateways import GatewayProcess, per_worker, series, write_gateway_config
 from tests.support.http import async_client
 from tests.support.waiting import eventually
 
@@ -32,6 +32,10 @@ async def limit(s: Stack, tenant: str, limits: Limits | None) -> None:
         return principal is not None and principal.limits == limits
 
     await eventually(arrived, what="the limits reach the gateway")
+
+
+CONTEXT = 256  # the replica's max_model_len where a test clamps the output with it
+LONG_PROMPT = "hello there " * 90
 
 
 def completion(max_tokens: int = 2, **extra: Any) -> dict[str, Any]:
@@ -108,7 +112,9 @@ def test_anthropic_messages_429_and_headers(tmp_path: Any) -> None:
             doc = refused.json()
             assert doc["type"] == "error" and doc["error"]["type"] == "rate_limit_error"
             assert "Limit 1, Used 1, Requested 1" in doc["error"]["message"]
-            assert int(refused.headers["retry-after"]) >= 1
+            wait_ms = int(refused.headers["retry-after-ms"])  # the minute from the first
+            assert 55_000 < wait_ms <= 60_000
+            assert int(refused.headers["retry-after"]) == -(-wait_ms // 1000)
 
     run(main)
 
@@ -131,20 +137,27 @@ def test_spent_budget_is_insufficient_quota_without_retry(tmp_path: Any) -> None
 
 
 def test_reservations_return_when_requests_end(tmp_path: Any) -> None:
-    """A request reserving 100 output tokens that uses 2 gives 98 back; a stream whose
-    client leaves, and one that fails, free their concurrency lease."""
+    """A request reserving 100 output tokens that uses fewer (the replica's context
+    clamps its output) gives the rest back, exactly; a stream whose client leaves, and
+    one that fails, free their concurrency lease."""
 
     async def main() -> None:
-        sim = SimConfig(port=0, decode_ms_per_token=20.0)
+        sim = SimConfig(port=0, decode_ms_per_token=20.0, max_model_len=CONTEXT)
         async with stack(tmp_path, replicas=1, sim=sim) as s, s.client("alice") as c:
             await limit(s, "alice", Limits(output_tpm=150, concurrency=1))
-            first = await c.post("/v1/completions", json=completion(100))
-            assert first.status_code == 200
-            assert first.json()["usage"]["completion_tokens"] <= 100
-            used = first.json()["usage"]["completion_tokens"]
-            # Only possible if the unused part came back: 150 - 100 < 140.
-            second = await c.post("/v1/completions", json=completion(150 - used))
-            assert second.status_code == 200, second.text
+            # A prompt of about 180 tokens leaves room for about 76 of the 100 reserved.
+            first = await c.post("/v1/completions", json=completion(100, prompt=LONG_PROMPT))
+            assert first.status_code == 200, first.text
+            usage = first.json()["usage"]
+            used = usage["completion_tokens"]
+            assert usage["prompt_tokens"] + used == CONTEXT and used < 100, usage
+            # Counted as `used`: one token more than the rest of the limit is refused,
+            # the rest exactly is admitted (with nothing returned, 100 + it > 150).
+            over = await c.post("/v1/completions", json=completion(150 - used + 1))
+            assert over.status_code == 429, over.text
+            assert "output tokens per min" in over.json()["error"]["message"], over.text
+            rest = await c.post("/v1/completions", json=completion(150 - used))
+            assert rest.status_code == 200, rest.text
 
             await limit(s, "alice", Limits(concurrency=1))
             stream = completion(200, stream=True)
@@ -219,13 +232,14 @@ def test_serve_with_two_workers_enforces_half_in_each(tmp_path: Path) -> None:
             refused = [r for r in answers if r.status_code == 429]
             assert refused and all("Limit 3, Used 3" in r.text for r in refused)
             metrics = (await clients[0].get(gateway.metrics_url)).text
-            assert re.search(r'saltgate_limits_share\{worker="[^"]+"\} 2\.0', metrics), metrics
+            assert per_worker(series(metrics), "saltgate_limits_share") == {0: 2.0, 1: 2.0}
         finally:
             for c in clients:
                 await c.aclose()
             await gateway.stop()
             await sim.close()
-        assert "each enforces 1/2 of every tenant's and key's limit" in gateway.log.read_text()
+        said = gateway.log.read_text().count("each enforces 1/2 of every tenant's and key's limit")
+        assert said == 2  # once by each worker
 
     run(main)
 
