@@ -10,10 +10,12 @@ import pytest
 from saltgate.cli import main
 from saltgate.governance.limits import Limits
 from saltgate.prices import Price, PriceVersion
+from saltgate.store.admin_tokens import AdminTokens
 from saltgate.store.audit import verify_chain
 from saltgate.store.backends import open_database
 from saltgate.store.db import Database
 from saltgate.store.ledger import (
+    KEY_USE_UPSERT,
     PRICE_INSERT,
     USAGE_INSERT,
     UsageRecord,
@@ -28,10 +30,13 @@ from saltgate.store.lifecycle import (
 )
 from saltgate.store.model_prices import MODEL_PRICES_SQL, PriceStore
 from saltgate.store.settings import StoreSettings
-from saltgate.store.tenants import LIVE_KEYS_SQL, KeySnapshot, TenantStore
+from saltgate.store.tenants import LIVE_KEYS_SQL, KeySnapshot, TenantStore, last_used
 
 USAGE_SQL = f"SELECT {', '.join(UsageRecord._fields)} FROM usage"
 PRICES_SQL = "SELECT * FROM prices"
+SMALL_SQL = tuple(
+    f"SELECT * FROM {table}" for table in ("tenants", "api_keys", "admin_tokens", "key_last_used")
+)
 _DAY = 86400.0
 JAN_2021 = 1609459200.0  # 2021-01-01T00:00:00Z
 
@@ -74,6 +79,12 @@ def _records(n: int, ts: float, tenant_id: str, key_id: str) -> list[UsageRecord
     return recs
 
 
+def _admin(db: Database, token: str) -> str | None:
+    """The id of the admin token `token` signs in as against `db`; None: refused."""
+    info = AdminTokens(db).authenticate(token)
+    return None if info is None else info.id
+
+
 def _authenticates(db: Database, key: str) -> tuple[str, int, str] | None:
     """(tenant id, epoch, priority band) the gateway's key snapshot of `db` gives `key`."""
     principal = KeySnapshot(db.query(LIVE_KEYS_SQL)).lookup(key)
@@ -98,6 +109,13 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     tenants.set_limits("acme", Limits(rpm=60, budget_micro_usd=5, budget_period_s=86400))
     tenants.set_key_limits(acme_key_id, Limits(concurrency=2))
     _, batch_key = tenants.create_key("acme", "batch")
+    tokens = AdminTokens(src)
+    token_id, token = tokens.create(["usage:read"])
+    assert tokens.authenticate(token) is not None  # its last use, to be copied too
+    gone_id, gone_token = tokens.create(["tenants:read"])
+    tokens.revoke(gone_id)
+    late_token_id, late_token = tokens.create(["audit_log:read"])  # revoked between passes
+    src.execute(KEY_USE_UPSERT, (acme_key_id, 1500.0))
     price = PriceVersion.of("m", Price(1.0, 0.5, 2.0))
     src.execute_many(PRICE_INSERT, price_rows([price], 1.0))
     PriceStore(src).set("m", Price(2.0, 0.2, 4.0))  # over the config's, with its version
@@ -121,15 +139,15 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
         "api_keys": ["4", "4"],
         "prices": ["2", "2"],
         "model_prices": ["1", "1"],
-        "admin_tokens": ["0", "0"],
+        "admin_tokens": ["3", "3"],
         "audit_log": [audited, audited],
-        "key_last_used": ["0", "0"],
+        "key_last_used": ["1", "1"],
         "usage": ["13", "13"],
     }
     assert "verified" in out
 
     dst = open_database(pg_store)
-    for sql in ("SELECT * FROM tenants", "SELECT * FROM api_keys", "SELECT * FROM audit_log"):
+    for sql in (*SMALL_SQL, "SELECT * FROM audit_log"):
         assert _rows(dst, sql) == _rows(src, sql)
     assert verify_chain(dst).checked == int(audited) > 0  # the chain moved intact
     assert TenantStore(dst).get_tenant("acme").limits == Limits(
@@ -147,6 +165,10 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert _authenticates(dst, batch_key) == (acme.id, 0, "batch")
     assert _authenticates(dst, late_key) == (beta.id, 1, "interactive")
     assert _authenticates(dst, revoked_key) is None
+    # So do admin tokens, hashed: the live one signs in there, the revoked one does not.
+    assert _admin(dst, token) == token_id
+    assert _admin(dst, late_token) == late_token_id
+    assert _admin(dst, gone_token) is None
 
     # Again into the now filled store: refused, and nothing changes.
     code, out, err = _saltgate(capsys, "store", "copy", "--from", source.url, *to)
@@ -158,6 +180,8 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     new = _records(5, 2000.0, beta.id, late_id)
     src.execute_many(USAGE_INSERT, new)
     tenants.revoke_key(late_id)
+    tokens.revoke(late_token_id)
+    src.execute(KEY_USE_UPSERT, (acme_key_id, 2500.0))
     tenants.rotate_salt("acme")
     tenants.set_limits("acme", None)
     PriceStore(src).set("m", Price(3.0, 0.3, 6.0))
@@ -171,6 +195,8 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert set(new) <= _rows(dst, USAGE_SQL)
     assert _authenticates(dst, late_key) is None
     assert _authenticates(dst, acme_key) == (acme.id, 1, "interactive")
+    assert _admin(dst, late_token) is None
+    assert last_used(dst, [acme_key_id]) == {acme_key_id: 2500.0}
     assert TenantStore(dst).get_tenant("acme").limits is None
 
     # And back: PostgreSQL to a new SQLite file, the same rows.
@@ -182,6 +208,9 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     round_trip = open_database(back)
     assert _rows(round_trip, USAGE_SQL) == _rows(dst, USAGE_SQL)
     assert _rows(round_trip, MODEL_PRICES_SQL) == _rows(dst, MODEL_PRICES_SQL)
+    for sql in SMALL_SQL:
+        assert _rows(round_trip, sql) == _rows(dst, sql)
+    assert _admin(round_trip, token) == token_id
     assert _authenticates(round_trip, acme_key) == (acme.id, 1, "interactive")
     assert _authenticates(round_trip, batch_key) == (acme.id, 1, "batch")
     for db in (src, dst, round_trip):
