@@ -29,17 +29,22 @@ def _series() -> list:  # type: ignore[type-arg]
     return [first, second, third._replace(key_id="key_0", request_id="req-x")]
 
 
+async def _ledger(settings: StoreSettings, key_use_interval_s: float) -> Ledger | PgLedger:
+    """The ledger a gateway opens on `settings`' backend, started."""
+    if settings.backend == "sqlite":
+        assert settings.sqlite_path is not None
+        return Ledger(settings.sqlite_path, key_use_interval_s=key_use_interval_s)
+    open_database(settings).close()  # migrated, as a gateway's start does
+    ledger = PgLedger(settings, key_use_interval_s=key_use_interval_s)
+    await ledger.start()
+    return ledger
+
+
 def test_last_use_is_written_after_the_interval_and_at_close(
     store_settings: StoreSettings,
 ) -> None:
     async def run() -> None:
-        if store_settings.backend == "sqlite":
-            assert store_settings.sqlite_path is not None
-            ledger: Ledger | PgLedger = Ledger(store_settings.sqlite_path, key_use_interval_s=0.05)
-        else:
-            open_database(store_settings).close()  # migrated, as a gateway's start does
-            ledger = PgLedger(store_settings, key_use_interval_s=0.05)
-            await ledger.start()
+        ledger = await _ledger(store_settings, key_use_interval_s=0.05)
         first, second, third = _series()
         await ledger.record(first)
         await ledger.record(second)
@@ -51,7 +56,7 @@ def test_last_use_is_written_after_the_interval_and_at_close(
         )
         # An older mark never moves it back (two gateways writing out of order).
         await ledger.record(usage_record(0)._replace(request_id="req-old"))
-        ledger.key_use_interval_s = 3600  # from here, only close writes
+        ledger.key_use_interval_s = 3600  # the timer pending, then only the close writes
         await ledger.record(usage_record(9))
         await ledger.aclose()
         assert _marks(store_settings) == {
@@ -59,5 +64,21 @@ def test_last_use_is_written_after_the_interval_and_at_close(
             "key_1": second.ts,
             "key_9": usage_record(9).ts,
         }
+
+    asyncio.run(run())
+
+
+def test_last_use_waits_for_the_interval_or_the_close(store_settings: StoreSettings) -> None:
+    """With an interval longer than the test, committed records leave no mark: none is
+    written in their transaction, nor after each commit. Closing writes them."""
+
+    async def run() -> None:
+        ledger = await _ledger(store_settings, key_use_interval_s=3600)
+        used = [usage_record(9), usage_record(1)]
+        for record in used:  # two commits
+            await ledger.record(record)
+        assert _marks(store_settings) == {}
+        await ledger.aclose()
+        assert _marks(store_settings) == {r.key_id: r.ts for r in used}
 
     asyncio.run(run())
