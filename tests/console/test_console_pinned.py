@@ -23,7 +23,8 @@ def test_a_pinned_token_sees_only_its_tenant_in_the_console(tmp_path: Path) -> N
         )  # fmt: skip
         origin = {"origin": stack.origin}
         with httpx.Client(base_url=stack.console_url, timeout=30) as every:
-            assert every.post("sign-in", data={"token": stack.admin_token}, headers=origin)
+            signed_in = every.post("sign-in", data={"token": stack.admin_token}, headers=origin)
+            assert signed_in.status_code == 303, signed_in.text
             names = {t["name"] for t in every.get("tenants.json").json()["tenants"]}
             assert names == {"mine", "other"}  # the control: an unpinned token sees both
         with httpx.Client(base_url=stack.console_url, timeout=30) as c:

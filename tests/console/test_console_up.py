@@ -20,6 +20,11 @@ def test_up_prints_the_console_url_and_its_token_signs_in(tmp_path: Path) -> Non
             assert found, up.banner
             console = found.group(1)
             assert console == up.admin_url + "/console/"
+            body = {"model": "sim-model", "prompt": "Hello", "max_tokens": 2}
+            auth = {"authorization": f"Bearer {up.api_key()}"}
+            async with async_client(base_url=up.url, timeout=30) as c:
+                assert (await c.post("/v1/completions", json=body, headers=auth)).status_code == 200
+                assert (await c.get("/console/sign-in")).status_code == 404
             origin = {"origin": up.admin_url}
             async with async_client(base_url=console, timeout=30) as c:
                 page = await c.get("overview", follow_redirects=False)
@@ -28,12 +33,10 @@ def test_up_prints_the_console_url_and_its_token_signs_in(tmp_path: Path) -> Non
                 assert r.status_code == 303 and COOKIE in c.cookies
                 tenants = (await c.get("tenants.json")).json()["tenants"]
                 assert {t["name"] for t in tenants} == {"demo-alice", "demo-bob"}
+                overview = (await c.get("overview.json")).json()
+                assert overview["totals"]["num_model_requests"] == 1, overview
                 page = await c.get("overview")
-                assert page.status_code == 200 and "Overview" in page.text
-            body = {"model": "sim-model", "prompt": "Hello", "max_tokens": 2}
-            auth = {"authorization": f"Bearer {up.api_key()}"}
-            async with async_client(base_url=up.url, timeout=30) as c:
-                assert (await c.post("/v1/completions", json=body, headers=auth)).status_code == 200
-                assert (await c.get("/console/sign-in")).status_code == 404
+                assert page.status_code == 200
+                assert '<div class="label">Requests</div><div class="value">1</div>' in page.text
 
     run(go)
