@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import pwd
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -27,17 +28,23 @@ def test_missing_postgres_binaries_name_the_setup_script(
     assert "scripts/services-setup.sh" in str(err.value)
 
 
-def test_a_missing_unprivileged_user_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As root (CI), PostgreSQL runs as the user the setup script creates; as another
-    user it runs as that user and needs none."""
+def test_postgresql_runs_as_the_unprivileged_user_only_as_root(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As root (CI), PostgreSQL runs as the user the setup script creates, and a missing
+    one is named; as another user it runs as that user and needs none. The effective uid
+    is the test's, so both cases run whoever runs the suite."""
     monkeypatch.setenv(services.PG_USER_ENV, "saltgate-no-such-user")
-    if os.geteuid() != 0:
-        assert services._run_as() is None
-        return
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert services._run_as() is None  # not root: whatever user is configured
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
     with pytest.raises(ServiceError, match="'saltgate-no-such-user' does not exist") as err:
         PostgresServer()
     assert "refuses to run as root" in str(err.value)
     assert "scripts/services-setup.sh" in str(err.value)
+    me = pwd.getpwuid(os.getuid())  # a user that exists
+    monkeypatch.setenv(services.PG_USER_ENV, me.pw_name)
+    assert services._run_as() == me
 
 
 def test_haproxy_balances_every_request_of_one_kept_alive_connection() -> None:
