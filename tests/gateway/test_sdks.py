@@ -11,12 +11,14 @@ tests/conformance/test_vllm_sdks.py runs the same suites against real vLLM.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import anthropic
 import openai
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, Stack, ledger_rows, long_prompt, run, stack
+from tests.support.http import TLS
 from tests.support.sdks import (
     SMUGGLED,
     AnthropicCall,
@@ -80,22 +82,52 @@ def test_the_anthropic_client(tmp_path: Path, auth: str, stream: bool) -> None:
     async def main() -> None:
         async with stack(tmp_path, replicas=1) as s:
             key = s.keys["alice"]
-            client = (
-                anthropic.AsyncAnthropic(base_url=s.url, api_key=key, max_retries=0)
-                if auth == "x-api-key"
-                else anthropic.AsyncAnthropic(base_url=s.url, auth_token=key, max_retries=0)
-            )
+            said: list[Any] = []  # the requests as the SDK sent them (its own HTTP package's)
+
+            async def heard(request: Any) -> None:
+                said.append(request)
+
+            http = anthropic.DefaultAsyncHttpxClient(verify=TLS, event_hooks={"request": [heard]})
+            if auth == "x-api-key":
+                # This SDK sends an api_key as a Bearer token, as it does an auth_token:
+                # the header Anthropic's API names is set, the Bearer one left out.
+                client = anthropic.AsyncAnthropic(
+                    base_url=s.url,
+                    api_key=key,
+                    max_retries=0,
+                    http_client=http,
+                    # Typed str only; the SDK drops an omitted one (its _merge_mappings).
+                    default_headers=cast(
+                        "dict[str, str]", {"X-Api-Key": key, "Authorization": anthropic.omit}
+                    ),
+                )
+            else:
+                client = anthropic.AsyncAnthropic(
+                    base_url=s.url, auth_token=key, max_retries=0, http_client=http
+                )
             prompt = long_prompt(f"anthropic-{auth}", 300)
             first: AnthropicCall = await anthropic_call(client, MODEL, prompt, stream=stream)
             again = await anthropic_call(client, MODEL, prompt, stream=stream, extra_body=SMUGGLED)
             await client.close()
+            # The key went in the header this case names, and only there.
+            credentials = [
+                (r.headers.get("x-api-key"), r.headers.get("authorization")) for r in said
+            ]
+            named = (key, None) if auth == "x-api-key" else (None, f"Bearer {key}")
+            assert credentials == [named, named]
             for call in (first, again):
                 assert call.text and call.prompt_tokens > 0 and call.output_tokens > 0
             assert first.cache_read == 0 and again.cache_read > 0
             replicas_saw_only(s, tenant_salt(s, "alice"))
             metered_as_reported(s, [first.usage, again.usage])
             sent = [r for r in s.forwarded() if r.path == b"/v1/messages"]
-            assert all(r.header(b"x-api-key") is None for r in sent)  # never to a replica
+            # Both calls, as the replica got them: the checks below are over something.
+            assert len(sent) == 2, [r.path for r in s.forwarded()]
+            for r in sent:  # the tenant's key never reaches a replica, in either header
+                bearer = r.header(b"authorization") or b""
+                assert r.header(b"x-api-key") is None and key.encode() not in bearer, (
+                    "the tenant's key reached a replica"
+                )
             assert all(r.header(b"anthropic-version") for r in sent)
 
     run(main)
