@@ -57,37 +57,54 @@ def test_sighup_reloads_the_replica_list(tmp_path: Path) -> None:
             headers = {"authorization": f"Bearer {key}"}
             async with async_client(base_url=url, headers=headers, timeout=30) as client:
 
-                async def burst(tag: str, most: int = 12, until: int | None = None) -> list[int]:
-                    """Send `most` fresh prompts, or fewer once replica `until` served one."""
+                async def served_by(prompt: str) -> int:
+                    """Send one prompt; the index of the replica that served it."""
                     before = [s.server.engine.requests_finished for s in sims]
-                    served = before
-                    for i in range(most):
-                        body = {"model": MODEL, "prompt": long_prompt(f"{tag}{i}_", 800)}
-                        resp = await client.post("/v1/completions", json=body | {"max_tokens": 2})
-                        assert resp.status_code == 200, resp.text
-                        served = [s.server.engine.requests_finished for s in sims]
-                        if until is not None and served[until] > before[until]:
-                            break
-                    return [now - b for now, b in zip(served, before, strict=True)]
+                    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                    resp = await client.post("/v1/completions", json=body)
+                    assert resp.status_code == 200, resp.text
+                    after = [s.server.engine.requests_finished for s in sims]
+                    [index] = [
+                        i for i, (a, b) in enumerate(zip(after, before, strict=True)) if a > b
+                    ]
+                    return index
 
-                assert (await burst("a"))[2] == 0
+                async def burst(tag: str, until: set[int]) -> dict[str, int]:
+                    """Fresh prompts until each replica of `until` served one (at most 100),
+                    and which replica served each."""
+                    served: dict[str, int] = {}
+                    for i in range(100):
+                        prompt = long_prompt(f"{tag}{i}_", 800)
+                        served[prompt] = await served_by(prompt)
+                        if until <= set(served.values()):
+                            break
+                    return served
+
+                assert 2 not in (await burst("a", until={0, 1})).values()
                 write_config(config, state, sims)
                 proc.send_signal(signal.SIGHUP)
                 await line_with(proc.stdout, "reloaded")
                 # The added replica takes its share. Each prompt's replica is a draw keyed
-                # by the run's random route secret (1 in 3 for the added one), so a fixed
-                # dozen misses it in 1 run of 130; sending until it serves one, at most 100
-                # ((2/3)^100: under 1 in 10^17), proves the same without the lottery.
-                assert (await burst("b", most=100, until=2))[2] > 0
+                # by the run's random route secret (1 in 3 for each), so prompts are sent
+                # until the added one and the first have each served one, at most 100
+                # ((2/3)^100: under 1 in 10^17), not a fixed dozen that may miss it.
+                ranked = await burst("b", until={0, 2})
+                assert 2 in ranked.values() and 0 in ranked.values()
+                # Prompts the first replica served: its own while it is on the list, and
+                # again if it stayed (the draw is the same), so none of them reaching it
+                # shows it gone, without another draw.
+                its_own = [prompt for prompt, index in ranked.items() if index == 0]
                 write_config(config, state, sims[1:])
                 proc.send_signal(signal.SIGHUP)
                 await line_with(proc.stdout, "reloaded")
-                assert (await burst("c"))[0] == 0  # the removed one gets nothing
+                assert 0 not in [await served_by(p) for p in its_own]  # the removed one
                 config.write_text("[router]\npolicy = 'nope'\n")
                 proc.send_signal(signal.SIGHUP)
                 refused = await line_with(proc.stderr, "reload refused")
                 assert "router.policy" in refused or "replicas" in refused
-                assert (await burst("d"))[0] == 0  # still serving on the previous list
+                # Still serving on the previous list: its prompts again, and fresh ones.
+                assert 0 not in [await served_by(p) for p in its_own]
+                assert 0 not in (await burst("d", until={1, 2})).values()
         finally:
             proc.send_signal(signal.SIGTERM)
             await asyncio.wait_for(proc.wait(), 20)
