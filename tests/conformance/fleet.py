@@ -4,12 +4,14 @@ scripts/vllm_env.py (``make vllm-env``, part of ``make test``) builds them into 
 they are missing, or vLLM does not come up, every conformance test FAILS with the reason:
 these tests are the proof against the real thing and must never pass by being skipped.
 
-Both replicas start at once (45-60 s each when idle, about 2.5 GiB) with exactly the
-`vllm serve` line of docs/deployment.md (saltgate.audit.vllm_line: prefix caching with
-sha256, cached-token details, an API key, bound to 127.0.0.1), plus block size 32 and KV
+Both replicas start at once (about 20 s when the machine is idle, a minute or two while
+the suite's other workers run, about 2.5 GiB each) with exactly the `vllm serve` line of
+docs/deployment.md (saltgate.audit.vllm_line: prefix caching with sha256, cached-token
+details, an API key, bound to 127.0.0.1), plus block size 32, one OpenMP thread, and KV
 events on ipc:// sockets that vLLM binds (so the tests' raw taps and the relay can all
-connect). They are stopped, by their
-process group, when the session ends.
+connect). They are stopped, by their process group, when the session ends. The session
+is one pytest-xdist worker's: all real-vLLM tests run on that worker
+(tests/support/scheduling.py).
 
 The pooling routes need a pooling model: ``pooling_fleet`` starts, only when a test asks
 for it, the same tiny Llama twice more, converted by vLLM into an embedding model
@@ -129,6 +131,12 @@ def _start(
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
         VLLM_HOST_IP="127.0.0.1",
+        # One OpenMP thread per replica: the tiny model's forward pass gains nothing from a
+        # second, and with two a busy machine (the suite's other workers, a CPU hog) stalls
+        # every step at the threads' barrier. Measured on 2 cores, 120 requests of 520
+        # tokens: 1.1 s with two threads and 0.8 s with one on the quiet machine, 6.1 s
+        # and 0.9 s beside two busy loops (docs/testing.md).
+        OMP_NUM_THREADS="1",
     )
     # The line docs/deployment.md gives operators (saltgate.audit.vllm_line), filled in...
     line = vllm_serve_argv(
@@ -226,9 +234,34 @@ def dashed_key() -> str:
     return "-" + secrets.token_urlsafe(24)
 
 
+def _claim(tmp_path_factory: pytest.TempPathFactory, fleet_name: str) -> None:
+    """Fail if another pytest-xdist worker of this run has started this fleet already.
+
+    Each worker is a session of its own, so a second worker asking for a fleet would start
+    a second one: tests/support/scheduling.py keeps tests/conformance/ on one worker, and
+    this makes a break of that loud instead of minutes slower. The workers' temporary
+    directories share a parent made for the run, which holds one claim per fleet.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    claim = tmp_path_factory.getbasetemp().parent / f"{fleet_name}.claimed-by"
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        pytest.fail(
+            f"the {fleet_name} fleet was started by worker {claim.read_text()} already, and "
+            f"{worker} asked for it too: the real-vLLM tests must share one worker "
+            "(tests/support/scheduling.py)"
+        )
+    with os.fdopen(fd, "w") as out:
+        out.write(worker)
+
+
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two generation replicas."""
+    _claim(tmp_path_factory, "vllm")
     workdir = tmp_path_factory.mktemp("vllm")
     yield from _start_all(workdir, dashed_key(), [(), ()])
 
@@ -239,6 +272,7 @@ POOLING_CONVERSIONS = ("embed", "classify")
 @pytest.fixture(scope="session")
 def pooling_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """An embedding replica and a classifier replica (``POOLING_CONVERSIONS``, in order)."""
+    _claim(tmp_path_factory, "vllm-pooling")
     workdir = tmp_path_factory.mktemp("vllm-pooling")
     extras: list[tuple[str, ...]] = [
         ("--runner", "pooling", "--convert", c) for c in POOLING_CONVERSIONS
