@@ -16,6 +16,8 @@ from saltgate.admin.scopes import (
     parse_scopes,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_parse_scopes() -> None:
     assert parse_scopes("all") == frozenset(SCOPES)

@@ -195,6 +195,7 @@ def own_nodes(fn: ast.AST) -> Iterator[ast.AST]:
             stack.extend(ast.iter_child_nodes(node))
 
 
+@pytest.mark.unit
 def test_the_hazard_check_finds_both_hazards() -> None:
     assert mypyc_hazards("async def relay(s):\n    async for c in s:\n        yield c\n") == [
         "relay: async generator"
@@ -212,6 +213,7 @@ def test_the_hazard_check_finds_both_hazards() -> None:
 TRY = "async def f():\n    try:\n        await g()\n"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("source", "line"),
     [
@@ -227,11 +229,13 @@ def test_the_hazard_check_finds_a_suspension_in_a_handler(source: str, line: int
     assert mypyc_hazards(TRY + source) == found
 
 
+@pytest.mark.unit
 def test_the_hazard_check_finds_a_generator_yielding_in_a_handler() -> None:
     source = "def f():\n    try:\n        g()\n    except OSError:\n        yield None\n"
     assert mypyc_hazards(source) == ["f: suspends while handling an exception (line 5)"]
 
 
+@pytest.mark.unit
 def test_the_hazard_check_passes_what_does_not_suspend_in_a_handler() -> None:
     assert mypyc_hazards("async def f():\n    async with g():\n        pass\n") == [
         "f: suspends while handling an exception (line 2)"
@@ -247,6 +251,7 @@ def test_the_hazard_check_passes_what_does_not_suspend_in_a_handler() -> None:
     assert mypyc_hazards(defines) == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("module", COMPILED_MODULES)
 def test_compiled_modules_avoid_what_mypyc_gets_wrong(module: str) -> None:
     assert mypyc_hazards(module_path(module).read_text()) == []

@@ -10,7 +10,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 
+import pytest
+
 from saltgate.cli import HelpFormatter, Parser, build_parser
+
+pytestmark = pytest.mark.unit
 
 
 def parsers(

@@ -15,6 +15,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = "saltgate"
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 TESTS = Path(__file__).resolve().parents[1]
 ALLOWED = {TESTS / "support" / "http.py"}
 

@@ -21,6 +21,8 @@ from saltgate.audit.plan import (
     trial_prompts,
 )
 
+pytestmark = pytest.mark.unit
+
 VOCAB = range(16, 1000)
 
 

@@ -20,6 +20,8 @@ from saltgate.audit.stats import (
     roc_curve,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def comparison(p: float, auc_high: float, auc_value: float = 0.5) -> ArmComparison:
     return ArmComparison(10, 10, 1.0, 1.0, p, p, auc_value, auc_value - 0.05, auc_high)

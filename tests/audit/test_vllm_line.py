@@ -19,6 +19,8 @@ from saltgate.audit.vllm_line import (
     vllm_serve_argv,
 )
 
+pytestmark = pytest.mark.unit
+
 DEPLOYMENT_MD = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
 FENCED = re.compile(r"^```sh\n(.*?)^```", re.MULTILINE | re.DOTALL)
 

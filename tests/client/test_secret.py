@@ -20,6 +20,7 @@ EXPLICIT = "explicit-secret-0123456789"
 FROM_ENV = "environment-secret-0123456789"
 
 
+@pytest.mark.unit
 def test_parameter_beats_environment_beats_file(tmp_path: Path) -> None:
     home = tmp_path / "home"
     env = {ENV_VAR: FROM_ENV}
@@ -31,6 +32,7 @@ def test_parameter_beats_environment_beats_file(tmp_path: Path) -> None:
     assert resolve_user_cache_secret(None, state_dir=home, environ={}) == minted
 
 
+@pytest.mark.unit
 def test_the_file_is_0600_in_a_0700_directory_and_nothing_else_is_left(tmp_path: Path) -> None:
     home = tmp_path / "deep" / "home"
     secret = resolve_user_cache_secret(state_dir=home, environ={})
@@ -41,6 +43,7 @@ def test_the_file_is_0600_in_a_0700_directory_and_nothing_else_is_left(tmp_path:
     assert sorted(p.name for p in home.iterdir()) == [SECRET_FILE]
 
 
+@pytest.mark.unit
 def test_invalid_secrets_are_refused_without_echoing_them(tmp_path: Path) -> None:
     with pytest.raises(SecretStoreError, match=ENV_VAR) as info:
         resolve_user_cache_secret(state_dir=tmp_path, environ={ENV_VAR: "short-value"})
@@ -49,6 +52,7 @@ def test_invalid_secrets_are_refused_without_echoing_them(tmp_path: Path) -> Non
         resolve_user_cache_secret("x" * 300, state_dir=tmp_path, environ={})
 
 
+@pytest.mark.unit
 def test_symlinks_are_never_followed(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
@@ -74,6 +78,7 @@ def test_symlinks_are_never_followed(tmp_path: Path) -> None:
     assert not (tmp_path / "planted").exists()  # nothing was written through the link
 
 
+@pytest.mark.unit
 def test_loose_permissions_are_refused(tmp_path: Path) -> None:
     home = tmp_path / "home"
     secret = resolve_user_cache_secret(state_dir=home, environ={})

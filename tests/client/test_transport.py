@@ -21,6 +21,8 @@ from saltgate.ehbp.frames import (
     ServerKey,
 )
 
+pytestmark = pytest.mark.unit
+
 SECRET = "0123456789abcdef0123456789abcdef"
 GATEWAY = "http://gw.test"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from saltgate.console.security import (
     MAX_SESSIONS,
     SESSION_IDLE_S,
@@ -14,6 +16,8 @@ from saltgate.console.security import (
     same_origin,
 )
 from saltgate.http import Request
+
+pytestmark = pytest.mark.unit
 
 
 def request(*headers: tuple[bytes, bytes]) -> Request:

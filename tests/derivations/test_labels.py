@@ -10,7 +10,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from saltgate.derivations import labels
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "saltgate"

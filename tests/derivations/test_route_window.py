@@ -13,6 +13,8 @@ from saltgate.derivations import (
     validate_user_cache_secret,
 )
 
+pytestmark = pytest.mark.unit
+
 CHAT = "/v1/chat/completions"
 LONG = "L" * 5000
 

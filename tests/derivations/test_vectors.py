@@ -25,6 +25,8 @@ from saltgate.derivations import (
 from . import reference as ref
 from .cases import MASTER_KEYS, ROUTE_BODIES, SALT_INPUTS, WINDOWS
 
+pytestmark = pytest.mark.unit
+
 VECTORS: dict[str, Any] = json.loads(
     Path(__file__).with_name("vectors_v1.json").read_text(encoding="utf-8")
 )

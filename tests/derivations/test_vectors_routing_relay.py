@@ -23,6 +23,8 @@ from saltgate.routing.rendezvous import Member, hrw_score, rank
 from . import reference as ref
 from .cases import CLUSTER_PAYLOADS, MASTER_KEYS, PREFIX_FLAT, RANKING_MEMBERS
 
+pytestmark = pytest.mark.unit
+
 VECTORS: dict[str, Any] = json.loads(
     Path(__file__).with_name("vectors_v1.json").read_text(encoding="utf-8")
 )

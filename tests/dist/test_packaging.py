@@ -36,6 +36,7 @@ def pinned(lock: str) -> set[str]:
     return {m.group(1) for m in re.finditer(r"^([A-Za-z0-9_.-]+)==", text, re.MULTILINE)}
 
 
+@pytest.mark.unit
 def test_the_client_is_saltgate_with_fewer_dependencies() -> None:
     assert CLIENT["version"] == PYPROJECT["version"] == __version__
     assert set(CLIENT["dependencies"]) < set(PYPROJECT["dependencies"])  # same specifiers
@@ -44,6 +45,7 @@ def test_the_client_is_saltgate_with_fewer_dependencies() -> None:
     assert names(CLIENT["dependencies"]).isdisjoint({"pyzmq", "psycopg", "redis", "cbor2"})
 
 
+@pytest.mark.unit
 def test_each_tool_names_the_libraries_its_extra_brings() -> None:
     """cli.TOOL_EXTRAS (checked before a tool runs) against pyproject.toml's extras, and
     the runtime free of them: these four import under their distributions' names."""
@@ -60,6 +62,7 @@ def test_each_tool_names_the_libraries_its_extra_brings() -> None:
     }
 
 
+@pytest.mark.unit
 def test_a_tool_without_its_extra_says_which_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -70,6 +73,7 @@ def test_a_tool_without_its_extra_says_which_to_install(
     assert err == "saltgate audit: needs scipy, not installed: pip install 'saltgate[audit]'\n"
 
 
+@pytest.mark.unit
 def test_a_command_whose_parser_needs_the_server_says_so(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -98,6 +102,7 @@ def test_a_command_whose_parser_needs_the_server_says_so(
         main(["sim"])
 
 
+@pytest.mark.unit
 def test_the_locks_pin_what_their_installs_need() -> None:
     runtime, client, dev = (
         pinned(lock)
@@ -172,6 +177,7 @@ def stages(path: Path) -> list[list[tuple[str, str]]]:
     return found
 
 
+@pytest.mark.unit
 def test_the_dockerfile_builds_with_make_dist_and_runs_the_wheel_unprivileged() -> None:
     builder, runtime = stages(DOCKERFILE)
     ignored = [

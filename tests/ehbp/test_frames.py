@@ -25,6 +25,8 @@ from saltgate.ehbp.frames import (
     seal_request,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def tinfoil_seal(key: ServerKey, body: bytes) -> ehbp.EncryptedRequest:
     identity = ehbp.ServerIdentity.unmarshal_public_config(key.config.encode())

@@ -15,6 +15,8 @@ from saltgate.config import (
     load_master_key,
 )
 
+pytestmark = pytest.mark.unit
+
 GOOD = """
 [gateway]
 port = 9000

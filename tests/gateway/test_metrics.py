@@ -14,6 +14,8 @@ from saltgate.gateway.metrics import (
     render,
 )
 
+pytestmark = pytest.mark.unit
+
 OK = (("method", "POST"), ("status", "200"))
 DURATION = "saltgate_request_duration_seconds"
 BUCKETS = (0.005, 0.25, 10.0)

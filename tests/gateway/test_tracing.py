@@ -227,6 +227,7 @@ asyncio.run(main(sys.argv[1], sys.argv[2] == "on"))
     assert loaded == {"off": "False", "on": "True"}
 
 
+@pytest.mark.unit
 def test_tracing_without_the_extra_is_a_clear_error_at_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -238,6 +239,7 @@ def test_tracing_without_the_extra_is_a_clear_error_at_start(
     assert str(caught.value) == EXTRA_MISSING
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("table", "error"),
     [
@@ -256,6 +258,7 @@ def test_a_bad_tracing_section_is_refused(table: dict[str, Any], error: str) -> 
     assert error in str(caught.value)
 
 
+@pytest.mark.unit
 def test_a_tracing_section_is_read() -> None:
     doc = {
         "replicas": [{"url": "http://127.0.0.1:9"}],

@@ -5,8 +5,11 @@ from __future__ import annotations
 import random
 
 import orjson
+import pytest
 
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body, usage_from_object
+
+pytestmark = pytest.mark.unit
 
 
 def _event(doc: object) -> bytes:

@@ -27,6 +27,8 @@ from saltgate.governance.fairness import (
     service,
 )
 
+pytestmark = pytest.mark.unit
+
 TENANTS = ("a", "b", "c")
 FAR = 1e9  # a deadline nothing reaches
 

@@ -29,6 +29,8 @@ from saltgate.governance.limits import (
     output_allowance,
 )
 
+pytestmark = pytest.mark.unit
+
 TENANT = ("tenant", "t1")
 KEY = ("key", "k1")
 

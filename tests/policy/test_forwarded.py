@@ -13,6 +13,8 @@ from saltgate.policy.forwarded import (
     parse_address,
 )
 
+pytestmark = pytest.mark.unit
+
 BALANCERS = TrustedProxies.parse(["127.0.0.1", "10.0.0.0/8", "fd00::/8"])
 
 

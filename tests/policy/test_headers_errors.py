@@ -16,6 +16,8 @@ from saltgate.policy.errors import (
 )
 from saltgate.policy.headers import credential, forward_request_headers, scrub_response_headers
 
+pytestmark = pytest.mark.unit
+
 
 def test_forwarded_request_headers_are_an_allow_list() -> None:
     incoming = [

@@ -11,6 +11,8 @@ import pytest
 from saltgate.policy.errors import ApiError
 from saltgate.policy.request import MAX_JSON_DEPTH, parse_body
 
+pytestmark = pytest.mark.unit
+
 CAP = 1 << 20
 
 

@@ -20,6 +20,8 @@ from saltgate.policy.request import (
     resolve_route,
 )
 
+pytestmark = pytest.mark.unit
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 SALT = "sg1_" + "A" * 43

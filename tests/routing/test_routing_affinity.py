@@ -18,6 +18,8 @@ from saltgate.routing import Plan, ReplicaId, Router, RouterConfig
 from saltgate.routing.affinity import PrefixAffinity
 from saltgate.routing.rendezvous import Member
 
+pytestmark = pytest.mark.unit
+
 KEY = b"k" * 32
 MEMBERS = [Member(ReplicaId(f"http://r{i}"), 1.0) for i in range(4)]
 

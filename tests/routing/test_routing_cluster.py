@@ -36,6 +36,8 @@ from saltgate.routing.cluster import (
 from saltgate.routing.domain import ReplicaId
 from saltgate.routing.rendezvous import Member
 
+pytestmark = pytest.mark.unit
+
 K_ROUTE = b"r" * 32
 KEYS = cluster_keys(K_ROUTE)
 MEMBERS = [Member(ReplicaId(f"http://r{i}"), 1.0) for i in range(4)]

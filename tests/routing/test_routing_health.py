@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from saltgate.routing import (
     RUNNING_METRIC,
     Breaker,
@@ -12,6 +14,8 @@ from saltgate.routing import (
 )
 from saltgate.routing.health import Probe, ReplicaHealth
 from saltgate.sim.server import SimConfig, SimServer
+
+pytestmark = pytest.mark.unit
 
 
 def state(b: Breaker) -> BreakerState:

@@ -6,6 +6,8 @@ import pytest
 
 from saltgate.routing import HotKeys, warm_set_size
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_steady_rate_is_estimated() -> None:
     hot = HotKeys(half_life_s=2.0)

@@ -8,6 +8,8 @@ import pytest
 from saltgate.derivations.derive import ROUTE_CHAT, Prompt, RouteKey, derive_subkeys
 from saltgate.routing import Member, Policy, Prefixes, ReplicaId, Router, RouterConfig
 
+pytestmark = pytest.mark.unit
+
 SECRET = derive_subkeys(b"m" * 32).route
 MEMBERS = [Member(ReplicaId(f"http://127.0.0.1:{8100 + i}")) for i in range(6)]
 # Replicas 0, 2, 4 serve "alpha"; 1, 3 "beta"; 5 both (e.g. one model under two names).

@@ -11,6 +11,8 @@ import pytest
 
 from saltgate.routing import Member, ReplicaId, hrw_score, rank
 
+pytestmark = pytest.mark.unit
+
 
 def keys(count: int, seed: str = "k") -> list[bytes]:
     return [hashlib.sha256(f"{seed}{i}".encode()).digest() for i in range(count)]

@@ -13,6 +13,8 @@ from saltgate.config import ConfigError, load_config
 from saltgate.derivations.derive import ROUTE_CHAT, Prompt, RouteKey, derive_subkeys, route_window
 from saltgate.routing import Member, Plan, Policy, ReplicaId, Router, RouterConfig
 
+pytestmark = pytest.mark.unit
+
 SECRET = derive_subkeys(b"m" * 32).route
 OTHER_SECRET = derive_subkeys(b"n" * 32).route
 MEMBERS = [Member(ReplicaId(f"http://127.0.0.1:{8100 + i}")) for i in range(4)]

@@ -16,6 +16,8 @@ from saltgate.config import load_config
 from saltgate.routing import Policy, RouterConfig
 from saltgate.serving.control import Order, Reload, SendMetrics, Start, order_frame, read_order
 
+pytestmark = pytest.mark.unit
+
 EVERY_TABLE = """
 [gateway]
 port = 9000

@@ -18,6 +18,8 @@ from saltgate.kvevents.wire import (
 )
 from saltgate.sim import BlockPool, NotEnoughBlocks, RequestTooLarge, block_hashes, event_hash
 
+pytestmark = pytest.mark.unit
+
 BS = 4
 
 

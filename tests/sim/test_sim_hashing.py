@@ -12,6 +12,8 @@ import pytest
 from saltgate.sim import block_hashes, event_hash, get_hasher, none_hash, salt_extra_keys
 from saltgate.sim.hashing import BlockHasher
 
+pytestmark = pytest.mark.unit
+
 VECTORS: dict[str, Any] = json.loads(
     (Path(__file__).parent / "vectors" / "vllm_hash_vectors.json").read_text(encoding="utf-8")
 )

@@ -21,6 +21,8 @@ from saltgate.sim.protocol import (
 )
 from saltgate.sim.tokenizer import apply_chat_template
 
+pytestmark = pytest.mark.unit
+
 LIMITS = Limits("m", 100)
 JSON = b"application/json"
 

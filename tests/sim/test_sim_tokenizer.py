@@ -9,6 +9,8 @@ import pytest
 
 from saltgate.sim import tokenizer as tok
 
+pytestmark = pytest.mark.unit
+
 
 def piece_id(piece: str) -> int:
     return tok.RESERVED + zlib.crc32(piece.encode("utf-8")) % (tok.VOCAB_SIZE - tok.RESERVED)

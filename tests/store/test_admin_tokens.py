@@ -99,6 +99,7 @@ def _saltgate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str,
     return code, out.strip(), err.strip()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("statement", "broken"),
     [

@@ -91,6 +91,7 @@ def _fields(i: object, c: object, o: object) -> dict[str, object]:
     return {"input_per_mtok": i, "cached_input_per_mtok": c, "output_per_mtok": o}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("given", "problem"),
     [
@@ -114,12 +115,14 @@ def test_a_price_is_validated_as_the_config_validates_it(
         price_from_fields(given)
 
 
+@pytest.mark.unit
 def test_numbers_and_decimal_strings_give_the_same_price() -> None:
     assert price_from_fields(_fields("1.5", "0.15", "6")) == price_from_fields(
         _fields(1.5, 0.15, 6)
     )
 
 
+@pytest.mark.unit
 def test_a_sqlite_key_index_reloads_prices_with_its_keys(tmp_path: Path) -> None:
     settings = StoreSettings.in_state_dir(tmp_path / "state")
     db = open_database(settings)

@@ -36,6 +36,7 @@ DAY = 86400.0
 NOV_1 = 1_793_491_200.0  # 2026-11-01T00:00:00Z
 
 
+@pytest.mark.unit
 def test_cost_is_integer_micro_dollars_billing_cached_input_separately() -> None:
     # 600 uncached * $1 + 400 cached * $0.1 + 100 out * $2, per million: 840 micro-dollars.
     assert V_LLAMA.cost_micro_usd(1000, 400, 100) == 840
@@ -53,6 +54,7 @@ def test_cost_is_integer_micro_dollars_billing_cached_input_separately() -> None
     assert odd.cost_micro_usd(10, 0, 0) == 2  # 1.5 -> 2
 
 
+@pytest.mark.unit
 def test_a_price_version_names_the_model_and_its_prices() -> None:
     assert PriceVersion.of("llama", LLAMA) == V_LLAMA  # the same on every gateway
     assert V_LLAMA.version.startswith("pv_") and len(V_LLAMA.version) == 19
@@ -62,18 +64,21 @@ def test_a_price_version_names_the_model_and_its_prices() -> None:
     assert price_versions({"llama": LLAMA}) == {"llama": V_LLAMA}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan, True, 0.1234567])
 def test_price_rejects_bad_values(bad: float) -> None:
     with pytest.raises(ValueError, match="input_per_mtok"):
         Price(bad, 0.0, 0.0)
 
 
+@pytest.mark.unit
 def test_prices_are_whole_micro_dollars_per_million_tokens() -> None:
     assert micro_per_mtok(0.000001) == 1 and micro_per_mtok(3) == 3_000_000
     with pytest.raises(ValueError, match="more than 6 decimal places"):
         micro_per_mtok(1e-7)
 
 
+@pytest.mark.unit
 def test_parse_prices() -> None:
     prices = parse_prices({"llama": {"input": 1, "cached_input": 0.1, "output": 2}})
     assert prices == {"llama": LLAMA}
@@ -85,6 +90,7 @@ def test_parse_prices() -> None:
         parse_prices({"llama": {"input": -1, "cached_input": 0.1, "output": 2}})
 
 
+@pytest.mark.unit
 def test_parse_time() -> None:
     now = 1_700_000_000.0
     assert parse_time("24h", now) == now - 86400
@@ -98,6 +104,7 @@ def test_parse_time() -> None:
         parse_time("yesterday", now, "--until")
 
 
+@pytest.mark.unit
 def test_parse_group_by() -> None:
     assert parse_group_by("day,tenant") == ("tenant", "day")  # the report's column order
     assert parse_group_by("tenant,key,model,day") == ("tenant", "key", "model", "day")
@@ -344,6 +351,7 @@ def test_closing_a_month_every_grouping_adds_up_exactly(store_settings: StoreSet
     assert list(keyed)[:3] == ["tenant", "tenant_id", "day"]
 
 
+@pytest.mark.unit
 def test_usd_is_exact() -> None:
     assert [usd(0), usd(1), usd(1_140), usd(12_345_678)] == [
         "0.000000",
@@ -353,12 +361,14 @@ def test_usd_is_exact() -> None:
     ]
 
 
+@pytest.mark.unit
 def test_usage_report_needs_an_existing_db(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no saltgate database"):
         _report(StoreSettings.in_state_dir(tmp_path / "nope"), {})
     assert not (tmp_path / "nope").exists()  # a report never creates state
 
 
+@pytest.mark.unit
 def test_format_usage(tmp_path: Path) -> None:
     settings = StoreSettings.in_state_dir(tmp_path)
     acme, _, _ = _seed(settings)

@@ -12,6 +12,8 @@ from saltgate.store.errors import StoreError
 from saltgate.store.postgres import conninfo
 from saltgate.store.settings import StoreSettings
 
+pytestmark = pytest.mark.unit
+
 REPLICA = '[[replicas]]\nurl = "http://127.0.0.1:8100"\n'
 
 

@@ -65,6 +65,7 @@ def test_invalid_tenant_names(store_settings: StoreSettings, name: str) -> None:
         store.create_tenant(name)
 
 
+@pytest.mark.unit
 def test_db_file_private_and_versioned(tmp_path: Path) -> None:
     with TenantStore.from_state_dir(tmp_path / "state") as store:
         store.create_tenant("acme")
@@ -109,6 +110,7 @@ def test_processes_opening_a_new_database_at_once_all_open_it(tmp_path: Path) ->
         conn.close()
 
 
+@pytest.mark.unit
 def test_an_older_schema_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
     """A version-1 database (usage indexed by ts, no version table, no request ids) opens
     as the current version, its rows kept, what it had recorded in the version table."""
@@ -156,6 +158,7 @@ def test_an_older_schema_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
     conn.close()
 
 
+@pytest.mark.unit
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "saltgate.db"
     TenantStore(path).close()
@@ -189,6 +192,7 @@ def test_keys_are_stored_only_as_sha256(store_settings: StoreSettings) -> None:
         assert leaks(blobs, key_hash=digest)
 
 
+@pytest.mark.unit
 def test_authenticate(tmp_path: Path) -> None:
     path = tmp_path / "saltgate.db"
     with TenantStore(path) as store:
@@ -210,6 +214,7 @@ def test_authenticate(tmp_path: Path) -> None:
         index.close()
 
 
+@pytest.mark.unit
 def test_tenant_id_survives_key_rotation(tmp_path: Path) -> None:
     path = tmp_path / "saltgate.db"
     store = TenantStore(path)
@@ -230,6 +235,7 @@ def test_tenant_id_survives_key_rotation(tmp_path: Path) -> None:
     store.close()
 
 
+@pytest.mark.unit
 def test_rotate_salt_moves_epoch(tmp_path: Path) -> None:
     path = tmp_path / "saltgate.db"
     store = TenantStore(path)
@@ -347,6 +353,7 @@ def test_priority_bands_on_either_backend(store_settings: StoreSettings) -> None
         assert [k.priority for k in store.list_keys("acme")] == ["interactive", "batch"]
 
 
+@pytest.mark.unit
 def test_a_key_from_before_bands_is_interactive(tmp_path: Path) -> None:
     """A version-6 database's keys take the interactive band when it migrates to 7."""
     path = tmp_path / "saltgate.db"
@@ -389,6 +396,7 @@ def test_errors_are_clear_and_never_echo_keys(store_settings: StoreSettings) -> 
             store.create_key("ghost")
 
 
+@pytest.mark.unit
 def test_refresh_is_cheap_and_ignores_usage_writes(tmp_path: Path) -> None:
     path = tmp_path / "saltgate.db"
     with TenantStore(path) as store:

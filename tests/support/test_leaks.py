@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import pytest
 from tests.support.leaks import leaks
 
+pytestmark = pytest.mark.unit
+
 KEY = os.urandom(32)
 API_KEY = "sg_" + base64.urlsafe_b64encode(os.urandom(32)).rstrip(b"=").decode()
 
