@@ -17,7 +17,7 @@ WHEEL_DIR := build/wheel
 WHEEL := $(WHEEL_DIR)/.built
 SOURCES := $(shell find src -name '*.py') setup.py pyproject.toml
 
-.PHONY: install install-compiled dist up test lint typecheck pytest pytest-compiled pytest-pure \
+.PHONY: install install-compiled dist up check test lint typecheck pytest pytest-compiled pytest-pure \
 	vllm-env bench-tools services flakes lock clean
 
 install: $(PURE)
@@ -68,8 +68,8 @@ up: install
 	$(BIN)/saltgate up $(UP_ARGS)
 
 lint: install
-	$(BIN)/ruff check src tests setup.py scripts/flakes.py
-	$(BIN)/ruff format --check src tests setup.py scripts/flakes.py
+	$(BIN)/ruff check src tests setup.py scripts/flakes.py scripts/stopwatch.py
+	$(BIN)/ruff format --check src tests setup.py scripts/flakes.py scripts/stopwatch.py
 
 typecheck: install
 	$(BIN)/mypy
@@ -89,26 +89,49 @@ bench-tools:
 services:
 	bash scripts/services-setup.sh
 
+# The inner loop, before every commit (well under a minute): ruff, mypy, and the unit
+# tests (no network, no process; tests/support/unit.py checks the mark) on the pure build.
+check: lint typecheck
+	SALTGATE_EXPECT_BUILD=pure $(BIN)/pytest -q -m unit $(PYTEST_ARGS)
+
 # The whole suite on the compiled build, which deployments run and which alone shows what
-# compiling breaks; then all but the real-vLLM conformance tests and the install of the
-# built distributions into fresh environments, which .venv's build does not change
-# (they take ~10 of the compiled run's ~22 minutes; FAST_TESTS leaves them out), on the
-# pure build, which development runs. In that order .venv ends editable. Each step
-# installs its build first (a sub-make, since the other build's install undoes it), and
-# the suite checks it runs the build it was told to (tests/architecture/test_builds.py).
-FAST_TESTS := -m "not vllm and not dist"
+# compiling breaks; then, on the pure build, which development runs, all of tests/ but
+# what .venv's build does not change: the real-vLLM conformance tests (whose gateway the
+# other folders cover on both builds) and the install of the built wheels into fresh
+# environments. In that order .venv ends editable. Each step installs its build first (a
+# sub-make, since the other build's install undoes it), and the suite checks it runs the
+# build it was told to (tests/architecture/test_builds.py). Both run on WORKERS
+# pytest-xdist workers (tests/support/scheduling.py): most tests wait on servers, not on
+# the CPU, so twice the cores keeps both busy.
+WORKERS ?= 4
+XDIST := -n $(WORKERS)
+PURE_TESTS := tests -m "not vllm and not dist" --ignore=tests/bench
 
 pytest: pytest-compiled pytest-pure
 
 pytest-compiled: vllm-env bench-tools services
-	$(MAKE) install-compiled
-	SALTGATE_EXPECT_BUILD=compiled $(BIN)/pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory install-compiled
+	SALTGATE_EXPECT_BUILD=compiled $(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
 
 pytest-pure: bench-tools services
-	$(MAKE) install
-	SALTGATE_EXPECT_BUILD=pure $(BIN)/pytest $(FAST_TESTS) $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory install
+	SALTGATE_EXPECT_BUILD=pure $(BIN)/pytest $(XDIST) $(PURE_TESTS) $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+# Each step timed (scripts/stopwatch.py), the table printed at the end, or at the step
+# that failed; docs/testing.md keeps the budget: 15 minutes but the one-time setup.
+STEPS := build/make-test.tsv
+STEP := $(PYTHON) scripts/stopwatch.py $(STEPS)
+SUBMAKE := $(MAKE) --no-print-directory
+
+test:
+	@rm -f $(STEPS)
+	@$(STEP) "one-time setup" -- $(SUBMAKE) vllm-env bench-tools services $(DEPS)
+	@$(STEP) "ruff and mypy" -- $(SUBMAKE) lint typecheck
+	@$(STEP) "compiled build" -- $(SUBMAKE) install-compiled
+	@$(STEP) "compiled build: every test" -- $(SUBMAKE) pytest-compiled
+	@$(STEP) "pure build" -- $(SUBMAKE) install
+	@$(STEP) "pure build: tests/ but real vLLM and the installs" -- $(SUBMAKE) pytest-pure
+	@$(STEP) --table
 
 # Hunt flaky tests (scripts/flakes.py, docs/testing.md): the suite or SELECT, RUNS times,
 # beside HOGS busy loops, on whichever build .venv holds; a table of failures out of RUNS.

@@ -1,8 +1,10 @@
 """Fixtures shared across test packages (servers the project starts for its tests), the
 check that the saltgate under test is this checkout's source (tests/support/builds.py),
-and, for a failed test, what its PostgreSQL servers logged meanwhile."""
+how pytest-xdist's workers share the suite (tests/support/scheduling.py), and, for a
+failed test, what its PostgreSQL servers logged meanwhile."""
 
 from collections.abc import Generator
+from typing import Any
 
 import pytest
 from tests.support.builds import stale_install
@@ -15,6 +17,10 @@ from tests.support.postgres import (
     store_settings,
 )
 from tests.support.redis import redis_server
+from tests.support.scheduling import GroupedScheduling
+
+# The `unit` mark's guard, the time by part at the end, pytester for the tests of both.
+pytest_plugins = ("pytester", "tests.support.unit", "tests.support.parts")
 
 __all__ = ["pg_store", "postgres_server", "private_postgres", "redis_server", "store_settings"]
 
@@ -23,6 +29,11 @@ def pytest_configure(config: pytest.Config) -> None:
     problem = stale_install()
     if problem is not None:
         raise pytest.UsageError(problem)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> GroupedScheduling:
+    return GroupedScheduling(config, log)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
