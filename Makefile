@@ -5,7 +5,9 @@
 # Python one, editable (what development runs), and `make install-compiled`, the request
 # path compiled with mypyc (setup.py), as a wheel: never editable, since compiled modules
 # in src/ would shadow later edits of the .py files. Each replaces the other;
-# `.venv/bin/saltgate --version` says which is in.
+# `.venv/bin/saltgate --version` says which is in. Beside either go, editable, the two
+# development projects: devkit/ (the servers and processes the tests and benchmarks
+# start) and benchmarks/ (the `saltgate-bench` command), neither part of the product.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,6 +15,7 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 DEPS := $(VENV)/.deps
 PURE := $(VENV)/.installed
 COMPILED := $(VENV)/.installed-compiled
+DEV_PROJECTS := $(VENV)/.installed-dev-projects
 WHEEL_DIR := build/wheel
 WHEEL := $(WHEEL_DIR)/.built
 SOURCES := $(shell find src -name '*.py') setup.py pyproject.toml
@@ -29,7 +32,12 @@ $(DEPS): requirements.lock pyproject.toml
 	$(PIP) --require-hashes -r requirements.lock
 	touch $@
 
-$(PURE): $(DEPS)
+# Their dependencies are in requirements.lock (tests/dist/test_packaging.py checks it).
+$(DEV_PROJECTS): $(DEPS) devkit/pyproject.toml benchmarks/pyproject.toml
+	$(PIP) --no-deps --no-build-isolation -e devkit -e benchmarks
+	touch $@
+
+$(PURE): $(DEPS) $(DEV_PROJECTS)
 	$(PIP) --no-deps --no-build-isolation -e .
 	rm -f $(COMPILED)
 	touch $@
@@ -41,7 +49,7 @@ $(WHEEL): $(DEPS) $(SOURCES)
 		--no-deps --no-build-isolation --wheel-dir $(WHEEL_DIR) .
 	touch $@
 
-$(COMPILED): $(WHEEL)
+$(COMPILED): $(WHEEL) $(DEV_PROJECTS)
 	$(PIP) --no-deps --force-reinstall $(WHEEL_DIR)/saltgate-*.whl
 	rm -f $(PURE)
 	$(BIN)/saltgate --version
@@ -68,8 +76,8 @@ up: install
 	$(BIN)/saltgate up $(UP_ARGS)
 
 lint: install
-	$(BIN)/ruff check src tests setup.py scripts/flakes.py scripts/stopwatch.py
-	$(BIN)/ruff format --check src tests setup.py scripts/flakes.py scripts/stopwatch.py
+	$(BIN)/ruff check src tests devkit benchmarks setup.py scripts/flakes.py scripts/stopwatch.py
+	$(BIN)/ruff format --check src tests devkit benchmarks setup.py scripts/flakes.py scripts/stopwatch.py
 
 typecheck: install
 	$(BIN)/mypy
@@ -105,7 +113,7 @@ check: lint typecheck
 # the CPU, so twice the cores keeps both busy.
 WORKERS ?= 4
 XDIST := -n $(WORKERS)
-PURE_TESTS := tests -m "not vllm and not dist" --ignore=tests/bench
+PURE_TESTS := tests -m "not vllm and not dist"
 
 pytest: pytest-compiled pytest-pure
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import math
 import os
@@ -1049,28 +1048,6 @@ def _run_kv_relay(args: argparse.Namespace) -> int:
     return 0
 
 
-# `saltgate bench NAME`: each module gives HELP, add_arguments(parser) and run(args).
-BENCHMARKS = {
-    "replay": "saltgate.bench.replay",
-    "fairness": "saltgate.bench.fairness",
-    "overhead": "saltgate.bench.overhead",
-    "sim-capacity": "saltgate.bench.sim_capacity",
-    "limits": "saltgate.bench.limits",
-    "usage-queries": "saltgate.bench.usage_queries",
-}
-
-
-def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`saltgate bench NAME`: one sub-command per benchmark (docs/benchmarks.md)."""
-    modules = {name: importlib.import_module(m) for name, m in BENCHMARKS.items()}
-    bench = sub.add_parser("bench", help="benchmarks (docs/benchmarks.md)")
-    bsub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    for name, module in modules.items():
-        p = bsub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
-
-
 PROXY_API_KEY_ENV = "SALTGATE_API_KEY"  # where `saltgate proxy` reads its key by default
 
 
@@ -1145,7 +1122,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store(sub)
     _add_needing_modules(sub, "sim", _add_sim)
     _add_kv_relay(sub)
-    _add_needing_modules(sub, "bench", _add_bench)
     _add_proxy(sub)
     _add_audit(sub)
     return parser
@@ -1156,7 +1132,6 @@ def build_parser() -> argparse.ArgumentParser:
 SERVER_INSTALL = "saltgate"
 TOOL_EXTRAS = {
     "audit": ("numpy", "scipy", "matplotlib", "tqdm"),
-    "bench": ("numpy", "matplotlib", "tqdm"),
 }
 
 
@@ -1206,7 +1181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown and not getattr(args, "any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args does
     func: Command = args.func
-    # Checked before the tool starts: a benchmark would otherwise fail after minutes of setup.
+    # Checked before the tool starts: it would otherwise fail after minutes of work.
     for module in TOOL_EXTRAS.get(args.command, ()):
         if importlib.util.find_spec(module) is None:
             return _missing_module(args.command, module)

@@ -1,8 +1,9 @@
 """`saltgate ... --help` describes every argument of every command and shows its default.
 
-The walk covers every sub-parser `build_parser()` makes (the tools' too: bench, audit), so
-an argument added without a help text, or a parser made without saltgate's formatter,
-fails here rather than reaching an operator as a bare `--foo FOO`.
+The walk covers every sub-parser `build_parser()` makes (the tools' too: audit), and
+`saltgate-bench`'s (benchmarks/), so an argument added without a help text, or a parser
+made without saltgate's formatter, fails here rather than reaching an operator as a bare
+`--foo FOO`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from saltgate.cli import HelpFormatter, Parser, build_parser
+from saltgate_bench.cli import build_parser as build_bench_parser
 
 pytestmark = pytest.mark.unit
 
@@ -47,6 +49,7 @@ def undocumented(parser: argparse.ArgumentParser, path: str) -> list[str]:
 
 def test_every_argument_of_every_command_has_a_help_text_and_its_default() -> None:
     assert undocumented(build_parser(), "saltgate") == []
+    assert undocumented(build_bench_parser(), "saltgate-bench") == []
 
 
 def test_help_shows_a_default_once_and_only_when_there_is_one() -> None:

@@ -101,7 +101,6 @@ IO_PACKAGES = (
     "saltgate.sim.server",
     "saltgate.client",
     "saltgate.audit",
-    "saltgate.bench",
     "saltgate.kvevents.publisher",
     "saltgate.kvevents.relay",
     "saltgate.kvevents.subscriber",
@@ -299,7 +298,7 @@ def test_the_checks_see_what_they_guard_against() -> None:
 # What the two installs of docs/install.md bring beyond the standard library: the tools'
 # libraries (extras) and saltgate-client's dependencies, by import name.
 TOOL_LIBRARIES = ("numpy", "scipy", "matplotlib", "tqdm")
-TOOL_PACKAGES = ("saltgate.audit", "saltgate.bench")
+TOOL_PACKAGES = ("saltgate.audit",)
 CLIENT_LIBRARIES = frozenset(
     {"httpx", "orjson", "cryptography", "pyhpke", "httptools", "uvloop", "openai"}
 )
@@ -335,7 +334,7 @@ def client_library_problems(graph: Graph) -> list[str]:
 
 
 def test_only_the_tools_load_the_tools_libraries() -> None:
-    """`saltgate serve`, `up` and the SDK run without the `audit` and `bench` extras."""
+    """`saltgate serve`, `up` and the SDK run without the `audit` extra."""
     assert tool_library_problems(GRAPH) == []
 
 
@@ -343,9 +342,31 @@ def test_the_client_loads_only_what_saltgate_client_installs() -> None:
     assert client_library_problems(GRAPH) == []
 
 
+# The development projects beside the product (devkit/, benchmarks/): they import saltgate,
+# never the other way, so its wheels can leave them out and its commands never load them.
+DEV_PROJECTS = ("saltgate_bench", "saltgate_devkit")
+
+
+def dev_project_problems(graph: Graph) -> list[str]:
+    found = third_party(graph, set(graph.modules))
+    return [f"{m} loads {lib}" for lib in DEV_PROJECTS for m in sorted(found.get(lib, ()))]
+
+
+def test_the_product_imports_neither_the_benchmarks_nor_the_devkit() -> None:
+    assert dev_project_problems(GRAPH) == []
+
+
 def test_the_install_checks_see_a_stray_import() -> None:
-    """Positive controls: the gateway loading numpy, the SDK reaching zmq via the relay."""
+    """Positive controls: the gateway loading numpy, the SDK reaching zmq via the relay,
+    the CLI loading a benchmark (even lazily, as it once did) and a store the devkit."""
     numpy = _with({}, {"saltgate.gateway.metrics": {"numpy"}})
     assert tool_library_problems(numpy) == ["saltgate.gateway.metrics loads numpy"]
+    dev = _with(
+        {}, {"saltgate.cli": {"saltgate_bench.replay"}, "saltgate.store.db": {"saltgate_devkit"}}
+    )
+    assert dev_project_problems(dev) == [
+        "saltgate.cli loads saltgate_bench",
+        "saltgate.store.db loads saltgate_devkit",
+    ]
     relay = _with({"saltgate.client.transport": {"saltgate.kvevents.relay"}}, {})
     assert any(p.endswith(" load zmq") for p in client_library_problems(relay))

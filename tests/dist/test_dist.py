@@ -34,6 +34,8 @@ SECRET = "dist-user-" + "5" * 40
 # What only the gateway needs (the server's libraries) and what only the tools need.
 SERVER_ONLY = ("zmq", "msgpack", "cbor2", "psycopg", "redis")
 TOOLS_ONLY = ("numpy", "scipy", "matplotlib", "tqdm")
+# Development projects beside the product (benchmarks/, devkit/), in neither wheel.
+NOT_SHIPPED = ("saltgate_bench", "saltgate_devkit", "saltgate.bench")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -111,13 +113,13 @@ def test_the_wheels_alone_serve_and_proxy_a_request(dist: Path, tmp_path: Path) 
     where = ok([server / "python", "-c", "import saltgate; print(saltgate.__file__)"])
     assert where.startswith(str(tmp_path / "server")), where  # the wheel, not the checkout
 
-    # The gateway's install has the server's libraries, not the tools'.
-    assert importable(server / "python", SERVER_ONLY + TOOLS_ONLY) == {
+    # The gateway's install has the server's libraries, not the tools', nor the benchmarks.
+    assert importable(server / "python", SERVER_ONLY + TOOLS_ONLY + NOT_SHIPPED) == {
         **dict.fromkeys(SERVER_ONLY, True),
-        **dict.fromkeys(TOOLS_ONLY, False),
+        **dict.fromkeys(TOOLS_ONLY + NOT_SHIPPED, False),
     }
     refused(server, ["audit", "timing", "--base-url", "http://127.0.0.1:9"], "saltgate[audit]")
-    refused(server, ["bench", "replay"], "saltgate[bench]")
+    assert "invalid choice: 'bench'" in run([server / "saltgate", "bench", "replay"]).stderr
     assert "--base-url" in ok([server / "saltgate", "audit", "timing", "--help"])
 
     # The client's install has neither; its SDK imports, its proxy runs, the gateway's
@@ -126,6 +128,7 @@ def test_the_wheels_alone_serve_and_proxy_a_request(dist: Path, tmp_path: Path) 
         "saltgate.client": True,
         **dict.fromkeys(SERVER_ONLY + TOOLS_ONLY, False),
     }
+    assert importable(client / "python", NOT_SHIPPED) == dict.fromkeys(NOT_SHIPPED, False)
     ok([client / "python", "-c", "import saltgate.client, saltgate.client.proxy"])
     assert "--upstream" in ok([client / "saltgate", "proxy", "--help"])
     refused(client, ["up", "--port", "9"], "saltgate")

@@ -21,6 +21,10 @@ from saltgate.cli import TOOL_EXTRAS, install_hint, main
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 CLIENT = tomllib.loads((ROOT / "packaging/client/pyproject.toml").read_text())["project"]
+DEV_PROJECTS = [
+    tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
+    for folder in ("devkit", "benchmarks")
+]
 UNIT = ROOT / "packaging/saltgate.service"
 DOCKERFILE = ROOT / "packaging/Dockerfile"
 INSTALLED_AT = "/opt/saltgate/bin/saltgate"  # where the unit's header installs it
@@ -113,6 +117,20 @@ def test_the_locks_pin_what_their_installs_need() -> None:
     assert names(CLIENT["dependencies"]) <= client
     assert runtime.isdisjoint({"numpy", "scipy", "matplotlib", "tqdm", "pytest", "mypy", "ruff"})
     assert {"numpy", "scipy", "matplotlib", "tqdm", "pytest", "mypy", "ruff", "build"} <= dev
+
+
+@pytest.mark.unit
+def test_the_dev_lock_pins_what_the_devkit_and_the_benchmarks_need() -> None:
+    """`make install` installs devkit/ and benchmarks/ without their dependencies, so
+    requirements.lock must pin them; they use saltgate's own specifiers (the runtime's, or
+    the audit's for the plotting libraries), so one resolution serves both."""
+    dev = pinned("requirements.lock")
+    shared = set(PYPROJECT["dependencies"]) | set(PYPROJECT["optional-dependencies"]["audit"])
+    for project in DEV_PROJECTS:
+        libraries = {d for d in project["dependencies"] if not d.startswith("saltgate")}
+        assert libraries <= shared, project["name"]
+        assert names(list(libraries)) <= dev, project["name"]
+        assert project["version"] == __version__
 
 
 def analyze(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,7 +1,7 @@
 """Gateways sharing routing state over a real Redis (the cluster bus, gateway/cluster.py).
 
 Two in-process gateways on one store, four simulated replicas, a redis-server of the
-project's own (saltgate.bench.services.RedisServer):
+project's own (saltgate_devkit.services.RedisServer):
 - a conversation that started too short for a route key finds its cache through either
   gateway, and without the bus it does not (the control);
 - nothing on the bus names a salt, a prompt, an API key or a secret: only keyed digests,
@@ -31,7 +31,6 @@ from tests.support.exceptions import ExceptionWatch
 from tests.support.http import async_client
 from tests.support.waiting import eventually
 
-from saltgate.bench.services import RedisServer
 from saltgate.config import GatewayConfig, ReplicaConfig, load_master_key
 from saltgate.derivations.derive import PrefixDigest, cache_salt, cluster_keys, derive_subkeys
 from saltgate.gateway.cluster import ClusterBus, sender_id
@@ -42,6 +41,7 @@ from saltgate.routing.rendezvous import Member
 from saltgate.serving.run import RunningGateway, start_gateway
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
+from saltgate_devkit.services import RedisServer
 
 MARKER = "zqxjvbnm"  # in every prompt: a reader of the bus must never find it
 

@@ -30,13 +30,13 @@ from tests.support.exceptions import ExceptionWatch
 from tests.support.http import async_client
 from tests.support.waiting import eventually
 
-from saltgate.bench.services import RedisServer
 from saltgate.config import GatewayConfig, QueueConfig, ReplicaConfig
 from saltgate.gateway.cluster import ClusterBus
 from saltgate.gateway.fairshare import FairShare
 from saltgate.routing import RouterConfig
 from saltgate.serving.run import RunningGateway, start_gateway
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate_devkit.services import RedisServer
 
 # One request at a time on each replica, 10 ms per output token: B's is easy to keep busy.
 SIM = SimConfig(port=0, max_concurrency=1, decode_ms_per_token=10.0)

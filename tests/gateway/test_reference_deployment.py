@@ -32,9 +32,14 @@ from tests.support.http import async_client
 from tests.support.tls import make_pki
 from tests.support.waiting import eventually
 
-from saltgate.bench.services import HaproxyServer, PostgresServer, RedisServer, free_port
 from saltgate.config import create_secret_file
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate_devkit.procs import free_port
+from saltgate_devkit.services import (
+    HaproxyServer,
+    PostgresServer,
+    RedisServer,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "packaging" / "reference"

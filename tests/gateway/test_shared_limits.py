@@ -17,7 +17,6 @@ from tests.support.gateways import GatewayProcess, write_gateway_config
 from tests.support.http import async_client
 from tests.support.waiting import eventually
 
-from saltgate.bench.services import RedisServer
 from saltgate.derivations.derive import ROUTE_CHAT
 from saltgate.gateway.admission import Admission
 from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
@@ -25,6 +24,7 @@ from saltgate.governance.limits import CONCURRENCY, OUTPUT_TOKENS, REQUESTS, Dem
 from saltgate.policy.errors import ApiError
 from saltgate.sim.run import SimConfig, start_sim
 from saltgate.store.tenants import Principal, TenantStore
+from saltgate_devkit.services import RedisServer
 
 TENANT = ("tenant", "tn_0000000000000001")
 KEY = ("key", "key_000000000001")

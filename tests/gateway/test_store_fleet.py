@@ -29,13 +29,13 @@ from tests.support.leaks import leaks
 from tests.support.postgres import new_database
 from tests.support.waiting import eventually
 
-from saltgate.bench.services import PostgresServer
 from saltgate.config import create_master_key, load_master_key
 from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.sim.run import SimConfig, start_sim
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore, new_api_key
+from saltgate_devkit.services import PostgresServer
 
 PROPAGATION_LIMIT_S = 1.0
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import timeit
 
-from saltgate.bench.trace_schedule import prompt_text
 from saltgate.derivations.derive import ROUTE_COMPLETIONS, NamespaceKeys, Prompt
 from saltgate.sim.hashing import block_hashes
 from saltgate.sim.tokenizer import _tokenize_uncached
+from saltgate_bench.trace_schedule import prompt_text
 
 BLOCK_TOKENS = 64  # the replay's tokens per trace block
 SALT = "sg1_" + "a" * 43

@@ -31,21 +31,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from saltgate.bench.replay import DEFAULT_TRACE
-from saltgate.bench.replay_metrics import percentile_ms
-from saltgate.bench.trace_schedule import (
-    ReplayRequest,
-    build_schedule,
-    load_trace,
-    prompt_text,
-    prompt_tokens,
-)
 from saltgate.derivations.derive import ROUTE_COMPLETIONS, cluster_keys
 from saltgate.routing import Router, RouterConfig
 from saltgate.routing.cluster import ClusterState
 from saltgate.routing.domain import ReplicaId
 from saltgate.routing.rendezvous import Member
 from saltgate.sim.blockpool import BlockPool, NotEnoughBlocks
+from saltgate_bench.replay import DEFAULT_TRACE
+from saltgate_bench.replay_metrics import percentile_ms
+from saltgate_bench.trace_schedule import (
+    ReplayRequest,
+    build_schedule,
+    load_trace,
+    prompt_text,
+    prompt_tokens,
+)
 
 BLOCK_TOKENS = 64
 K_ROUTE = b"r" * 32

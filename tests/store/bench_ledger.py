@@ -4,7 +4,7 @@
 .venv/bin/python tests/store/bench_ledger.py --store postgres --writers 64 --seconds 3 --uvloop
 
 With --store postgres the benchmark starts its own PostgreSQL (a temporary cluster on a
-loopback port, fsync on: saltgate.bench.services), unless --url names one (password from
+loopback port, fsync on: saltgate_devkit.services), unless --url names one (password from
 --password-file). Figures: saltgate/store/ledger.py (SQLite), docs/benchmarks.md.
 """
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import uvloop
 
-from saltgate.bench.services import PostgresServer
 from saltgate.store.backends import open_database, open_gateway_store
 from saltgate.store.ledger import Ledger, UsageRecord, new_request_id
 from saltgate.store.pg_ledger import PgLedger
 from saltgate.store.settings import StoreSettings
+from saltgate_devkit.services import PostgresServer
 
 
 async def _bench(settings: StoreSettings, writers: int, seconds: float) -> None:

@@ -18,13 +18,13 @@ from tests.support.ledger import USAGE_COLUMNS, postgres_rows, usage_record
 from tests.support.postgres import new_database
 from tests.support.waiting import eventually
 
-from saltgate.bench.services import PostgresServer
 from saltgate.prices import PriceVersion
 from saltgate.store.ledger import LedgerError, UsageRecord, new_request_id
 from saltgate.store.pg_ledger import PgLedger
 from saltgate.store.postgres import PostgresDatabase, conninfo
 from saltgate.store.settings import StoreSettings
 from saltgate.store.spool import Spool, encode, read_records
+from saltgate_devkit.services import PostgresServer
 
 
 def _spooled(settings: StoreSettings) -> list[Path]:

@@ -14,13 +14,13 @@ import pytest
 from tests.support.postgres import new_database
 from tests.support.waiting import eventually
 
-from saltgate.bench.services import PostgresServer
 from saltgate.store.backends import open_database
 from saltgate.store.errors import StoreError, StoreUnavailableError
 from saltgate.store.postgres import PgKeyIndex, PostgresDatabase, conninfo
 from saltgate.store.schema import POSTGRES_MIGRATIONS, POSTGRES_VERSION_TABLE, SCHEMA_VERSION
 from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore
+from saltgate_devkit.services import PostgresServer
 
 
 def test_migrations_apply_once_and_record_their_version(pg_store: StoreSettings) -> None:

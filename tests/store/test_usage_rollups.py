@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.support.postgres import new_database
 
-from saltgate.bench.services import PostgresServer
 from saltgate.store.backends import open_database
 from saltgate.store.ledger import USAGE_INSERT, Ledger, UsageRecord
 from saltgate.store.lifecycle import prune_usage
@@ -26,6 +25,7 @@ from saltgate.store.schema import POSTGRES_MIGRATIONS, ROLLUPS, SQLITE_MIGRATION
 from saltgate.store.settings import StoreSettings
 from saltgate.store.spool import Spool
 from saltgate.store.usage_rollups import open_usage_reader, read_buckets, reconcile
+from saltgate_devkit.services import PostgresServer
 
 DAY = 86400
 T0 = 1_790_000_000 // DAY * DAY  # a UTC midnight in 2026

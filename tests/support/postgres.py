@@ -1,6 +1,6 @@
 """PostgreSQL for the tests: one server per session, a fresh database per test.
 
-The server is the project's own (saltgate.bench.services.PostgresServer): a temporary
+The server is the project's own (saltgate_devkit.services.PostgresServer): a temporary
 cluster on a free loopback port, run as an unprivileged user, stopped at the end. A test
 that needs it and cannot have it fails with the reason (ServiceError names what is
 missing and how to install it); it is never skipped. Tests that stop the server on
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from saltgate.bench.services import PostgresServer
 from saltgate.store.settings import StoreSettings
+from saltgate_devkit.services import PostgresServer
 
 BACKENDS = ("sqlite", "postgresql")
 LOG_SECTION_CHARS = 8000

@@ -1,4 +1,4 @@
-"""Redis for the tests: the project's own throwaway server (saltgate.bench.services).
+"""Redis for the tests: the project's own throwaway server (saltgate_devkit.services).
 
 One per test, on a free loopback port with a random password, so a test may stop it and
 start it again (bus outages). A test that needs it and cannot start it fails with the
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from saltgate.bench.services import RedisServer
+from saltgate_devkit.services import RedisServer
 
 
 @pytest.fixture

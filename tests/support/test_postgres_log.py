@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tests.support.postgres import log_section, new_database, note_log_sizes
 
-from saltgate.bench.services import PostgresServer
+from saltgate_devkit.services import PostgresServer
 
 
 def test_the_log_section_names_slow_statements_and_lock_waits_of_this_test_only(

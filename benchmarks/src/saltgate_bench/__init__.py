@@ -1,0 +1,1 @@
+"""Benchmarks (docs/benchmarks.md), each a `saltgate-bench NAME` command (cli.py)."""

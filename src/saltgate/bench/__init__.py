@@ -1,1 +1,0 @@
-"""Benchmarks (docs/benchmarks.md), each a `saltgate bench NAME` command."""
