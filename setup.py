@@ -112,7 +112,7 @@ class BuildCompiled(build_ext):
             except (Exception, SystemExit) as exc:  # no compiler, no headers
                 self._fall_back(exc)
                 self._remove_partial_output()
-        record = {"requested": "compiled", "built": "compiled", "source_root": str(ROOT)}
+        record = {"requested": "compiled", "built": "compiled"}
         if self.fallback_reason is not None:
             record["built"] = "pure Python"
             record["fallback_reason"] = self.fallback_reason

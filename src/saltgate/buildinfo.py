@@ -6,8 +6,8 @@ sources, editable, and so replaces it. Both builds run the same source; the comp
 spends about a third less CPU per request (docs/benchmarks.md).
 
 The build a module came from is read off its file: an extension module is compiled. A
-wheel built with the compiled build asked for records in `_build.json` what it got,
-why it fell back to pure Python when the compiler failed, and the checkout it was built in.
+wheel built with the compiled build asked for records in `_build.json` what it got, and
+why it fell back to pure Python when the compiler failed.
 
 A compiled coroutine never suspends inside an except or finally block (nor uses
 `async with`, whose exit runs in one; nor does a compiled generator yield in one): mypyc
@@ -35,7 +35,7 @@ PURE: Final = "pure Python"
 BUILD_RECORD: Final = "_build.json"
 
 # The request path: what a request passes through from the socket to the ledger and back.
-# Not the tools on top (cli, bench, audit, client, sim, demo): they run once per command
+# Not the tools on top (cli, audit, client, sim, demo): they run once per command
 # and would only lengthen the build.
 COMPILED_MODULES: Final = (
     "saltgate.derivations.derive",
@@ -105,17 +105,6 @@ def build_record() -> dict[str, str]:
     except (OSError, ValueError):
         return {}
     return {str(k): str(v) for k, v in record.items()} if isinstance(record, dict) else {}
-
-
-def source_checkout() -> Path | None:
-    """The checkout this saltgate was installed from, where the tools find what sits beside
-    the sources (.bench/, the shared traces): the editable install's, or the one a compiled
-    wheel was built in (setup.py records it). None when neither is known."""
-    package = package_dir()
-    if package.parent.name == "src" and (package.parent.parent / "pyproject.toml").is_file():
-        return package.parent.parent
-    root = build_record().get("source_root")
-    return Path(root) if root else None
 
 
 def describe() -> str:
