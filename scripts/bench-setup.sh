@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what `saltgate bench overhead` (and `bench replay`) needs, idempotently:
+# Install what `saltgate-bench overhead` (and `replay`) needs, idempotently:
 #   - nginx, wrk, taskset (util-linux) from Debian/Ubuntu packages;
 #   - the peer routers and py-spy into a separate venv outside git (.bench/venv),
 #     so they never mix with the project's own locked dependencies in .venv.
@@ -73,4 +73,4 @@ for tool in smg vllm-router py-spy; do
     fi
 done
 [ "$missing" -eq 0 ] || exit 1
-echo "bench-setup: ready; run: .venv/bin/saltgate bench overhead --help"
+echo "bench-setup: ready; run: .venv/bin/saltgate-bench overhead --help"

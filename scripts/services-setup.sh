@@ -11,7 +11,7 @@
 #   - when run as root, the unprivileged system user PostgreSQL runs as in the tests
 #     (PostgreSQL refuses to run as root): $SALTGATE_PG_USER, default saltgate-pg.
 # The tests start their own servers in temporary directories on free loopback ports and
-# stop them (src/saltgate/bench/services.py); nothing here listens on a port.
+# stop them (devkit/src/saltgate_devkit/services.py); nothing here listens on a port.
 # Usage: scripts/services-setup.sh          (`make test` runs it)
 set -euo pipefail
 

@@ -8,7 +8,7 @@ traces the event loop's thread with sys.settrace for N requests after a warm-up 
 replica probes are held off while it counts: they run once a second, so on a slower or
 busier machine they would add more to every request).
 
-    .venv/bin/python scripts/opcount.py [--requests 500] [--top 30]
+    .venv/bin/python benchmarks/scripts/opcount.py [--requests 500] [--top 30]
 """
 
 from __future__ import annotations

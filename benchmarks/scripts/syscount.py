@@ -7,7 +7,7 @@ attaches `strace -c` to every thread of the gateway once it serves, sends N requ
 C connections each sending one at a time, detaches, and prints the calls per request by
 name. Replica probes are held off while it counts (they are not per-request work).
 
-    .venv/bin/python scripts/syscount.py [--requests 2000] [--concurrency 1]
+    .venv/bin/python benchmarks/scripts/syscount.py [--requests 2000] [--concurrency 1]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CPU the gateway's upstream pool spends per request over TLS, against plain http.
 
-The overhead benchmark (`saltgate bench overhead --upstream-tls`) measures the whole hop,
+The overhead benchmark (`saltgate-bench overhead --upstream-tls`) measures the whole hop,
 but on a shared machine its rates drift by more than TLS costs. This isolates the part TLS
 changes: the pool (saltgate.http.client, on uvloop as `saltgate serve` runs it) sending the
 benchmark's 4.4 KB chat body to the overhead benchmark's nginx (scripts/bench-setup.sh)
@@ -9,7 +9,7 @@ certificate verified, alternating rounds. It reports the process's CPU time per 
 (time.process_time: what this process ran, whoever else shares the core) with kept-alive
 connections, and per new connection (the handshake a pool pays once per connection).
 
-    taskset -c 1 .venv/bin/python scripts/tls_upstream_cost.py [--requests 20000]
+    taskset -c 1 .venv/bin/python benchmarks/scripts/tls_upstream_cost.py [--requests 20000]
         [--rounds 5] [--concurrency 8] [--connections 300]
 """
 

@@ -1,4 +1,4 @@
-"""`saltgate bench overhead --build`: which build the benchmarked gateway runs.
+"""`saltgate-bench overhead --build`: which build the benchmarked gateway runs.
 
 `make test` runs this once on each build: a compiled install serves both builds (the
 pure one from its own .py files), a pure install only the pure one.

@@ -1,4 +1,4 @@
-"""`saltgate bench fairness` end to end, small: saltgate without governance and
+"""`saltgate-bench fairness` end to end, small: saltgate without governance and
 vllm-router, through real processes over loopback (`saltgate sim` replicas, `saltgate
 serve`, vllm-router from the bench venv; scripts/bench-setup.sh installs it)."""
 

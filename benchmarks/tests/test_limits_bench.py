@@ -1,4 +1,4 @@
-"""`saltgate bench limits`: its window count, and the command end to end with small
+"""`saltgate-bench limits`: its window count, and the command end to end with small
 settings (real Redis, real `saltgate serve` gateways, real simulated replicas), whose
 controls show each check can fail. The figures are docs/benchmarks.md's, not these."""
 

@@ -180,7 +180,7 @@ def test_added_latency_and_ratios() -> None:
     meta = Meta(
         started="now",
         elapsed_s=1.0,
-        command="saltgate bench overhead",
+        command="saltgate-bench overhead",
         machine=Machine("test", 2, "6.1", "3.11.7"),
         loadavg_before=(0.0, 0.0, 0.0),
         loadavg_after=(0.0, 0.0, 0.0),

@@ -1,6 +1,6 @@
 """The replay benchmark end to end, through real processes over loopback.
 
-`saltgate bench replay` runs as a subprocess against real `saltgate sim` replicas, a real
+`saltgate-bench replay` runs as a subprocess against real `saltgate sim` replicas, a real
 `saltgate serve` and the real vllm-router (scripts/bench-setup.sh installs it); if a tool
 is missing the run fails and says which. The cross-tenant-hit detector gets a positive
 control: the same schedule through vllm-router WITHOUT per-tenant salts must show hits.

@@ -1,4 +1,4 @@
-"""The fleet benchmark end to end: `saltgate bench replay --gateways N` as a subprocess,
+"""The fleet benchmark end to end: `saltgate-bench replay --gateways N` as a subprocess,
 with real `saltgate serve` gateways behind a real HAProxy, one real PostgreSQL store and
 a real Redis bus (saltgate_devkit.services starts them), in front of real simulated
 replicas. Short settings: the figures are docs/benchmarks.md's, not these tests'."""

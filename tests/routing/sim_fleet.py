@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/routing/sim_fleet.py [--gateways 4] [--duration 600] [--interval 0.02]
 
-The live fleet benchmark (`saltgate bench replay --gateways N`) measures real processes
+The live fleet benchmark (`saltgate-bench replay --gateways N`) measures real processes
 on a shared machine, where a run-to-run spread of about 0.01 in the cached-token ratio
 hides what routing itself does. This replays the same schedule through the real routers
 (routing/router.py, routing/cluster.py with the real wire format) against a model of the

@@ -1,10 +1,10 @@
-"""`saltgate bench fairness`: a quiet tenant beside a noisy one, through each router.
+"""`saltgate-bench fairness`: a quiet tenant beside a noisy one, through each router.
 
 Method (docs/benchmarks.md, "Fairness"; the workload and measures are
-bench/fairness_metrics.py): saturating simulated replicas, a quiet tenant within its
+fairness_metrics.py): saturating simulated replicas, a quiet tenant within its
 share throughout, a noisy tenant ramping to 10x its share with long prompts in the middle
 phase, the same schedule through each router in turn, each in front of fresh replicas.
-The routers run as `saltgate bench replay` runs them (bench/replay.py, replay_fleet.py):
+The routers run as `saltgate-bench replay` runs them (replay.py, replay_fleet.py):
 saltgate with the fair queue on and tenant limits (`saltgate`), saltgate as it is without
 them (`saltgate-ungoverned`), smg and vllm-router with their own concurrency/queue
 settings; with `--gateways 1,4` the saltgate arms run as a fleet of N gateways on one
@@ -393,7 +393,7 @@ def _options(args: argparse.Namespace) -> FairnessOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The `saltgate bench fairness` command; 0 when every router ran, 1 if one could not."""
+    """The `saltgate-bench fairness` command; 0 when every router ran, 1 if one could not."""
     try:
         options = _options(args)
         schedule = build_schedule(options.workload)
@@ -402,7 +402,7 @@ def run(args: argparse.Namespace) -> int:
             if router not in GATEWAY_ROUTERS:
                 tools.need(router)
     except BenchError as exc:
-        print(f"saltgate bench fairness: {exc}", file=sys.stderr)
+        print(f"saltgate-bench fairness: {exc}", file=sys.stderr)
         return 2
     w = options.workload
     quiet = sum(1 for r in schedule if r.tenant == QUIET)

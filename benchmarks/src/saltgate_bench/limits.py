@@ -1,6 +1,6 @@
-"""`saltgate bench limits`: the tenants' limits measured on a fleet (issue 23's targets).
+"""`saltgate-bench limits`: the tenants' limits measured on a fleet (issue 23's targets).
 
-    .venv/bin/saltgate bench limits [--gateways 4] [--rpm 600] [--duration 180] --json out.json
+    .venv/bin/saltgate-bench limits [--gateways 4] [--rpm 600] [--duration 180] --json out.json
 
 One Redis (the `[cluster]` bus and shared limits engine), simulated replicas, and N
 `saltgate serve` processes on one store, started here on loopback. Measured, each from
@@ -15,7 +15,7 @@ gateways' own counters:
   shared engine and without `[limits] share`: N x L, the silent multiplication the
   shared engine prevents.
 - concurrency: 64 admissions at once at a cap, 100,000 times, through the shared engine's
-  admission script in the same Redis (bench/limits_race.py); 0 trials admit more than
+  admission script in the same Redis (limits_race.py); 0 trials admit more than
   the cap. The control (check, then add) over-admits.
 - budget: a tenant with a spend budget, 16 clients at once until it is spent; the spend
   in the ledger stays <= the budget + one request's reservation.
@@ -795,7 +795,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The `saltgate bench limits` command: 0 when every target is met."""
+    """The `saltgate-bench limits` command: 0 when every target is met."""
     options = Options(
         gateways=args.gateways,
         replicas=args.replicas,
@@ -821,7 +821,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             report = asyncio.run(Bench(options, work).run())
         except BenchError as exc:
-            print(f"saltgate bench limits: {exc}", file=sys.stderr)
+            print(f"saltgate-bench limits: {exc}", file=sys.stderr)
             return 1
     lines = checks(report)
     print(table(report))

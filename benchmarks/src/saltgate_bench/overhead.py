@@ -1,4 +1,4 @@
-"""`saltgate bench overhead`: saltgate against direct-to-backend, smg and vllm-router, in one run.
+"""`saltgate-bench overhead`: saltgate against direct-to-backend, smg and vllm-router, in one run.
 
 Method (docs/benchmarks.md, "Gateway overhead"): a backend and a load generator that are
 not the bottleneck (nginx returning a fixed OpenAI-shaped JSON; wrk with one thread) share
@@ -12,11 +12,11 @@ router adds over going direct (same scenario and concurrency), and saltgate's ra
 the peers. With --profile DIR, saltgate is sampled with py-spy at the highest concurrency
 and the top functions by own time are summarised.
 
-    saltgate bench overhead [--targets direct,saltgate,smg,vllm-router]
+    saltgate-bench overhead [--targets direct,saltgate,smg,vllm-router]
         [--scenarios nginx,sim-stream] [--concurrency 1,32] [--duration 5] [--json OUT]
         [--store sqlite|postgres] [--build compiled|pure]
 
-`--build` picks saltgate's build (bench/builds.py): compiled, the default, needs `make
+`--build` picks saltgate's build (builds.py): compiled, the default, needs `make
 install-compiled`, from which the pure-Python build of the same source runs too.
 `--store postgres` gives saltgate a PostgreSQL store (a cluster the benchmark starts on the
 load CPU, fsync on; scripts/services-setup.sh) instead of its SQLite file, so both stores'
@@ -273,7 +273,7 @@ class Options:
     keep_tmp: bool
     store: str = "sqlite"  # or "postgres"
     saltgate_workers: int = 1
-    build: str = "compiled"  # or "pure" (bench/builds.py)
+    build: str = "compiled"  # or "pure" (builds.py)
     upstream_tls: bool = False  # the routers reach nginx over TLS (--upstream-tls)
 
     @property
@@ -722,7 +722,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def probe_bench(workdir: Path) -> Bench:
     """A Bench for the scripts that probe the gateway alone on the nginx backend
-    (scripts/opcount.py, scripts/syscount.py), set for the build this process runs."""
+    (benchmarks/scripts/opcount.py and syscount.py), set for the build this process runs."""
     options = Options(
         targets=("saltgate",),
         scenarios=("nginx",),
@@ -774,7 +774,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The `saltgate bench overhead` command: 0 when the run completed."""
+    """The `saltgate-bench overhead` command: 0 when the run completed."""
     if args.duration < 1 or args.rounds < 1 or args.warmup < 0 or args.saltgate_workers < 1:
         print("overhead: --duration, --rounds and --saltgate-workers must be >= 1", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""`saltgate bench replay`: replay a real trace through each routing policy in turn.
+"""`saltgate-bench replay`: replay a real trace through each routing policy in turn.
 
 Method (docs/benchmarks.md, "Replay benchmark"): the trace (Mooncake's conversation trace
 by default) becomes a schedule (saltgate_bench.trace_schedule: sessions from the hash
@@ -115,7 +115,7 @@ class Options:
     startup_timeout_s: float
     progress: bool
     fleet: FleetOptions | None = None  # --gateways / --shared-state / --kill-gateway-at
-    # What `saltgate bench fairness` adds: more TOML tables for the gateways ([queue]),
+    # What `saltgate-bench fairness` adds: more TOML tables for the gateways ([queue]),
     # limits for every tenant, and arguments for the peer router.
     gateway_sections: str = ""
     tenant_limits: Limits | None = None
@@ -648,7 +648,7 @@ def _options(args: argparse.Namespace) -> Options:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The `saltgate bench replay` command; 0 when every policy ran, 1 if one could not."""
+    """The `saltgate-bench replay` command; 0 when every policy ran, 1 if one could not."""
     try:
         options = _options(args)
         trace = load_trace(args.trace)
@@ -671,7 +671,7 @@ def run(args: argparse.Namespace) -> int:
         for policy in peers:
             tools.need("smg" if policy.startswith("sglang") else "vllm-router")
     except (BenchError, TraceError) as exc:
-        print(f"saltgate bench replay: {exc}", file=sys.stderr)
+        print(f"saltgate-bench replay: {exc}", file=sys.stderr)
         return 2
     info = schedule_info(schedule, options.tenants)
     print(

@@ -1,8 +1,8 @@
-"""`saltgate bench replay --gateways N`: the replay through a fleet of gateways.
+"""`saltgate-bench replay --gateways N`: the replay through a fleet of gateways.
 
 The same trace, schedule, tenants and simulated replicas as the one-gateway replay; in
 front of the replicas, N `saltgate serve` processes behind HAProxy (round robin per
-request: the worst case for state kept in one process; bench/services.py says how),
+request: the worst case for state kept in one process; saltgate_devkit/services.py says how),
 all on one PostgreSQL store, and, with shared state on, on one Redis cluster bus
 (docs/deployment.md). Every variant, including one gateway, goes through the balancer
 and the PostgreSQL store, so the variants differ only in the gateways.

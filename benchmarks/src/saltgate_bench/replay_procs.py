@@ -2,8 +2,8 @@
 
 Each policy gets fresh replicas (empty caches). Gateway policies run `saltgate serve`
 with `[router] policy = P`; the peers run as their own binaries from the bench venv
-(scripts/bench-setup.sh), both started as bench/gateway_setup.py says. Children run in
-their own process groups (bench/procs.py) with their output in log files under the work
+(scripts/bench-setup.sh), both started as gateway_setup.py says. Children run in
+their own process groups (saltgate_devkit/procs.py) with their output in log files under the work
 directory, and listen on 127.0.0.1 only.
 """
 

@@ -1,7 +1,7 @@
 """How much one simulated replica sustains on one core, and how many fit on one machine.
 
     scripts/bench-setup.sh   # wrk and taskset
-    .venv/bin/saltgate bench sim-capacity [--duration 5] [--replicas 64]
+    .venv/bin/saltgate-bench sim-capacity [--duration 5] [--replicas 64]
 
 Throughput: one `saltgate sim` pinned to core 1 with a zero time model (so the CPU cost
 per request is all there is), wrk pinned to core 0 posting a ~4.4 KB chat request, whole
@@ -122,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The `saltgate bench sim-capacity` command."""
+    """The `saltgate-bench sim-capacity` command."""
     with workdir("sg-simcap-") as tmp:
         try:
             rows = throughput(args.duration, tmp)

@@ -1,6 +1,6 @@
 """How fast usage queries answer from the rollups with a large ledger, on either backend.
 
-    .venv/bin/saltgate bench usage-queries --rows 10000000 --store sqlite|postgres
+    .venv/bin/saltgate-bench usage-queries --rows 10000000 --store sqlite|postgres
 
 Fills a fresh store (SQLite in a temporary directory, or a PostgreSQL server of its own,
 started as the tests start it) with `--rows` ledger rows over 90 days, written by SQL in
@@ -126,7 +126,7 @@ def fill(db: Database, rows: int, keys: int, tenants: int, end: int) -> float:
     The insert trigger is off for the load and the rollups summed once after by the
     migration's own backfill statements (schema.rollup_backfill), which sum the ledger
     as the triggers do: a trigger per row (SQLite) or per 250,000-row statement
-    (PostgreSQL) made filling 10M rows take most of an hour. tests/bench checks the
+    (PostgreSQL) made filling 10M rows take most of an hour. benchmarks/tests checks the
     rollups so filled equal the ledger (reconcile)."""
     pg = db.backend != "sqlite"
 

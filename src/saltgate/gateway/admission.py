@@ -197,7 +197,7 @@ def reservation(
     price: PriceVersion | None, route: str, body_bytes: int, max_tokens: int | None
 ) -> Demand:
     """What a request reserves at admission: the prompt estimate, its output allowance
-    and their price (docs/limits.md; saltgate bench limits bounds a budget's overshoot
+    and their price (docs/limits.md; saltgate-bench limits bounds a budget's overshoot
     with it)."""
     prompt = prompt_estimate(body_bytes)
     allowance = output_allowance(max_tokens) if route in GENERATION_ROUTES else 0

@@ -259,7 +259,7 @@ class SharedLimits:
         return SharedTicket(secrets.token_hex(8), tuple(_specs(limited, demand, self._window_s)))
 
     def admit_call(self, ticket: SharedTicket) -> tuple[list[str], list[str | int]]:
-        """The KEYS and ARGV of ADMIT_SCRIPT for a ticket (saltgate bench limits sends
+        """The KEYS and ARGV of ADMIT_SCRIPT for a ticket (saltgate-bench limits sends
         them itself, many at once)."""
         args: list[str | int] = [ticket.id, self._ttl_us, len(ticket.specs)]
         for s in ticket.specs:
