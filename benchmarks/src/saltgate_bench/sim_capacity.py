@@ -32,6 +32,7 @@ from saltgate_bench.wrk import chat_body, run_wrk, wrk_script
 from saltgate_devkit.procs import Proc, free_port
 
 CONCURRENCY = 32
+JSON = {"content-type": "application/json"}  # the simulator, as vLLM, refuses other bodies
 
 
 def _sim_argv(port: int, *, zero_time: bool) -> list[str]:
@@ -100,7 +101,9 @@ def footprint(replicas: int, work: Path) -> tuple[float, float, float]:
         started = time.monotonic() - start
         body = b'{"model":"sim-model","prompt":"hello","max_tokens":4}'
         for port in ports:
-            status = http_request(port, "POST", "/v1/completions", body, timeout=10.0)[0]
+            status = http_request(
+                port, "POST", "/v1/completions", body, headers=JSON, timeout=10.0
+            )[0]
             if status != 200:
                 raise BenchError(f"replica on port {port} answered {status}")
         cpu0 = [_cpu_seconds(p.pid) for p in procs]
