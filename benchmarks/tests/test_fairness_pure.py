@@ -29,6 +29,8 @@ from saltgate_bench.procs import BenchError
 from saltgate_bench.replay_metrics import Outcome
 from saltgate_bench.trace_schedule import ReplayRequest
 
+pytestmark = pytest.mark.unit
+
 
 def served(tenant: int, times: tuple[float, float, float], prompt: int, output: int) -> Record:
     """A served request; ``times``: sent, first token, last token."""

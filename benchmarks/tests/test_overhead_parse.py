@@ -75,6 +75,7 @@ Transfer/sec:     15.05MB
 """
 
 
+@pytest.mark.unit
 def test_parse_wrk_output() -> None:
     r = parse_wrk_output(WRK_OK)
     assert r.requests == 17350
@@ -85,6 +86,7 @@ def test_parse_wrk_output() -> None:
     assert r.errors == 0
 
 
+@pytest.mark.unit
 def test_parse_wrk_output_errors_and_microseconds() -> None:
     r = parse_wrk_output(WRK_ERRORS)
     assert r.p50_ms == pytest.approx(0.038)
@@ -94,12 +96,14 @@ def test_parse_wrk_output_errors_and_microseconds() -> None:
     assert r.errors == 12
 
 
+@pytest.mark.unit
 def test_parse_wrk_output_needs_latency_distribution() -> None:
     without = "\n".join(line for line in WRK_OK.splitlines() if "%" not in line or "Req" in line)
     with pytest.raises(ValueError, match="latency distribution"):
         parse_wrk_output(without)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("text", "ms"),
     [("12.00us", 0.012), ("1.5ms", 1.5), ("2.00s", 2000.0), ("1.50m", 90_000.0)],
@@ -108,11 +112,13 @@ def test_parse_time_ms(text: str, ms: float) -> None:
     assert parse_time_ms(text) == pytest.approx(ms)
 
 
+@pytest.mark.unit
 def test_parse_time_ms_rejects_garbage() -> None:
     with pytest.raises(ValueError):
         parse_time_ms("fast")
 
 
+@pytest.mark.unit
 def test_load_is_a_chat_request_of_about_4_4_kb() -> None:
     for stream in (False, True):
         body = chat_body(stream=stream)
@@ -125,6 +131,7 @@ def test_load_is_a_chat_request_of_about_4_4_kb() -> None:
     assert 'wrk.method = "POST"' in script
 
 
+@pytest.mark.unit
 def test_nginx_answer_is_openai_shaped_and_quoted() -> None:
     doc = json.loads(fixed_completion())
     assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] == 1024
@@ -159,6 +166,7 @@ def _sample(target: str, conc: int, rps: float, p50: float, p99: float) -> Sampl
     return Sample("nginx", target, 0, conc, wrk, CpuUse(wrk_cpu_pct=40.0, backend_cpu_pct=30.0))
 
 
+@pytest.mark.unit
 def test_added_latency_and_ratios() -> None:
     samples = [
         _sample("direct", 1, 20000, 0.05, 0.1),
@@ -209,6 +217,7 @@ def test_added_latency_and_ratios() -> None:
     )
 
 
+@pytest.mark.unit
 def test_the_json_document_keeps_its_shape() -> None:
     """docs/benchmarks.md and saved results read these fields: the records write the same
     keys, in the same order, that the dictionaries did."""
@@ -228,6 +237,7 @@ def test_the_json_document_keeps_its_shape() -> None:
     assert doc["wrk_cpu_pct"] == 9.5 and doc["router_proc_cpu_pct"] is None
 
 
+@pytest.mark.unit
 def test_summarize_profile_own_and_total() -> None:
     raw = (
         "<module> (saltgate/cli.py:1);run (asyncio/runners.py:10);handle (gw/server.py:5) 30\n"
@@ -243,6 +253,7 @@ def test_summarize_profile_own_and_total() -> None:
     assert total["<module> (saltgate/cli.py:1)"] == 100.0
 
 
+@pytest.mark.unit
 def test_summarize_profile_of_worker_processes_leaves_out_the_process_frames() -> None:
     raw = (
         'process 10:"python -m saltgate.cli serve";process 11:"python -m saltgate.gateway'
@@ -259,6 +270,7 @@ def test_summarize_profile_of_worker_processes_leaves_out_the_process_frames() -
     }
 
 
+@pytest.mark.unit
 def test_saltgate_workers_give_every_router_every_cpu() -> None:
     """One core per router, as in the one-core figures; with saltgate workers, every CPU
     for every router (the peers too: smg sizes its threads to them), wrk and the backend

@@ -7,10 +7,14 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from saltgate.routing.cluster import ClusterSettings
 from saltgate_bench.gateway_setup import GatewayState, check_gateway_config, gateway_config
 from saltgate_bench.replay_fleet import FleetOptions, killed_in_flight, variant_label
 from saltgate_bench.replay_metrics import Outcome, check_fleet_targets, markdown_table
+
+pytestmark = pytest.mark.unit
 
 
 def test_one_gateway_runs_once_and_the_rest_in_order() -> None:

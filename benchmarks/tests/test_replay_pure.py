@@ -44,6 +44,8 @@ from saltgate_bench.trace_schedule import (
     zipf_weights,
 )
 
+pytestmark = pytest.mark.unit
+
 B = 64
 
 

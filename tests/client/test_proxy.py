@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from saltgate.client.proxy import ProxyConfig, start_proxy
 from saltgate.client.secret import ENV_VAR
 from saltgate.client.transport import GatewayKeyError
 from saltgate.ehbp.frames import ServerKey
+from saltgate_devkit.procs import free_port
 
 SECRET = "proxy-user-" + "7" * 40
 
@@ -97,12 +97,6 @@ def test_the_proxy_refuses_to_start_against_an_unpinned_key(tmp_path: Path) -> N
                 await start_proxy(config)
 
     run(main)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_the_saltgate_proxy_command(tmp_path: Path) -> None:

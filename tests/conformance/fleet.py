@@ -26,7 +26,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -44,6 +43,7 @@ from saltgate.derivations.derive import SubKeys, derive_subkeys
 from saltgate.kvevents.wire import BlockStored, KVEvent, decode_batch
 from saltgate.serving.run import start_gateway
 from saltgate.store.tenants import TenantStore
+from saltgate_devkit.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_DIR = Path(os.environ.get("SALTGATE_VLLM_DIR", ROOT / ".vllm"))
@@ -82,13 +82,6 @@ class Tenancy:
     subkeys: SubKeys
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _missing_env() -> str | None:
     python = VLLM_DIR / "venv" / "bin" / "python"
     for path, what in (
@@ -111,7 +104,7 @@ def _tail(path: Path, lines: int = 30) -> str:
 def _start(
     index: int, workdir: Path, api_key: str, extra: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen[bytes], VllmReplica]:
-    port = _free_port()
+    port = free_port()
     kv = f"ipc://{workdir}/kv{index}.sock"
     kv_replay = f"ipc://{workdir}/kv{index}-replay.sock"
     events = {

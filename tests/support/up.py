@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from saltgate_devkit.procs import free_port
 
 
 @dataclass(frozen=True)
@@ -36,19 +37,6 @@ class Up:
         return f"{host}:{int(port) + 1}"
 
 
-def free_port_pair() -> int:
-    """A port P with P + 1 free too: `saltgate up --port P` serves its metrics on P + 1."""
-    while True:
-        with socket.socket() as sock, socket.socket() as next_sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-            try:
-                next_sock.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-
-
 @asynccontextmanager
 async def saltgate_up(
     state_dir: Path,
@@ -57,7 +45,7 @@ async def saltgate_up(
 ) -> AsyncIterator[Up]:
     """Run `saltgate up` (by default this environment's; `command` names another install's
     `saltgate`); yields once it printed its banner, stops it (SIGINT) after."""
-    port = free_port_pair()
+    port = free_port(run=2)  # `up` serves its admin listener on port + 1
     proc = await asyncio.create_subprocess_exec(
         *command, "up", "--port", str(port),
         "--replicas", str(replicas), "--state-dir", str(state_dir),
