@@ -34,7 +34,10 @@ SECRET = "victim-user-cache-secret-0001"
 # settings gave no such failure. A PASS still needs the whole AUC interval under 0.55, and
 # any leak whose rank test the default alpha flags within 1,500 per arm keeps it above.
 PASS_SETTINGS: dict[str, object] = {"alpha": 1e-6, "max_samples": 3000}
-PASS_TIMEOUT_S = 240  # the cap took 100 to 106 s beside two CPU hogs
+# At the cap an audit took 100 to 106 s beside two CPU hogs; in `make test` the suite's
+# other workers may keep two more cores busy, twice that (the operator probe's audit took
+# 96 s there once, not at the cap); and a third for margin.
+PASS_TIMEOUT_S = round(1.3 * 2 * 106)
 
 
 async def audit(base_url: str, victim: Identity, attacker: Identity, **kw: object) -> TimingReport:

@@ -31,9 +31,12 @@ BARE_ROUND, BARE_CAP = 80, 640
 # audits of arms drawn alike all passed (docs/testing.md); 3,000 would add half an hour to
 # the rare run that reaches it.
 GATEWAY_ROUND, GATEWAY_CAP, GATEWAY_ALPHA = 250, 2250, 1e-6
-# Measured 2026-12-02 beside two hogs: 3,750 probes through saltgate in 1,898 s, each
-# after its victim's prime (docs/testing.md).
-SECONDS_PER_PROBE_BESIDE_HOGS = 0.51
+# Measured 2026-12-05 beside two hogs: 1,876 probes through saltgate in 34 s, each after
+# its victim's prime, vLLM on one OpenMP thread (tests/conformance/fleet.py; with two it
+# was 0.51 s a probe). In `make test` the suite's other workers may keep two more cores
+# busy: twice that (docs/testing.md).
+SECONDS_PER_PROBE_BESIDE_HOGS = 0.018
+OTHER_WORKERS_LOAD = 2.0
 
 
 def probes_at_cap(cap: int) -> int:
@@ -42,7 +45,10 @@ def probes_at_cap(cap: int) -> int:
 
 
 TEST_7_TIMEOUT_S = round(
-    1.3 * SECONDS_PER_PROBE_BESIDE_HOGS * (probes_at_cap(BARE_CAP) + probes_at_cap(GATEWAY_CAP))
+    1.3
+    * OTHER_WORKERS_LOAD
+    * SECONDS_PER_PROBE_BESIDE_HOGS
+    * (probes_at_cap(BARE_CAP) + probes_at_cap(GATEWAY_CAP))
 )
 
 
@@ -69,10 +75,10 @@ def summary(report: TimingReport) -> str:
 
 @pytest.mark.timeout(TEST_7_TIMEOUT_S)
 def test_7_audit_detects_unsalted_vllm_and_passes_saltgate(fleet: Fleet, tenancy: Tenancy) -> None:
-    """Over 30 s (6 to 13 minutes; at both caps beside two hogs about an hour), and must
-    be: a PASS needs the whole AUC interval under 0.55, which takes 250 to 2,250 probes per
-    arm through saltgate, one at a time so none queues behind another, each a real prefill;
-    plus the bare replica's audit."""
+    """Over 30 s (30 to 65 s in `make test`, quiet or beside two hogs; at both caps about
+    5 minutes beside hogs), and must be: a PASS needs the whole AUC interval under 0.55,
+    which takes 250 to 2,250 probes per arm through saltgate, one at a time so none queues
+    behind another, each a real prefill; plus the bare replica's audit."""
     replica = fleet.replicas[0]
     # No salts, straight to vLLM (with its API key): the attacker sees the victim's hits.
     # The audit samples in rounds of 80 until its Bonferroni-corrected tests decide (a busy
