@@ -52,12 +52,15 @@ def test_a_short_fairness_run_reports_every_router_and_phase(tmp_path: Path) -> 
         assert r["quiet_requests"] > 0 and r["quiet_rejected"] == 0, r
         assert r["quiet_ttft_p99_ms"] is not None and r["quiet_ttft_p99_ms"] > 0
         assert r["total_rps"] > 0 and 0.0 <= r["cached_token_ratio"] < 1.0
-        assert r["service_difference"] >= 0.0
         # the noisy tenant sends only in its phase
         assert (r["noisy_requests"] > 0) == (r["phase"] == "noisy"), r
     for r in results:
         if r["phase"] == "alone":
             assert r["noisy_rps"] == 0.0 and r["service_difference"] == 0.0
+        if r["phase"] == "noisy":
+            # Neither router governs: behind 4x its share of long prompts the quiet tenant
+            # gets less than it asked while the noisy one gets more (the VTC max diff).
+            assert r["service_difference"] > 0.0, r
     # the table on stdout has a line per row
     assert done.stdout.count("| saltgate-ungoverned | 1 |") == 3
     assert done.stdout.count("| vllm-router | 1 |") == 3

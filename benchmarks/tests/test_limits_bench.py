@@ -4,12 +4,23 @@ controls show each check can fail. The figures are docs/benchmarks.md's, not the
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
-from saltgate_bench.limits import max_in_window
+import pytest
+from redis.asyncio import Redis
+
+from saltgate.derivations.derive import ROUTE_CHAT
+from saltgate.gateway.admission import Admission
+from saltgate.gateway.shared_limits import SharedLimits
+from saltgate.governance.limits import Limits
+from saltgate.store.tenants import Principal
+from saltgate_bench.limits import fallbacks_in, max_in_window
+from saltgate_devkit.procs import free_port
 
 
 def test_the_window_count_slides_and_is_half_open() -> None:
@@ -22,6 +33,30 @@ def test_the_window_count_slides_and_is_half_open() -> None:
     assert max_in_window([(0.0, 5), (59.999, 5)]) == 10
     assert max_in_window([(3.0, 7), (1.0, 2), (100.0, 4)]) == 9  # unsorted input
     assert max_in_window([]) == 0
+
+
+def test_fallbacks_are_counted_in_the_words_a_gateway_logs_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The report's `redis_fallbacks` counts the line a gateway logs when it loses Redis
+    and falls back to its share: a gateway whose Redis does not answer logs it once, and
+    the count finds it in each gateway's log (an empty count is then a fact, not a miss)."""
+
+    async def lose_redis() -> None:
+        nobody = Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=1)
+        admission = Admission({}, share=2, shared=SharedLimits(nobody, lease_ttl_s=60))
+        principal = Principal("tn_1", "acme", "key_1", 0, limits=Limits(rpm=10))
+        try:
+            for _ in range(2):  # told once, while it stays lost
+                await admission.admit(principal, ROUTE_CHAT, "m", 40, 1)
+        finally:
+            await nobody.aclose()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(lose_redis())
+    log = caplog.text
+    assert fallbacks_in([log]) == 1, log
+    assert fallbacks_in([log, log, "limits shared through Redis again"]) == 2
 
 
 def test_a_short_run_reports_every_figure_and_its_controls_fail(tmp_path: Path) -> None:
@@ -56,7 +91,10 @@ def test_a_short_run_reports_every_figure_and_its_controls_fail(tmp_path: Path) 
     )  # fmt: skip
     assert shared["sent"] == alone["sent"] == 40
     assert shared["max_window"]["requests"] <= 20 and shared["worst_ratio"] <= 1.02
-    assert shared["ok"] and shared["errors"] == 0 and shared["redis_fallbacks"] >= 0
+    assert shared["ok"] and shared["errors"] == 0
+    # How many fallbacks is the machine's (a 0.5 s Redis stall on a busy one is one); that
+    # a fallback is counted, the test above shows.
+    assert isinstance(shared["redis_fallbacks"], int)
     assert alone["redis_fallbacks"] is None
     assert alone["max_window"]["requests"] > 20 and alone["worst_ratio"] > 1.02 and alone["ok"]
     atomic, racy = report["concurrency"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 
-import anthropic
 import openai
 import pytest
 from tests.conformance.fleet import (
@@ -20,7 +19,13 @@ from tests.conformance.fleet import (
     stored,
 )
 from tests.gateway.stack import long_prompt
-from tests.support.sdks import SMUGGLED, anthropic_call, openai_call
+from tests.support.sdks import (
+    ANTHROPIC_AUTHS,
+    SMUGGLED,
+    anthropic_call,
+    anthropic_client,
+    openai_call,
+)
 
 from saltgate.derivations.derive import cache_salt
 
@@ -68,11 +73,9 @@ def test_13_the_anthropic_client_with_both_kinds_of_key(fleet: Fleet, tenancy: T
         start = next_seq(fleet.replicas[0])
         key = tenancy.keys["alice"]
         async with gateway(fleet, tenancy, replicas=(0,)) as url:
-            clients = {
-                "x-api-key": anthropic.AsyncAnthropic(base_url=url, api_key=key, max_retries=0),
-                "auth_token": anthropic.AsyncAnthropic(base_url=url, auth_token=key, max_retries=0),
-            }
-            for auth, client in clients.items():
+            for auth in ANTHROPIC_AUTHS:
+                sdk = anthropic_client(url, key, auth)
+                client = sdk.client
                 for stream in (False, True):
                     prompt = long_prompt(f"sdk{RUN}{auth}{stream}", 30)
                     first = await anthropic_call(client, MODEL_NAME, prompt, stream=stream)
@@ -84,6 +87,8 @@ def test_13_the_anthropic_client_with_both_kinds_of_key(fleet: Fleet, tenancy: T
                     assert first.cache_read == 0 and again.cache_read > 0, what
                     assert again.prompt_tokens == first.prompt_tokens, what
                 await client.close()
+                # Each kind of key as its case names it: both cases are not one request.
+                assert sdk.credentials() == [sdk.expected(auth, key)] * 4, auth
         replica_saw_only(fleet, start, salt_of(tenancy))
 
     asyncio.run(main())

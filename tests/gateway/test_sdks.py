@@ -11,19 +11,19 @@ tests/conformance/test_vllm_sdks.py runs the same suites against real vLLM.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
 
 import anthropic
 import openai
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, Stack, ledger_rows, long_prompt, run, stack
-from tests.support.http import TLS
 from tests.support.sdks import (
+    ANTHROPIC_AUTHS,
     SMUGGLED,
     AnthropicCall,
     OpenAICall,
     anthropic_call,
+    anthropic_client,
     openai_call,
 )
 from tests.support.up import saltgate_up
@@ -76,45 +76,20 @@ def test_the_openai_client(tmp_path: Path, api: str, stream: bool) -> None:
     run(main)
 
 
-@pytest.mark.parametrize("auth", ["x-api-key", "auth_token"])
+@pytest.mark.parametrize("auth", ANTHROPIC_AUTHS)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_the_anthropic_client(tmp_path: Path, auth: str, stream: bool) -> None:
     async def main() -> None:
         async with stack(tmp_path, replicas=1) as s:
             key = s.keys["alice"]
-            said: list[Any] = []  # the requests as the SDK sent them (its own HTTP package's)
-
-            async def heard(request: Any) -> None:
-                said.append(request)
-
-            http = anthropic.DefaultAsyncHttpxClient(verify=TLS, event_hooks={"request": [heard]})
-            if auth == "x-api-key":
-                # This SDK sends an api_key as a Bearer token, as it does an auth_token:
-                # the header Anthropic's API names is set, the Bearer one left out.
-                client = anthropic.AsyncAnthropic(
-                    base_url=s.url,
-                    api_key=key,
-                    max_retries=0,
-                    http_client=http,
-                    # Typed str only; the SDK drops an omitted one (its _merge_mappings).
-                    default_headers=cast(
-                        "dict[str, str]", {"X-Api-Key": key, "Authorization": anthropic.omit}
-                    ),
-                )
-            else:
-                client = anthropic.AsyncAnthropic(
-                    base_url=s.url, auth_token=key, max_retries=0, http_client=http
-                )
+            sdk = anthropic_client(s.url, key, auth)
+            client = sdk.client
             prompt = long_prompt(f"anthropic-{auth}", 300)
             first: AnthropicCall = await anthropic_call(client, MODEL, prompt, stream=stream)
             again = await anthropic_call(client, MODEL, prompt, stream=stream, extra_body=SMUGGLED)
             await client.close()
             # The key went in the header this case names, and only there.
-            credentials = [
-                (r.headers.get("x-api-key"), r.headers.get("authorization")) for r in said
-            ]
-            named = (key, None) if auth == "x-api-key" else (None, f"Bearer {key}")
-            assert credentials == [named, named]
+            assert sdk.credentials() == [sdk.expected(auth, key)] * 2
             for call in (first, again):
                 assert call.text and call.prompt_tokens > 0 and call.output_tokens > 0
             assert first.cache_read == 0 and again.cache_read > 0

@@ -3,10 +3,11 @@ application would: the text, and the usage the SDK reports, in one shape for all
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import anthropic
 import openai
+from tests.support.http import TLS
 
 # What a client might pass in extra_body that must never reach a replica as such.
 SMUGGLED: dict[str, Any] = {
@@ -14,6 +15,53 @@ SMUGGLED: dict[str, Any] = {
     "vllm_xargs": {"kv_cache_report_mode": "all"},
 }
 MAX_TOKENS = 4
+
+
+ANTHROPIC_AUTHS = ("x-api-key", "auth_token")
+
+
+class AnthropicClient(NamedTuple):
+    """A client that sends the key in the header its case names, and what it sent."""
+
+    client: anthropic.AsyncAnthropic
+    sent: list[Any]  # the requests as the SDK sent them (its own HTTP package's)
+
+    def credentials(self) -> list[tuple[str | None, str | None]]:
+        """Each request's (x-api-key, authorization) headers."""
+        return [(r.headers.get("x-api-key"), r.headers.get("authorization")) for r in self.sent]
+
+    @staticmethod
+    def expected(auth: str, key: str) -> tuple[str | None, str | None]:
+        return (key, None) if auth == "x-api-key" else (None, f"Bearer {key}")
+
+
+def anthropic_client(base_url: str, key: str, auth: str) -> AnthropicClient:
+    """The official client with the tenant's key as Anthropic's `x-api-key` header, or as
+    a Bearer `auth_token`. This SDK sends an `api_key` as a Bearer token too, so the
+    x-api-key case sets the header Anthropic's API names itself and leaves the Bearer one
+    out: else both cases would send the same request."""
+    sent: list[Any] = []
+
+    async def heard(request: Any) -> None:
+        sent.append(request)
+
+    http = anthropic.DefaultAsyncHttpxClient(verify=TLS, event_hooks={"request": [heard]})
+    if auth == "x-api-key":
+        client = anthropic.AsyncAnthropic(
+            base_url=base_url,
+            api_key=key,
+            max_retries=0,
+            http_client=http,
+            # Typed str only; the SDK drops an omitted one (its _merge_mappings).
+            default_headers=cast(
+                "dict[str, str]", {"X-Api-Key": key, "Authorization": anthropic.omit}
+            ),
+        )
+    else:
+        client = anthropic.AsyncAnthropic(
+            base_url=base_url, auth_token=key, max_retries=0, http_client=http
+        )
+    return AnthropicClient(client, sent)
 
 
 class OpenAICall(NamedTuple):

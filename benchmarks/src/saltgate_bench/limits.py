@@ -100,6 +100,13 @@ OUTPUT_PER_REQUEST = 16
 UNBOUNDED = Limits(rpm=10**9, input_tpm=10**12, output_tpm=10**12)
 BUDGET_CLIENTS = 16
 FALLBACK = "limits: Redis unreachable"  # what a gateway logs as it falls back to its share
+
+
+def fallbacks_in(logs: Iterable[str]) -> int:
+    """The fallbacks to the local share that gateways' logs record."""
+    return sum(log.count(FALLBACK) for log in logs)
+
+
 STREAM_MAX_TOKENS = 64  # cut after the first: midway
 
 
@@ -282,7 +289,7 @@ class Bench:
     def fallbacks(self) -> int:
         """How often a gateway found Redis unanswering (0.5 s) and fell back to its share,
         from their logs: each such second, the fleet can admit past a limit."""
-        return sum(p.log_path.read_text(errors="replace").count(FALLBACK) for p in self.gateways)
+        return fallbacks_in(p.log_path.read_text(errors="replace") for p in self.gateways)
 
     def down(self) -> None:
         for proc in self.gateways:
