@@ -325,3 +325,10 @@ def cluster_bus(k_route: bytes) -> tuple[bytes, str]:
 
 def cluster_tag(k_bus: bytes, payload: bytes) -> bytes:
     return hmac_sha256(k_bus, b"saltgate/v1/cluster-batch" + payload)[:16]
+
+
+def media_uuid(salt: str, modality: str, media: bytes) -> str:
+    """docs/spec.md section 12: the uuid set on a media content part."""
+    msg = b"saltgate/v1/media-uuid" + lp(modality.encode()) + lp(media)
+    mac = hmac_sha256(salt.encode(), msg)
+    return "sg1m_" + base64.urlsafe_b64encode(mac).decode().replace("=", "")

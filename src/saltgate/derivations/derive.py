@@ -21,7 +21,7 @@ import orjson
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from saltgate.derivations.encoding import b64url_nopad, lp, u32be
+from saltgate.derivations.encoding import U32_MAX, b64url_nopad, lp, u32be
 from saltgate.derivations.labels import (
     CACHE_SALT_DOMAIN,
     CLUSTER_BATCH_DOMAIN,
@@ -30,6 +30,8 @@ from saltgate.derivations.labels import (
     LABEL_KV_EVENTS_KEY,
     LABEL_ROUTE_KEY,
     LABEL_SALT_KEY,
+    MEDIA_UUID_DOMAIN,
+    MEDIA_UUID_PREFIX,
     PREFIX_DOMAIN,
     ROUTE_DOMAIN,
     SALT_PREFIX,
@@ -215,6 +217,32 @@ def cache_salt(k_salt: bytes, tenant_id: str, epoch: str, user_cache_secret: str
             )
         )
     return SALT_PREFIX + b64url_nopad(hmac_sha256(k_salt, msg))
+
+
+# -- media uuids -------------------------------------------------------------------------
+
+MEDIA_UUID_LENGTH: Final = 48  # "sg1m_" + 43 base64url characters of a 32-byte MAC
+
+
+def media_uuid(salt: str, modality: str, media: bytes) -> str:
+    """The ``uuid`` the gateway sets on a multimodal content part (docs/spec.md, 12).
+
+    ``"sg1m_" + b64url_nopad(HMAC-SHA256(key = UTF-8 of the cache salt, domain ||
+    lp(modality) || lp(media)))``. vLLM keys its multimodal processor and encoder caches by
+    a part's uuid verbatim, without the salt: keyed by the salt (itself a MAC under K_salt
+    of tenant, epoch and user secret), the key is the namespace's own, and bound to the
+    media and its modality, one uuid never names two different inputs (vLLM's engine
+    fails on a uuid reused for items of different sizes). ``media`` is what vLLM reads:
+    the part's URL string (a ``data:`` URL), see docs/spec.md for each part type.
+    """
+    if not salt:
+        raise ValueError("salt must be non-empty")
+    if len(media) > U32_MAX:
+        raise ValueError("media longer than 2**32 - 1 bytes")
+    head = MEDIA_UUID_DOMAIN + lp(modality.encode("utf-8")) + u32be(len(media))
+    mac = hmac.new(salt.encode("utf-8"), head, hashlib.sha256)
+    mac.update(media)  # lp(media) without copying the media into one buffer
+    return MEDIA_UUID_PREFIX + b64url_nopad(mac.digest())
 
 
 # -- route window and route key ----------------------------------------------------------

@@ -29,6 +29,10 @@ KV_CURVE_LABEL: Final = b"saltgate/v1/kv-relay-curve"  # HKDF info of the relay'
 LABEL_CLUSTER_BUS_KEY: Final = b"saltgate/v1/cluster-bus"
 CLUSTER_STREAM_DOMAIN: Final = b"saltgate/v1/cluster-stream"
 CLUSTER_BATCH_DOMAIN: Final = b"saltgate/v1/cluster-batch"
+# The uuid set on each multimodal content part (section 12): keyed by the cache salt.
+MEDIA_UUID_DOMAIN: Final = b"saltgate/v1/media-uuid"
 
 # What every derived cache salt starts with ("sg" + the spec version).
 SALT_PREFIX: Final = "sg1_"
+# What every media uuid starts with ("sg1" + "m" for media).
+MEDIA_UUID_PREFIX: Final = "sg1m_"

@@ -21,6 +21,7 @@ from saltgate.derivations.derive import (
     InvalidSecretError,
     validate_user_cache_secret,
 )
+from saltgate.policy import content
 from saltgate.policy.errors import (
     ApiError,
     body_too_large,
@@ -294,6 +295,8 @@ class Inspected(NamedTuple):
     user_cache_secret: str | None
     max_tokens: int | None = None
     prompt_cache_key: str | None = None
+    # content parts to rewrite (media uuids, client uuids, mm kwargs): policy/content.py
+    content_rewrite: bool = False
 
     def __repr__(self) -> str:  # never the user's secret
         return (
@@ -372,6 +375,7 @@ def inspect(route: str, body: Mapping[str, Any]) -> Inspected:
     if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
         raise invalid_type("prompt_cache_key", "a string")
 
+    parts = content.check(route, body)
     wants_usage = not stream or route not in STREAM_OPTIONS_ROUTES or include_usage
     return Inspected(
         route=route,
@@ -381,6 +385,7 @@ def inspect(route: str, body: Mapping[str, Any]) -> Inspected:
         user_cache_secret=secret,
         max_tokens=max_tokens,
         prompt_cache_key=prompt_cache_key or None,
+        content_rewrite=parts.rewrite,
     )
 
 
@@ -422,10 +427,15 @@ def prepare(body: Body, inspected: Inspected, salt: str | None) -> bytes:
     serialisation with the salt spliced in as its last member, byte for byte what
     serialising the edited object would write, without a second serialisation (a few
     microseconds at 4 KB, ~170 us at 100 KB; tests/policy/bench_parse.py).
+
+    Content parts with media (or client uuids) are rewritten on a copy first
+    (`content.rewrite`: media uuids bound to ``salt``, client uuids dropped).
     """
     obj = body.obj
     salted = salt is not None and inspected.route in SALTED_ROUTES
-    if STRIPPED_FIELDS.isdisjoint(obj) and not inspected.forces_usage:  # the usual case
+    if inspected.content_rewrite:
+        obj = content.rewrite(inspected.route, orjson.loads(body.serialized), salt)
+    elif STRIPPED_FIELDS.isdisjoint(obj) and not inspected.forces_usage:  # the usual case
         if not salted:
             return body.serialized
         if obj:
