@@ -36,6 +36,7 @@ from saltgate.sim.errors import (
     route_not_found,
 )
 from saltgate.sim.metrics import render
+from saltgate.sim.multimodal import MediaCache
 from saltgate.sim.tokenizer import decode, pieces
 
 JSON = [(b"content-type", b"application/json")]
@@ -110,6 +111,7 @@ class SimServer:
             self.handle, max_body_bytes=config.max_body_bytes, error_response=error_response
         )
         self._api_key = config.api_key.encode() if config.api_key else None
+        self.media = MediaCache()  # vLLM's multimodal caches: keyed without the salt
         self._models_body = orjson.dumps(
             {
                 "object": "list",
@@ -193,7 +195,8 @@ class SimServer:
         return await route(request)
 
     def _body(self, request: Request) -> dict[str, Any]:
-        return p.read_json(request.body, request.header(b"content-type"))
+        body = p.read_json(request.body, request.header(b"content-type"))
+        return self.media.resolve(request.path, body)
 
     # -- generation ------------------------------------------------------------------------
     async def _generate(self, request: Request) -> Response:
@@ -333,13 +336,16 @@ class SimServer:
             "num_gpu_blocks": str(cfg.num_blocks),
             "prefix_caching_hash_algo": cfg.hash_algo,
         }
-        return render(
-            engine.metrics,
-            model=cfg.model,
-            running=engine.num_running,
-            waiting=engine.num_waiting,
-            kv_usage=pool.usage,
-            queries_tokens=pool.queries_tokens,
-            hits_tokens=pool.hits_tokens,
-            cache_info=info,
+        return (
+            render(
+                engine.metrics,
+                model=cfg.model,
+                running=engine.num_running,
+                waiting=engine.num_waiting,
+                kv_usage=pool.usage,
+                queries_tokens=pool.queries_tokens,
+                hits_tokens=pool.hits_tokens,
+                cache_info=info,
+            )
+            + self.media.metrics(cfg.model).encode()
         )
