@@ -167,6 +167,7 @@ def test_responses_message_items_bare_parts_and_tool_outputs() -> None:
                 "call_id": "c",
                 "output": [{"type": "input_image", "image_url": PNG, "uuid": "u"}],
             },
+            {"type": "input_text", "text": "x", "uuid": "u"},  # a bare text part, too
         ],
     }
     out = forwarded(RESPONSES, body)
@@ -175,6 +176,7 @@ def test_responses_message_items_bare_parts_and_tool_outputs() -> None:
     assert out["input"][1]["uuid"] == want
     assert out["input"][2]["output"][0]["uuid"] == want
     assert out["input"][2]["call_id"] == "c"
+    assert out["input"][3] == {"type": "input_text", "text": "x"}
 
 
 def test_responses_file_id_only_image_is_missing_media() -> None:

@@ -396,10 +396,10 @@ def _classify(
         if url is None:
             raise _missing_media(route, f"{param}.{kind.key}")
         return url, kind
-    if bare:
-        return _SKIP  # a message or function_call item: its own lists are walked apart
     if kind_name in TEXT_PART_TYPES:
         return None
+    if bare:
+        return _SKIP  # a message or function_call item: its own lists are walked apart
     raise _unknown(route, f"{param}.type", kind_name)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Any, Final
 
 from saltgate.sim.errors import SimError
@@ -81,6 +81,9 @@ class MediaCache:
         self._capacity = capacity
         self.queries = 0
         self.hits = 0
+        # Which entries were hit, and how often: tests tell whose item served a request.
+        self.hits_by_key: Counter[str] = Counter()
+        self.stored: deque[str] = deque(maxlen=capacity)  # keys stored, latest last
 
     def _item(self, key: str | None, data: bytes | None, modality: str, index: int) -> str:
         """The features of one item: from the cache by its key, else processed and kept."""
@@ -93,6 +96,7 @@ class MediaCache:
         cached = self._items.get(key)
         if cached is not None:
             self.hits += 1
+            self.hits_by_key[key] += 1
             self._items.move_to_end(key)
             return cached
         if data is None:
@@ -101,8 +105,10 @@ class MediaCache:
             )
         made = features(data)
         self._items[key] = made
+        self.stored.append(key)
         if len(self._items) > self._capacity:
-            self._items.popitem(last=False)
+            evicted, _ = self._items.popitem(last=False)
+            self.hits_by_key.pop(evicted, None)
         return made
 
     def _part(self, part: Any, counts: dict[str, int], anthropic: bool) -> Any:
