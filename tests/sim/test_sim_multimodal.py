@@ -9,6 +9,7 @@ import pytest
 
 from saltgate.sim.errors import SimError
 from saltgate.sim.multimodal import MAX_FEATURES, MediaCache, features
+from saltgate.sim.server import SimConfig, SimServer
 from saltgate.sim.tokenizer import tokenize
 
 pytestmark = pytest.mark.unit
@@ -97,14 +98,25 @@ def test_anthropic_blocks_are_keyed_by_content_their_uuid_dropped() -> None:
     assert (cache.hits, cache.hits_by_key["u"]) == (1, 0)
 
 
-def test_responses_parts_and_metrics() -> None:
+def test_responses_parts_are_resolved() -> None:
     cache = MediaCache()
     item = {"role": "user", "content": [{"type": "input_image", "image_url": url(b"R" * 64)}]}
     out = cache.resolve(b"/v1/responses", {"input": [item, item]})
     assert out["input"][0]["content"][0]["text"].startswith("<image>")
-    text = cache.metrics("m")
+    assert (cache.queries, cache.hits) == (2, 1)
+
+
+def test_metrics_count_queries_and_hits_where_vllm_writes_them() -> None:
+    server = SimServer(SimConfig(model="m"))
+    server.media.resolve(CHAT, chat(image(b"A" * 64)))
+    server.media.resolve(CHAT, chat(image(b"A" * 64)))
+    text = server.metrics().decode()
     assert 'vllm:mm_cache_queries_total{engine="0",model_name="m"} 2.0' in text
     assert 'vllm:mm_cache_hits_total{engine="0",model_name="m"} 1.0' in text
+    # vLLM registers them after the external prefix cache counters, before preemptions
+    names = ("external_prefix_cache_hits", "mm_cache_queries", "mm_cache_hits", "num_preemptions")
+    order = [text.index(f"# HELP vllm:{name}_total ") for name in names]
+    assert order == sorted(order)
 
 
 def test_the_simulator_fetches_nothing() -> None:

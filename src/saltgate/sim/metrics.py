@@ -192,6 +192,8 @@ def render(
     queries_tokens: int,
     hits_tokens: int,
     cache_info: dict[str, str],
+    mm_queries: int = 0,
+    mm_hits: int = 0,
 ) -> bytes:
     """The exposition text of one engine (engine="0"), in vLLM's names and label order."""
     base = _labels(model)
@@ -232,6 +234,16 @@ def render(
             "External prefix cache hits from KV connector cross-instance cache sharing, "
             "in terms of number of cached tokens.",
             [("", 0)],
+        ),
+        (
+            "mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items.",
+            [("", mm_queries)],
+        ),
+        (
+            "mm_cache_hits",
+            "Multi-modal cache hits, in terms of number of cached items.",
+            [("", mm_hits)],
         ),
         ("num_preemptions", "Cumulative number of preemption from the engine.", [("", 0)]),
         ("prompt_tokens", "Number of prefill tokens processed.", [("", metrics.prompt_tokens)]),

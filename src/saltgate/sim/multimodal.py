@@ -133,8 +133,10 @@ class MediaCache:
             member, modality = _MEDIA[kind]
             uuid = part.get("uuid")
             value = part.get(member)
-            if member == "input_audio" and isinstance(value, dict):
-                value = f"data:audio/{value.get('format')};base64,{value.get('data')}"
+            if member == "input_audio":  # vLLM builds a data: URL of it
+                audio = value if isinstance(value, dict) else {}
+                data = audio.get("data")
+                value = f"data:audio/{audio.get('format')};base64,{data}" if data else None
             url = value.get("url") if isinstance(value, dict) else value
         else:
             return part
@@ -174,17 +176,3 @@ class MediaCache:
                 for item in body["input"]
             ]
         return body
-
-    def metrics(self, model: str) -> str:
-        """vLLM's two multimodal cache counters, in the exposition format."""
-        labels = f'{{engine="0",model_name="{model}"}}'
-        lines = []
-        for name, value, what in (
-            ("mm_cache_queries", self.queries, "number of queried items"),
-            ("mm_cache_hits", self.hits, "number of cached items"),
-        ):
-            kind = "queries" if name.endswith("queries") else "hits"
-            lines.append(f"# HELP vllm:{name}_total Multi-modal cache {kind}, in terms of {what}.")
-            lines.append(f"# TYPE vllm:{name}_total counter")
-            lines.append(f"vllm:{name}_total{labels} {float(value)}")
-        return "\n".join(lines) + "\n"

@@ -336,16 +336,15 @@ class SimServer:
             "num_gpu_blocks": str(cfg.num_blocks),
             "prefix_caching_hash_algo": cfg.hash_algo,
         }
-        return (
-            render(
-                engine.metrics,
-                model=cfg.model,
-                running=engine.num_running,
-                waiting=engine.num_waiting,
-                kv_usage=pool.usage,
-                queries_tokens=pool.queries_tokens,
-                hits_tokens=pool.hits_tokens,
-                cache_info=info,
-            )
-            + self.media.metrics(cfg.model).encode()
+        return render(
+            engine.metrics,
+            model=cfg.model,
+            running=engine.num_running,
+            waiting=engine.num_waiting,
+            kv_usage=pool.usage,
+            queries_tokens=pool.queries_tokens,
+            hits_tokens=pool.hits_tokens,
+            cache_info=info,
+            mm_queries=self.media.queries,
+            mm_hits=self.media.hits,
         )
