@@ -215,7 +215,7 @@ def _too_many(route: str) -> ApiError:
     return _error(
         route,
         f"Too many media items: a request may carry at most {MAX_MEDIA_ITEMS}.",
-        "messages",
+        "input" if route == ROUTE_RESPONSES else "messages",
         "too_many_media_items",
     )
 
