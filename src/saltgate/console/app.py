@@ -77,6 +77,16 @@ LIMIT_FIELDS: Final = (
     ("budget_micro_usd", "Budget (micro-USD)"),
     ("budget_period_s", "Budget period (s)"),
 )
+# What a form's redirect says on the next page (``?done=CODE``); other codes show nothing.
+DONE: Final = {
+    "tenant-created": "Tenant created.",
+    "limits-saved": "Limits saved.",
+    "salt-rotated": "Salt rotated: a fresh cache namespace.",
+    "key-revoked": "Key revoked.",
+    "admin-token-revoked": "Admin token revoked.",
+    "price-set": "Price set.",
+    "price-cleared": "Price cleared: the configuration's applies.",
+}
 WEIGHT_LABEL: Final = "Fair-share weight"
 SCOPE_NAMES: Final = (
     "usage:read",
@@ -297,12 +307,14 @@ class Console:
             return self._sign_in_page(200)
         if request.method != b"POST":
             return self._plain(405, "Use GET or POST.")
-        if not self.sign_ins.allow(request.client.peer):
-            return self._sign_in_page(429, "Too many sign-in attempts; wait a minute.")
         form = parse_qs(request.body.decode("utf-8", "replace"))
         token = (form.get("token") or [""])[-1].strip()
+        if not self.sign_ins.allow(token):
+            return self._sign_in_page(429, "Too many failed sign-ins; wait a minute.")
         status, me = await self._call(token, "GET", "me") if token else (401, {})
         if status != 200:
+            if status == 401:  # refused; not a store outage (503), which is no one's guess
+                self.sign_ins.failed(token)
             return self._sign_in_page(401, "That admin token was not accepted.")
         value = self.sessions.start(
             token, str(me["id"]), frozenset(me.get("scopes") or ()), me.get("tenant_id")
@@ -406,6 +418,7 @@ class Console:
 
     async def _get(self, session: Session, rest: str, query: dict[str, str]) -> Response:
         name, as_json = (rest[:-5], True) if rest.endswith(".json") else (rest, False)
+        done = DONE.get(query.pop("done", ""))  # a code of ours: a link cannot bring text
         if name == "usage.csv":
             return await self._usage_csv(session, query)
         parts = name.split("/")
@@ -417,7 +430,6 @@ class Console:
             return self._plain(404, "No such page.")
         if as_json:
             return _response(view.status, orjson.dumps(view.data), JSON_TYPE, [])
-        done = query.get("done")
         body = (html.notice(done) if done else "") + view.body
         twin = url(f"{name}.json", query)
         who = session.token_id + (f" (tenant {session.tenant_id})" if session.tenant_id else "")
@@ -1032,7 +1044,7 @@ class Console:
     async def _create_tenant(self, session: Session, _: str, form: Form) -> Response:
         status, answer = await self.api(session, "POST", "tenants", body={"name": form.one("name")})
         return self._after(
-            status, answer, url(f"tenants/{answer.get('id')}", {"done": "Tenant created."})
+            status, answer, url(f"tenants/{answer.get('id')}", {"done": "tenant-created"})
         )
 
     async def _set_limits(self, session: Session, tenant: str, form: Form) -> Response:
@@ -1048,11 +1060,11 @@ class Console:
             if not math.isfinite(limits["weight"]):  # JSON has no NaN: it would clear it
                 return self._plain(400, "The weight is a positive number, such as 1, 2 or 0.5.")
         status, answer = await self.api(session, "PUT", f"tenants/{tenant}/limits", body=limits)
-        return self._after(status, answer, url(f"tenants/{tenant}", {"done": "Limits saved."}))
+        return self._after(status, answer, url(f"tenants/{tenant}", {"done": "limits-saved"}))
 
     async def _rotate_salt(self, session: Session, tenant: str, _: Form) -> Response:
         status, answer = await self.api(session, "POST", f"tenants/{tenant}/rotate_salt")
-        done = {"done": "Salt rotated: a fresh cache namespace."}
+        done = {"done": "salt-rotated"}
         return self._after(status, answer, url(f"tenants/{tenant}", done))
 
     async def _create_key(self, session: Session, _: str, form: Form) -> Response:
@@ -1062,7 +1074,7 @@ class Console:
 
     async def _revoke_key(self, session: Session, key: str, _: Form) -> Response:
         status, answer = await self.api(session, "DELETE", f"keys/{key}")
-        back = {"tenant": str(answer.get("tenant_id") or ""), "done": f"Key {key} revoked."}
+        back = {"tenant": str(answer.get("tenant_id") or ""), "done": "key-revoked"}
         return self._after(status, answer, url("keys", back))
 
     async def _rotate_key(self, session: Session, key: str, form: Form) -> Response:
@@ -1085,7 +1097,7 @@ class Console:
 
     async def _revoke_admin_token(self, session: Session, token_id: str, _: Form) -> Response:
         status, answer = await self.api(session, "DELETE", f"admin_tokens/{token_id}")
-        done = {"done": f"Admin token {token_id} revoked."}
+        done = {"done": "admin-token-revoked"}
         return self._after(status, answer, url("admin-tokens", done))
 
     async def _set_price(self, session: Session, _: str, form: Form) -> Response:
@@ -1094,12 +1106,12 @@ class Console:
         status, answer = await self.api(
             session, "PUT", _price_path(model), body={f: form.one(f) for f in fields}
         )
-        return self._after(status, answer, url("prices", {"done": f"Price of {model} set."}))
+        return self._after(status, answer, url("prices", {"done": "price-set"}))
 
     async def _clear_price(self, session: Session, _: str, form: Form) -> Response:
         model = form.one("model")
         status, answer = await self.api(session, "DELETE", _price_path(model))
-        done = {"done": f"Price of {model} cleared: the configuration's applies."}
+        done = {"done": "price-cleared"}
         return self._after(status, answer, url("prices", done))
 
     def _after(self, status: int, answer: dict[str, Any], to: str) -> Response:
