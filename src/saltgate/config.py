@@ -15,12 +15,13 @@ import dataclasses
 import errno
 import ipaddress
 import os
+import re
 import secrets
 import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 from saltgate.derivations.derive import MASTER_KEY_MIN_BYTES
@@ -226,6 +227,14 @@ class GatewayConfig:
     port: int = 8000
     admin_host: str = "127.0.0.1"
     admin_port: int | None = 8001
+    # Host names the admin listener answers to besides admin_host and the loopback names
+    # (a DNS-rebinding page names its own host: refused, docs/admin-api.md).
+    admin_allowed_hosts: tuple[str, ...] = ()
+    # TLS for the admin listener (PEM files; the key mode 0600). Off loopback without it,
+    # `serve` refuses to start unless allow_plaintext_admin is set (then warns).
+    admin_tls_cert_file: Path | None = None
+    admin_tls_key_file: Path | None = None
+    allow_plaintext_admin: bool = False
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0
     prices: dict[str, Price] = field(default_factory=dict)
@@ -268,6 +277,16 @@ class GatewayConfig:
     @property
     def db_path(self) -> Path:
         return self.state_dir / "saltgate.db"
+
+    @property
+    def admin_plaintext_remote(self) -> bool:
+        """An admin listener off loopback without TLS: admin tokens and the console's
+        cookie would cross the network in clear."""
+        return (
+            self.admin_port is not None
+            and self.admin_tls_cert_file is None
+            and not is_loopback(self.admin_host)
+        )
 
     @property
     def store_settings(self) -> StoreSettings:
@@ -473,7 +492,31 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
     )
     if not config.allow_plaintext_upstream:
         _refuse_plaintext(replicas)
+    refuse_plaintext_admin(config)
     return config
+
+
+def refuse_plaintext_admin(config: GatewayConfig) -> None:
+    """ConfigError for an admin listener off loopback over plain HTTP, unless the
+    operator opted in (allow_plaintext_admin; then `admin_plaintext_warning` says it)."""
+    if config.admin_plaintext_remote and not config.allow_plaintext_admin:
+        raise ConfigError(
+            f"gateway.admin_host: {config.admin_host} is off loopback, and admin tokens and "
+            "console sessions would cross the network in clear: set admin_tls_cert_file and "
+            "admin_tls_key_file, bind 127.0.0.1 and reach it over an SSH tunnel, or set "
+            "[gateway] allow_plaintext_admin = true"
+        )
+
+
+def admin_plaintext_warning(config: GatewayConfig) -> str | None:
+    """The warning for an admin listener the operator opted to serve off loopback in clear."""
+    if not config.admin_plaintext_remote:
+        return None
+    return (
+        f"WARNING: the admin listener on {config.admin_host} is off loopback without TLS "
+        "(allow_plaintext_admin): admin tokens and console sessions cross the network in "
+        "clear; set admin_tls_cert_file and admin_tls_key_file"
+    )
 
 
 def _refuse_plaintext(replicas: tuple[ReplicaConfig, ...]) -> None:
@@ -505,9 +548,11 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
         ("upstream_timeout_s", (int, float)),
         ("store_outage_grace_s", (int, float)),
         ("allow_plaintext_upstream", bool),
+        ("allow_plaintext_admin", bool),
     ):
         if key in gw:
             kwargs[key] = _expect(gw, key, kind, "gateway")
+    kwargs.update(_admin_listener(gw, base))
     if kwargs.get("store_outage_grace_s", 1) <= 0:
         raise ConfigError("gateway.store_outage_grace_s: must be positive")
     for key, choices in (("on_client_gone", CLIENT_GONE_MODES), ("log_format", LOG_FORMATS)):
@@ -531,10 +576,35 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
             kwargs["trusted_proxies"] = TrustedProxies.parse(items)
         except ValueError as exc:
             raise ConfigError(f"gateway.trusted_proxies: {exc}") from None
-    unknown = set(gw) - {*kwargs, "state_dir", "master_key_file"}
+    unknown = set(gw) - {*kwargs, "state_dir", "master_key_file", *ADMIN_LISTENER_KEYS}
     if unknown:
         raise ConfigError(f"gateway: unknown keys {sorted(unknown)}")
     return kwargs
+
+
+ADMIN_LISTENER_KEYS: Final = ("admin_allowed_hosts", "admin_tls_cert_file", "admin_tls_key_file")
+_HOST_NAME: Final = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253})")
+
+
+def _admin_listener(gw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """[gateway] admin_allowed_hosts and the admin listener's TLS files."""
+    out: dict[str, Any] = {}
+    if "admin_allowed_hosts" in gw:
+        names = _expect(gw, "admin_allowed_hosts", list, "gateway")
+        if not all(isinstance(n, str) and _HOST_NAME.fullmatch(n) for n in names):
+            raise ConfigError(
+                "gateway.admin_allowed_hosts: expected host names without a port, such as "
+                '["admin.internal", "10.0.0.4", "[fd00::4]"]'
+            )
+        out["admin_allowed_hosts"] = tuple(n.lower() for n in names)
+    files = [k for k in ("admin_tls_cert_file", "admin_tls_key_file") if k in gw]
+    if len(files) == 1:
+        raise ConfigError(
+            "gateway.admin_tls_cert_file and admin_tls_key_file: give both (PEM files)"
+        )
+    for key in files:
+        out[key] = _relative_to(base, _expect(gw, key, str, "gateway"))
+    return out
 
 
 def _ehbp(table: Any, base: Path) -> dict[str, Any]:

@@ -378,7 +378,13 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
                 assert ready.json()["store"] == "unreachable"
                 assert ready.json()["replicas"]["healthy"] == 1  # the store alone says no
                 assert "postgresql://" not in ready.text
-                assert _gauge(await http.get(gateway.metrics_url), "unreachable") >= 1.5
+                assert (
+                    _gauge(
+                        await http.get(gateway.metrics_url, headers=gateway.metrics_headers),
+                        "unreachable",
+                    )
+                    >= 1.5
+                )
                 error = resp.json()["error"]
                 assert error["code"] == "store_unavailable"
                 assert "key store" in error["message"] and "try again" in error["message"]
@@ -399,7 +405,7 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
                 await eventually(serving, what="serving again after the store is back")
                 ready = await http.get("/ready")
                 assert ready.status_code == 200 and ready.json()["store"] == "ok"
-                metrics = await http.get(gateway.metrics_url)
+                metrics = await http.get(gateway.metrics_url, headers=gateway.metrics_headers)
                 assert _gauge(metrics, "unreachable") == 0.0
                 assert _gauge(metrics, "spooled") >= delivered - 2  # all but the first, last
             spool = settings.spool_dir

@@ -23,6 +23,8 @@ from urllib.parse import parse_qs, quote, urlencode
 
 import orjson
 
+from saltgate.admin import scopes
+from saltgate.admin.tokens import AUTHENTICATED
 from saltgate.config import GatewayConfig
 from saltgate.console import html
 from saltgate.console.html import esc, link, url, when
@@ -282,6 +284,7 @@ class Console:
     def _session(self, request: Request, *, wants_json: bool) -> Session:
         session = self.sessions.find(cookie_value(request))
         if session is not None:
+            AUTHENTICATED.set(session.token_id)  # the access log names who acted
             return session
         if wants_json:
             body = orjson.dumps({"error": {"message": "sign in first", "type": "unauthorized"}})
@@ -464,7 +467,7 @@ class Console:
             totals = dict.fromkeys(totals)
         prompt, cached = totals.get("input_tokens") or 0, totals.get("input_cached_tokens")
         hit = None if cached is None or not prompt else cached / prompt
-        ttft = await self._ttft_view()
+        ttft = await self._ttft_view(session)
         data = {
             "range": chosen,
             "bucket_width": width,
@@ -514,8 +517,17 @@ class Console:
         )
         return View("Overview", data, body)
 
-    async def _ttft_view(self) -> dict[str, Any]:
-        """TTFT quantiles since start, and the mean between samples the console took."""
+    async def _ttft_view(self, session: Session) -> dict[str, Any]:
+        """TTFT quantiles since start, and the mean between samples the console took:
+        every tenant's traffic, so nothing for a token that may not read it."""
+        if scopes.may_read_fleet(session.scopes, session.tenant_id) is not None:
+            return {
+                "requests": None,
+                "mean_s": None,
+                "p50_s": None,
+                "p95_s": None,
+                "series": {"time": [], "mean_s": []},
+            }
         snap = await self._snapshot()
         hist = snap.histograms.get("saltgate_time_to_first_token_seconds")
         count = total = 0.0
@@ -795,6 +807,11 @@ class Console:
         return View("Keys", data, body)
 
     async def _fleet(self, session: Session, query: dict[str, str]) -> View:
+        refused = scopes.may_read_fleet(session.scopes, session.tenant_id)
+        if refused is not None:  # replicas, the store and every tenant's traffic
+            message = f"The fleet is not shown to this admin token: {refused}."
+            body = html.notice(message, kind="error")
+            return View("Routing and fleet", {"error": message}, body)  # as a refused API call
         snap = await self._snapshot()
         gauges = {
             name: {dict(labels).get("replica", ""): v for labels, v in g.values}
@@ -1211,6 +1228,8 @@ def _num(value: object) -> str:
 
 def _ttft_text(ttft: Mapping[str, Any]) -> str:
     p50, p95 = ttft.get("p50_s"), ttft.get("p95_s")
+    if ttft.get("requests") is None:
+        return "not shown to this token (every tenant's traffic)"
     if p50 is None or p95 is None:
         return "no streamed requests yet"
     return f"≤ {p50:g} s / ≤ {p95:g} s"
