@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import ipaddress
 import os
 import re
-import secrets
-import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from saltgate.derivations.derive import MASTER_KEY_MIN_BYTES
 from saltgate.kvevents.settings import (
     KvRelaySettings,
     KvUpstream,
@@ -35,16 +31,20 @@ from saltgate.policy.forwarded import TrustedProxies
 from saltgate.prices import Price, parse_prices
 from saltgate.routing.cluster import ClusterSettings
 from saltgate.routing.router import RouterConfig
+
+# Re-exported: callers import these from here (saltgate.secretfiles has them for the store).
+from saltgate.secretfiles import SECRET_FILE_MAX_BYTES as SECRET_FILE_MAX_BYTES  # noqa: PLC0414
+from saltgate.secretfiles import ConfigError as ConfigError  # noqa: PLC0414
+from saltgate.secretfiles import create_master_key as create_master_key  # noqa: PLC0414
+from saltgate.secretfiles import create_secret_file as create_secret_file  # noqa: PLC0414
+from saltgate.secretfiles import load_master_key as load_master_key  # noqa: PLC0414
+from saltgate.secretfiles import open_secret_file as open_secret_file  # noqa: PLC0414
+from saltgate.secretfiles import read_secret_file as read_secret_file  # noqa: PLC0414
 from saltgate.store.settings import StoreSettings
 
-SECRET_FILE_MAX_BYTES = 4096
 CLIENT_GONE_MODES = ("finish", "abort")
 LOG_FORMATS = ("text", "json")
 TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
-
-
-class ConfigError(ValueError):
-    """A configuration problem a person can fix; the message says where and how."""
 
 
 UPSTREAM_SCHEMES = {"http": 80, "https": 443}
@@ -89,62 +89,6 @@ def plaintext_zmq_remote(endpoint: str) -> bool:
     host = rest.rpartition(":")[0] or rest
     host = host.rpartition(";")[2]  # "tcp://source;host:port": the remote is after ';'
     return not is_loopback(host)
-
-
-# -- secret files ------------------------------------------------------------------------
-
-
-def read_secret_file(path: Path, what: str) -> bytes:
-    """The bytes of a secret file (master key, EHBP key, a replica's API key).
-
-    Refuses a symlink (O_NOFOLLOW: a link planted in a shared directory cannot redirect
-    the read), anything but a regular file, and a file others can read, checked with
-    fstat on the descriptor that is read, so the file cannot be swapped in between.
-    Errors name the file and the rule, never the content.
-    """
-    fd = open_secret_file(path, what)
-    try:
-        data = os.read(fd, SECRET_FILE_MAX_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > SECRET_FILE_MAX_BYTES:
-        raise ConfigError(f"{what} {path} is over {SECRET_FILE_MAX_BYTES} bytes")
-    return data
-
-
-def open_secret_file(path: Path, what: str) -> int:
-    """A descriptor on ``path`` once it passed `read_secret_file`'s rules (also those of
-    a TLS private key, which OpenSSL then reads by name)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        reason = "it is a symlink (name the file itself)" if exc.errno == errno.ELOOP else None
-        raise ConfigError(f"cannot read {what} {path}: {reason or exc.strerror}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ConfigError(f"{what} {path} must be a regular file of mode 0600")
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(f"{what} {path} is readable by others: it must have mode 0600")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def create_secret_file(path: Path, what: str, text: str) -> bool:
-    """Write ``text`` to a new file of mode 0600 (in a 0700 directory made if needed)
-    unless the file exists; True if it was created. Never writes through a symlink."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return False
-    except OSError as exc:
-        raise ConfigError(f"cannot create {what} {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +235,8 @@ class GatewayConfig:
     @property
     def store_settings(self) -> StoreSettings:
         """Where tenants, keys and usage live: [store], or the embedded default."""
-        return self.store or StoreSettings.in_state_dir(self.state_dir)
+        settings = self.store or StoreSettings.in_state_dir(self.state_dir)
+        return dataclasses.replace(settings, master_key_file=self.master_key_file)
 
 
 def _expect(table: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -786,20 +731,3 @@ def load_config(path: str | Path) -> GatewayConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     return dataclasses.replace(parse_config(doc, path.parent), config_file=path)
-
-
-def load_master_key(path: Path) -> bytes:
-    """Read the cluster secret (raw or hex); refuse short keys and files others can read."""
-    key = read_secret_file(path, "master key file").strip()
-    with contextlib.suppress(ValueError, UnicodeDecodeError):
-        key = bytes.fromhex(key.decode())
-    if len(key) < MASTER_KEY_MIN_BYTES:
-        raise ConfigError(
-            f"master key in {path} is too short: need at least {MASTER_KEY_MIN_BYTES} bytes"
-        )
-    return key
-
-
-def create_master_key(path: Path) -> bool:
-    """Write a fresh 32-byte key (hex) with mode 0600 if none exists; True if created."""
-    return create_secret_file(path, "master key file", secrets.token_hex(32) + "\n")

@@ -358,6 +358,10 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
             async with async_client(base_url=gateway.url, headers=headers, timeout=10) as http:
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
                 delivered += 1
+                # Scraped before the outage, as Prometheus does: the admin listener then
+                # takes the same token through it (serving/admin_listener.py).
+                scrape = await http.get(gateway.metrics_url, headers=gateway.metrics_headers)
+                assert scrape.status_code == 200
                 ready = await http.get("/ready")
                 assert ready.status_code == 200 and ready.json()["store"] == "ok"
                 await asyncio.to_thread(private_postgres.stop, "immediate")

@@ -15,6 +15,7 @@ accepted), the peer and the duration; refused ones (401, 403, 421, failed sign-i
 
 from __future__ import annotations
 
+import hashlib
 import os
 import ssl
 import sys
@@ -24,7 +25,7 @@ from typing import Final
 
 from saltgate.admin import scopes
 from saltgate.admin.api import JSON, AdminApi
-from saltgate.admin.tokens import AUTHENTICATED, authenticate_admin
+from saltgate.admin.tokens import AUTHENTICATED, AdminPrincipal, authenticate_admin
 from saltgate.config import (
     LOOPBACK_NAMES,
     ConfigError,
@@ -39,10 +40,12 @@ from saltgate.gateway.server import error_response
 from saltgate.http import HttpServer, Request, Response
 from saltgate.http.tls import server_context, tls_failure
 from saltgate.policy.errors import ApiError
+from saltgate.store.errors import StoreError
 
 METRICS_PATH: Final = b"/metrics"
 METRICS_TYPE: Final = (b"content-type", b"text/plain; version=0.0.4")
 CHALLENGE: Final = (b"www-authenticate", b'Bearer realm="saltgate-admin"')
+MAX_SCRAPERS: Final = 64  # tokens remembered for metrics through a store outage
 LOCAL_HOSTS: Final = frozenset({*LOOPBACK_NAMES, "127.0.0.1", "[::1]"})
 
 RenderMetrics = Callable[[], Awaitable[bytes]]
@@ -94,6 +97,8 @@ class AdminListener:
         self.metrics = metrics
         self.log = log
         self.hosts = allowed_hosts(config)
+        # Tokens /metrics accepted, by SHA-256, for a store outage (`_scraper`).
+        self._scrapers: dict[bytes, AdminPrincipal] = {}
 
     async def handle(self, request: Request) -> Response:
         started = time.monotonic()
@@ -134,7 +139,10 @@ class AdminListener:
         scheme, _, token = header.decode("latin-1").partition(" ")
         principal = None
         if scheme.lower() == "bearer" and token.strip():
-            principal = await authenticate_admin(self.api.store, token.strip())
+            try:
+                principal = await self._scraper(token.strip())
+            except StoreError:
+                return _error(503, "the store does not answer, and this token was not seen before")
         if principal is None:
             return _error(
                 401,
@@ -145,6 +153,25 @@ class AdminListener:
         if refused is not None:
             return _error(403, refused)
         return Response(200, [METRICS_TYPE], await self.metrics())
+
+    async def _scraper(self, token: str) -> AdminPrincipal | None:
+        """The token's principal, from the store; while the store does not answer, a
+        token it accepted before (since start), so metrics go on through an outage,
+        when they matter most. A revocation applies once the store answers again."""
+        digest = hashlib.sha256(token.encode("utf-8", "replace")).digest()
+        try:
+            principal = await authenticate_admin(self.api.store, token)
+        except StoreError:
+            known = self._scrapers.get(digest)
+            if known is None:
+                raise
+            AUTHENTICATED.set(known.token_id)
+            return known
+        if principal is None:
+            self._scrapers.pop(digest, None)
+        elif digest in self._scrapers or len(self._scrapers) < MAX_SCRAPERS:
+            self._scrapers[digest] = principal
+        return principal
 
 
 def _error(
