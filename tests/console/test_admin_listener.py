@@ -78,7 +78,8 @@ def test_the_listener_answers_only_its_own_host_names(tmp_path: Path) -> None:
     with console_stack(tmp_path, admin_allowed_hosts=("admin.internal",)) as stack:
         port = stack.running.admin_port
         token = {"authorization": f"Bearer {stack.admin_token}"}
-        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "admin.internal", "[::1]"):
+        hosts = (f"127.0.0.1:{port}", f"localhost:{port}", "admin.internal", "[::1]", "10.2.3.4")
+        for host in hosts:  # names of the listener, and addresses (no rebinding by address)
             me = httpx.get(f"{stack.origin}/admin/v1/me", headers={**token, "host": host})
             assert me.status_code == 200, host  # the controls
         rebound = {"host": f"attacker.example:{port}"}
@@ -170,7 +171,7 @@ def test_the_admin_listener_logs_every_request_without_secrets(tmp_path: Path) -
 
         eventually_blocking(lambda: len(lines()) >= 8, what="the admin listener's lines")
         rows = lines()
-        by = [(r["method"], r["path"], r["status"], r["admin_token_id"]) for r in rows]
+        by = [(r["method"], r["route"], r["status"], r["admin_token_id"]) for r in rows]
         assert ("GET", "/admin/v1/me", 200, me["id"]) in by
         assert ("GET", "/admin/v1/tenants", 200, me["id"]) in by
         assert ("GET", "/admin/v1/tenants", 401, None) in by

@@ -16,7 +16,7 @@ from saltgate.config import (
     create_master_key,
     load_config,
 )
-from saltgate.serving.admin_listener import admin_tls, allowed_hosts, host_name
+from saltgate.serving.admin_listener import admin_tls, allowed_hosts, host_allowed, host_name
 from saltgate.serving.check import check_config
 from saltgate.serving.run import start_gateway
 
@@ -46,6 +46,14 @@ def test_host_names_without_their_port() -> None:
     assert host_name(b"admin.internal:443") == "admin.internal"
     for bad in (None, b"", b":8001", b"a:b", b"[::1]x", b"[::1", b"\xff"):
         assert host_name(bad) is None, bad
+
+
+def test_names_of_the_listener_and_addresses_are_allowed() -> None:
+    hosts = frozenset({"127.0.0.1", "localhost", "admin.internal"})
+    for name in ("localhost", "admin.internal", "10.0.0.7", "[fd00::4]", "[::1]"):
+        assert host_allowed(name, hosts), name
+    for bad in (None, "attacker.example", "localhost.attacker.example", "10.0.0.7.nip.io"):
+        assert not host_allowed(bad, hosts), bad
 
 
 def test_allowed_hosts_are_the_admin_host_the_loopback_names_and_the_list(

@@ -158,7 +158,7 @@ class AccessLog:
                     "client_addr": client_addr or None,
                     "admin_token_id": token_id,
                     "method": verb,
-                    "path": shown,
+                    "route": shown,  # the key the gateway's lines use for their path
                     "status": status,
                     "total_ms": total_ms,
                 }

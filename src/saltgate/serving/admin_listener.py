@@ -1,10 +1,10 @@
 """The admin listener's front door: one handler for `serve`, `serve --workers N` and `up`.
 
-Before anything else a request's ``Host`` must name this listener (`allowed_hosts`): a
-DNS-rebinding page, which the browser sends with its own host name, is answered 421 and
-reads nothing. Then the admin API (/admin/v1/), the console (/console/) and /metrics,
-which takes an admin token that may read every tenant's traffic
-(saltgate.admin.scopes.may_read_fleet): a bearer token, as Prometheus sends from
+Before anything else a request's ``Host`` must name this listener (`allowed_hosts`) or
+be an IP address: a DNS-rebinding page, which the browser sends with its own host name,
+is answered 421 and reads nothing. Then the admin API (/admin/v1/), the console
+(/console/) and /metrics, which takes an admin token that may read every tenant's
+traffic (saltgate.admin.scopes.may_read_fleet): a bearer token, as Prometheus sends from
 ``authorization.credentials_file`` (docs/observability.md).
 
 Every request leaves one line in the gateway's access log, in its format: the method,
@@ -16,6 +16,7 @@ accepted), the peer and the duration; refused ones (401, 403, 421, failed sign-i
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import ssl
 import sys
@@ -81,6 +82,21 @@ def host_name(header: bytes | None) -> str | None:
     return name or None
 
 
+def host_allowed(name: str | None, hosts: frozenset[str]) -> bool:
+    """A name of `hosts`, or an IP address: DNS rebinding needs a DNS name (the page's
+    own, pointed at this listener after it loaded), so an address is no rebinding, and
+    Prometheus scraping a pod by its address needs no list."""
+    if name is None:
+        return False
+    if name in hosts:
+        return True
+    try:
+        ipaddress.ip_address(name.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    return True
+
+
 class AdminListener:
     """`handle` answers every request of the admin listener (see the module doc)."""
 
@@ -121,7 +137,7 @@ class AdminListener:
             )
 
     async def _answer(self, request: Request) -> Response:
-        if host_name(request.header(b"host")) not in self.hosts:
+        if not host_allowed(host_name(request.header(b"host")), self.hosts):
             return _error(
                 421, "this admin listener does not answer to that Host (admin_allowed_hosts)"
             )
