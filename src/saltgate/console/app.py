@@ -27,7 +27,7 @@ from saltgate.admin import scopes
 from saltgate.admin.tokens import AUTHENTICATED
 from saltgate.config import GatewayConfig
 from saltgate.console import html
-from saltgate.console.html import esc, link, url, when
+from saltgate.console.html import Markup, esc, fmt, link, raw, url, when
 from saltgate.console.security import (
     SAFE_METHODS,
     Session,
@@ -116,7 +116,7 @@ class View:
 
     title: str
     data: dict[str, Any]
-    body: str
+    body: Markup
     current: str = ""
     status: int = 200
 
@@ -298,7 +298,7 @@ class Console:
             "Sign in",
             name="sign-in",
         )
-        body += (
+        body += raw(
             "<p>Sign in with an admin token (<code>saltgate admin-tokens create --scopes all"
             "</code>; <code>saltgate up</code> prints one). The console can do what the "
             "token's scopes allow, nothing more.</p>"
@@ -603,7 +603,7 @@ class Console:
             + (html.notice(error, kind="error") if error else "")
             + html.chart(twin + "#usage", f"{label} per {width}")
             + html.table(["Group", label], rows, empty="No usage in this range.")
-            + f"<p>{link(url('usage.csv', query), 'Download as CSV')}</p>"
+            + fmt("<p>{}</p>", link(url("usage.csv", query), "Download as CSV"))
         )
         return View("Usage explorer", data, body)
 
@@ -698,7 +698,7 @@ class Console:
                 rows,
                 empty="No tenants yet.",
             )
-            + "<h2>New tenant</h2>"
+            + raw("<h2>New tenant</h2>")
             + html.form(
                 url("tenants"), html.field("name", "Name"), "Create tenant", name="create-tenant"
             )
@@ -716,7 +716,7 @@ class Console:
                 status,
             )
         limits = tenant.get("limits") or {}
-        fields = "".join(
+        fields = html.EMPTY.join(
             html.field(k, label, limits.get(k, ""), kind="number") for k, label in LIMIT_FIELDS
         ) + html.field("weight", WEIGHT_LABEL, limits.get("weight", ""))
         tid = esc(tenant["id"])
@@ -734,11 +734,15 @@ class Console:
                     )
                 ],
             )
-            + f"<p>{link(url('keys', {'tenant': str(tenant['id'])}), 'Keys of this tenant')}</p>"
-            + "<h2>Limits</h2><p>Leave a field empty for no limit of that kind. The weight is"
-            " the tenant's fair share when the replicas are saturated (empty: 1).</p>"
+            + fmt(
+                "<p>{}</p>", link(url("keys", {"tenant": str(tenant["id"])}), "Keys of this tenant")
+            )
+            + raw(
+                "<h2>Limits</h2><p>Leave a field empty for no limit of that kind. The weight is"
+                " the tenant's fair share when the replicas are saturated (empty: 1).</p>"
+            )
             + html.form(url(f"tenants/{tenant['id']}/limits"), fields, "Save limits", name="limits")
-            + "<h2>Cache namespace</h2>"
+            + raw("<h2>Cache namespace</h2>")
             + html.form(
                 url(f"tenants/{tenant['id']}/rotate-salt"),
                 "",
@@ -793,10 +797,10 @@ class Console:
                 empty="No keys.",
             )
             + (
-                "<h2>New key</h2>"
+                raw("<h2>New key</h2>")
                 + html.form(
                     url("keys/create"),
-                    f'<input type="hidden" name="tenant" value="{esc(chosen)}">',
+                    html.hidden("tenant", chosen),
                     "Mint a key",
                     name="create-key",
                 )
@@ -877,18 +881,18 @@ class Console:
             else f"bus {'up' if bus['up'] else 'down'}, {int(bus['peers'] or 0)} other gateways"
         )
         body = (
-            "<h2>Replicas</h2>"
+            raw("<h2>Replicas</h2>")
             + html.table(
                 ["Replica", "Health", "In flight", "Cached ratio (1 h)"], rows, empty="No replicas."
             )
-            + "<h2>Gateways on the bus</h2>"
-            + f"<p>{esc(peers)}</p>"
+            + raw("<h2>Gateways on the bus</h2>")
+            + fmt("<p>{}</p>", peers)
             + (
-                f"<p>{esc(int(bus['workers_alive'] or 0))} worker processes alive</p>"
+                fmt("<p>{} worker processes alive</p>", int(bus["workers_alive"] or 0))
                 if bus["workers_alive"] is not None
                 else ""
             )
-            + "<h2>Store</h2>"
+            + raw("<h2>Store</h2>")
             + html.table(
                 ["Backend", "Where", "Unreachable for", "Spooled records"],
                 [
@@ -915,15 +919,15 @@ class Console:
                 esc(e.get("actor") or e.get("actor_id")),
                 esc(e.get("action") or e.get("type")),
                 esc(e.get("resource_id")),
-                f"<code>{esc(orjson.dumps(e.get('before')).decode())}</code>",
-                f"<code>{esc(orjson.dumps(e.get('after')).decode())}</code>",
+                fmt("<code>{}</code>", orjson.dumps(e.get("before")).decode()),
+                fmt("<code>{}</code>", orjson.dumps(e.get("after")).decode()),
             )
             for e in entries
         ]
-        more = ""
+        more = html.EMPTY
         if answer.get("has_more"):
             after = {"after": str(answer.get("last_id") or "")}
-            more = f"<p>{link(url('audit', after), 'Next entries')}</p>"
+            more = fmt("<p>{}</p>", link(url("audit", after), "Next entries"))
         body = (
             (html.notice(error, kind="error") if error else "")
             + html.table(
@@ -960,9 +964,8 @@ class Console:
             )
             for t in tokens
         ]
-        boxes = "".join(
-            f'<label><input type="checkbox" name="scopes" value="{esc(s)}"'
-            f"{' checked' if s in session.scopes else ''}> {esc(s)}</label>"
+        boxes = html.EMPTY.join(
+            fmt('<label><input type="checkbox" name="scopes" value="{}" checked> {}</label>', s, s)
             for s in SCOPE_NAMES
             if s in session.scopes
         )
@@ -973,10 +976,10 @@ class Console:
                 rows,
                 empty="No admin tokens visible.",
             )
-            + "<h2>New admin token</h2><p>A token can have only scopes this one has.</p>"
+            + raw("<h2>New admin token</h2><p>A token can have only scopes this one has.</p>")
             + html.form(
                 url("admin-tokens"),
-                f'<fieldset class="scopes">{boxes}</fieldset>'
+                fmt('<fieldset class="scopes">{}</fieldset>', boxes)
                 + html.field("tenant_id", "Pinned to tenant (id, optional)"),
                 "Create admin token",
                 name="create-admin-token",
@@ -1001,7 +1004,7 @@ class Console:
                 esc(p.get("source")),
                 html.form(
                     url("prices/clear"),
-                    f'<input type="hidden" name="model" value="{esc(p.get("model"))}">',
+                    html.hidden("model", p.get("model")),
                     "Clear",
                     name=f"clear-price-{p.get('model')}",
                 )
@@ -1023,24 +1026,23 @@ class Console:
             rows,
             empty="No prices: usage is counted, not priced.",
         )
-        body += (
+        body += raw(
             "<p>A price set here (source <em>store</em>) overrides the configuration's "
             "<code>[prices]</code> table for that model; clearing it reverts to the "
             "configuration's. The gateways bill with a change within a second; a request "
             "keeps the price of its time.</p>"
         )
         if writes:
-            body += (
+            body += raw(
                 "<h2>Set a price</h2><p>USD per million tokens, up to 6 decimals.</p>"
-                + html.form(
-                    url("prices"),
-                    html.field("model", "Model")
-                    + html.field("input_per_mtok", "Input")
-                    + html.field("cached_input_per_mtok", "Cached input")
-                    + html.field("output_per_mtok", "Output"),
-                    "Set price",
-                    name="set-price",
-                )
+            ) + html.form(
+                url("prices"),
+                html.field("model", "Model")
+                + html.field("input_per_mtok", "Input")
+                + html.field("cached_input_per_mtok", "Cached input")
+                + html.field("output_per_mtok", "Output"),
+                "Set price",
+                name="set-price",
             )
         return View("Prices", {"prices": prices, "error": error}, body)
 
@@ -1143,8 +1145,8 @@ class Console:
             return self._plain(status, _message(answer, status))
         body = (
             html.notice("Copy it now: it is shown this once.")
-            + f'<p><code class="secret" data-secret="1">{esc(answer.get("value"))}</code></p>'
-            + f"<p>Id {esc(answer.get('id'))}. {link(back, 'Back')}</p>"
+            + fmt('<p><code class="secret" data-secret="1">{}</code></p>', answer.get("value"))
+            + fmt("<p>Id {}. {}</p>", answer.get("id"), link(back, "Back"))
         )
         return _response(201, html.page(title, body, signed_in=""), HTML_TYPE, [])
 
