@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -532,59 +531,36 @@ def _keys_set_limits(args: argparse.Namespace) -> int:
 
 
 def _limits_from_args(args: argparse.Namespace) -> Limits | None:
-    """The limits the options give; ConfigError (one line on stderr) when wrong."""
+    """The limits the options give, through the one parser the API and the console use
+    (saltgate.governance.limits.parse_limits); ConfigError (one line on stderr) when wrong."""
     from saltgate.config import ConfigError
-    from saltgate.governance.limits import Limits, parse_duration
-    from saltgate.prices import micro_per_mtok
+    from saltgate.governance.limits import parse_limits
 
-    given = [
-        args.rpm, args.input_tpm, args.output_tpm, args.concurrency, args.budget_usd, args.weight
-    ]  # fmt: skip
+    given = {
+        "rpm": args.rpm,
+        "input_tpm": args.input_tpm,
+        "output_tpm": args.output_tpm,
+        "concurrency": args.concurrency,
+        "budget_usd": args.budget_usd,
+        "budget_period": args.budget_period,
+        "weight": args.weight,
+    }
     if args.clear:
-        if any(v is not None for v in (*given, args.budget_period)):
+        if any(v is not None for v in given.values()):
             raise ConfigError("set-limits: give --clear alone, or the limits without it")
         return None
-    if all(v is None for v in given):
+    if (args.budget_usd is None) != (args.budget_period is None):
+        raise ConfigError("set-limits: --budget-usd and --budget-period go together")
+    try:
+        limits = parse_limits(given)
+    except ValueError as exc:
+        raise ConfigError(f"set-limits: {exc}") from None
+    if limits is None:
         raise ConfigError(
             "set-limits: give at least one of --rpm, --input-tpm, --output-tpm, "
             "--concurrency, --budget-usd, --weight (or --clear)"
         )
-    budget = period = None
-    if (args.budget_usd is None) != (args.budget_period is None):
-        raise ConfigError("set-limits: --budget-usd and --budget-period go together")
-    if args.budget_usd is not None:
-        try:
-            budget = micro_per_mtok(float(args.budget_usd))  # dollars -> micro-dollars
-        except ValueError:
-            raise ConfigError(
-                f"--budget-usd {args.budget_usd!r}: expected dollars with at most 6 decimals"
-            ) from None
-        seconds = parse_duration(args.budget_period)
-        if seconds is None or seconds < 1 or seconds != int(seconds):
-            raise ConfigError(
-                f"--budget-period {args.budget_period!r}: expected a duration like 30d, 7d, 24h"
-            )
-        period = int(seconds)
-    weight = None if args.weight is None else _weight_arg(args.weight)
-    try:
-        return Limits(
-            args.rpm, args.input_tpm, args.output_tpm, args.concurrency, budget, period, weight
-        )
-    except ValueError as exc:
-        raise ConfigError(f"set-limits: {exc}") from None
-
-
-def _weight_arg(text: str) -> float:
-    """--weight's value; ConfigError unless a positive finite number."""
-    from saltgate.config import ConfigError
-
-    try:
-        weight = float(text)
-    except ValueError:
-        weight = math.nan
-    if not (math.isfinite(weight) and weight > 0):
-        raise ConfigError(f"--weight {text!r}: expected a positive number such as 1, 2 or 0.5")
-    return weight
+    return limits
 
 
 def _limits_label(limits: Limits | None) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
@@ -21,7 +21,7 @@ import orjson
 from saltgate.admin import scopes, usage
 from saltgate.admin.store import AdminStore
 from saltgate.admin.tokens import AdminPrincipal, authenticate_admin
-from saltgate.governance.limits import Limits
+from saltgate.governance.limits import Limits, parse_limits
 from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError
@@ -178,19 +178,12 @@ def page(
 
 
 def _limits(body: dict[str, Any]) -> Limits | None:
-    """Limits from their stored JSON form (saltgate.governance.limits.Limits fields);
-    an empty object clears them."""
-    known = {f.name for f in fields(Limits)}
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise ApiError(
-            400, f"unknown limit {unknown[0]!r}: use {', '.join(sorted(known))}", param=unknown[0]
-        )
+    """Limits from a JSON body (parse_limits: the stored field names, or budget_usd and
+    budget_period); an empty object clears them."""
     try:
-        limits = Limits(**body)
+        return parse_limits(body)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
-    return None if limits.empty else limits
 
 
 class AdminApi:

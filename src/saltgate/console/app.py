@@ -12,7 +12,6 @@ gateway's metrics.
 from __future__ import annotations
 
 import inspect
-import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,7 +37,9 @@ from saltgate.console.security import (
     set_cookie,
 )
 from saltgate.gateway.metrics import Histogram, Snapshot
+from saltgate.governance.limits import parse_limits
 from saltgate.http import Request, Response
+from saltgate.store.tenants import limits_dict
 
 AdminCall = Callable[[Request], Awaitable[Response | None]]
 SnapshotSource = Callable[[], Snapshot | Awaitable[Snapshot]]
@@ -1036,18 +1037,13 @@ class Console:
         )
 
     async def _set_limits(self, session: Session, tenant: str, form: Form) -> Response:
+        names = [k for k, _ in LIMIT_FIELDS] + ["weight"]
         try:
-            limits: dict[str, float] = {k: int(form.one(k)) for k, _ in LIMIT_FIELDS if form.one(k)}
-        except ValueError:
-            return self._plain(400, "Limits are whole numbers.")
-        if weight := form.one("weight"):
-            try:
-                limits["weight"] = float(weight)
-            except ValueError:
-                limits["weight"] = math.nan
-            if not math.isfinite(limits["weight"]):  # JSON has no NaN: it would clear it
-                return self._plain(400, "The weight is a positive number, such as 1, 2 or 0.5.")
-        status, answer = await self.api(session, "PUT", f"tenants/{tenant}/limits", body=limits)
+            limits = parse_limits({k: form.one(k) for k in names})
+        except ValueError as exc:
+            return self._plain(400, f"{str(exc).capitalize()}.")
+        body = limits_dict(limits) or {}
+        status, answer = await self.api(session, "PUT", f"tenants/{tenant}/limits", body=body)
         return self._after(status, answer, url(f"tenants/{tenant}", {"done": "Limits saved."}))
 
     async def _rotate_salt(self, session: Session, tenant: str, _: Form) -> Response:
