@@ -641,8 +641,19 @@ def _with_store(args: argparse.Namespace, action: Callable[[TenantStore], str]) 
         print(f"saltgate {args.command}: {exc}", file=sys.stderr)
         return 1
     if out:
-        print(out)
+        print(printable(out))
     return 0
+
+
+def printable(text: str) -> str:
+    """Text safe for a terminal: control and format characters (escapes, bidi overrides)
+    are shown escaped (\\x1b, \\u202e), tabs and newlines kept as the layout's own. A
+    stored name can come from a tenant's pinned token: it must not drive the terminal."""
+    import unicodedata
+
+    return "".join(
+        c if c in "\t\n" or unicodedata.category(c)[0] != "C" else ascii(c)[1:-1] for c in text
+    )
 
 
 def _admin_tokens_create(args: argparse.Namespace) -> int:

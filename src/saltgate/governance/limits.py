@@ -188,16 +188,24 @@ LIMIT_NAMES: Final = (*MAX_LIMIT, "weight", BUDGET_USD, BUDGET_PERIOD)
 _DOLLARS_RE: Final = re.compile(r"\d{1,10}(\.\d{1,6})?")
 
 
+class LimitError(ValueError):
+    """A limit given wrong; `field`: its name as given (None: the limits together)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def parse_limits(given: Mapping[str, object]) -> Limits | None:
     """Limits from their fields as any front end has them: JSON values (numbers), form
     fields and command-line options (text); a None or empty value sets nothing. Besides
     the stored names (`Limits`' fields) it takes ``budget_usd`` (dollars, at most 6
     decimals) and ``budget_period`` (a duration such as 30d, 24h, or seconds). Every value
     is bounded (MAX_LIMIT; a weight in [MIN_WEIGHT, MAX_WEIGHT]). None when nothing is set
-    (clear the limits); ValueError naming the first wrong field."""
+    (clear the limits); LimitError naming the first wrong field."""
     unknown = sorted(set(given) - set(LIMIT_NAMES))
     if unknown:
-        raise ValueError(f"unknown limit {unknown[0]!r}: use {', '.join(LIMIT_NAMES)}")
+        raise LimitError(f"unknown limit {unknown[0]!r}: use {', '.join(LIMIT_NAMES)}", unknown[0])
     values = {k: v for k, v in given.items() if v is not None and v != ""}
     fields_: dict[str, int | float] = {}
     for alias, stored, parse in (
@@ -206,17 +214,20 @@ def parse_limits(given: Mapping[str, object]) -> Limits | None:
     ):
         if alias in values:
             if stored in values:
-                raise ValueError(f"give {alias} or {stored}, not both")
+                raise LimitError(f"give {alias} or {stored}, not both", alias)
             fields_[stored] = parse(values.pop(alias))
     for name, value in values.items():
         fields_[name] = _weight(value) if name == "weight" else _count(name, value)
     for name, most in MAX_LIMIT.items():
         value = fields_.get(name)
         if value is not None and not 0 <= value <= most:
-            raise ValueError(f"limit {name} must be from 0 to {most}, got {value}")
+            raise LimitError(f"limit {name} must be from 0 to {most}, got {value}", name)
     if fields_.get("budget_period_s") == 0:
-        raise ValueError("a budget period must be at least 1 second")
-    limits = Limits(**fields_)  # type: ignore[arg-type]  # each checked above
+        raise LimitError("a budget period must be at least 1 second", "budget_period_s")
+    try:
+        limits = Limits(**fields_)  # type: ignore[arg-type]  # each checked above
+    except ValueError as exc:  # what only the fields together say (a budget needs both)
+        raise LimitError(str(exc)) from None
     return None if limits.empty else limits
 
 
@@ -225,7 +236,7 @@ def _count(name: str, value: object) -> int:
         return int(value.strip())
     if type(value) is int:
         return value
-    raise ValueError(f"limit {name} must be a whole number, got {_shown(value)}")
+    raise LimitError(f"limit {name} must be a whole number, got {_shown(value)}", name)
 
 
 def _weight(value: object) -> float:
@@ -236,9 +247,10 @@ def _weight(value: object) -> float:
     elif isinstance(value, int | float) and not isinstance(value, bool):
         number = float(value)
     if not (math.isfinite(number) and MIN_WEIGHT <= number <= MAX_WEIGHT):
-        raise ValueError(
+        raise LimitError(
             f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g} (such as 1, 2 or "
-            f"0.5), got {_shown(value)}"
+            f"0.5), got {_shown(value)}",
+            "weight",
         )
     return number
 
@@ -246,7 +258,9 @@ def _weight(value: object) -> float:
 def _dollars(value: object) -> int:
     text = value.strip() if isinstance(value, str) else repr(value)
     if isinstance(value, bool) or not _DOLLARS_RE.fullmatch(text):
-        raise ValueError(f"budget_usd must be dollars with at most 6 decimals, got {_shown(value)}")
+        raise LimitError(
+            f"budget_usd must be dollars with at most 6 decimals, got {_shown(value)}", BUDGET_USD
+        )
     whole, _, fraction = text.partition(".")
     return int(whole) * MICRO_PER_USD + int(fraction.ljust(6, "0") or 0)
 
@@ -258,8 +272,9 @@ def _period(value: object) -> int:
     elif type(value) is int:
         seconds = float(value)
     if seconds is None or seconds < 1 or seconds != int(seconds):
-        raise ValueError(
-            f"budget_period must be a duration such as 30d, 7d or 24h, got {_shown(value)}"
+        raise LimitError(
+            f"budget_period must be a duration such as 30d, 7d or 24h, got {_shown(value)}",
+            BUDGET_PERIOD,
         )
     return int(seconds)
 

@@ -36,7 +36,7 @@ from typing import Protocol
 
 from saltgate.governance.limits import KEY_WEIGHT_REFUSED, Limits
 from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
-from saltgate.prices import PriceVersion
+from saltgate.prices import MODEL_NAME, PriceVersion
 from saltgate.store import audit
 from saltgate.store.audit import Actor
 from saltgate.store.db import Database
@@ -414,10 +414,12 @@ class TenantStore:
         names = None
         if models is not None:
             names = tuple(sorted(set(models)))
-            if not names or not all(n and n == n.strip() for n in names):
+            # As prices name models: no control characters, no bidi overrides, no spaces
+            # (a name with a terminal escape reached the operator's `tenants list`).
+            if not names or not all(MODEL_NAME.fullmatch(n) for n in names):
                 raise InvalidInputError(
-                    "invalid model list: give one or more model names without spaces around "
-                    "them (or every model: --all)"
+                    "invalid model list: give one or more model names, each 1-256 characters "
+                    "of [A-Za-z0-9._:/@+-] starting with a letter or digit (or every model: --all)"
                 )
         stored = None if names is None else json.dumps(list(names))
         with self._db.transaction():
