@@ -160,3 +160,20 @@ def test_the_cli_escapes_what_a_store_holds(
     assert "\x1b" not in out and "\u202e" not in out
     assert "\\x1b[2Jfake\\u202e" in out
     pass
+
+
+def test_a_tenant_and_key_made_over_the_api_work_at_once(tmp_path: Path) -> None:
+    """Issue 41: through `saltgate up`, a client that used a tenant and key just made over
+    the admin API got 401 twice: the gateway's key snapshot was reloaded at most every
+    0.5 s. An unknown key now makes the gateway look for a change first."""
+
+    async def go() -> None:
+        async with admin_stack(tmp_path) as admin:
+            for n in range(5):
+                r = await admin.call(admin.root, "POST", "tenants", {"name": f"new{n}"})
+                assert r.status_code == 201, r.text
+                r = await admin.call(admin.root, "POST", f"tenants/{r.json()['id']}/keys")
+                assert r.status_code == 201, r.text
+                assert await completes(admin.stack, r.json()["value"]) == 200, n
+
+    run(go)

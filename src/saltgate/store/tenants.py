@@ -682,12 +682,21 @@ class KeyIndex:
         return self._keys.prices
 
     def authenticate(self, presented: str) -> Principal | None:
-        """The principal of a live key, or None (see `KeySnapshot.lookup`)."""
+        """The principal of a live key, or None (see `KeySnapshot.lookup`).
+
+        A key the snapshot does not know makes it look for a change first (a PRAGMA, and a
+        reload only if keys changed): a key minted a moment ago, over the admin API or the
+        CLI, works on its first request rather than after up to `max_staleness`.
+        """
         if self.max_staleness is not None:
             now = time.monotonic()
             if now - self._checked_at >= self.max_staleness:
                 self.refresh_if_changed()
-        return self._keys.lookup(presented)
+        found = self._keys.lookup(presented)
+        unknown = found is None and self.max_staleness is not None
+        if unknown and _looks_like_key(presented) and self.refresh_if_changed():
+            found = self._keys.lookup(presented)
+        return found
 
     def refresh_if_changed(self) -> bool:
         """Reload if tenants, keys or prices changed since the last load; True if reloaded.
