@@ -152,11 +152,14 @@ def _operator_only(what: str) -> ApiError:
 def _visible(
     caller: Caller, what: str, find: Callable[[], T], tenant_of: Callable[[T], str | None]
 ) -> T:
-    """An object the caller may see. A missing one, and to a pinned token another tenant's,
-    are the same "not found": a pinned token cannot tell what exists elsewhere."""
+    """An object the caller may see. To a pinned token a missing one and another tenant's
+    are the same "not found": it cannot tell what exists elsewhere (an unpinned caller is
+    told the store's reason, which describes the reference without echoing a secret)."""
     try:
         found = find()
     except (TenantNotFoundError, KeyNotFoundError, TokenNotFoundError):
+        if caller.pinned is None:
+            raise
         raise not_found(what) from None
     if not scopes.may_see(caller.pinned, tenant_of(found)):
         raise not_found(what)
