@@ -19,7 +19,14 @@ from urllib.parse import parse_qs
 import orjson
 
 from saltgate.admin import scopes
-from saltgate.admin.service import MAX_GRACE_S, AdminService, Caller, Page, TenantChange
+from saltgate.admin.service import (
+    MAX_GRACE_S,
+    AdminService,
+    Caller,
+    Page,
+    TenantChange,
+    store_status,
+)
 from saltgate.admin.store import AdminStore
 from saltgate.admin.tokens import AdminPrincipal, authenticate_admin
 from saltgate.governance.limits import LimitError, Limits, parse_limits
@@ -27,51 +34,18 @@ from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError
 from saltgate.prices import Price, price_from_fields
-from saltgate.store.errors import (
-    ConflictError,
-    InvalidInputError,
-    KeyExpiredError,
-    KeyNotFoundError,
-    KeyRevokedError,
-    PriceNotFoundError,
-    StoreError,
-    StoreUnavailableError,
-    TenantArchivedError,
-    TenantExistsError,
-    TenantNotFoundError,
-    TokenNotFoundError,
-    TokenRevokedError,
-)
+from saltgate.store.errors import StoreError
 from saltgate.store.ledger import new_request_id
 from saltgate.store.usage_rollups import UsageReader
 
 JSON = (b"content-type", b"application/json")
 CSV = (b"content-type", b"text/csv; charset=utf-8")
+CSV_DISPOSITION = (b"content-disposition", b'attachment; filename="saltgate-usage.csv"')
 ADMIN_PATH = "/admin"
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
 DEFAULT_GRACE_S = 86400.0  # a rotated key's old value works for a day unless told
 MAX_BODY_BYTES = 64 * 1024
-
-# Store errors as HTTP: what the caller can act on. Others (the store did not answer) 503.
-_STATUS: tuple[tuple[type[StoreError], int], ...] = (
-    (TenantNotFoundError, 404),
-    (KeyNotFoundError, 404),
-    (TokenNotFoundError, 404),
-    (PriceNotFoundError, 404),
-    (TenantExistsError, 409),
-    (TenantArchivedError, 409),
-    (KeyRevokedError, 409),
-    (KeyExpiredError, 409),
-    (TokenRevokedError, 409),
-    (ConflictError, 409),
-    (InvalidInputError, 400),
-    (StoreUnavailableError, 503),
-)
-
-
-def _status(error: StoreError) -> int:
-    return next((status for kind, status in _STATUS if isinstance(error, kind)), 503)
 
 
 @dataclass
@@ -214,7 +188,7 @@ class AdminApi:
         except ApiError as error:
             response = Response(error.status, [JSON, *error.headers], error.body())
         except StoreError as error:
-            status = _status(error)
+            status = store_status(error)
             response = Response(status, [JSON], ApiError(status, str(error)).body())
         response.headers.append((b"x-request-id", request_id.encode()))
         return response
@@ -384,8 +358,7 @@ class AdminApi:
 
     async def _usage_completions_csv(self, call: Call) -> Response:
         stream = self.service.usage_completions_csv(call.caller, call.args())
-        disposition = (b"content-disposition", b'attachment; filename="saltgate-usage.csv"')
-        return Response(200, [CSV, disposition], stream=stream)
+        return Response(200, [CSV, CSV_DISPOSITION], stream=stream)
 
     async def _usage_reconcile(self, call: Call) -> JsonAnswer:
         return 200, await self.service.usage_reconcile(call.caller, call.args())

@@ -39,7 +39,21 @@ from saltgate.store import audit
 from saltgate.store.admin_tokens import AdminTokenInfo, AdminTokens
 from saltgate.store.audit import Actor, AuditEntry
 from saltgate.store.db import Database
-from saltgate.store.errors import KeyNotFoundError, TenantNotFoundError, TokenNotFoundError
+from saltgate.store.errors import (
+    ConflictError,
+    InvalidInputError,
+    KeyExpiredError,
+    KeyNotFoundError,
+    KeyRevokedError,
+    PriceNotFoundError,
+    StoreError,
+    StoreUnavailableError,
+    TenantArchivedError,
+    TenantExistsError,
+    TenantNotFoundError,
+    TokenNotFoundError,
+    TokenRevokedError,
+)
 from saltgate.store.model_prices import ModelPrice, PriceStore, effective_prices
 from saltgate.store.tenants import ApiKeyInfo, Tenant, TenantStore, last_used
 from saltgate.store.usage_rollups import UsageReader
@@ -134,6 +148,28 @@ class TenantChange:
     name: str | None = None
     set_models: bool = False
     models: tuple[str, ...] | None = None
+
+
+# Store errors as statuses: what the caller can act on. Others (the store did not answer) 503.
+_STATUS: tuple[tuple[type[StoreError], int], ...] = (
+    (TenantNotFoundError, 404),
+    (KeyNotFoundError, 404),
+    (TokenNotFoundError, 404),
+    (PriceNotFoundError, 404),
+    (TenantExistsError, 409),
+    (TenantArchivedError, 409),
+    (KeyRevokedError, 409),
+    (KeyExpiredError, 409),
+    (TokenRevokedError, 409),
+    (ConflictError, 409),
+    (InvalidInputError, 400),
+    (StoreUnavailableError, 503),
+)
+
+
+def store_status(error: StoreError) -> int:
+    """The HTTP status a front end answers a store error with."""
+    return next((status for kind, status in _STATUS if isinstance(error, kind)), 503)
 
 
 def not_found(what: str) -> ApiError:
