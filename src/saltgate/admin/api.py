@@ -146,6 +146,7 @@ class AdminApi:
         self.service = AdminService(store, usage, prices)
         self._handlers: dict[str, Handler] = {
             "me": self._me,
+            "openapi": self._openapi,
             "tenants_list": self._tenants_list,
             "tenants_create": self._tenants_create,
             "tenants_get": self._tenants_get,
@@ -244,6 +245,9 @@ class AdminApi:
             "scopes": sorted(me.scopes),
             "tenant_id": me.pinned,
         }
+
+    async def _openapi(self, call: Call) -> JsonAnswer:
+        return 200, await self.service.openapi(call.caller)
 
     async def _tenants_list(self, call: Call) -> JsonAnswer:
         found = await self.service.tenants_list(call.caller, after=call.after(), limit=call.limit())

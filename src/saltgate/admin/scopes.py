@@ -89,6 +89,7 @@ class Route:
 
 ROUTES: Final = (
     Route("GET", "me", None, "me"),
+    Route("GET", "openapi.json", None, "openapi"),  # this table as OpenAPI (admin/openapi.py)
     Route("GET", "tenants", TENANTS_READ, "tenants_list"),
     Route("POST", "tenants", TENANTS_WRITE, "tenants_create"),
     Route("GET", "tenants/{tenant_id}", TENANTS_READ, "tenants_get"),

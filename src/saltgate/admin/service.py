@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from saltgate.admin import scopes, usage
+from saltgate.admin import openapi, scopes, usage
 from saltgate.admin.store import AdminStore
 from saltgate.admin.tokens import AdminPrincipal
 from saltgate.governance.limits import Limits
@@ -243,6 +243,11 @@ class AdminService:
     async def me(self, caller: Caller) -> Caller:
         self.authorize(caller, "me")
         return caller
+
+    async def openapi(self, caller: Caller) -> dict[str, Any]:
+        """The admin API's OpenAPI document (saltgate.admin.openapi)."""
+        self.authorize(caller, "openapi")
+        return openapi.document()
 
     # -- tenants ---------------------------------------------------------------------------
     async def tenants_list(self, caller: Caller, *, after: str = "", limit: int) -> Page[Tenant]:
