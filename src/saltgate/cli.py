@@ -576,33 +576,9 @@ def _limits_from_args(args: argparse.Namespace) -> Limits | None:
 
 
 def _limits_label(limits: Limits | None) -> str:
-    """Limits as `tenants list` shows them: "rpm=60 input_tpm=10000 budget=$5/30d
-    weight=2"."""
-    if limits is None:
-        return "none"
-    parts = [
-        f"{name}={value}"
-        for name, value in (
-            ("rpm", limits.rpm),
-            ("input_tpm", limits.input_tpm),
-            ("output_tpm", limits.output_tpm),
-            ("concurrency", limits.concurrency),
-        )
-        if value is not None
-    ]
-    if limits.budget_micro_usd is not None and limits.budget_period_s is not None:
-        dollars = limits.budget_micro_usd / 1_000_000
-        parts.append(f"budget=${dollars:g}/{_period_label(limits.budget_period_s)}")
-    if limits.weight is not None:
-        parts.append(f"weight={limits.weight:g}")
-    return " ".join(parts)
+    from saltgate.governance.limits import limits_label
 
-
-def _period_label(seconds: int) -> str:
-    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
+    return limits_label(limits)
 
 
 def _models_label(models: tuple[str, ...] | None) -> str:

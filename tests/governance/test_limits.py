@@ -28,6 +28,7 @@ from saltgate.governance.limits import (
     Limits,
     Ticket,
     fair_weight,
+    limits_label,
     output_allowance,
     parse_limits,
 )
@@ -385,3 +386,23 @@ def test_a_stored_weight_out_of_bounds_is_bounded_for_the_queue() -> None:
     assert fair_weight(Limits(weight=1e308)) == MAX_WEIGHT
     assert fair_weight(Limits(weight=2.0)) == 2.0
     assert fair_weight(None) == 1.0
+
+
+@given(
+    st.integers(0, 10**15),
+    st.integers(1, 366 * 86400),
+    st.none() | st.floats(0.01, 100),
+)
+def test_the_label_gives_back_what_the_parser_takes(
+    micro: int, period: int, weight: float | None
+) -> None:
+    """One renderer for the CLI and the console: its budget and period read back exactly."""
+    limits = Limits(rpm=60, budget_micro_usd=micro, budget_period_s=period, weight=weight)
+    shown = dict(part.split("=", 1) for part in limits_label(limits).split())
+    dollars, _, when = shown["budget"].removeprefix("$").partition("/")
+    again = parse_limits({"rpm": shown["rpm"], "budget_usd": dollars, "budget_period": when})
+    assert again == Limits(rpm=60, budget_micro_usd=micro, budget_period_s=period)
+    assert limits_label(None) == "none"
+    assert limits_label(Limits(budget_micro_usd=12_500_000, budget_period_s=2592000)) == (
+        "budget=$12.5/30d"
+    )

@@ -49,7 +49,15 @@ from saltgate.console.security import (
     set_cookie,
 )
 from saltgate.gateway.metrics import Histogram, Snapshot
-from saltgate.governance.limits import parse_limits
+from saltgate.governance.limits import (
+    BUDGET_PERIOD,
+    BUDGET_USD,
+    Limits,
+    dollars_label,
+    limits_label,
+    parse_limits,
+    period_label,
+)
 from saltgate.governance.priority import DEFAULT_PRIORITY
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError
@@ -90,8 +98,8 @@ LIMIT_FIELDS: Final = (
     ("input_tpm", "Prompt tokens per minute"),
     ("output_tpm", "Completion tokens per minute"),
     ("concurrency", "Concurrent requests"),
-    ("budget_micro_usd", "Budget (micro-USD)"),
-    ("budget_period_s", "Budget period (s)"),
+    ("budget_usd", "Budget (USD)"),
+    ("budget_period", "Budget period (e.g. 30d, 7d, 24h)"),
 )
 WEIGHT_LABEL: Final = "Fair-share weight"
 SCOPE_NAMES: Final = (
@@ -641,7 +649,7 @@ class Console:
                     esc(tid),
                     esc(f"${spend.get(tid, 0.0):.6f}"),
                     esc(_budget(limits)),
-                    esc(_limits_text(limits)),
+                    esc(limits_label(_limits(limits))),
                     link(url("keys", {"tenant": tid}), live),
                     esc("unknown" if hit is None else f"{hit:.1%}"),
                     esc("archived" if tenant.get("archived_at") else "active"),
@@ -684,7 +692,10 @@ class Console:
         tenant: dict[str, Any] = dict(found.to_dict())
         limits = tenant.get("limits") or {}
         fields = "".join(
-            html.field(k, label, limits.get(k, ""), kind="number") for k, label in LIMIT_FIELDS
+            html.field(
+                k, label, shown, kind="text" if k in (BUDGET_USD, BUDGET_PERIOD) else "number"
+            )
+            for (k, label), shown in zip(LIMIT_FIELDS, _form_values(limits), strict=True)
         ) + html.field("weight", WEIGHT_LABEL, limits.get("weight", ""))
         tid = esc(tenant["id"])
         body = (
@@ -697,7 +708,7 @@ class Console:
                         esc(tenant.get("epoch")),
                         esc(", ".join(tenant.get("models") or []) or "all"),
                         esc(when(tenant.get("created_at"))),
-                        esc(_limits_text(limits)),
+                        esc(limits_label(_limits(limits))),
                     )
                 ],
             )
@@ -1234,14 +1245,23 @@ def _ttft_text(ttft: Mapping[str, Any]) -> str:
     return f"≤ {p50:g} s / ≤ {p95:g} s"
 
 
+def _limits(shown: Mapping[str, Any]) -> Limits | None:
+    """Limits back from their JSON form (a record's `limits`)."""
+    return Limits(**shown) if shown else None
+
+
 def _budget(limits: Mapping[str, Any]) -> str:
-    if limits.get("budget_micro_usd") is None:
+    micro, period = limits.get("budget_micro_usd"), limits.get("budget_period_s")
+    if micro is None or period is None:
         return "none"
-    return f"${limits['budget_micro_usd'] / 1e6:.2f} per {limits.get('budget_period_s')} s"
+    return f"${dollars_label(micro)} per {period_label(period)}"
 
 
-def _limits_text(limits: Mapping[str, Any]) -> str:
-    shown = [f"{k} {limits[k]}" for k, _ in LIMIT_FIELDS[:4] if limits.get(k) is not None]
-    if limits.get("weight") is not None:
-        shown.append(f"weight {limits['weight']:g}")
-    return ", ".join(shown) or "none"
+def _form_values(limits: Mapping[str, Any]) -> list[object]:
+    """LIMIT_FIELDS' values as the form shows them: budgets in dollars, periods as 30d."""
+    micro, period = limits.get("budget_micro_usd"), limits.get("budget_period_s")
+    human = {
+        BUDGET_USD: "" if micro is None else dollars_label(micro),
+        BUDGET_PERIOD: "" if period is None else period_label(period),
+    }
+    return [human[k] if k in human else limits.get(k, "") for k, _ in LIMIT_FIELDS]

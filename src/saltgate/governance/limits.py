@@ -279,6 +279,45 @@ def _period(value: object) -> int:
     return int(seconds)
 
 
+def limits_label(limits: Limits | None) -> str:
+    """Limits as every front end shows them: "rpm=60 input_tpm=10000 budget=$5/30d
+    weight=2" ("none" when there are none)."""
+    if limits is None:
+        return "none"
+    parts = [
+        f"{name}={value}"
+        for name, value in (
+            ("rpm", limits.rpm),
+            ("input_tpm", limits.input_tpm),
+            ("output_tpm", limits.output_tpm),
+            ("concurrency", limits.concurrency),
+        )
+        if value is not None
+    ]
+    if limits.budget_micro_usd is not None and limits.budget_period_s is not None:
+        parts.append(
+            f"budget=${dollars_label(limits.budget_micro_usd)}/"
+            f"{period_label(limits.budget_period_s)}"
+        )
+    if limits.weight is not None:
+        parts.append(f"weight={limits.weight:g}")
+    return " ".join(parts) or "none"
+
+
+def dollars_label(micro_usd: int) -> str:
+    """Micro-dollars as exact dollars: 12500000 -> "12.5" (what budget_usd takes back)."""
+    whole, fraction = divmod(micro_usd, MICRO_PER_USD)
+    return f"{whole}" + (f".{fraction:06d}".rstrip("0") if fraction else "")
+
+
+def period_label(seconds: int) -> str:
+    """A period in its largest whole unit: 2592000 -> "30d" (what budget_period takes back)."""
+    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
 def _shown(value: object) -> str:
     """A wrong value as an error echoes it: short, and printable."""
     text = repr(value)
