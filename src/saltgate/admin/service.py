@@ -274,9 +274,9 @@ class AdminService:
         )
 
     async def tenants_update(self, caller: Caller, ref: str, change: TenantChange) -> Tenant:
-        """Rename and/or choose the models: the operator's (finding 2 and 7 of issue 41's
-        review: a pinned token lifted its own model list, and a rename's 409 told it which
-        names exist elsewhere)."""
+        """Rename and/or choose the models: the operator's (a pinned token could otherwise
+        lift its own model list, and a rename's 409 would tell it which names exist
+        elsewhere)."""
 
         def update(db: Database) -> Tenant:
             store = TenantStore(db, actor=caller.actor)
@@ -430,8 +430,9 @@ class AdminService:
         return await self._run(caller, "admin_tokens_create", create)
 
     async def admin_tokens_revoke(self, caller: Caller, token_id: str) -> AdminTokenInfo:
-        """Revoke a token the caller sees whose scopes are within its own (issue 41's
-        finding 5: a token holding only admin_tokens:write revoked `all` tokens)."""
+        """Revoke a token the caller sees whose scopes are within its own (else a token
+        holding only admin_tokens:write could revoke every `all` token, locking the
+        operators out)."""
 
         def revoke(db: Database) -> AdminTokenInfo:
             tokens = AdminTokens(db, caller.actor)
