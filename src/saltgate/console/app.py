@@ -672,9 +672,16 @@ class Console:
                 rows,
                 empty="No tenants yet.",
             )
-            + "<h2>New tenant</h2>"
-            + html.form(
-                url("tenants"), html.field("name", "Name"), "Create tenant", name="create-tenant"
+            + (
+                ""
+                if session.tenant_id is not None  # the operator's, as the service says
+                else "<h2>New tenant</h2>"
+                + html.form(
+                    url("tenants"),
+                    html.field("name", "Name"),
+                    "Create tenant",
+                    name="create-tenant",
+                )
             )
         )
         return View("Tenants", data, body)
@@ -713,9 +720,17 @@ class Console:
                 ],
             )
             + f"<p>{link(url('keys', {'tenant': str(tenant['id'])}), 'Keys of this tenant')}</p>"
-            + "<h2>Limits</h2><p>Leave a field empty for no limit of that kind. The weight is"
-            " the tenant's fair share when the replicas are saturated (empty: 1).</p>"
-            + html.form(url(f"tenants/{tenant['id']}/limits"), fields, "Save limits", name="limits")
+            + "<h2>Limits</h2>"
+            + (
+                "<p>The operator sets this tenant's limits, budget and weight (a token "
+                "pinned to the tenant may not).</p>"
+                if session.tenant_id is not None
+                else "<p>Leave a field empty for no limit of that kind. The weight is the "
+                "tenant's fair share when the replicas are saturated (empty: 1).</p>"
+                + html.form(
+                    url(f"tenants/{tenant['id']}/limits"), fields, "Save limits", name="limits"
+                )
+            )
             + "<h2>Cache namespace</h2>"
             + html.form(
                 url(f"tenants/{tenant['id']}/rotate-salt"),
