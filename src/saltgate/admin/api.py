@@ -46,6 +46,7 @@ DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
 DEFAULT_GRACE_S = 86400.0  # a rotated key's old value works for a day unless told
 MAX_BODY_BYTES = 64 * 1024
+MAX_SEQ = 2**63 - 1  # the largest audit entry id a store can hold (SQLite and PostgreSQL)
 
 
 @dataclass
@@ -325,7 +326,7 @@ class AdminApi:
 
     async def _audit_logs_list(self, call: Call) -> JsonAnswer:
         limit, after = call.limit(), call.after()
-        if after and not after.isdigit():
+        if after and not (after.isdigit() and int(after) <= MAX_SEQ):
             raise ApiError(400, "after must be an id from a previous page", param="after")
         found = await self.service.audit_logs_list(
             call.caller, after_seq=int(after or 0), limit=limit

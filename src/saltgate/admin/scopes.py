@@ -45,6 +45,8 @@ def scopes_label(scopes: Iterable[str]) -> str:
 def parse_scopes(given: str | Iterable[object]) -> frozenset[str]:
     """``all`` or scope names (comma-separated, or a list); ValueError naming the unknown
     (only names shaped like scopes are echoed: a pasted secret is not)."""
+    if not isinstance(given, str | list | tuple | set | frozenset):
+        raise ValueError(f"scopes must be {ALL}, comma-separated names, or a list of names")
     wanted = set()
     for name in given.split(",") if isinstance(given, str) else given:
         if not isinstance(name, str):
