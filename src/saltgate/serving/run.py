@@ -170,7 +170,7 @@ async def start_gateway(
         api = admin_api = AdminApi(
             AdminStore(config.store_settings), usage=gateway.usage, prices=config.prices
         )
-        console = Console(api.handle, metrics.snapshot, config)
+        console = Console(api.service, metrics.snapshot, config)
 
         async def admin_handler(request: Request) -> Response:
             answer = await api.handle(request) or await console.handle(request)

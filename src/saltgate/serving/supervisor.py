@@ -140,7 +140,7 @@ class Supervisor:
         self._admin_api = AdminApi(
             AdminStore(config.store_settings), usage=self._usage, prices=config.prices
         )
-        self._console = Console(self._admin_api.handle, self.metrics, config)
+        self._console = Console(self._admin_api.service, self.metrics, config)
         self._ehbp_private_key: bytes | None = None
         self.ehbp_fingerprint: str | None = None
         self._procs: dict[int, asyncio.subprocess.Process] = {}
