@@ -157,6 +157,8 @@ class MediaProbe:
     redirected: bool  # ... and the second: the replica followed the redirect
 
 
+_LOADED = "could not be deserialized as a torch tensor"
+"""vLLM's answer to bytes that are no tensor once the flag is on: it tried to load them."""
 _TEXT_ONLY = ("is not a multimodal model", "model is not multimodal")
 _FETCH_WORDS = ("fetch", "connect", "redirect")
 
@@ -235,13 +237,10 @@ def _judge_embeds(
         "tensors from requests are torch.load-ed in the API server every tenant shares "
         "(CVE-2025-62164, CVE-2026-56340, CVE-2026-73557: memory corruption, a crash)"
     )
-    if answer.status == 200:
+    if answer.status == 200 or _LOADED in answer.message:
+        how = "accepted" if answer.status == 200 else f"handed to torch ({answer.quoted()})"
         return Finding(
-            check,
-            url,
-            Severity.HIGH,
-            f"{what} accepted: {risk}",
-            f"start vLLM without {flag}",
+            check, url, Severity.HIGH, f"{what} {how}: {risk}", f"start vLLM without {flag}"
         )
     if text_only_ok and any(words in answer.message.lower() for words in _TEXT_ONLY):
         return Finding(

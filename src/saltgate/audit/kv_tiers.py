@@ -78,7 +78,9 @@ LMCache's connectors register none: they show only in the traffic counters."""
 
 _INFO_LINE = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-_SAMPLE = re.compile(r"^(?P<name>vllm:[A-Za-z0-9_:]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+_SAMPLE = re.compile(
+    r"^(?P<name>vllm:[A-Za-z0-9_:]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)", re.MULTILINE
+)
 _OFF = ("", "None", "none", "0", "0.0")
 _EXTERNAL_SOURCES = ("host", "disk", "p2p", "external_unspecified")
 
