@@ -138,3 +138,17 @@ def test_a_safe_kv_tier_is_reported_but_not_as_a_leak() -> None:
     assert found["external-kv-hits"][0].severity is Severity.LOW  # the audit's repeat hit
     assert found["volatile-cache"][0].severity is Severity.OK
     assert not any(f.fix for fs in found.values() for f in fs)
+
+
+def test_the_media_probe_sees_the_fetch_and_the_redirect_on_its_listener() -> None:
+    """Not just the replica's words: the audit's own listener was fetched, then redirected
+    to; with redirects off (VLLM_MEDIA_URL_ALLOW_REDIRECTS=0) only the first."""
+    found = engine_findings(asyncio.run(audit_sim(UnsafeOptions(fetch_media=True))))
+    media = found["remote-media"][0]
+    assert "fetched a loopback image URL and followed its redirect" in media.summary, media
+    assert MEDIA_REDIRECTS in media.fix
+    no_redirects = UnsafeOptions(fetch_media=True, media_redirects=False)
+    found = engine_findings(asyncio.run(audit_sim(no_redirects)))
+    media = found["remote-media"][0]
+    assert media.severity is Severity.HIGH and "(not its redirect)" in media.summary, media
+    assert MEDIA_DOMAINS in media.fix and MEDIA_REDIRECTS not in media.fix

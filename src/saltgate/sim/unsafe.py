@@ -9,8 +9,10 @@ vLLM's message; no store, no LoRA routes, no per-request metrics, no KV tiers).
 - `responses_store`: VLLM_ENABLE_RESPONSES_API_STORE=1. Answers of /v1/responses with
   `store` (default true) are kept and served back by GET /v1/responses/{id} to anyone, as
   vLLM's store does (a minimal store: the answer body by id).
-- `fetch_media`: no --allowed-media-domains, redirects followed: every http(s) `image_url`
-  of a chat request is fetched; an HTTP error answers vLLM's "Failed to fetch media".
+- `fetch_media`: no --allowed-media-domains: every http(s) `image_url` of a chat request
+  is fetched, redirects followed unless `media_redirects` is off
+  (VLLM_MEDIA_URL_ALLOW_REDIRECTS=0); an answer other than 2xx is vLLM's "Failed to fetch
+  media" error.
 - `prompt_embeds`: --enable-prompt-embeds: the field is handed to "torch.load", which
   here refuses anything that is not a torch file with vLLM's "could not be deserialized"
   (nothing is ever unpickled) and takes a torch file as one placeholder token.
@@ -56,6 +58,7 @@ and the `prompt_tokens_cached_by_source` source its hits count under."""
 class UnsafeOptions:
     responses_store: bool = False
     fetch_media: bool = False
+    media_redirects: bool = True  # VLLM_MEDIA_URL_ALLOW_REDIRECTS (vLLM's default: on)
     prompt_embeds: bool = False
     mm_embeds: bool = False
     runtime_lora: bool = False
@@ -112,7 +115,7 @@ class UnsafeReplica:
         if part.get("type") == "image_url" and self.options.fetch_media:
             url = image.get("url") if isinstance(image, dict) else image
             if isinstance(url, str) and url.startswith(("http://", "https://")):
-                await _fetch(url)
+                await _fetch(url, follow_redirects=self.options.media_redirects)
                 return True
         return False
 
@@ -189,14 +192,16 @@ def _is_tensor(value: object) -> bool:
     return raw.startswith(b"PK\x03\x04")
 
 
-async def _fetch(url: str) -> None:
-    """GET the URL as vLLM's media connector does by default (any host, redirects followed)."""
+async def _fetch(url: str, *, follow_redirects: bool) -> None:
+    """GET the URL as vLLM's media connector does without an allow-list (any host)."""
     try:
-        async with httpx.AsyncClient(follow_redirects=True, timeout=5, trust_env=False) as client:
+        async with httpx.AsyncClient(
+            follow_redirects=follow_redirects, timeout=5, trust_env=False
+        ) as client:
             response = await client.get(url)
     except httpx.HTTPError as exc:
         raise SimError(400, f"Failed to fetch media from URL: {type(exc).__name__}") from None
-    if response.status_code >= 400:
+    if not response.is_success:
         raise SimError(422, f"Failed to fetch media from URL: HTTP {response.status_code} error")
 
 
