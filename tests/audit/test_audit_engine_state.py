@@ -146,6 +146,7 @@ def test_embeds_refused_only_with_vllms_flag_off_message() -> None:
     other = judge_prompt_embeds("r", ProbeAnswer(500, b"Internal Server Error"))
     assert other.severity is Severity.MEDIUM and PROMPT_EMBEDS in other.fix
     assert judge_prompt_embeds("r", UNAUTHORIZED).severity is Severity.INFO
+    assert judge_prompt_embeds("r", NOT_FOUND).severity is Severity.OK  # a pooling replica
     # image_embeds: a text-only model refuses them whatever the flag; not for prompt_embeds
     mm_text_only = judge_mm_embeds("r", MM_NOT_MULTIMODAL)
     assert clean(mm_text_only) and "inconclusive" in mm_text_only.summary

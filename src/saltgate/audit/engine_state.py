@@ -233,6 +233,8 @@ def _judge_embeds(
         return unprobed
     if flag in answer.message:
         return Finding(check, url, Severity.OK, f"refused with the flag off: {answer.quoted()}")
+    if answer.route_missing:  # e.g. a pooling model's replica: no generation routes
+        return Finding(check, url, Severity.OK, f"no route for {what} on this replica")
     risk = (
         "tensors from requests are torch.load-ed in the API server every tenant shares "
         "(CVE-2025-62164, CVE-2026-56340, CVE-2026-73557: memory corruption, a crash)"
