@@ -3,16 +3,18 @@
 The positive controls of `saltgate audit deployment`'s engine-state checks
 (docs/audit.md, "Engine state"): each switch makes a simulated replica answer as vLLM
 does with the setting on, so a test shows the audit's finding appears. All off by default,
-and then the simulator answers as vLLM does with them off (`prompt_embeds` refused with
-vLLM's message; no store, no LoRA routes, no per-request metrics, no KV tiers).
+and then the simulator answers as it always does (embeds refused with vLLM's messages and
+media taken from `data:` URLs only: saltgate.sim.multimodal; no store, no LoRA routes, no
+per-request metrics, no KV tiers). The hooks run before the multimodal caches see a
+request, so what a switch lets in (fetched media, embeds) is what those caches get.
 
 - `responses_store`: VLLM_ENABLE_RESPONSES_API_STORE=1. Answers of /v1/responses with
   `store` (default true) are kept and served back by GET /v1/responses/{id} to anyone, as
   vLLM's store does (a minimal store: the answer body by id).
 - `fetch_media`: no --allowed-media-domains: every http(s) `image_url` of a chat request
   is fetched, redirects followed unless `media_redirects` is off
-  (VLLM_MEDIA_URL_ALLOW_REDIRECTS=0); an answer other than 2xx is vLLM's "Failed to fetch
-  media" error.
+  (VLLM_MEDIA_URL_ALLOW_REDIRECTS=0), and inlined as a `data:` URL for the media caches;
+  an answer other than 2xx is vLLM's "Failed to fetch media" error.
 - `prompt_embeds`: --enable-prompt-embeds: the field is handed to "torch.load", which
   here refuses anything that is not a torch file with vLLM's "could not be deserialized"
   (nothing is ever unpickled) and takes a torch file as one placeholder token.
@@ -82,16 +84,10 @@ class UnsafeReplica:
 
     # -- requests --------------------------------------------------------------------------
     async def before_generate(self, route: bytes, body: dict[str, Any]) -> None:
-        """Take (or refuse, as vLLM does with the flag off) what only these settings allow:
-        `prompt_embeds`, `image_embeds` parts, media URLs (fetched). Edits `body` in place."""
-        if route == b"/v1/completions" and "prompt_embeds" in body:
-            embeds = body.pop("prompt_embeds")
-            if not self.options.prompt_embeds:
-                raise vllm_validation(
-                    "You must set `--enable-prompt-embeds` to input `prompt_embeds`.",
-                    "prompt_embeds",
-                )
-            if not _is_tensor(embeds):
+        """Take what only these settings allow: `prompt_embeds`, `image_embeds` parts, media
+        URLs (fetched). Edits `body` in place; with a switch off, leaves it to the refusal."""
+        if route == b"/v1/completions" and self.options.prompt_embeds and "prompt_embeds" in body:
+            if not _is_tensor(body.pop("prompt_embeds")):
                 raise vllm_validation(
                     "`prompt_embeds` could not be deserialized as a torch tensor: "
                     "the simulator loads none",
@@ -102,22 +98,30 @@ class UnsafeReplica:
             for message in body["messages"]:
                 if isinstance(message, dict) and isinstance(message.get("content"), list):
                     message["content"] = [
-                        part for part in message["content"] if not await self._taken(part)
+                        await self._part(part)
+                        for part in message["content"]
+                        if not self._embeds_taken(part)
                     ]
 
-    async def _taken(self, part: object) -> bool:
-        """A content part these settings consume (so the text-only tokenizer never sees it)."""
-        if not isinstance(part, dict):
-            return False
-        if part.get("type") == "image_embeds" and self.options.mm_embeds:
-            return True
+    def _embeds_taken(self, part: object) -> bool:
+        """An `image_embeds` part --enable-mm-embeds lets in (dropped: nothing is loaded)."""
+        return (
+            isinstance(part, dict) and part.get("type") == "image_embeds" and self.options.mm_embeds
+        )
+
+    async def _part(self, part: Any) -> Any:
+        """An http(s) `image_url` part, fetched and inlined as `data:` when media is fetched."""
+        if not self.options.fetch_media or not isinstance(part, dict):
+            return part
         image = part.get("image_url")
-        if part.get("type") == "image_url" and self.options.fetch_media:
-            url = image.get("url") if isinstance(image, dict) else image
-            if isinstance(url, str) and url.startswith(("http://", "https://")):
-                await _fetch(url, follow_redirects=self.options.media_redirects)
-                return True
-        return False
+        url = image.get("url") if isinstance(image, dict) else image
+        if part.get("type") != "image_url" or not isinstance(url, str):
+            return part
+        if not url.startswith(("http://", "https://")):
+            return part
+        data = await _fetch(url, follow_redirects=self.options.media_redirects)
+        inline = "data:application/octet-stream;base64," + base64.b64encode(data).decode()
+        return {**part, "image_url": {"url": inline}}
 
     def after_whole(self, route: bytes, body: dict[str, Any], answer: bytes) -> bytes:
         """The answer of a whole (not streamed) generation, as these settings change it."""
@@ -192,7 +196,7 @@ def _is_tensor(value: object) -> bool:
     return raw.startswith(b"PK\x03\x04")
 
 
-async def _fetch(url: str, *, follow_redirects: bool) -> None:
+async def _fetch(url: str, *, follow_redirects: bool) -> bytes:
     """GET the URL as vLLM's media connector does without an allow-list (any host)."""
     try:
         async with httpx.AsyncClient(
@@ -203,6 +207,7 @@ async def _fetch(url: str, *, follow_redirects: bool) -> None:
         raise SimError(400, f"Failed to fetch media from URL: {type(exc).__name__}") from None
     if not response.is_success:
         raise SimError(422, f"Failed to fetch media from URL: HTTP {response.status_code} error")
+    return response.content
 
 
 def _lora_refusal(path: bytes, body: bytes) -> tuple[int, bytes]:
