@@ -131,6 +131,14 @@ def test_media_fetch_the_listener_decides_then_the_answers_words() -> None:
     elsewhere = ProbeAnswer(422, error("Failed to fetch media from URL: HTTP 404 error", 422))
     tried = judge_media_fetch("r", MediaProbe(elsewhere, False, False))
     assert tried.severity is Severity.HIGH and MEDIA_DOMAINS in tried.fix
+    refused = ProbeAnswer(
+        500, error("Cannot connect to host 127.0.0.1:4321 ssl:default [Connect call failed]", 500)
+    )
+    refused_there = judge_media_fetch("r", MediaProbe(refused, False, False, "127.0.0.1:4321"))
+    assert refused_there.severity is Severity.HIGH  # a connection error naming the URL's host
+    engine_down = ProbeAnswer(500, error("EngineCore encountered an issue", 500))
+    down = judge_media_fetch("r", MediaProbe(engine_down, False, False, "127.0.0.1:4321"))
+    assert clean(down) and "inconclusive" in down.summary
     odd = judge_media_fetch("r", MediaProbe(ProbeAnswer(200, b"{}"), False, False))
     assert clean(odd) and "inconclusive" in odd.summary
     assert judge_media_fetch("r", MediaProbe(UNAUTHORIZED, False, False)).severity is Severity.INFO

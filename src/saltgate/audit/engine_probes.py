@@ -60,8 +60,12 @@ class MediaListener:
             self._server.close()
             await self._server.wait_closed()
 
-    def url(self, token: str, name: str = "image.png") -> str:
-        return f"http://127.0.0.1:{self._port}/sgaudit/{token}/{name}"
+    @property
+    def authority(self) -> str:
+        return f"127.0.0.1:{self._port}"
+
+    def url(self, token: str) -> str:
+        return f"http://{self.authority}/sgaudit/{token}/image.png"
 
     def seen(self, token: str) -> tuple[bool, bool]:
         """(fetched, followed the redirect) for one token."""
@@ -77,7 +81,7 @@ class MediaListener:
             self._seen.add(path)
             if path.startswith("/sgaudit/") and path.endswith("/image.png"):
                 moved = path.removesuffix("image.png") + "moved.png"
-                status = f"302 Found\r\nlocation: http://127.0.0.1:{self._port}{moved}"
+                status = f"302 Found\r\nlocation: http://{self.authority}{moved}"
             else:
                 status = "404 Not Found"
             writer.write(
@@ -150,7 +154,8 @@ async def probe_engine_state(
     image = {"type": "image_url", "image_url": {"url": listener.url(token)}}
     answer = await post("/v1/chat/completions", {**chat(image), "cache_salt": salt})
     fetched, redirected = listener.seen(token)
-    findings.append(judge_media_fetch(url, MediaProbe(answer, fetched, redirected)))
+    media = MediaProbe(answer, fetched, redirected, listener.authority)
+    findings.append(judge_media_fetch(url, media))
 
     embeds = {"prompt_embeds": NOT_A_TENSOR, "max_tokens": 1}
     findings.append(judge_prompt_embeds(url, await post("/v1/completions", embeds)))

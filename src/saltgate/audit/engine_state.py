@@ -155,12 +155,12 @@ class MediaProbe:
     answer: ProbeAnswer
     fetched: bool  # the listener saw the first path
     redirected: bool  # ... and the second: the replica followed the redirect
+    authority: str = ""  # the image URL's host:port, which a connection error names
 
 
 _LOADED = "could not be deserialized as a torch tensor"
 """vLLM's answer to bytes that are no tensor once the flag is on: it tried to load them."""
 _TEXT_ONLY = ("is not a multimodal model", "model is not multimodal")
-_FETCH_WORDS = ("fetch", "connect", "redirect")
 
 
 def judge_media_fetch(url: str, probe: MediaProbe) -> Finding:
@@ -204,7 +204,8 @@ def judge_media_fetch(url: str, probe: MediaProbe) -> Finding:
             f"the flags cannot be seen from here: set {MEDIA_DOMAINS} and "
             f"{MEDIA_REDIRECTS}=0 anyway",
         )
-    if answer.status != 200 and any(word in message for word in _FETCH_WORDS):
+    tried = "fetch" in message or (probe.authority and probe.authority in message)
+    if answer.status != 200 and tried:
         return Finding(
             check,
             url,
