@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from saltgate.admin.service import AdminService, Caller, KeyView, Page
     from saltgate.config import GatewayConfig
     from saltgate.governance.limits import Limits
     from saltgate.kvevents.settings import KvRelaySettings, KvUpstream
     from saltgate.store.settings import StoreSettings
-    from saltgate.store.tenants import TenantStore
 
 Command = Callable[[argparse.Namespace], int]
+T = TypeVar("T")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -490,137 +490,101 @@ def _store_settings(args: argparse.Namespace) -> tuple[StoreSettings, GatewayCon
 
 
 def _tenants_create(args: argparse.Namespace) -> int:
-    return _with_store(args, lambda st: f"created tenant {st.create_tenant(args.name).name}")
+    async def create(service: AdminService, caller: Caller) -> str:
+        return f"created tenant {(await service.tenants_create(caller, args.name)).name}"
+
+    return _with_service(args, create)
 
 
 def _tenants_list(args: argparse.Namespace) -> int:
-    def show(st: TenantStore) -> str:
+    async def show(service: AdminService, caller: Caller) -> str:
+        tenants = await _every(
+            lambda after: service.tenants_list(caller, after=after, limit=_PAGE), lambda t: t.id
+        )
         rows = [
             f"{t.id}\t{t.name}\tepoch {t.epoch}\tmodels {_models_label(t.models)}"
             f"\tlimits {_limits_label(t.limits)}" + ("" if t.archived_at is None else "\tarchived")
-            for t in st.list_tenants()
+            for t in sorted(tenants, key=lambda t: t.name)
         ]
         return "\n".join(rows)
 
-    return _with_store(args, show)
+    return _with_service(args, show)
 
 
 def _tenants_rotate(args: argparse.Namespace) -> int:
-    return _with_store(
-        args, lambda st: f"tenant {args.name} moved to epoch {st.rotate_salt(args.name)}"
-    )
+    async def rotate(service: AdminService, caller: Caller) -> str:
+        tenant = await service.tenants_rotate_salt(caller, args.name)
+        return f"tenant {args.name} moved to epoch {tenant.epoch}"
+
+    return _with_service(args, rotate)
 
 
 def _tenants_set_models(args: argparse.Namespace) -> int:
-    models = None if args.all else [m.strip() for m in args.models.split(",") if m.strip()]
+    from saltgate.admin.service import TenantChange
 
-    def apply(st: TenantStore) -> str:
-        t = st.set_models(args.name, models)
+    models = None if args.all else tuple(m.strip() for m in args.models.split(",") if m.strip())
+
+    async def apply(service: AdminService, caller: Caller) -> str:
+        change = TenantChange(set_models=True, models=models)
+        t = await service.tenants_update(caller, args.name, change)
         return f"tenant {t.name} may use models {_models_label(t.models)}"
 
-    return _with_store(args, apply)
+    return _with_service(args, apply)
 
 
 def _tenants_set_limits(args: argparse.Namespace) -> int:
-    def apply(st: TenantStore) -> str:
-        t = st.set_limits(args.name, _limits_from_args(args))
+    async def apply(service: AdminService, caller: Caller) -> str:
+        t = await service.tenants_limits(caller, args.name, _limits_from_args(args))
         return f"tenant {t.name} limits {_limits_label(t.limits)}"
 
-    return _with_store(args, apply)
+    return _with_service(args, apply)
 
 
 def _keys_set_limits(args: argparse.Namespace) -> int:
-    def apply(st: TenantStore) -> str:
-        k = st.set_key_limits(args.key_id, _limits_from_args(args))
+    async def apply(service: AdminService, caller: Caller) -> str:
+        k = await service.keys_limits(caller, args.key_id, _limits_from_args(args))
         return f"key {k.id} limits {_limits_label(k.limits)}"
 
-    return _with_store(args, apply)
+    return _with_service(args, apply)
 
 
 def _limits_from_args(args: argparse.Namespace) -> Limits | None:
-    """The limits the options give; ConfigError (one line on stderr) when wrong."""
+    """The limits the options give, through the one parser the API and the console use
+    (saltgate.governance.limits.parse_limits); ConfigError (one line on stderr) when wrong."""
     from saltgate.config import ConfigError
-    from saltgate.governance.limits import Limits, parse_duration
-    from saltgate.prices import micro_per_mtok
+    from saltgate.governance.limits import parse_limits
 
-    given = [
-        args.rpm, args.input_tpm, args.output_tpm, args.concurrency, args.budget_usd, args.weight
-    ]  # fmt: skip
+    given = {
+        "rpm": args.rpm,
+        "input_tpm": args.input_tpm,
+        "output_tpm": args.output_tpm,
+        "concurrency": args.concurrency,
+        "budget_usd": args.budget_usd,
+        "budget_period": args.budget_period,
+        "weight": args.weight,
+    }
     if args.clear:
-        if any(v is not None for v in (*given, args.budget_period)):
+        if any(v is not None for v in given.values()):
             raise ConfigError("set-limits: give --clear alone, or the limits without it")
         return None
-    if all(v is None for v in given):
+    if (args.budget_usd is None) != (args.budget_period is None):
+        raise ConfigError("set-limits: --budget-usd and --budget-period go together")
+    try:
+        limits = parse_limits(given)
+    except ValueError as exc:
+        raise ConfigError(f"set-limits: {exc}") from None
+    if limits is None:
         raise ConfigError(
             "set-limits: give at least one of --rpm, --input-tpm, --output-tpm, "
             "--concurrency, --budget-usd, --weight (or --clear)"
         )
-    budget = period = None
-    if (args.budget_usd is None) != (args.budget_period is None):
-        raise ConfigError("set-limits: --budget-usd and --budget-period go together")
-    if args.budget_usd is not None:
-        try:
-            budget = micro_per_mtok(float(args.budget_usd))  # dollars -> micro-dollars
-        except ValueError:
-            raise ConfigError(
-                f"--budget-usd {args.budget_usd!r}: expected dollars with at most 6 decimals"
-            ) from None
-        seconds = parse_duration(args.budget_period)
-        if seconds is None or seconds < 1 or seconds != int(seconds):
-            raise ConfigError(
-                f"--budget-period {args.budget_period!r}: expected a duration like 30d, 7d, 24h"
-            )
-        period = int(seconds)
-    weight = None if args.weight is None else _weight_arg(args.weight)
-    try:
-        return Limits(
-            args.rpm, args.input_tpm, args.output_tpm, args.concurrency, budget, period, weight
-        )
-    except ValueError as exc:
-        raise ConfigError(f"set-limits: {exc}") from None
-
-
-def _weight_arg(text: str) -> float:
-    """--weight's value; ConfigError unless a positive finite number."""
-    from saltgate.config import ConfigError
-
-    try:
-        weight = float(text)
-    except ValueError:
-        weight = math.nan
-    if not (math.isfinite(weight) and weight > 0):
-        raise ConfigError(f"--weight {text!r}: expected a positive number such as 1, 2 or 0.5")
-    return weight
+    return limits
 
 
 def _limits_label(limits: Limits | None) -> str:
-    """Limits as `tenants list` shows them: "rpm=60 input_tpm=10000 budget=$5/30d
-    weight=2"."""
-    if limits is None:
-        return "none"
-    parts = [
-        f"{name}={value}"
-        for name, value in (
-            ("rpm", limits.rpm),
-            ("input_tpm", limits.input_tpm),
-            ("output_tpm", limits.output_tpm),
-            ("concurrency", limits.concurrency),
-        )
-        if value is not None
-    ]
-    if limits.budget_micro_usd is not None and limits.budget_period_s is not None:
-        dollars = limits.budget_micro_usd / 1_000_000
-        parts.append(f"budget=${dollars:g}/{_period_label(limits.budget_period_s)}")
-    if limits.weight is not None:
-        parts.append(f"weight={limits.weight:g}")
-    return " ".join(parts)
+    from saltgate.governance.limits import limits_label
 
-
-def _period_label(seconds: int) -> str:
-    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
+    return limits_label(limits)
 
 
 def _models_label(models: tuple[str, ...] | None) -> str:
@@ -628,81 +592,133 @@ def _models_label(models: tuple[str, ...] | None) -> str:
 
 
 def _keys_create(args: argparse.Namespace) -> int:
-    def create(st: TenantStore) -> str:
-        key_id, key = st.create_key(args.tenant, args.priority)
-        print(f"created {key_id} ({args.priority}) for {args.tenant}", file=sys.stderr)
-        return key
+    async def create(service: AdminService, caller: Caller) -> str:
+        minted = await service.keys_create(caller, args.tenant, args.priority)
+        print(f"created {minted.key.id} ({args.priority}) for {args.tenant}", file=sys.stderr)
+        return minted.value
 
-    return _with_store(args, create)
+    return _with_service(args, create)
 
 
 def _keys_list(args: argparse.Namespace) -> int:
-    def show(st: TenantStore) -> str:
+    async def show(service: AdminService, caller: Caller) -> str:
+        if args.tenant is None:
+            tenants = await _every(
+                lambda after: service.tenants_list(caller, after=after, limit=_PAGE),
+                lambda t: t.id,
+            )
+            refs = [t.id for t in tenants]
+        else:
+            refs = [args.tenant]
+        keys = []
+        for ref in refs:
+
+            def page(after: str, ref: str = ref) -> Awaitable[Page[KeyView]]:
+                return service.keys_list(caller, ref, after=after, limit=_PAGE)
+
+            keys += [view.key for view in await _every(page, lambda v: v.key.id)]
         rows = []
-        for k in st.list_keys(args.tenant):
+        for k in sorted(keys, key=lambda k: k.created_at):
             state = "revoked" if k.revoked_at is not None else "active"
             limits = _limits_label(k.limits)
             rows.append(f"{k.id}\t{k.tenant_id}\t{state}\tpriority {k.priority}\tlimits {limits}")
         return "\n".join(rows)
 
-    return _with_store(args, show)
+    return _with_service(args, show)
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:
-    return _with_store(args, lambda st: f"revoked {st.revoke_key(args.key_id).id}")
+    async def revoke(service: AdminService, caller: Caller) -> str:
+        return f"revoked {(await service.keys_revoke(caller, args.key_id)).id}"
+
+    return _with_service(args, revoke)
 
 
-def _with_store(args: argparse.Namespace, action: Callable[[TenantStore], str]) -> int:
-    """Run a store action; a StoreError is one line on stderr and exit status 1.
+_PAGE = 100  # the service's pages, read to the end for a command's whole list
 
-    The audit log names each change's author: the CLI and the OS user running it.
-    """
+
+async def _every(page: Callable[[str], Awaitable[Page[T]]], last_id: Callable[[T], str]) -> list[T]:
+    """Every item of a keyset-paged list of the admin service."""
+    items: list[T] = []
+    after = ""
+    while True:
+        found = await page(after)
+        items += found.items
+        if not found.has_more or not found.items:
+            return items
+        after = last_id(found.items[-1])
+
+
+def _with_service(
+    args: argparse.Namespace, action: Callable[[AdminService, Caller], Awaitable[str]]
+) -> int:
+    """Run an admin operation as the local operator (saltgate.admin.service: the API's
+    and the console's rules, every scope, unpinned); a refusal or a store error is one
+    line on stderr and exit status 1. The audit log names each change's author: the CLI
+    and the OS user running it."""
+    import asyncio
+
+    from saltgate.admin.service import AdminService, Caller
+    from saltgate.admin.store import AdminStore
     from saltgate.config import ConfigError
-    from saltgate.store.audit import Actor
-    from saltgate.store.backends import open_database
+    from saltgate.policy.errors import ApiError
     from saltgate.store.errors import StoreError
-    from saltgate.store.tenants import TenantStore
+
+    async def run(settings: StoreSettings, config: GatewayConfig | None) -> str:
+        store = AdminStore(settings)
+        try:
+            prices = None if config is None else config.prices
+            return await action(AdminService(store, None, prices), Caller.operator())
+        finally:
+            await store.aclose()
 
     try:
-        settings, _ = _store_settings(args)
-        with TenantStore(open_database(settings), actor=Actor.cli()) as store:
-            out = action(store)
-    except (StoreError, ConfigError, ValueError) as exc:
+        out = asyncio.run(run(*_store_settings(args)))
+    except (StoreError, ConfigError, ValueError, ApiError) as exc:
         print(f"saltgate {args.command}: {exc}", file=sys.stderr)
         return 1
     if out:
-        print(out)
+        print(printable(out))
     return 0
+
+
+def printable(text: str) -> str:
+    """Text safe for a terminal: control and format characters (escapes, bidi overrides)
+    are shown escaped (\\x1b, \\u202e), tabs and newlines kept as the layout's own. A
+    stored name can come from a tenant's pinned token: it must not drive the terminal."""
+    import unicodedata
+
+    return "".join(
+        c if c in "\t\n" or unicodedata.category(c)[0] != "C" else ascii(c)[1:-1] for c in text
+    )
 
 
 def _admin_tokens_create(args: argparse.Namespace) -> int:
     from saltgate.admin.scopes import parse_scopes
-    from saltgate.store.admin_tokens import AdminTokens
 
-    def create(st: TenantStore) -> str:
+    async def create(service: AdminService, caller: Caller) -> str:
         scopes = parse_scopes(args.scopes)
-        tenant = None if args.tenant is None else st.get_tenant(args.tenant)
-        token_id, token = AdminTokens(st.db, st.actor).create(
-            scopes, None if tenant is None else tenant.id
-        )
-        pinned = "" if tenant is None else f", pinned to {tenant.name}"
-        print(f"created {token_id} ({','.join(sorted(scopes))}{pinned})", file=sys.stderr)
-        return token
+        minted = await service.admin_tokens_create(caller, scopes, args.tenant)
+        pinned = "" if args.tenant is None else f", pinned to {args.tenant}"
+        print(f"created {minted.token.id} ({','.join(sorted(scopes))}{pinned})", file=sys.stderr)
+        return minted.value
 
-    return _with_store(args, create)
+    return _with_service(args, create)
 
 
 def _admin_tokens_list(args: argparse.Namespace) -> int:
     from datetime import UTC, datetime
 
-    from saltgate.store.admin_tokens import AdminTokens
-
     def when(ts: float | None) -> str:
         return "never" if ts is None else datetime.fromtimestamp(ts, UTC).isoformat("T", "seconds")
 
-    def show(st: TenantStore) -> str:
+    async def show(service: AdminService, caller: Caller) -> str:
         rows = []
-        for t in AdminTokens(st.db).list():
+        tokens = await _every(
+            lambda after: service.admin_tokens_list(caller, after=after, limit=_PAGE),
+            lambda t: t.id,
+        )
+        for t in tokens:
             state = "revoked" if t.revoked_at is not None else "active"
             rows.append(
                 f"{t.id}\t{t.to_dict()['redacted_value']}\t{state}\tscopes "
@@ -711,15 +727,14 @@ def _admin_tokens_list(args: argparse.Namespace) -> int:
             )
         return "\n".join(rows)
 
-    return _with_store(args, show)
+    return _with_service(args, show)
 
 
 def _admin_tokens_revoke(args: argparse.Namespace) -> int:
-    from saltgate.store.admin_tokens import AdminTokens
+    async def revoke(service: AdminService, caller: Caller) -> str:
+        return f"revoked {(await service.admin_tokens_revoke(caller, args.token_id)).id}"
 
-    return _with_store(
-        args, lambda st: f"revoked {AdminTokens(st.db, st.actor).revoke(args.token_id).id}"
-    )
+    return _with_service(args, revoke)
 
 
 def _price_line(price: dict[str, object]) -> str:
@@ -731,22 +746,16 @@ def _price_line(price: dict[str, object]) -> str:
 
 
 def _prices_list(args: argparse.Namespace) -> int:
-    from saltgate.store.model_prices import PriceStore, effective_prices
+    async def show(service: AdminService, caller: Caller) -> str:
+        return "\n".join(_price_line(p.to_dict()) for p in await service.prices_list(caller))
 
-    def show(st: TenantStore) -> str:
-        _, config = _store_settings(args)
-        configured = {} if config is None else config.prices
-        shown = effective_prices(configured, PriceStore(st.db).stored())
-        return "\n".join(_price_line(p.to_dict()) for p in shown)
-
-    return _with_store(args, show)
+    return _with_service(args, show)
 
 
 def _prices_set(args: argparse.Namespace) -> int:
     from saltgate.prices import price_from_fields
-    from saltgate.store.model_prices import PriceStore
 
-    def apply(st: TenantStore) -> str:
+    async def apply(service: AdminService, caller: Caller) -> str:
         price = price_from_fields(
             {
                 "input_per_mtok": args.input,
@@ -754,19 +763,17 @@ def _prices_set(args: argparse.Namespace) -> int:
                 "output_per_mtok": args.output,
             }
         )
-        return _price_line(PriceStore(st.db, st.actor).set(args.model, price).to_dict())
+        return _price_line((await service.prices_set(caller, args.model, price)).to_dict())
 
-    return _with_store(args, apply)
+    return _with_service(args, apply)
 
 
 def _prices_clear(args: argparse.Namespace) -> int:
-    from saltgate.store.model_prices import PriceStore
-
-    def apply(st: TenantStore) -> str:
-        PriceStore(st.db, st.actor).clear(args.model)
+    async def apply(service: AdminService, caller: Caller) -> str:
+        await service.prices_clear(caller, args.model)
         return f"cleared the store's price of {args.model}"
 
-    return _with_store(args, apply)
+    return _with_service(args, apply)
 
 
 def _audit_log_verify(args: argparse.Namespace) -> int:

@@ -9,13 +9,23 @@ import base64
 import csv
 import io
 import json
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
 from tests.store.test_usage_rollups import T0, record
 
-from saltgate.admin.usage import MAX_CURSOR, costs, reconcile, usage_completions, usage_csv
+from saltgate.admin.usage import (
+    MAX_CSV_BUCKETS,
+    MAX_CURSOR,
+    costs,
+    parse_csv_query,
+    reconcile,
+    usage_completions,
+    usage_csv,
+)
+from saltgate.policy.errors import ApiError
 from saltgate.store.backends import open_database
 from saltgate.store.ledger import USAGE_INSERT, UsageRecord
 from saltgate.store.settings import StoreSettings
@@ -334,9 +344,9 @@ def test_a_pinned_tenant_never_sees_another(usage_store: StoreSettings) -> None:
     [
         ({}, "start_time"),
         ({"start_time": "yesterday"}, "start_time"),
-        ({"start_time": str(T0 + 1)}, "start_time"),
+        ({"start_time": "-3600"}, "start_time"),
         (hourly(bucket_width="2h"), "bucket_width"),
-        (hourly(end_time=str(T0 + 90)), "end_time"),
+        (hourly(end_time="-1"), "end_time"),
         (hourly(end_time=str(T0)), "end_time"),
         (hourly(limit="0"), "limit"),
         (hourly(limit="169"), "limit"),
@@ -358,6 +368,53 @@ def test_bad_parameters_are_400_in_openai_shape(
     assert status == 400
     assert body["error"]["type"] == "invalid_request_error"
     assert body["error"]["param"] == param and body["error"]["message"]
+
+
+def test_any_start_time_answers_from_the_bucket_holding_it(usage_store: StoreSettings) -> None:
+    """OpenAI documents start_time as inclusive and clients pass "now minus N days": a
+    start (and an end) inside a bucket is answered from the buckets holding them, not a
+    400 (issue 41)."""
+    exact = call(usage_store, usage_completions, hourly(group_by="model"), "tn_a")
+    inside = hourly(group_by="model", start_time=str(T0 + 1234), end_time=str(T0 + 2 * HOUR + 5))
+    assert call(usage_store, usage_completions, inside, "tn_a") == exact
+    status, page = call(usage_store, costs, hourly(start_time=str(T0 + HOUR - 1)), "tn_a")
+    assert status == 200 and page["data"][0]["start_time"] == T0
+
+
+def csv_export(usage_store: StoreSettings, query: dict[str, str]) -> list[bytes]:
+    async def go() -> list[bytes]:
+        reader = open_usage_reader(usage_store)
+        try:
+            return [chunk async for chunk in usage_csv(reader, query, "tn_a")]
+        finally:
+            await reader.aclose()
+
+    return asyncio.run(go())
+
+
+def test_csv_export_ranges_are_bounded(usage_store: StoreSettings) -> None:
+    """Issue 41 finding 11: end_time=60000000000000 made the export read empty pages for
+    as long as the client stayed. An export ends with the running bucket, and holds at
+    most MAX_CSV_BUCKETS buckets."""
+    far = {"start_time": str(T0), "end_time": "60000000000000", "bucket_width": "1d"}
+    q = parse_csv_query(far, None, now=T0 + 3 * HOUR)
+    assert (q.start, q.end) == (T0, T0 + 86400)  # T0 is a midnight
+    until_now = {**far, "end_time": str(int(time.time()))}
+    assert csv_export(usage_store, far) == csv_export(usage_store, until_now)
+    minutes = T0 + 60 * MAX_CSV_BUCKETS + 60
+    for query, now in (
+        ({"start_time": str(T0), "end_time": str(minutes), "bucket_width": "1m"}, minutes),
+        ({"start_time": "0", "bucket_width": "1h"}, T0),
+    ):
+        with pytest.raises(ApiError, match="an export holds at most") as refused:
+            parse_csv_query(query, None, now=now)
+        assert refused.value.status == 400
+    year = {
+        "start_time": str(T0),
+        "end_time": str(T0 + MAX_CSV_BUCKETS * HOUR),
+        "bucket_width": "1h",
+    }
+    assert parse_csv_query(year, None, now=T0 + MAX_CSV_BUCKETS * HOUR).end == int(year["end_time"])
 
 
 def test_csv_streams_every_bucket_with_unknown_spelled_out(usage_store: StoreSettings) -> None:

@@ -137,3 +137,48 @@ def test_14_deployment_audit_finds_no_missing_flag_on_the_documented_line(fleet:
         assert "no other address" not in found["replica-bind-address"].summary, doc
         assert not any(f.fix for f in found.values()), doc
     assert fleet.api_key not in doc
+
+
+def test_15_deployment_audit_engine_state_checks_are_clean_on_the_documented_line(
+    fleet: Fleet,
+) -> None:
+    """The engine-state probes and KV-tier reading against both replicas (the recipe's line:
+    no store, no embeds, no runtime LoRA, no per-request metrics, no offloading or
+    connector). What vLLM 0.32 answers each probe: the GET of a response just created
+    with store=true, 404 "Response with id ... not found."; an image_url to the audit's
+    listener, 400 "tiny is not a multimodal model" and no fetch (a text-only model refuses
+    before fetching: inconclusive, said so); prompt_embeds, 400 "You must set
+    `--enable-prompt-embeds`..."; image_embeds, 400 "The model is not multimodal."
+    (inconclusive); load/unload_lora_adapter, FastAPI's 404; a completion, "metrics": null;
+    cache_config_info kv_offloading_size="None", no connector family, no external hit.
+    Their positive controls are the simulator's (tests/audit/test_audit_engine_state_sim.py)
+    and vLLM's own answers with each setting on (tests/audit/test_audit_engine_state.py)."""
+    config = GatewayConfig(
+        replicas=tuple(ReplicaConfig(r.url, api_key=fleet.api_key) for r in fleet.replicas),
+        state_dir=Path("unused"),
+        master_key_file=Path("unused"),
+    )
+    report = asyncio.run(run_deployment_audit(config, probe_default_kv_port=False, timeout=60))
+    doc = json.dumps(report.to_json(), indent=1)
+    ok = (
+        "responses-store",
+        "prompt-embeds",
+        "runtime-lora",
+        "per-request-metrics",
+        "kv-offloading",
+        "kv-connectors",
+        "external-kv-hits",
+        "volatile-cache",
+    )
+    for replica in fleet.replicas:
+        found = {f.check: f for f in report.findings if f.target == replica.url}
+        for check in ok:
+            assert found[check].severity is Severity.OK, doc
+        assert "404" in found["responses-store"].summary, doc
+        assert "--enable-prompt-embeds" in found["prompt-embeds"].summary, doc
+        for check in ("remote-media", "mm-embeds"):
+            assert found[check].severity is Severity.INFO, doc
+            assert found[check].summary.startswith("inconclusive"), doc
+        assert f"{MODEL_NAME} is not a multimodal model" in found["remote-media"].summary, doc
+        assert not any(found[c].fix for c in (*ok, "remote-media", "mm-embeds")), doc
+    assert fleet.api_key not in doc

@@ -336,10 +336,14 @@ def test_forms_tenant_key_limit_usage_and_revocation(tmp_path: Path) -> None:
         b.page.goto(stack.console_url + f"tenants/{tenant_id}")
         b.page.fill("form[data-form=limits] input[name=rpm]", "1")
         b.page.fill("form[data-form=limits] input[name=weight]", "2.5")
+        # A budget in dollars and days, as the CLI takes it (issue 41).
+        b.page.fill("form[data-form=limits] input[name=budget_usd]", "1000.5")
+        b.page.fill("form[data-form=limits] input[name=budget_period]", "30d")
         b.page.click("form[data-form=limits] button")
         b.page.wait_for_url(f"**/console/tenants/{tenant_id}?done=*")
-        assert "rpm 1, weight 2.5" in b.page.inner_text("main")
+        assert "rpm=1 budget=$1000.5/30d weight=2.5" in b.page.inner_text("main")
         assert b.page.input_value("form[data-form=limits] input[name=weight]") == "2.5"
+        assert b.page.input_value("form[data-form=limits] input[name=budget_period]") == "30d"
         deadline = time.monotonic() + 10
         while (status := stack.complete(key).status_code) != 429:
             assert status == 200 and time.monotonic() < deadline, f"no 429 under rpm 1: {status}"

@@ -9,6 +9,7 @@ import httpx
 from tests.support.console import console_stack
 from tests.support.gateways import cli
 
+from saltgate.governance.limits import Limits
 from saltgate.store.tenants import TenantStore
 
 
@@ -42,3 +43,34 @@ def test_a_pinned_token_sees_only_its_tenant_in_the_console(tmp_path: Path) -> N
         with TenantStore.from_state_dir(stack.state_dir) as store:
             assert {t.name for t in store.list_tenants()} == {"mine", "other"}
             assert [k.tenant_id for k in store.list_keys()] == [mine]
+
+
+def test_a_pinned_session_cannot_change_what_the_operator_sets(tmp_path: Path) -> None:
+    """The console over the admin service: a pinned session (every scope) is shown no
+    limits form and refused the post (the operator's limits stay); once its tenant is
+    archived, its session ends (issue 41's findings 2 and 6, as the console meets them)."""
+    with console_stack(tmp_path) as stack:
+        with TenantStore.from_state_dir(stack.state_dir) as store:
+            mine = store.create_tenant("mine").id
+            store.set_limits("mine", Limits(rpm=10))
+        pinned = cli(
+            "admin-tokens", "create", "--scopes", "all", "--tenant", "mine",
+            "--state-dir", str(stack.state_dir),
+        )  # fmt: skip
+        origin = {"origin": stack.origin}
+        with httpx.Client(base_url=stack.console_url, timeout=30) as c:
+            assert c.post("sign-in", data={"token": pinned}, headers=origin).status_code == 303
+            lifted = c.post(f"tenants/{mine}/limits", data={"rpm": "1000"}, headers=origin)
+            assert lifted.status_code == 403 and "operator" in lifted.text
+            page = c.get(f"tenants/{mine}")
+            assert page.status_code == 200 and "rpm=10" in page.text
+            assert 'data-form="limits"' not in page.text
+            assert 'data-form="create-tenant"' not in c.get("tenants").text
+            with TenantStore.from_state_dir(stack.state_dir) as store:
+                assert store.get_tenant("mine").limits == Limits(rpm=10)
+                store.archive_tenant("mine")
+            ended = c.get("tenants.json")  # the session ends: sign in again
+            assert ended.status_code == 303 and ended.headers["location"].endswith("sign-in")
+            assert c.get("tenants.json").status_code == 401
+            again = c.post("sign-in", data={"token": pinned}, headers=origin)
+            assert again.status_code == 401

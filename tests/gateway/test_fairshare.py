@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,11 @@ from tests.support.waiting import eventually
 
 from saltgate.config import QueueConfig
 from saltgate.gateway.fairshare import FairShare
+from saltgate.governance.limits import Limits
 from saltgate.prices import PriceVersion
 from saltgate.routing import RouterConfig
 from saltgate.sim.run import SimConfig
-from saltgate.store.tenants import KeySource, Principal
+from saltgate.store.tenants import KeySource, Principal, TenantStore
 
 # Each request runs max_tokens x 10 ms on a replica that runs `max_concurrency` at a time.
 SIM = SimConfig(port=0, max_concurrency=2, decode_ms_per_token=10.0)
@@ -477,5 +479,65 @@ def test_the_prefill_budget_counts_a_shared_prefix_only_as_far_as_it_is_proven(
             )
             for resp in await asyncio.gather(second, third):
                 assert resp.status_code == 200, resp.text
+
+    run(main)
+
+
+def test_a_failing_queue_does_not_stop_the_probes(tmp_path: Path) -> None:
+    """Issue 41 finding 1: the fair queue's IndexError, raised from a probe's report to it,
+    ended the probe loop: a replica killed afterwards stayed "healthy" for good. Now the
+    failure is logged, the probes go on, and the killed replica is seen down."""
+
+    async def main() -> None:
+        queue = QueueConfig(enabled=True)
+        async with stack(tmp_path, replicas=1, router=FAST_PROBES, queue=queue) as s:
+            replicas = s.gateway.gateway.replicas
+            reports: list[object] = []
+
+            def broken(*report: object) -> None:
+                reports.append(report)
+                raise IndexError("list index out of range")  # what the NaN counter gave
+
+            replicas.on_queue = broken
+            await eventually(lambda: len(reports) >= 3, what="probes go on past the failure")
+            replica = replicas.replicas[0].id
+            tap = s.taps[0].server
+            assert tap is not None
+            await tap.close()  # the replica dies
+            await eventually(
+                lambda: not (state := replicas.router.state(replica)) or not state.health.probe.up,
+                what="the dead replica is seen down",
+            )
+
+    run(main)
+
+
+def test_a_subnormal_weight_in_the_store_leaves_every_tenant_served(tmp_path: Path) -> None:
+    """Issue 41 finding 1 end to end: a weight of 5e-324 stored for alice (as the API took
+    it before its bounds) and a request that used less than its estimate: every request
+    of every tenant got 500 until a restart. The queue bounds any weight it is given."""
+
+    async def main() -> None:
+        queue = QueueConfig(enabled=True)
+        async with stack(tmp_path, replicas=1, router=FAST_PROBES, queue=queue) as s:
+            with TenantStore.from_state_dir(s.state_dir) as store:
+                store.set_limits("alice", Limits(weight=5e-324))
+            gateway = s.gateway.gateway
+            await eventually(
+                lambda: (
+                    (p := gateway.keys.authenticate(s.keys["alice"])) is not None
+                    and p.limits is not None
+                ),
+                what="the gateway has alice's weight",
+            )
+            padded = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}) + " " * 8000
+            async with s.client("alice") as alice, s.client("bob") as bob:
+                r = await alice.post("/v1/completions", content=padded)
+                assert r.status_code == 200, r.text
+                for client in (alice, bob, alice):
+                    r = await client.post("/v1/completions", json=completion("Hello there", 16))
+                    assert r.status_code == 200, r.text
+            counters = fair(s).queue.counters
+            assert all(math.isfinite(c) for c in counters.values()), counters
 
     run(main)

@@ -204,10 +204,32 @@ def test_without_weights_the_same_tenants_alternate() -> None:
     assert abs(released.count("heavy") - released.count("light")) <= 1
 
 
-@pytest.mark.parametrize("weight", [0.0, -1.0, math.nan, math.inf])
-def test_push_refuses_a_weight_that_is_not_positive(weight: float) -> None:
-    with pytest.raises(ValueError, match="weight must be a positive number"):
-        FairQueue[None]().push(None, "a", 1, deadline=FAR, weight=weight)
+@pytest.mark.parametrize("weight", [5e-324, 1e-300, 1e308, 0.0, -1.0, math.nan, math.inf])
+def test_any_weight_leaves_the_queue_working(weight: float) -> None:
+    """Issue 41 finding 1: weight 5e-324 made a release's charge inf, the correction after
+    it NaN, and the next pop an IndexError on an empty heap (every request 500 until a
+    restart). Whatever weight a request brings, the counters stay finite and every
+    waiter is released."""
+    q: FairQueue[str] = FairQueue(quantum_tokens=0)
+    q.push("x1", "x", 100, deadline=FAR, weight=weight)
+    assert (w := q.pop()) is not None and w.item == "x1"
+    q.correct("x", 100, 1)  # it used less than its estimate
+    q.push("x2", "x", 100, deadline=FAR, weight=weight)
+    q.push("y1", "y", 100, deadline=FAR)
+    assert sorted(w.item for w in iter(q.pop, None)) == ["x2", "y1"]
+    assert all(math.isfinite(c) for c in q.counters.values()), q.counters
+
+
+def test_a_counter_gone_bad_does_not_stop_releases() -> None:
+    """Whatever slips past: an amount that would make a counter inf is not applied, and
+    a band whose heap lost every entry is rebuilt from the tenants waiting there."""
+    q: FairQueue[str] = FairQueue(quantum_tokens=0)
+    q.push("x1", "x", 1, deadline=FAR)
+    q.push("y1", "y", 1, deadline=FAR)
+    q.correct("x", 0, math.inf)
+    assert q.counters["x"] == 0.0
+    q.counters["x"] = math.nan  # as the old code left it
+    assert sorted(w.item for w in iter(q.pop, None)) == ["x1", "y1"]
 
 
 def test_service_elsewhere_puts_a_tenant_behind_a_quiet_one() -> None:

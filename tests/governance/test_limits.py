@@ -19,6 +19,8 @@ from saltgate.governance.limits import (
     CONCURRENCY,
     DEFAULT_OUTPUT_ALLOWANCE,
     INPUT_TOKENS,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
     OUTPUT_TOKENS,
     REQUESTS,
     Demand,
@@ -26,7 +28,9 @@ from saltgate.governance.limits import (
     Limits,
     Ticket,
     fair_weight,
+    limits_label,
     output_allowance,
+    parse_limits,
 )
 
 pytestmark = pytest.mark.unit
@@ -313,3 +317,92 @@ def test_a_weight_is_kept_with_the_limits_but_limits_nothing() -> None:
     for bad in (0, -1, float("nan"), float("inf"), "2", True):
         with pytest.raises(ValueError, match="weight must be a positive number"):
             Limits(weight=bad)  # type: ignore[arg-type]
+
+
+# -- parse_limits: the one parser of the API's JSON, the console's forms and the CLI's argv
+
+
+def test_parse_limits_takes_json_numbers_form_text_and_the_cli_forms_alike() -> None:
+    want = Limits(rpm=60, concurrency=2, budget_micro_usd=5_250_000, budget_period_s=30 * 86400)
+    assert (
+        parse_limits(
+            {"rpm": 60, "concurrency": 2, "budget_micro_usd": 5_250_000, "budget_period_s": 2592000}
+        )
+        == want
+    )
+    assert (
+        parse_limits(
+            {
+                "rpm": "60",
+                "concurrency": " 2",
+                "budget_usd": "5.25",
+                "budget_period": "30d",
+                "weight": "",
+            }
+        )
+        == want
+    )
+    assert parse_limits({"budget_usd": 5.25, "budget_period": 2592000}) == Limits(
+        budget_micro_usd=5_250_000, budget_period_s=2592000
+    )
+    assert parse_limits({"weight": "0.5"}) == Limits(weight=0.5)
+    assert parse_limits({}) is None
+    assert parse_limits({"rpm": None, "weight": ""}) is None
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"weight": 5e-324}, "weight must be a number from 0.01 to 100"),  # issue 41 finding 1
+        ({"weight": "5e-324"}, "weight must be a number from 0.01 to 100"),
+        ({"weight": 1e308}, "weight must be a number from 0.01 to 100"),
+        ({"weight": "nan"}, "weight must be a number"),
+        ({"weight": True}, "weight must be a number"),
+        ({"rpm": 18446744073709551615}, "limit rpm must be from 0 to"),
+        ({"input_tpm": 10**13}, "limit input_tpm must be from 0 to"),
+        ({"concurrency": -1}, "limit concurrency must be from 0 to"),
+        ({"rpm": 1.5}, "limit rpm must be a whole number"),
+        ({"rpm": 1e26}, "limit rpm must be a whole number"),
+        ({"rpm": "ten"}, "limit rpm must be a whole number"),
+        ({"rpm": False}, "limit rpm must be a whole number"),
+        ({"budget_micro_usd": 10**16, "budget_period_s": 60}, "budget_micro_usd must be from"),
+        ({"budget_usd": "1", "budget_period": "400d"}, "budget_period_s must be from 0 to"),
+        ({"budget_usd": "1.0000001", "budget_period": "1d"}, "at most 6 decimals"),
+        ({"budget_usd": "1", "budget_period": "soon"}, "budget_period must be a duration"),
+        ({"budget_usd": "1"}, "a budget needs both"),
+        ({"budget_usd": "1", "budget_micro_usd": 1, "budget_period": "1d"}, "not both"),
+        ({"budget_micro_usd": 1, "budget_period_s": 0}, "at least 1 second"),
+        ({"rps": 1}, "unknown limit 'rps'"),
+    ],
+)
+def test_parse_limits_refuses_what_is_out_of_bounds(given: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_limits(given)
+
+
+def test_a_stored_weight_out_of_bounds_is_bounded_for_the_queue() -> None:
+    """A weight stored before the bounds (5e-324, 1e308) reaches the queue bounded."""
+    assert fair_weight(Limits(weight=5e-324)) == MIN_WEIGHT
+    assert fair_weight(Limits(weight=1e308)) == MAX_WEIGHT
+    assert fair_weight(Limits(weight=2.0)) == 2.0
+    assert fair_weight(None) == 1.0
+
+
+@given(
+    st.integers(0, 10**15),
+    st.integers(1, 366 * 86400),
+    st.none() | st.floats(0.01, 100),
+)
+def test_the_label_gives_back_what_the_parser_takes(
+    micro: int, period: int, weight: float | None
+) -> None:
+    """One renderer for the CLI and the console: its budget and period read back exactly."""
+    limits = Limits(rpm=60, budget_micro_usd=micro, budget_period_s=period, weight=weight)
+    shown = dict(part.split("=", 1) for part in limits_label(limits).split())
+    dollars, _, when = shown["budget"].removeprefix("$").partition("/")
+    again = parse_limits({"rpm": shown["rpm"], "budget_usd": dollars, "budget_period": when})
+    assert again == Limits(rpm=60, budget_micro_usd=micro, budget_period_s=period)
+    assert limits_label(None) == "none"
+    assert limits_label(Limits(budget_micro_usd=12_500_000, budget_period_s=2592000)) == (
+        "budget=$12.5/30d"
+    )

@@ -1,7 +1,7 @@
 """Who may do what on the admin plane: scopes, the route table, tenant pinning (pure).
 
 Every admin route is one row of ROUTES with the one scope it needs, so the check is made
-in one place (saltgate.admin.api) before any handler runs, and a test walks the table.
+in one place (saltgate.admin.service) by every operation, and a test walks the table.
 A token pinned to a tenant sees and changes only that tenant; a token mints only tokens
 with a subset of its own scopes, pinned as it is (LiteLLM's admin-plane escalation,
 docs/admin-api.md, came from an unchecked grant).
@@ -45,6 +45,8 @@ def scopes_label(scopes: Iterable[str]) -> str:
 def parse_scopes(given: str | Iterable[object]) -> frozenset[str]:
     """``all`` or scope names (comma-separated, or a list); ValueError naming the unknown
     (only names shaped like scopes are echoed: a pasted secret is not)."""
+    if not isinstance(given, str | list | tuple | set | frozenset):
+        raise ValueError(f"scopes must be {ALL}, comma-separated names, or a list of names")
     wanted = set()
     for name in given.split(",") if isinstance(given, str) else given:
         if not isinstance(name, str):
@@ -84,11 +86,12 @@ class Route:
     method: str
     pattern: str  # under PREFIX; {name} matches one path segment, a last {name+} the rest
     scope: str | None  # None: any admin token (who am I)
-    name: str  # the handler's name in saltgate.admin.api
+    name: str  # the operation's name in saltgate.admin.service (and api's handler)
 
 
 ROUTES: Final = (
     Route("GET", "me", None, "me"),
+    Route("GET", "openapi.json", None, "openapi"),  # this table as OpenAPI (admin/openapi.py)
     Route("GET", "tenants", TENANTS_READ, "tenants_list"),
     Route("POST", "tenants", TENANTS_WRITE, "tenants_create"),
     Route("GET", "tenants/{tenant_id}", TENANTS_READ, "tenants_get"),
@@ -116,6 +119,17 @@ ROUTES: Final = (
     Route("PUT", "prices/{model+}", PRICES_WRITE, "prices_set"),
     Route("DELETE", "prices/{model+}", PRICES_WRITE, "prices_clear"),
 )
+
+NAMED: Final = {route.name: route for route in ROUTES}
+
+
+def refusal(granted: frozenset[str], operation: str) -> str | None:
+    """None if a token holding `granted` may run `operation` (a row's name); else why not."""
+    scope = NAMED[operation].scope
+    if scope is not None and scope not in granted:
+        return f"this admin token lacks the scope {scope}"
+    return None
+
 
 SEGMENT: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
 MAX_TAIL: Final = 1024

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import time
 from collections.abc import AsyncGenerator, Mapping
@@ -24,6 +25,9 @@ from saltgate.store.schema import ROLLUP_DIMS
 from saltgate.store.usage_rollups import Group, Top, UsageReader, rank_groups, read_buckets
 
 WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
+# The most buckets one CSV export holds: a leap year of hours (and of days; six days of
+# minutes). The export reads them all, a page at a time, while the client waits.
+MAX_CSV_BUCKETS = 366 * 24
 # OpenAI's default and largest `limit` (buckets per page) per width; its Costs API allows
 # up to 180 daily buckets.
 USAGE_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}
@@ -89,25 +93,29 @@ def _int_param(query: Mapping[str, str], name: str) -> int | None:
 
 
 def _range(query: Mapping[str, str], width_name: str, now: float | None) -> tuple[int, int]:
-    """[start, end) on bucket boundaries; end defaults to the end of the running bucket."""
+    """[start, end) on bucket boundaries: from the bucket holding `start_time` (OpenAI
+    documents it as inclusive, and clients pass "now minus 7 days", not a boundary)
+    through the bucket holding the last second before `end_time` (exclusive); end defaults
+    to the end of the running bucket."""
     width = WIDTHS[width_name]
     start = _int_param(query, "start_time")
     if start is None:
         raise invalid_request("'start_time' is required (Unix seconds).", param="start_time")
     end = _int_param(query, "end_time")
     if end is None:
-        moment = int(time.time() if now is None else now)
-        end = max(start, moment - moment % width + width)
+        end = _running_end(width, now)
     for name, value in (("start_time", start), ("end_time", end)):
-        if value < 0 or value % width:
-            raise invalid_request(
-                f"'{name}' must be a bucket boundary: a multiple of {width} seconds (UTC) for "
-                f"bucket_width {width_name}.",
-                param=name,
-            )
+        if value < 0:
+            raise invalid_request(f"'{name}' must be Unix seconds, not negative.", param=name)
     if end <= start:
         raise invalid_request("'end_time' must be after 'start_time'.", param="end_time")
-    return start, end
+    return start - start % width, end + (-end % width)
+
+
+def _running_end(width: int, now: float | None) -> int:
+    """The end of the bucket running now: nothing is recorded past it."""
+    moment = int(time.time() if now is None else now)
+    return moment - moment % width + width
 
 
 def _group_by(query: Mapping[str, str]) -> tuple[str, ...]:
@@ -374,13 +382,31 @@ def _csv_field(value: object) -> str:
     return text
 
 
+def parse_csv_query(
+    query: Mapping[str, str], tenant_id: str | None, now: float | None = None
+) -> UsageQuery:
+    """`parse_query` for an export of the whole range: the range ends at the latest with
+    the running bucket (nothing is recorded past it: an end_time years ahead made the
+    export read empty pages for as long as the client stayed), and holds at most
+    MAX_CSV_BUCKETS buckets (400 beyond: export it in parts)."""
+    q = parse_query(query, tenant_id, now=now)
+    end = max(q.start, min(q.end, _running_end(q.width, now)))
+    if (end - q.start) // q.width > MAX_CSV_BUCKETS:
+        raise invalid_request(
+            f"an export holds at most {MAX_CSV_BUCKETS} buckets of bucket_width "
+            f"{q.width_name}: narrow start_time..end_time, or use a wider bucket_width.",
+            param="start_time",
+        )
+    return dataclasses.replace(q, end=end, page=min(q.page, end))
+
+
 async def usage_csv(
     store: UsageReader, query: Mapping[str, str], tenant_id: str | None
 ) -> AsyncGenerator[bytes, None]:
     """Every bucket of the range (not one page) as CSV, streamed a page of buckets at a
     time (`top` ranked once, for all of them); unknown cached tokens are `unknown`. Check
-    the query with `parse_query` first: an error here can only end the stream."""
-    q = parse_query(query, tenant_id)
+    the query with `parse_csv_query` first: an error here can only end the stream."""
+    q = parse_csv_query(query, tenant_id)
     yield (",".join(CSV_COLUMNS) + "\r\n").encode()
     ranking = await _top_groups(store, q, USAGE_RANK)
     page = q.page

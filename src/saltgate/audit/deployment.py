@@ -8,7 +8,9 @@ cache_salt (or no salt at all) reach a replica through the gateway; do responses
 the replica.
 
 Each judgement is a pure function from what was observed to a Finding; the `_Checks`
-class only gathers the observations (HTTP, TCP) and calls them.
+class only gathers the observations (HTTP, TCP) and calls them. The probes of engine state
+no metric shows (Responses store, media fetching, embeds, LoRA routes, per-request
+metrics, KV tiers) are saltgate.audit.engine_probes, judged by .engine_state and .kv_tiers.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ import secrets
 import socket
 import ssl
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import orjson
 
+from saltgate.audit.engine_probes import MediaListener, probe_engine_state
+from saltgate.audit.findings import DeploymentReport, Finding, Severity
+from saltgate.audit.kv_tiers import parse_cache_config_info
 from saltgate.audit.vllm_line import (
     API_KEY,
     EXPECTED_HASH_ALGOS,
@@ -66,53 +70,6 @@ __all__ = [
 
 CANARY_TOKENS = 512  # whole blocks at every block size vLLM uses (16 .. 128, 256 on some)
 DEFAULT_KV_EVENTS_PORT = 5557  # vLLM's default KV-event endpoint is tcp://*:5557
-
-
-class Severity(StrEnum):
-    HIGH = "high"
-    MEDIUM = "medium"
-    LOW = "low"
-    INFO = "info"
-    OK = "ok"
-
-    @property
-    def rank(self) -> int:
-        return list(Severity).index(self)
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    check: str
-    target: str
-    severity: Severity
-    summary: str
-    fix: str = ""  # what to change, e.g. the vLLM flag to add; empty when nothing to do
-
-    def to_json(self) -> dict[str, str]:
-        return {
-            "check": self.check,
-            "target": self.target,
-            "severity": self.severity.value,
-            "summary": self.summary,
-            "fix": self.fix,
-        }
-
-
-@dataclass(slots=True)
-class DeploymentReport:
-    findings: list[Finding] = field(default_factory=list)
-
-    @property
-    def worst(self) -> Severity:
-        return min((f.severity for f in self.findings), key=lambda s: s.rank, default=Severity.OK)
-
-    def to_json(self) -> dict[str, Any]:
-        counts = {s.value: sum(f.severity is s for f in self.findings) for s in Severity}
-        return {
-            "worst": self.worst.value,
-            "counts": counts,
-            "findings": [f.to_json() for f in self.findings],
-        }
 
 
 # -- pure judgements ----------------------------------------------------------------------
@@ -202,18 +159,6 @@ def judge_metrics_exposure(url: str, status: int | None, body: bytes) -> Finding
     if status is None:
         return Finding(check, url, Severity.OK, "/metrics not reachable from this host")
     return Finding(check, url, Severity.OK, f"/metrics answered {status} without credentials")
-
-
-_INFO_LINE = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_cache_config_info(metrics: str) -> dict[str, str] | None:
-    """The labels of vLLM's vllm:cache_config_info gauge, or None if absent."""
-    match = _INFO_LINE.search(metrics)
-    if match is None:
-        return None
-    return dict(_LABEL.findall(match.group("labels")))
 
 
 def parse_counter(metrics: str, name: str) -> float | None:
@@ -605,8 +550,9 @@ class _Checks:
     def _replica_headers(replica: ReplicaConfig) -> dict[str, str]:
         return {"authorization": f"Bearer {replica.api_key}"} if replica.api_key else {}
 
-    async def replica(self, replica: ReplicaConfig) -> str:
-        """Access, metrics and hash-algorithm checks; returns the metrics text it could read."""
+    async def replica(self, replica: ReplicaConfig, listener: MediaListener) -> str:
+        """Access, metrics, hash-algorithm, flag and engine-state checks; returns the metrics
+        text it could read."""
         base = replica.url.rstrip("/")
         status, _, error = await self._get(base + "/v1/models")
         self.add(judge_replica_access(replica.url, status, error))
@@ -621,6 +567,10 @@ class _Checks:
         self.add(judge_prompt_tokens_details(replica.url, probe))
         self.add(judge_prefix_caching(replica.url, labels, probe))
         self.add(judge_bind_address(replica.url, await self.bind_observation(replica.url)))
+        headers = self._replica_headers(replica)
+        self.report.findings += await probe_engine_state(
+            self.client, replica.url, headers, listener
+        )
         return text
 
     async def repeat_probe(self, replica: ReplicaConfig) -> RepeatProbe:
@@ -796,8 +746,9 @@ async def run_deployment_audit(
         checks = _Checks(config, client, gateway or gateway_url(config), api_key, timeout)
         checks.add(judge_salting_config(config))
         checks.report.findings += judge_plaintext_upstream(config)
-        for replica in config.replicas:
-            await checks.replica(replica)
+        async with MediaListener() as listener:
+            for replica in config.replicas:
+                await checks.replica(replica, listener)
         endpoints = list(dict.fromkeys(kv_endpoints))
         if probe_default_kv_port:
             hosts = dict.fromkeys(urlsplit(r.url).hostname or "" for r in config.replicas)

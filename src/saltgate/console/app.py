@@ -1,30 +1,39 @@
 """The web console at /console/ on the admin listener (docs/console.md).
 
 Server-rendered pages, each with a ``.json`` twin holding the same data; filters live in
-the URL query. Every page is built from the admin API (saltgate.admin.api), called
-in-process with the admin token the operator signed in with (kept server side in the
-session, saltgate.console.security): the console adds no access rule of its own, so a
-token's scopes and tenant pinning hold here exactly as they do over HTTP, and every
-change it makes is in the audit log under that token. Routing and fleet come from the
+the URL query. Every page is built from the admin service (saltgate.admin.service), the
+one the HTTP admin API fronts, called with the admin token the operator signed in with
+(kept server side in the session, saltgate.console.security, and read from the store on
+every page): the console adds no access rule of its own, so a token's scopes and tenant
+pinning hold here exactly as they do over HTTP, and every change it makes is in the audit
+log under that token. Routing and fleet come from the
 gateway's metrics.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Final
-from urllib.parse import parse_qs, quote, urlencode
+from typing import Any, Final, TypeVar
+from urllib.parse import parse_qs, unquote
 
 import orjson
 
 from saltgate.admin import scopes
-from saltgate.admin.tokens import AUTHENTICATED
+from saltgate.admin.api import CSV, CSV_DISPOSITION
+from saltgate.admin.service import (
+    AdminService,
+    Caller,
+    NewAdminToken,
+    NewKey,
+    Page,
+    store_status,
+)
+from saltgate.admin.tokens import AUTHENTICATED, authenticate_admin
 from saltgate.config import GatewayConfig
 from saltgate.console import html
 from saltgate.console.html import Markup, esc, fmt, link, raw, url, when
@@ -40,13 +49,26 @@ from saltgate.console.security import (
     set_cookie,
 )
 from saltgate.gateway.metrics import Histogram, Snapshot
+from saltgate.governance.limits import (
+    BUDGET_PERIOD,
+    BUDGET_USD,
+    Limits,
+    dollars_label,
+    limits_label,
+    parse_limits,
+    period_label,
+)
+from saltgate.governance.priority import DEFAULT_PRIORITY
 from saltgate.http import Request, Response
+from saltgate.policy.errors import ApiError
+from saltgate.prices import price_from_fields
+from saltgate.store.errors import StoreError
+from saltgate.store.ledger import new_request_id
 
-AdminCall = Callable[[Request], Awaitable[Response | None]]
+T = TypeVar("T")
 SnapshotSource = Callable[[], Snapshot | Awaitable[Snapshot]]
 
 PREFIX: Final = "/console"
-API: Final = "/admin/v1/"
 JSON_TYPE: Final = b"application/json"
 HTML_TYPE: Final = b"text/html; charset=utf-8"
 STATIC_TYPES: Final = {
@@ -76,8 +98,8 @@ LIMIT_FIELDS: Final = (
     ("input_tpm", "Prompt tokens per minute"),
     ("output_tpm", "Completion tokens per minute"),
     ("concurrency", "Concurrent requests"),
-    ("budget_micro_usd", "Budget (micro-USD)"),
-    ("budget_period_s", "Budget period (s)"),
+    ("budget_usd", "Budget (USD)"),
+    ("budget_period", "Budget period (e.g. 30d, 7d, 24h)"),
 )
 # What a form's redirect says on the next page (``?done=CODE``); other codes show nothing.
 DONE: Final = {
@@ -151,14 +173,6 @@ def _response(status: int, body: bytes, kind: bytes, extra: list[tuple[bytes, by
     return Response(status, [(b"content-type", kind), *security_headers(), *extra], body)
 
 
-def _json(response: Response | None) -> tuple[int, dict[str, Any]]:
-    """An admin API answer as (status, JSON object); None: no admin API here."""
-    if response is None:
-        return 404, {"error": {"message": "no admin API here"}}
-    answer = orjson.loads(response.body) if response.body else {}
-    return response.status, answer if isinstance(answer, dict) else {}
-
-
 def redirect(to: str, extra: list[tuple[bytes, bytes]] | None = None) -> Response:
     return _response(303, b"", HTML_TYPE, [(b"location", to.encode()), *(extra or [])])
 
@@ -188,13 +202,13 @@ class Console:
 
     def __init__(
         self,
-        admin: AdminCall,
+        service: AdminService,
         metrics: SnapshotSource,
         config: GatewayConfig,
         *,
         tls: bool = False,
     ) -> None:
-        self.admin = admin
+        self.service = service
         self.metrics = metrics
         self.config = config
         self.tls = tls
@@ -314,14 +328,11 @@ class Console:
         token = (form.get("token") or [""])[-1].strip()
         if not self.sign_ins.allow(token):
             return self._sign_in_page(429, "Too many failed sign-ins; wait a minute.")
-        status, me = await self._call(token, "GET", "me") if token else (401, {})
-        if status != 200:
-            if status == 401:  # refused; not a store outage (503), which is no one's guess
-                self.sign_ins.failed(token)
+        me = await authenticate_admin(self.service.store, token) if token else None
+        if me is None:  # refused (a store outage raises instead: no one's guess, not counted)
+            self.sign_ins.failed(token)
             return self._sign_in_page(401, "That admin token was not accepted.")
-        value = self.sessions.start(
-            token, str(me["id"]), frozenset(me.get("scopes") or ()), me.get("tenant_id")
-        )
+        value = self.sessions.start(token, me.token_id, me.scopes, me.tenant_id)
         return redirect(url("overview"), [(b"set-cookie", set_cookie(value, tls=self.tls))])
 
     def _sign_out(self, request: Request) -> Response:
@@ -330,88 +341,72 @@ class Console:
         self.sessions.end(cookie_value(request))
         return redirect(url("sign-in"), [(b"set-cookie", clear_cookie(tls=self.tls))])
 
-    # -- the admin API, in-process ---------------------------------------------------------
+    # -- the admin service, as the session's token ----------------------------------------
 
-    async def _request(
-        self,
-        token: str,
-        method: str,
-        path: str,
-        query: Mapping[str, str] | None = None,
-        body: dict[str, Any] | None = None,
-    ) -> Response | None:
-        """The admin API's own response to a call with `token` (None: no admin API)."""
-        request = Request(
-            method.encode(),
-            (API + path).encode(),
-            urlencode(query or {}).encode(),
-            [(b"authorization", f"Bearer {token}".encode()), (b"content-type", JSON_TYPE)],
-            b"" if body is None else orjson.dumps(body),
-        )
-        return await self.admin(request)
-
-    async def _call(
-        self,
-        token: str,
-        method: str,
-        path: str,
-        query: Mapping[str, str] | None = None,
-        body: dict[str, Any] | None = None,
-    ) -> tuple[int, dict[str, Any]]:
-        return _json(await self._request(token, method, path, query, body))
-
-    async def api(
-        self,
-        session: Session,
-        method: str,
-        path: str,
-        query: Mapping[str, str] | None = None,
-        body: dict[str, Any] | None = None,
-    ) -> tuple[int, dict[str, Any]]:
-        """An admin API call as the session's token. A refused token (revoked since
-        sign-in) ends the session and sends the browser to sign in again."""
-        status, answer = await self._call(session.token, method, path, query, body)
-        self._sign_out_if_refused(session, status)
-        return status, answer
-
-    def _sign_out_if_refused(self, session: Session, status: int) -> None:
-        """A 401 from the API: the session's token was revoked; sign in again."""
-        if status == 401:
+    async def _caller(self, session: Session) -> Caller:
+        """The session's token as the service's caller, read from the store on every page
+        as the API reads it: a token revoked since sign-in (or pinned to a tenant since
+        archived) ends the session and sends the browser to sign in again."""
+        principal = await authenticate_admin(self.service.store, session.token)
+        if principal is None:
             self.sessions.end_token(session.token)
             raise _Answer(redirect(url("sign-in")))
+        return Caller.of(principal, new_request_id())
+
+    async def _do(self, session: Session, op: Callable[[Caller], Awaitable[T]]) -> T | Refusal:
+        """One service operation as the session's token; its refusal as the API's
+        status and message."""
+        caller = await self._caller(session)
+        try:
+            return await op(caller)
+        except ApiError as error:
+            return Refusal(error.status, error.message)
+        except StoreError as error:
+            return Refusal(store_status(error), str(error))
 
     async def _list(
-        self, session: Session, path: str, query: Mapping[str, str] | None = None
-    ) -> tuple[list[dict[str, Any]], str | None]:
-        """Every item of an API list (up to MAX_PAGES pages), or the error's message."""
-        items: list[dict[str, Any]] = []
-        after = ""
-        for _ in range(MAX_PAGES):
-            status, answer = await self.api(
-                session, "GET", path, {**(query or {}), "limit": "100", "after": after}
-            )
-            if status != 200:
-                return items, _message(answer, status)
-            items.extend(answer.get("data") or [])
-            if not answer.get("has_more"):
-                break
-            after = str(answer.get("last_id") or "")
-        return items, None
+        self,
+        session: Session,
+        fetch: Callable[[Caller, str], Awaitable[Page[T]]],
+        last_id: Callable[[T], str],
+    ) -> tuple[list[T], str | None]:
+        """Every item of a service list (up to MAX_PAGES pages), or the refusal's text."""
+
+        async def every(caller: Caller) -> list[T]:
+            items: list[T] = []
+            after = ""
+            for _ in range(MAX_PAGES):
+                found = await fetch(caller, after)
+                items.extend(found.items)
+                if not found.has_more or not found.items:
+                    break
+                after = last_id(found.items[-1])
+            return items
+
+        found = await self._do(session, every)
+        return ([], found.text) if isinstance(found, Refusal) else (found, None)
 
     async def _buckets(
-        self, session: Session, path: str, query: dict[str, str]
+        self,
+        session: Session,
+        operation: UsageOperation,
+        query: dict[str, str],
     ) -> tuple[list[dict[str, Any]], str | None]:
         """Every bucket of a usage or costs query (following its cursor)."""
-        buckets: list[dict[str, Any]] = []
-        for _ in range(MAX_PAGES):
-            status, answer = await self.api(session, "GET", path, query)
-            if status != 200:
-                return buckets, _message(answer, status)
-            buckets.extend(answer.get("data") or [])
-            if not answer.get("has_more") or not answer.get("next_page"):
-                break
-            query = {**query, "page": str(answer["next_page"])}
-        return buckets, None
+
+        async def every(caller: Caller) -> list[dict[str, Any]]:
+            buckets: list[dict[str, Any]] = []
+            page = query
+            for _ in range(MAX_PAGES):
+                answer = await operation(caller, page)
+                buckets.extend(answer.get("data") or [])
+                if not answer.get("has_more") or not answer.get("next_page"):
+                    break
+                page = {**query, "page": str(answer["next_page"])}
+            return buckets
+
+        found = await self._do(session, every)
+        return ([], found.text) if isinstance(found, Refusal) else (found, None)
 
     async def _snapshot(self) -> Snapshot:
         snap = self.metrics()
@@ -454,8 +449,8 @@ class Console:
     async def _overview(self, session: Session, query: dict[str, str]) -> View:
         chosen, _, width, start = self._range(query, RANGES_LONG)
         params = {"start_time": str(start), "bucket_width": width, "limit": _max_limit(width)}
-        usage, usage_error = await self._buckets(session, "usage/completions", params)
-        costs, cost_error = await self._buckets(session, "costs", params)
+        usage, usage_error = await self._buckets(session, self.service.usage_completions, params)
+        costs, cost_error = await self._buckets(session, self.service.costs, params)
         times = [int(b["start_time"]) for b in usage]
         series: dict[str, list[float | None]] = {
             k: [_sum(b, k) for b in usage] for k, _ in METRICS if k != "cost_usd"
@@ -558,8 +553,9 @@ class Console:
         params = {"start_time": str(start), "bucket_width": width, "limit": _max_limit(width)}
         if group:
             params["group_by"] = group
-        path = "costs" if metric == "cost_usd" else "usage/completions"
-        buckets, error = await self._buckets(session, path, params)
+        service = self.service
+        operation = service.costs if metric == "cost_usd" else service.usage_completions
+        buckets, error = await self._buckets(session, operation, params)
         times = [int(b["start_time"]) for b in buckets]
         per: dict[str, list[float | None]] = {}
         for i, b in enumerate(buckets):
@@ -615,16 +611,15 @@ class Console:
         params = {"start_time": str(start), "bucket_width": width, "limit": _max_limit(width)}
         if group:
             params["group_by"] = str(group)
-        response = await self._request(session.token, "GET", "usage/completions.csv", params)
-        if response is None or response.stream is None:  # refused: a JSON error
-            status, answer = _json(response)
-            self._sign_out_if_refused(session, status)
-            return self._plain(502, f"Usage: {_message(answer, status)}")
-        headers = [(k, v) for k, v in response.headers if k != b"x-request-id"]
-        return Response(200, [*headers, *security_headers()], stream=response.stream)
+        caller = await self._caller(session)
+        try:  # the query is checked before a byte is streamed
+            stream = self.service.usage_completions_csv(caller, params)
+        except ApiError as error:
+            return self._plain(502, f"Usage: {Refusal(error.status, error.message).text}")
+        return Response(200, [CSV, CSV_DISPOSITION, *security_headers()], stream=stream)
 
     async def _tenants(self, session: Session, query: dict[str, str]) -> View:
-        tenants, error = await self._list(session, "tenants")
+        tenants, error = await self._tenant_list(session)
         start = (int(time.time()) - 30 * 86400) // 86400 * 86400
         params = {
             "start_time": str(start),
@@ -632,8 +627,8 @@ class Console:
             "limit": "31",
             "group_by": "tenant",
         }
-        usage, usage_error = await self._buckets(session, "usage/completions", params)
-        costs, _ = await self._buckets(session, "costs", params)
+        usage, usage_error = await self._buckets(session, self.service.usage_completions, params)
+        costs, _ = await self._buckets(session, self.service.costs, params)
         prompt: dict[str, int] = {}
         cached: dict[str, int | None] = {}
         spend: dict[str, float] = {}
@@ -654,7 +649,7 @@ class Console:
         rows = []
         for tenant in tenants:
             tid = str(tenant["id"])
-            keys, _ = await self._list(session, f"tenants/{tid}/keys")
+            keys, _ = await self._key_list(session, tid)
             live = sum(1 for k in keys if k.get("revoked_at") is None)
             c = cached.get(tid)
             hit = None if c is None or not prompt.get(tid) else c / prompt[tid]
@@ -675,7 +670,7 @@ class Console:
                     esc(tid),
                     esc(f"${spend.get(tid, 0.0):.6f}"),
                     esc(_budget(limits)),
-                    esc(_limits_text(limits)),
+                    esc(limits_label(_limits(limits))),
                     link(url("keys", {"tenant": tid}), live),
                     esc("unknown" if hit is None else f"{hit:.1%}"),
                     esc("archived" if tenant.get("archived_at") else "active"),
@@ -698,26 +693,37 @@ class Console:
                 rows,
                 empty="No tenants yet.",
             )
-            + raw("<h2>New tenant</h2>")
-            + html.form(
-                url("tenants"), html.field("name", "Name"), "Create tenant", name="create-tenant"
+            + (
+                ""
+                if session.tenant_id is not None  # the operator's, as the service says
+                else raw("<h2>New tenant</h2>")
+                + html.form(
+                    url("tenants"),
+                    html.field("name", "Name"),
+                    "Create tenant",
+                    name="create-tenant",
+                )
             )
         )
         return View("Tenants", data, body)
 
     async def _tenant(self, session: Session, tenant_id: str, query: dict[str, str]) -> View:
-        status, tenant = await self.api(session, "GET", f"tenants/{quote(tenant_id, safe='')}")
-        if status != 200:
+        found = await self._do(session, lambda caller: self.service.tenants_get(caller, tenant_id))
+        if isinstance(found, Refusal):
             return View(
                 "Tenant",
-                {"error": _message(tenant, status)},
-                html.notice(_message(tenant, status), kind="error"),
+                {"error": found.text},
+                html.notice(found.text, kind="error"),
                 "tenants",
-                status,
+                found.status,
             )
+        tenant: dict[str, Any] = dict(found.to_dict())
         limits = tenant.get("limits") or {}
         fields = html.EMPTY.join(
-            html.field(k, label, limits.get(k, ""), kind="number") for k, label in LIMIT_FIELDS
+            html.field(
+                k, label, shown, kind="text" if k in (BUDGET_USD, BUDGET_PERIOD) else "number"
+            )
+            for (k, label), shown in zip(LIMIT_FIELDS, _form_values(limits), strict=True)
         ) + html.field("weight", WEIGHT_LABEL, limits.get("weight", ""))
         tid = esc(tenant["id"])
         body = (
@@ -730,18 +736,26 @@ class Console:
                         esc(tenant.get("epoch")),
                         esc(", ".join(tenant.get("models") or []) or "all"),
                         esc(when(tenant.get("created_at"))),
-                        esc(_limits_text(limits)),
+                        esc(limits_label(_limits(limits))),
                     )
                 ],
             )
-            + fmt(
-                "<p>{}</p>", link(url("keys", {"tenant": str(tenant["id"])}), "Keys of this tenant")
+            + fmt("<p>{}</p>", link(url("keys", {"tenant": tenant["id"]}), "Keys of this tenant"))
+            + raw("<h2>Limits</h2>")
+            + (
+                raw(
+                    "<p>The operator sets this tenant's limits, budget and weight (a token "
+                    "pinned to the tenant may not).</p>"
+                )
+                if session.tenant_id is not None
+                else raw(
+                    "<p>Leave a field empty for no limit of that kind. The weight is the "
+                    "tenant's fair share when the replicas are saturated (empty: 1).</p>"
+                )
+                + html.form(
+                    url(f"tenants/{tenant['id']}/limits"), fields, "Save limits", name="limits"
+                )
             )
-            + raw(
-                "<h2>Limits</h2><p>Leave a field empty for no limit of that kind. The weight is"
-                " the tenant's fair share when the replicas are saturated (empty: 1).</p>"
-            )
-            + html.form(url(f"tenants/{tenant['id']}/limits"), fields, "Save limits", name="limits")
             + raw("<h2>Cache namespace</h2>")
             + html.form(
                 url(f"tenants/{tenant['id']}/rotate-salt"),
@@ -753,11 +767,11 @@ class Console:
         return View(f"Tenant {tenant['name']}", {"tenant": tenant}, body, "tenants")
 
     async def _keys(self, session: Session, query: dict[str, str]) -> View:
-        tenants, error = await self._list(session, "tenants")
+        tenants, error = await self._tenant_list(session)
         chosen = query.get("tenant") or (str(tenants[0]["id"]) if tenants else "")
         keys: list[dict[str, Any]] = []
         if chosen and not error:
-            keys, error = await self._list(session, f"tenants/{quote(chosen, safe='')}/keys")
+            keys, error = await self._key_list(session, chosen)
         rows = []
         for k in keys:
             kid = str(k["id"])
@@ -815,7 +829,7 @@ class Console:
         if refused is not None:  # replicas, the store and every tenant's traffic
             message = f"The fleet is not shown to this admin token: {refused}."
             body = html.notice(message, kind="error")
-            return View("Routing and fleet", {"error": message}, body)  # as a refused API call
+            return View("Routing and fleet", {"error": message}, body)  # as a refused call
         snap = await self._snapshot()
         gauges = {
             name: {dict(labels).get("replica", ""): v for labels, v in g.values}
@@ -830,7 +844,7 @@ class Console:
             "limit": "60",
             "group_by": "replica",
         }
-        usage, usage_error = await self._buckets(session, "usage/completions", params)
+        usage, usage_error = await self._buckets(session, self.service.usage_completions, params)
         ratio: dict[str, tuple[int, int | None]] = {}
         for b in usage:
             for r in b.get("results") or []:
@@ -908,26 +922,33 @@ class Console:
         return View("Routing and fleet", data, body)
 
     async def _audit(self, session: Session, query: dict[str, str]) -> View:
-        params = {"limit": "50", "after": query.get("after", "")}
-        status, answer = await self.api(session, "GET", "audit_logs", params)
-        error = None if status == 200 else _message(answer, status)
-        entries = answer.get("data") or [] if status == 200 else []
+        after = query.get("after", "")
+        found = await self._do(
+            session,
+            lambda caller: self.service.audit_logs_list(
+                caller, after_seq=int(after) if after.isdigit() else 0, limit=50
+            ),
+        )
+        error = found.text if isinstance(found, Refusal) else None
+        entries = [] if isinstance(found, Refusal) else found.items
+        has_more = not isinstance(found, Refusal) and found.has_more
         rows = [
             (
-                esc(e.get("id")),
-                esc(when(e.get("effective_at"))),
-                esc(e.get("actor") or e.get("actor_id")),
-                esc(e.get("action") or e.get("type")),
-                esc(e.get("resource_id")),
-                fmt("<code>{}</code>", orjson.dumps(e.get("before")).decode()),
-                fmt("<code>{}</code>", orjson.dumps(e.get("after")).decode()),
+                esc(e.seq),
+                esc(when(e.ts)),
+                esc(e.actor),
+                esc(e.action),
+                esc(e.resource_id),
+                fmt("<code>{}</code>", e.before or "null"),
+                fmt("<code>{}</code>", e.after or "null"),
             )
             for e in entries
         ]
         more = html.EMPTY
-        if answer.get("has_more"):
-            after = {"after": str(answer.get("last_id") or "")}
-            more = fmt("<p>{}</p>", link(url("audit", after), "Next entries"))
+        if has_more:
+            more = fmt(
+                "<p>{}</p>", link(url("audit", {"after": str(entries[-1].seq)}), "Next entries")
+            )
         body = (
             (html.notice(error, kind="error") if error else "")
             + html.table(
@@ -937,14 +958,16 @@ class Console:
             )
             + more
         )
-        return View(
-            "Audit log",
-            {"entries": entries, "error": error, "has_more": answer.get("has_more", False)},
-            body,
-        )
+        shown = [e.to_dict() for e in entries]
+        return View("Audit log", {"entries": shown, "error": error, "has_more": has_more}, body)
 
     async def _admin_tokens(self, session: Session, query: dict[str, str]) -> View:
-        tokens, error = await self._list(session, "admin_tokens")
+        found, error = await self._list(
+            session,
+            lambda caller, after: self.service.admin_tokens_list(caller, after=after, limit=100),
+            lambda t: t.id,
+        )
+        tokens = [t.to_dict() for t in found]
         rows = [
             (
                 esc(t.get("id")),
@@ -990,9 +1013,9 @@ class Console:
     async def _prices(self, session: Session, query: dict[str, str]) -> View:
         """The prices in effect (the store's over the config's), and with prices:write a
         form to set a model's and a button to clear each set in the store."""
-        status, answer = await self.api(session, "GET", "prices")
-        error = None if status == 200 else _message(answer, status)
-        prices = answer.get("data") or [] if status == 200 else []
+        found = await self._do(session, self.service.prices_list)
+        error = found.text if isinstance(found, Refusal) else None
+        prices = [] if isinstance(found, Refusal) else [dict(p.to_dict()) for p in found]
         writes = "prices:write" in session.scopes and session.tenant_id is None
         rows = [
             (
@@ -1053,7 +1076,7 @@ class Console:
         parts = rest.split("/")
         # "tenants" or "keys/create" as they are; "keys/ID/revoke" as ("keys", "revoke").
         name = rest if len(parts) < 3 else f"{parts[0]}/{parts[-1]}"
-        ident = quote(parts[1], safe="") if len(parts) == 3 else ""
+        ident = unquote(parts[1]) if len(parts) == 3 else ""
         action = self._actions.get(name)
         if action is None or len(parts) > 3:
             return self._plain(404, "No such form.")
@@ -1061,110 +1084,142 @@ class Console:
         return await action(session, ident, Form(form))
 
     async def _create_tenant(self, session: Session, _: str, form: Form) -> Response:
-        status, answer = await self.api(session, "POST", "tenants", body={"name": form.one("name")})
-        return self._after(
-            status, answer, url(f"tenants/{answer.get('id')}", {"done": "tenant-created"})
+        name = form.one("name")
+        made = await self._do(session, lambda caller: self.service.tenants_create(caller, name))
+        to = (
+            ""
+            if isinstance(made, Refusal)
+            else url(f"tenants/{made.id}", {"done": "tenant-created"})
         )
+        return self._after(made, to)
 
     async def _set_limits(self, session: Session, tenant: str, form: Form) -> Response:
+        names = [k for k, _ in LIMIT_FIELDS] + ["weight"]
         try:
-            limits: dict[str, float] = {k: int(form.one(k)) for k, _ in LIMIT_FIELDS if form.one(k)}
-        except ValueError:
-            return self._plain(400, "Limits are whole numbers.")
-        if weight := form.one("weight"):
-            try:
-                limits["weight"] = float(weight)
-            except ValueError:
-                limits["weight"] = math.nan
-            if not math.isfinite(limits["weight"]):  # JSON has no NaN: it would clear it
-                return self._plain(400, "The weight is a positive number, such as 1, 2 or 0.5.")
-        status, answer = await self.api(session, "PUT", f"tenants/{tenant}/limits", body=limits)
-        return self._after(status, answer, url(f"tenants/{tenant}", {"done": "limits-saved"}))
+            limits = parse_limits({k: form.one(k) for k in names})
+        except ValueError as exc:
+            return self._plain(400, f"{str(exc).capitalize()}.")
+        done = await self._do(
+            session, lambda caller: self.service.tenants_limits(caller, tenant, limits)
+        )
+        return self._after(done, url(f"tenants/{tenant}", {"done": "limits-saved"}))
 
     async def _rotate_salt(self, session: Session, tenant: str, _: Form) -> Response:
-        status, answer = await self.api(session, "POST", f"tenants/{tenant}/rotate_salt")
-        done = {"done": "salt-rotated"}
-        return self._after(status, answer, url(f"tenants/{tenant}", done))
+        done = await self._do(
+            session, lambda caller: self.service.tenants_rotate_salt(caller, tenant)
+        )
+        back = {"done": "salt-rotated"}
+        return self._after(done, url(f"tenants/{tenant}", back))
 
     async def _create_key(self, session: Session, _: str, form: Form) -> Response:
         tenant = form.one("tenant")
-        status, answer = await self.api(session, "POST", f"tenants/{quote(tenant, safe='')}/keys")
-        return self._shown_once(status, answer, "New API key", url("keys", {"tenant": tenant}))
+        made = await self._do(
+            session, lambda caller: self.service.keys_create(caller, tenant, DEFAULT_PRIORITY)
+        )
+        return self._shown_once(made, "New API key", url("keys", {"tenant": tenant}))
 
     async def _revoke_key(self, session: Session, key: str, _: Form) -> Response:
-        status, answer = await self.api(session, "DELETE", f"keys/{key}")
-        back = {"tenant": str(answer.get("tenant_id") or ""), "done": "key-revoked"}
-        return self._after(status, answer, url("keys", back))
+        done = await self._do(session, lambda caller: self.service.keys_revoke(caller, key))
+        tenant = "" if isinstance(done, Refusal) else done.tenant_id
+        return self._after(done, url("keys", {"tenant": tenant, "done": "key-revoked"}))
 
     async def _rotate_key(self, session: Session, key: str, form: Form) -> Response:
         try:
             grace = float(form.one("grace_period_s") or 86400)
         except ValueError:
             return self._plain(400, "The grace period is a number of seconds.")
-        status, answer = await self.api(
-            session, "POST", f"keys/{key}/rotate", body={"grace_period_s": grace}
-        )
-        back = url("keys", {"tenant": str(answer.get("tenant_id") or "")})
-        return self._shown_once(status, answer, "Rotated API key", back)
+        made = await self._do(session, lambda caller: self.service.keys_rotate(caller, key, grace))
+        tenant = "" if isinstance(made, Refusal) else made.key.tenant_id
+        return self._shown_once(made, "Rotated API key", url("keys", {"tenant": tenant}))
 
     async def _create_admin_token(self, session: Session, _: str, form: Form) -> Response:
-        body: dict[str, Any] = {"scopes": form.values.get("scopes") or []}
-        if form.one("tenant_id"):
-            body["tenant_id"] = form.one("tenant_id")
-        status, answer = await self.api(session, "POST", "admin_tokens", body=body)
-        return self._shown_once(status, answer, "New admin token", url("admin-tokens"))
+        try:
+            wanted = scopes.parse_scopes(form.values.get("scopes") or [])
+        except ValueError as exc:
+            return self._plain(400, str(exc))
+        tenant = form.one("tenant_id") or session.tenant_id
+        made = await self._do(
+            session, lambda caller: self.service.admin_tokens_create(caller, wanted, tenant)
+        )
+        return self._shown_once(made, "New admin token", url("admin-tokens"))
 
     async def _revoke_admin_token(self, session: Session, token_id: str, _: Form) -> Response:
-        status, answer = await self.api(session, "DELETE", f"admin_tokens/{token_id}")
-        done = {"done": "admin-token-revoked"}
-        return self._after(status, answer, url("admin-tokens", done))
+        done = await self._do(
+            session, lambda caller: self.service.admin_tokens_revoke(caller, token_id)
+        )
+        return self._after(done, url("admin-tokens", {"done": "admin-token-revoked"}))
 
     async def _set_price(self, session: Session, _: str, form: Form) -> Response:
         model = form.one("model")
         fields = ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok")
-        status, answer = await self.api(
-            session, "PUT", _price_path(model), body={f: form.one(f) for f in fields}
-        )
-        return self._after(status, answer, url("prices", {"done": "price-set"}))
+        try:
+            price = price_from_fields({f: form.one(f) for f in fields})
+        except ValueError as exc:
+            return self._plain(400, str(exc))
+        done = await self._do(session, lambda caller: self.service.prices_set(caller, model, price))
+        return self._after(done, url("prices", {"done": "price-set"}))
 
     async def _clear_price(self, session: Session, _: str, form: Form) -> Response:
         model = form.one("model")
-        status, answer = await self.api(session, "DELETE", _price_path(model))
-        done = {"done": "price-cleared"}
-        return self._after(status, answer, url("prices", done))
+        done = await self._do(session, lambda caller: self.service.prices_clear(caller, model))
+        back = {"done": "price-cleared"}
+        return self._after(done, url("prices", back))
 
-    def _after(self, status: int, answer: dict[str, Any], to: str) -> Response:
+    def _after(self, done: object, to: str) -> Response:
         """Post, then redirect to a page (so a reload does not post again); or the error."""
-        if status >= 400:
-            return self._plain(status, _message(answer, status))
+        if isinstance(done, Refusal):
+            return self._plain(done.status, done.text)
         return redirect(to)
 
-    def _shown_once(self, status: int, answer: dict[str, Any], title: str, back: str) -> Response:
+    def _shown_once(
+        self, made: NewKey | NewAdminToken | Refusal, title: str, back: str
+    ) -> Response:
         """A new secret, on this response only (never in a URL, never stored here)."""
-        if status >= 400:
-            return self._plain(status, _message(answer, status))
+        if isinstance(made, Refusal):
+            return self._plain(made.status, made.text)
+        made_id = made.key.id if isinstance(made, NewKey) else made.token.id
         body = (
             html.notice("Copy it now: it is shown this once.")
-            + fmt('<p><code class="secret" data-secret="1">{}</code></p>', answer.get("value"))
-            + fmt("<p>Id {}. {}</p>", answer.get("id"), link(back, "Back"))
+            + fmt('<p><code class="secret" data-secret="1">{}</code></p>', made.value)
+            + fmt("<p>Id {}. {}</p>", made_id, link(back, "Back"))
         )
         return _response(201, html.page(title, body, signed_in=""), HTML_TYPE, [])
+
+    async def _tenant_list(self, session: Session) -> tuple[list[dict[str, Any]], str | None]:
+        found, error = await self._list(
+            session,
+            lambda caller, after: self.service.tenants_list(caller, after=after, limit=100),
+            lambda t: t.id,
+        )
+        return [dict(t.to_dict()) for t in found], error
+
+    async def _key_list(
+        self, session: Session, tenant: str
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        found, error = await self._list(
+            session,
+            lambda caller, after: self.service.keys_list(caller, tenant, after=after, limit=100),
+            lambda k: k.key.id,
+        )
+        return [dict(k.to_dict()) for k in found], error
 
 
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _message(answer: Mapping[str, Any], status: int) -> str:
-    error = answer.get("error")
-    if isinstance(error, dict) and error.get("message"):
-        return f"{error['message']} ({status})"
-    return f"the admin API answered {status}"
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """What the service refused: the API's status and message."""
+
+    status: int
+    message: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.message} ({self.status})"
 
 
-def _price_path(model: str) -> str:
-    """The admin API's path of a model's price (its name may hold slashes); the API
-    says what is wrong with a blank or odd name (400)."""
-    return "prices/" + quote(model or "-", safe="/")
+UsageOperation = Callable[[Caller, Mapping[str, str]], Awaitable[dict[str, Any]]]
 
 
 def _max_limit(width: str) -> str:
@@ -1237,14 +1292,23 @@ def _ttft_text(ttft: Mapping[str, Any]) -> str:
     return f"≤ {p50:g} s / ≤ {p95:g} s"
 
 
+def _limits(shown: Mapping[str, Any]) -> Limits | None:
+    """Limits back from their JSON form (a record's `limits`)."""
+    return Limits(**shown) if shown else None
+
+
 def _budget(limits: Mapping[str, Any]) -> str:
-    if limits.get("budget_micro_usd") is None:
+    micro, period = limits.get("budget_micro_usd"), limits.get("budget_period_s")
+    if micro is None or period is None:
         return "none"
-    return f"${limits['budget_micro_usd'] / 1e6:.2f} per {limits.get('budget_period_s')} s"
+    return f"${dollars_label(micro)} per {period_label(period)}"
 
 
-def _limits_text(limits: Mapping[str, Any]) -> str:
-    shown = [f"{k} {limits[k]}" for k, _ in LIMIT_FIELDS[:4] if limits.get(k) is not None]
-    if limits.get("weight") is not None:
-        shown.append(f"weight {limits['weight']:g}")
-    return ", ".join(shown) or "none"
+def _form_values(limits: Mapping[str, Any]) -> list[object]:
+    """LIMIT_FIELDS' values as the form shows them: budgets in dollars, periods as 30d."""
+    micro, period = limits.get("budget_micro_usd"), limits.get("budget_period_s")
+    human = {
+        BUDGET_USD: "" if micro is None else dollars_label(micro),
+        BUDGET_PERIOD: "" if period is None else period_label(period),
+    }
+    return [human[k] if k in human else limits.get(k, "") for k, _ in LIMIT_FIELDS]

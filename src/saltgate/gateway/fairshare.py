@@ -23,6 +23,7 @@ queue and gate, reads the clock, and is driven by the exchange and the replica s
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from saltgate.http import Client
 from saltgate.policy.errors import AnthropicApiError, ApiError
 from saltgate.routing import Plan, ReplicaId, Router
 from saltgate.store.tenants import Principal
+
+log = logging.getLogger(__name__)
 
 _WAITING: Final = "saltgate_queue_waiting"
 _WAIT: Final = "saltgate_queue_wait_seconds"
@@ -122,10 +125,10 @@ class FairShare:
             locality=plan.key,
             weight=fair_weight(principal.limits),
         )
-        self.release()
+        self._release_safely()
         if not future.done():
             client.on_gone = lambda: self._left(waiter)
-            self._arm()
+            self._arm()  # whatever release did: a waiter is never left without its timer
         cancelled: BaseException | None = None
         try:
             outcome = await future
@@ -175,6 +178,14 @@ class FairShare:
         """A probe read a replica's queue with ``inflight`` requests on it (every gateway's)."""
         self.gate.probed(replica, inflight, waiting, running)
         self.release()
+
+    def _release_safely(self) -> None:
+        """`release`, its failure logged rather than thrown at the request just queued
+        (which then waits for its turn or its deadline, as any other)."""
+        try:
+            self.release()
+        except Exception:
+            log.exception("releasing from the fair queue failed; the waiters keep their timers")
 
     def release(self) -> None:
         """Hand replicas to waiting requests in fair order while one of them has a

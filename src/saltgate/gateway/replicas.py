@@ -315,14 +315,26 @@ class ReplicaSet:
         body = await resp.read()
         waiting = parse_waiting(body) if resp.status == 200 else None
         self.router.observed_queue(replica.id, waiting)
-        if self.on_queue is not None and waiting is not None:
+        if waiting is not None:
             running = parse_gauge(body, RUNNING_METRIC)
             state = self.router.state(replica.id)
             if state is not None:
-                self.on_queue(replica.id, state.all_inflight, waiting, running)
-        elif self.on_queue is not None:
-            self.on_queue(replica.id, 0, None, None)
+                self._tell_queue(replica.id, state.all_inflight, waiting, running)
+        else:
+            self._tell_queue(replica.id, 0, None, None)
         return None
+
+    def _tell_queue(
+        self, replica: ReplicaId, inflight: int, waiting: float | None, running: float | None
+    ) -> None:
+        """Give the fair queue what a probe read. Its failure is the queue's, not the
+        replica's: logged, and the probe (and the probe loop) goes on."""
+        if self.on_queue is None:
+            return
+        try:
+            self.on_queue(replica, inflight, waiting, running)
+        except Exception:
+            log.exception("the fair queue failed on a probe of %s; probing goes on", replica)
 
     def _learn_models(self, replica: Replica, entries: list[dict[str, Any]]) -> None:
         """Take what the replica's /v1/models lists: its requests follow it (a replica
@@ -361,9 +373,16 @@ class ReplicaSet:
         interval = self.router.config.probe_interval_s
 
         async def loop() -> None:
+            # Never ends on an exception: a replica killed after it must still be seen down.
             while True:
                 await asyncio.sleep(interval)
-                await self.probe_all()
+                failed = None
+                try:
+                    await self.probe_all()
+                except Exception as exc:
+                    failed = exc  # logged outside the handler (buildinfo.py)
+                if failed is not None:
+                    log.error("a probe round failed (%r); the next runs as planned", failed)
 
         self._probe_task = asyncio.get_running_loop().create_task(loop())
 

@@ -36,6 +36,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
+from saltgate.governance.limits import sane_weight
+
 T = TypeVar("T")
 
 INTERACTIVE: Final = "interactive"
@@ -162,8 +164,7 @@ class FairQueue(Generic[T]):
         b = self._bands.get(band)
         if b is None:
             raise ValueError(f"unknown priority band {band!r}; expected one of {BANDS}")
-        if not (math.isfinite(weight) and weight > 0):
-            raise ValueError(f"a tenant's weight must be a positive number, got {weight!r}")
+        weight = sane_weight(weight)  # whatever slipped past the parser: never inf or NaN
         if weight == 1.0:
             self.weights.pop(tenant, None)
         else:
@@ -354,20 +355,31 @@ class FairQueue(Generic[T]):
         self._move(tenant, amount)
 
     def _move(self, tenant: str, amount: float) -> None:
-        """Move a tenant's counter, and its place in every band it waits in."""
-        counter = self.counters[tenant] = self.counters[tenant] + amount
+        """Move a tenant's counter, and its place in every band it waits in. A move that
+        would leave the counter inf or NaN is not made: the heap orders by counters, and
+        a NaN one never equals itself (`_live` would drop every entry of the tenant)."""
+        counter = self.counters[tenant] + amount
+        if not math.isfinite(counter):
+            return
+        self.counters[tenant] = counter
         for b in self._bands.values():
             if tenant in b.tenants:
                 heapq.heappush(b.heap, (counter, next(self._seq), tenant))
 
     def _live(self, b: _Band) -> None:
-        """Drop stale entries off the top of ``b``'s heap."""
+        """Drop stale entries off the top of ``b``'s heap; should none be left while
+        tenants wait there (which `_move` prevents), rebuild it from them rather than let
+        `_next` index an empty heap."""
         heap = b.heap
         while heap:
             counter, _, tenant = heap[0]
             if tenant in b.tenants and counter == self.counters[tenant]:
                 return
             heapq.heappop(heap)
+        for tenant in b.tenants:
+            if not math.isfinite(self.counters.get(tenant, math.nan)):
+                self.counters[tenant] = b.floor if math.isfinite(b.floor) else 0.0
+            heapq.heappush(heap, (self.counters[tenant], next(self._seq), tenant))
 
     def _level(self, b: _Band) -> float:
         """Where a tenant returning from idle starts in ``b``: the smallest counter of

@@ -17,11 +17,12 @@ upper bound of what it cost).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Final
 
@@ -152,8 +153,175 @@ def _positive_number(value: object) -> bool:
 
 
 def fair_weight(limits: Limits | None) -> float:
-    """A tenant's fair share from its limits (1 when they set none)."""
-    return 1.0 if limits is None or limits.weight is None else float(limits.weight)
+    """A tenant's fair share from its limits (1 when they set none), within
+    [MIN_WEIGHT, MAX_WEIGHT] whatever was stored (a weight set before the bounds were)."""
+    return 1.0 if limits is None or limits.weight is None else sane_weight(limits.weight)
+
+
+def sane_weight(weight: float) -> float:
+    """A weight the fair queue can divide by: a non-finite or non-positive one is 1, any
+    other is held within [MIN_WEIGHT, MAX_WEIGHT] (5e-324 would make a charge inf)."""
+    if not (math.isfinite(weight) and weight > 0):
+        return 1.0
+    return min(max(float(weight), MIN_WEIGHT), MAX_WEIGHT)
+
+
+# -- the one parser of limits as operators give them (JSON, forms, argv) -------------------
+
+MIN_WEIGHT: Final = 0.01
+MAX_WEIGHT: Final = 100.0
+# Each limit's largest value: far above any real deployment's, small enough to be exact
+# as a double (the cluster's shared limits count in Redis Lua, in doubles).
+MAX_LIMIT: Final = {
+    "rpm": 10**9,
+    "input_tpm": 10**12,
+    "output_tpm": 10**12,
+    "concurrency": 10**6,
+    "budget_micro_usd": 10**15,  # a billion dollars
+    "budget_period_s": 366 * 86400,  # a year
+}
+MICRO_PER_USD: Final = 1_000_000
+# The human forms the CLI and the console take: dollars, and a duration ("30d", or seconds).
+BUDGET_USD: Final = "budget_usd"
+BUDGET_PERIOD: Final = "budget_period"
+LIMIT_NAMES: Final = (*MAX_LIMIT, "weight", BUDGET_USD, BUDGET_PERIOD)
+_DOLLARS_RE: Final = re.compile(r"\d{1,10}(\.\d{1,6})?")
+
+
+class LimitError(ValueError):
+    """A limit given wrong; `field`: its name as given (None: the limits together)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def parse_limits(given: Mapping[str, object]) -> Limits | None:
+    """Limits from their fields as any front end has them: JSON values (numbers), form
+    fields and command-line options (text); a None or empty value sets nothing. Besides
+    the stored names (`Limits`' fields) it takes ``budget_usd`` (dollars, at most 6
+    decimals) and ``budget_period`` (a duration such as 30d, 24h, or seconds). Every value
+    is bounded (MAX_LIMIT; a weight in [MIN_WEIGHT, MAX_WEIGHT]). None when nothing is set
+    (clear the limits); LimitError naming the first wrong field."""
+    unknown = sorted(set(given) - set(LIMIT_NAMES))
+    if unknown:
+        raise LimitError(f"unknown limit {unknown[0]!r}: use {', '.join(LIMIT_NAMES)}", unknown[0])
+    values = {k: v for k, v in given.items() if v is not None and v != ""}
+    fields_: dict[str, int | float] = {}
+    for alias, stored, parse in (
+        (BUDGET_USD, "budget_micro_usd", _dollars),
+        (BUDGET_PERIOD, "budget_period_s", _period),
+    ):
+        if alias in values:
+            if stored in values:
+                raise LimitError(f"give {alias} or {stored}, not both", alias)
+            fields_[stored] = parse(values.pop(alias))
+    for name, value in values.items():
+        fields_[name] = _weight(value) if name == "weight" else _count(name, value)
+    for name, most in MAX_LIMIT.items():
+        value = fields_.get(name)
+        if value is not None and not 0 <= value <= most:
+            raise LimitError(f"limit {name} must be from 0 to {most}, got {value}", name)
+    if fields_.get("budget_period_s") == 0:
+        raise LimitError("a budget period must be at least 1 second", "budget_period_s")
+    try:
+        limits = Limits(**fields_)  # type: ignore[arg-type]  # each checked above
+    except ValueError as exc:  # what only the fields together say (a budget needs both)
+        raise LimitError(str(exc)) from None
+    return None if limits.empty else limits
+
+
+def _count(name: str, value: object) -> int:
+    if isinstance(value, str) and value.strip().isdecimal() and len(value.strip()) < 20:
+        return int(value.strip())
+    if type(value) is int:
+        return value
+    raise LimitError(f"limit {name} must be a whole number, got {_shown(value)}", name)
+
+
+def _weight(value: object) -> float:
+    number = math.nan
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            number = float(value.strip())
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+    if not (math.isfinite(number) and MIN_WEIGHT <= number <= MAX_WEIGHT):
+        raise LimitError(
+            f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g} (such as 1, 2 or "
+            f"0.5), got {_shown(value)}",
+            "weight",
+        )
+    return number
+
+
+def _dollars(value: object) -> int:
+    text = value.strip() if isinstance(value, str) else repr(value)
+    if isinstance(value, bool) or not _DOLLARS_RE.fullmatch(text):
+        raise LimitError(
+            f"budget_usd must be dollars with at most 6 decimals, got {_shown(value)}", BUDGET_USD
+        )
+    whole, _, fraction = text.partition(".")
+    return int(whole) * MICRO_PER_USD + int(fraction.ljust(6, "0") or 0)
+
+
+def _period(value: object) -> int:
+    seconds = None
+    if isinstance(value, str):
+        seconds = float(value) if value.strip().isdecimal() else parse_duration(value)
+    elif type(value) is int:
+        seconds = float(value)
+    if seconds is None or seconds < 1 or seconds != int(seconds):
+        raise LimitError(
+            f"budget_period must be a duration such as 30d, 7d or 24h, got {_shown(value)}",
+            BUDGET_PERIOD,
+        )
+    return int(seconds)
+
+
+def limits_label(limits: Limits | None) -> str:
+    """Limits as every front end shows them: "rpm=60 input_tpm=10000 budget=$5/30d
+    weight=2" ("none" when there are none)."""
+    if limits is None:
+        return "none"
+    parts = [
+        f"{name}={value}"
+        for name, value in (
+            ("rpm", limits.rpm),
+            ("input_tpm", limits.input_tpm),
+            ("output_tpm", limits.output_tpm),
+            ("concurrency", limits.concurrency),
+        )
+        if value is not None
+    ]
+    if limits.budget_micro_usd is not None and limits.budget_period_s is not None:
+        parts.append(
+            f"budget=${dollars_label(limits.budget_micro_usd)}/"
+            f"{period_label(limits.budget_period_s)}"
+        )
+    if limits.weight is not None:
+        parts.append(f"weight={limits.weight:g}")
+    return " ".join(parts) or "none"
+
+
+def dollars_label(micro_usd: int) -> str:
+    """Micro-dollars as exact dollars: 12500000 -> "12.5" (what budget_usd takes back)."""
+    whole, fraction = divmod(micro_usd, MICRO_PER_USD)
+    return f"{whole}" + (f".{fraction:06d}".rstrip("0") if fraction else "")
+
+
+def period_label(seconds: int) -> str:
+    """A period in its largest whole unit: 2592000 -> "30d" (what budget_period takes back)."""
+    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _shown(value: object) -> str:
+    """A wrong value as an error echoes it: short, and printable."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True, slots=True)

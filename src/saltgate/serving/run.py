@@ -181,7 +181,7 @@ async def start_gateway(
             AdminStore(config.store_settings), usage=gateway.usage, prices=config.prices
         )
         console = Console(
-            api.handle, metrics.snapshot, config, tls=config.admin_tls_cert_file is not None
+            api.service, metrics.snapshot, config, tls=config.admin_tls_cert_file is not None
         )
 
         async def render() -> bytes:

@@ -142,7 +142,7 @@ class Supervisor:
             AdminStore(config.store_settings), usage=self._usage, prices=config.prices
         )
         self._console = Console(
-            self._admin_api.handle,
+            self._admin_api.service,
             self.metrics,
             config,
             tls=config.admin_tls_cert_file is not None,

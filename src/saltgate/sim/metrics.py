@@ -194,8 +194,12 @@ def render(
     cache_info: dict[str, str],
     mm_queries: int = 0,
     mm_hits: int = 0,
+    connector_source: str | None = None,
 ) -> bytes:
-    """The exposition text of one engine (engine="0"), in vLLM's names and label order."""
+    """The exposition text of one engine (engine="0"), in vLLM's names and label order.
+
+    With `connector_source` (a KV connector, saltgate.sim.unsafe) every cached token is
+    counted as the connector's too: as an external hit, and under that cache source."""
     base = _labels(model)
     created = metrics.created
     lines: list[str] = []
@@ -212,6 +216,7 @@ def render(
     _family(lines, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "gauge")
     lines.append(f"vllm:kv_cache_usage_perc{base} {float(kv_usage)}")
     cached = metrics.cached_tokens
+    external = cached if connector_source is not None else 0
     counters: tuple[tuple[str, str, list[tuple[str, float]]], ...] = (
         (
             "prefix_cache_queries",
@@ -227,13 +232,13 @@ def render(
             "external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, "
             "in terms of number of queried tokens.",
-            [("", 0)],
+            [("", external)],
         ),
         (
             "external_prefix_cache_hits",
             "External prefix cache hits from KV connector cross-instance cache sharing, "
             "in terms of number of cached tokens.",
-            [("", 0)],
+            [("", external)],
         ),
         (
             "mm_cache_queries",
@@ -264,7 +269,10 @@ def render(
         (
             "prompt_tokens_cached_by_source",
             _CACHED_BY_SOURCE_HELP,
-            [(f'source="{s}"', cached if s == "device" else 0) for s in _CACHE_TIERS],
+            [
+                (f'source="{s}"', cached if s == "device" else external * (s == connector_source))
+                for s in _CACHE_TIERS
+            ],
         ),
         (
             "generation_tokens",

@@ -17,7 +17,7 @@ import hmac
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from saltgate.sim.errors import (
 from saltgate.sim.metrics import render
 from saltgate.sim.multimodal import MediaCache
 from saltgate.sim.tokenizer import decode, pieces
+from saltgate.sim.unsafe import UnsafeOptions, UnsafeReplica
 
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -74,6 +75,9 @@ class SimConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # vLLM settings a multi-tenant replica must not run with (saltgate.sim.unsafe): the
+    # positive controls of the deployment audit's engine-state checks. All off.
+    unsafe: UnsafeOptions = field(default_factory=UnsafeOptions)
 
 
 def error_response(status: int, message: str) -> Response:
@@ -112,6 +116,7 @@ class SimServer:
         )
         self._api_key = config.api_key.encode() if config.api_key else None
         self.media = MediaCache()  # vLLM's multimodal caches: keyed without the salt
+        self.unsafe = UnsafeReplica(config.unsafe)
         self._models_body = orjson.dumps(
             {
                 "object": "list",
@@ -190,6 +195,9 @@ class SimServer:
         table = self._post if request.method == b"POST" else self._get
         route = table.get(request.path) if request.method in (b"POST", b"GET") else None
         if route is None:
+            extra = self.unsafe.route(request.method, request.path, request.body)
+            if extra is not None:
+                return Response(extra[0], list(JSON), extra[1])
             known = request.path in self._post or request.path in self._get
             raise route_not_found(405 if known else 404)
         return await route(request)
@@ -200,7 +208,10 @@ class SimServer:
 
     # -- generation ------------------------------------------------------------------------
     async def _generate(self, request: Request) -> Response:
-        route, body, model = request.path, self._body(request), self.config.model
+        route, model = request.path, self.config.model
+        body = p.read_json(request.body, request.header(b"content-type"))
+        await self.unsafe.before_generate(route, body)  # before the media: what it takes
+        body = self.media.resolve(route, body)
         if route == b"/v1/messages":
             req = p.parse_messages(body, self.limits)
         else:
@@ -236,7 +247,7 @@ class SimServer:
             return Response(200, list(SSE), stream=stream)
         async for _ in tokens:
             pass
-        return Response(200, list(JSON), shape.whole(gen))
+        return Response(200, list(JSON), self.unsafe.after_whole(route, body, shape.whole(gen)))
 
     def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
         try:
@@ -335,8 +346,9 @@ class SimServer:
             "kv_cache_size_tokens": str(cfg.num_blocks * cfg.block_size),
             "num_gpu_blocks": str(cfg.num_blocks),
             "prefix_caching_hash_algo": cfg.hash_algo,
+            **self.unsafe.cache_info(),
         }
-        return render(
+        text = render(
             engine.metrics,
             model=cfg.model,
             running=engine.num_running,
@@ -347,4 +359,6 @@ class SimServer:
             cache_info=info,
             mm_queries=self.media.queries,
             mm_hits=self.media.hits,
+            connector_source=self.unsafe.connector_source(),
         )
+        return text + self.unsafe.metrics_text().encode()

@@ -7,7 +7,9 @@ store. As for API keys (saltgate.store.tenants), only the SHA-256 of the token i
 256 random bits need no slow KDF and no salt. A token exists in clear only in the return
 value of `AdminTokens.create`.
 
-Authentication reads the store every time, so a revocation holds from the next request.
+Authentication reads the store every time, so a revocation holds from the next request;
+a token pinned to a tenant that is archived is dead with it (it signs in, reads and mints
+nothing more), and none is pinned to an archived tenant.
 """
 
 from __future__ import annotations
@@ -131,9 +133,9 @@ class AdminTokens:
         )
         with self._db.transaction():
             if tenant_id is not None and not self._db.query(
-                "SELECT 1 FROM tenants WHERE id = ?", (tenant_id,)
+                "SELECT 1 FROM tenants WHERE id = ? AND archived_at IS NULL", (tenant_id,)
             ):
-                raise InvalidInputError("no such tenant to pin the token to")
+                raise InvalidInputError("no such tenant to pin the token to (or it is archived)")
             self._db.execute(
                 "INSERT INTO admin_tokens (id, token_hash, scopes, tenant_id, created_at, "
                 "created_by) VALUES (?, ?, ?, ?, ?, ?)",
@@ -189,7 +191,8 @@ class AdminTokens:
         return after
 
     def authenticate(self, presented: str) -> AdminTokenInfo | None:
-        """The live token's metadata, its use recorded; None for anything else.
+        """The live token's metadata, its use recorded; None for anything else (a revoked
+        token, or one pinned to an archived tenant).
 
         The row is found by the digest of the presented token, never by the secret, then
         the digest is confirmed with `hmac.compare_digest` (as KeySnapshot.lookup does).
@@ -198,8 +201,9 @@ class AdminTokens:
             return None
         digest = hash_admin_token(presented)
         rows = self._db.query(
-            "SELECT token_hash, " + _SELECT.removeprefix("SELECT ") + " "
-            "WHERE token_hash = ? AND revoked_at IS NULL",
+            "SELECT token_hash, " + _SELECT.removeprefix("SELECT ") + " "  # noqa: S608 (constants)
+            "WHERE token_hash = ? AND revoked_at IS NULL AND (tenant_id IS NULL OR tenant_id "
+            "IN (SELECT id FROM tenants WHERE archived_at IS NULL))",
             (digest,),
         )
         if not rows or not hmac.compare_digest(bytes(rows[0][0]), digest):

@@ -36,7 +36,7 @@ from typing import Protocol
 
 from saltgate.governance.limits import KEY_WEIGHT_REFUSED, Limits
 from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
-from saltgate.prices import PriceVersion
+from saltgate.prices import MODEL_NAME, PriceVersion
 from saltgate.store import audit
 from saltgate.store.audit import Actor
 from saltgate.store.db import Database
@@ -415,10 +415,12 @@ class TenantStore:
         names = None
         if models is not None:
             names = tuple(sorted(set(models)))
-            if not names or not all(n and n == n.strip() for n in names):
+            # As prices name models: no control characters, no bidi overrides, no spaces
+            # (a name with a terminal escape reached the operator's `tenants list`).
+            if not names or not all(MODEL_NAME.fullmatch(n) for n in names):
                 raise InvalidInputError(
-                    "invalid model list: give one or more model names without spaces around "
-                    "them (or every model: --all)"
+                    "invalid model list: give one or more model names, each 1-256 characters "
+                    "of [A-Za-z0-9._:/@+-] starting with a letter or digit (or every model: --all)"
                 )
         stored = None if names is None else json.dumps(list(names))
         with self._db.transaction():
@@ -681,12 +683,21 @@ class KeyIndex:
         return self._keys.prices
 
     def authenticate(self, presented: str) -> Principal | None:
-        """The principal of a live key, or None (see `KeySnapshot.lookup`)."""
+        """The principal of a live key, or None (see `KeySnapshot.lookup`).
+
+        A key the snapshot does not know makes it look for a change first (a PRAGMA, and a
+        reload only if keys changed): a key minted a moment ago, over the admin API or the
+        CLI, works on its first request rather than after up to `max_staleness`.
+        """
         if self.max_staleness is not None:
             now = time.monotonic()
             if now - self._checked_at >= self.max_staleness:
                 self.refresh_if_changed()
-        return self._keys.lookup(presented)
+        found = self._keys.lookup(presented)
+        unknown = found is None and self.max_staleness is not None
+        if unknown and _looks_like_key(presented) and self.refresh_if_changed():
+            found = self._keys.lookup(presented)
+        return found
 
     def refresh_if_changed(self) -> bool:
         """Reload if tenants, keys or prices changed since the last load; True if reloaded.
