@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from tests.support.gateways import metrics_token
 from tests.support.http import async_client
 
 from saltgate.config import (
@@ -81,6 +83,21 @@ class Stack:
     @property
     def url(self) -> str:
         return self.gateway.url
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.admin_port}/metrics"
+
+    async def scrape(self) -> str:
+        """/metrics from the admin listener, with a usage:read admin token (it takes one)."""
+        async with async_client(timeout=30) as http:
+            answer = await http.get(self.metrics_url, headers=self.metrics_headers)
+        assert answer.status_code == 200, answer.text
+        return answer.text
+
+    @functools.cached_property
+    def metrics_headers(self) -> dict[str, str]:
+        return metrics_token(self.gateway.gateway.config.store_settings)
 
     def client(self, tenant: str | None = None, **kw: object) -> httpx.AsyncClient:
         headers = {"authorization": f"Bearer {self.keys[tenant]}"} if tenant else {}
