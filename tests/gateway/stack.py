@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,8 @@ class Tap:
     seen: list[Request] = field(default_factory=list)
     server: HttpServer | None = None
     port: int = 0
+    # Set by a test: rewrites each answer body and streamed chunk (a replica's extras).
+    answer: Callable[[bytes], bytes] | None = None
 
     async def start(self) -> None:
         pool = UpstreamPool("127.0.0.1", self.target.port)
@@ -55,14 +57,20 @@ class Tap:
             upstream = await pool.request(request.method, request.path, headers, request.body)
             if upstream.header(b"transfer-encoding") == b"chunked":
                 kept = [(k, v) for k, v in upstream.headers if k != b"transfer-encoding"]
-                return Response(upstream.status, kept, stream=upstream.chunks())
+                return Response(upstream.status, kept, stream=self._rewritten(upstream.chunks()))
             body = await upstream.read()
             kept = [(k, v) for k, v in upstream.headers if k != b"content-length"]
-            return Response(upstream.status, kept, body)
+            return Response(
+                upstream.status, kept, body if self.answer is None else self.answer(body)
+            )
 
         self.server = HttpServer(handle)
         self.port = await self.server.start("127.0.0.1", 0)
         self._pool = pool
+
+    async def _rewritten(self, chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+        async for chunk in chunks:
+            yield chunk if self.answer is None else self.answer(chunk)
 
     async def close(self) -> None:
         assert self.server is not None

@@ -21,7 +21,7 @@ from saltgate.derivations.derive import (
     InvalidSecretError,
     validate_user_cache_secret,
 )
-from saltgate.policy import content
+from saltgate.policy import content, fields
 from saltgate.policy.errors import (
     ApiError,
     body_too_large,
@@ -375,6 +375,7 @@ def inspect(route: str, body: Mapping[str, Any]) -> Inspected:
     if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
         raise invalid_type("prompt_cache_key", "a string")
 
+    fields.check(body)
     parts = content.check(route, body)
     wants_usage = not stream or route not in STREAM_OPTIONS_ROUTES or include_usage
     return Inspected(
@@ -411,6 +412,12 @@ STRIPPED_FIELDS: Final[frozenset[str]] = frozenset(
         # vLLM takes a client-chosen request id from the body; ids are engine-wide, so
         # a chosen id could collide with (and abort or confuse) another tenant's request.
         "request_id",
+        # Scheduling priority: a client's would jump every tenant's queue under vLLM's
+        # priority scheduling, and is refused outright under its default fcfs policy.
+        "priority",
+        # Copied into the replica's KV events: a client could label its blocks as another
+        # tenant's session (no gateway consumer needs one, so none is set).
+        "session_id",
     }
 )
 
