@@ -152,6 +152,7 @@ async def stack(
     limits_share: int = 1,
     limits_lease_ttl_s: float = 600.0,
     queue: QueueConfig | None = None,
+    replica_priority_scheduling: bool = False,
 ) -> AsyncIterator[Stack]:
     """``models``: replica i serves models[i] (else every replica serves MODEL)."""
     base = sim or SimConfig(port=0)
@@ -180,6 +181,7 @@ async def stack(
         limits_share=limits_share,
         limits_lease_ttl_s=limits_lease_ttl_s,
         queue=queue or QueueConfig(),
+        replica_priority_scheduling=replica_priority_scheduling,
     )
     gateway = await start_gateway(config, workers=workers)
     try:

@@ -98,3 +98,21 @@ def test_replica_extras_never_reach_the_client(tmp_path: Path) -> None:
                     assert all(f'"{n}"'.encode() in resp.content for n in ANSWER_FIELDS)
 
     run(main)
+
+
+def test_with_priority_scheduling_the_replica_sees_the_band_s_priority(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with (
+            stack(tmp_path, replicas=1, replica_priority_scheduling=True) as s,
+            s.client("bob") as bob,
+        ):
+            routes: list[tuple[str, dict[str, Any]]] = [
+                ("/v1/completions", {"prompt": "hi"}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            ]
+            for route, body in routes:
+                resp = await bob.post(route, json={"model": MODEL, "priority": -1000, **body})
+                assert resp.status_code == 200, resp.text
+                assert orjson.loads(s.forwarded()[-1].body)["priority"] == 0  # interactive
+
+    run(main)

@@ -89,3 +89,17 @@ def test_a_duplicated_field_is_refused_at_parse(raw: bytes) -> None:
     with pytest.raises(ApiError) as info:
         parse_body(raw, 1 << 20)
     assert info.value.code == "duplicate_key"
+
+
+@pytest.mark.parametrize("salt", ["salt", None])
+@pytest.mark.parametrize("band", ["interactive", "batch", "unknown"])
+def test_the_gateway_sets_the_band_s_priority_over_the_client_s(
+    band: str, salt: str | None
+) -> None:
+    for body in ({"model": "m", "prompt": "x"}, {"model": "m", "prompt": "x", "priority": -1000}):
+        parsed = parse_body(orjson.dumps(body), 1 << 20)
+        inspected = inspect("/v1/completions", parsed.obj)
+        ranked = fields.band_priority(band)
+        out = orjson.loads(prepare(parsed, inspected, salt, ranked))
+        assert out["priority"] == {"interactive": 0, "batch": 1, "unknown": 1}[band]
+        assert orjson.loads(prepare(parsed, inspected, salt)).get("priority") is None

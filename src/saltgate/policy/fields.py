@@ -25,6 +25,17 @@ from saltgate.policy.errors import ApiError, invalid_request, invalid_type
 MAX_SEQUENCES: Final = 16
 _SEQUENCE_PARAMS: Final = ("n", "best_of")
 
+# The replica priority of each key band (governance/priority.py), set by the gateway when
+# the replicas run vLLM's priority scheduling (lower goes first there; a nonzero priority is
+# refused by vLLM's default fcfs policy, so nothing is set unless configured).
+BAND_PRIORITY: Final[Mapping[str, int]] = {"interactive": 0, "batch": 1}
+
+
+def band_priority(band: str) -> int:
+    """The replica priority of a key band; an unknown band gets the last (it waits)."""
+    return BAND_PRIORITY.get(band, max(BAND_PRIORITY.values()))
+
+
 # Tool types vLLM's Responses API runs server-side (its tool server: MCP, the Python
 # container, the browser), and OpenAI's names for the same. Refused, not stripped of their
 # headers: the tool server itself is shared state (sessions, containers) across tenants.

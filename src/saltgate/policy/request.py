@@ -422,7 +422,9 @@ STRIPPED_FIELDS: Final[frozenset[str]] = frozenset(
 )
 
 
-def prepare(body: Body, inspected: Inspected, salt: str | None) -> bytes:
+def prepare(
+    body: Body, inspected: Inspected, salt: str | None, priority: int | None = None
+) -> bytes:
     """The body to forward: stripped fields removed, ``cache_salt`` set on the routes that
     use the cache (SALTED_ROUTES), usage forced on streams that only carry it on request;
     serialised with orjson.
@@ -437,22 +439,28 @@ def prepare(body: Body, inspected: Inspected, salt: str | None) -> bytes:
 
     Content parts with media (or client uuids) are rewritten on a copy first
     (`content.rewrite`: media uuids bound to ``salt``, client uuids dropped).
+
+    ``priority``: the gateway's scheduling priority for the request (the key's band,
+    `fields.BAND_PRIORITY`), set when the replicas run priority scheduling; None sets none.
     """
     obj = body.obj
     salted = salt is not None and inspected.route in SALTED_ROUTES
     if inspected.content_rewrite:
         obj = content.rewrite(inspected.route, orjson.loads(body.serialized), salt)
     elif STRIPPED_FIELDS.isdisjoint(obj) and not inspected.forces_usage:  # the usual case
-        if not salted:
+        if not salted and priority is None:
             return body.serialized
-        if obj:
-            return body.serialized[:-1] + b',"cache_salt":' + orjson.dumps(salt) + b"}"
+        if salted and obj:
+            ranked = b"" if priority is None else b',"priority":%d' % priority
+            return body.serialized[:-1] + b',"cache_salt":' + orjson.dumps(salt) + ranked + b"}"
     if STRIPPED_FIELDS.isdisjoint(obj):
         out = dict(obj)
     else:
         out = {k: v for k, v in obj.items() if k not in STRIPPED_FIELDS}
     if salted:
         out["cache_salt"] = salt
+    if priority is not None:
+        out["priority"] = priority
     if inspected.forces_usage:
         options = obj.get("stream_options")
         forced = dict(options) if isinstance(options, dict) else {}
