@@ -5,7 +5,8 @@ run in the replica's single render worker and its template caches); server-side 
 are refused (vLLM runs them itself, on connections shared by every tenant, with the
 client's `tools[].headers` merged over its own `x-session-id`); `n` and `best_of` are
 capped (vLLM allows 16,384 sequences per request by default). `priority` and `session_id`
-are removed by `request.prepare` (`request.STRIPPED_FIELDS`).
+are removed by `request.prepare` (`request.STRIPPED_FIELDS`), which then sets the
+gateway's own priority from the key's band when configured (`band_priority`).
 
 Answer side (`scrub_answer`, `scrub_events`): per-request engine metrics and KV / encoder
 transfer parameters are removed before the client sees an answer.
@@ -26,8 +27,9 @@ MAX_SEQUENCES: Final = 16
 _SEQUENCE_PARAMS: Final = ("n", "best_of")
 
 # The replica priority of each key band (governance/priority.py), set by the gateway when
-# the replicas run vLLM's priority scheduling (lower goes first there; a nonzero priority is
-# refused by vLLM's default fcfs policy, so nothing is set unless configured).
+# the replicas run vLLM's priority scheduling (lower goes first there; vLLM documents a
+# nonzero priority as an error under its default fcfs policy, so none is set unless
+# configured: docs/fields.md).
 BAND_PRIORITY: Final[Mapping[str, int]] = {"interactive": 0, "batch": 1}
 
 

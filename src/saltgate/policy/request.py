@@ -413,7 +413,7 @@ STRIPPED_FIELDS: Final[frozenset[str]] = frozenset(
         # a chosen id could collide with (and abort or confuse) another tenant's request.
         "request_id",
         # Scheduling priority: a client's would jump every tenant's queue under vLLM's
-        # priority scheduling, and is refused outright under its default fcfs policy.
+        # priority scheduling (the gateway sets its own from the key's band: fields.py).
         "priority",
         # Copied into the replica's KV events: a client could label its blocks as another
         # tenant's session (no gateway consumer needs one, so none is set).
