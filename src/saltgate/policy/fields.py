@@ -71,14 +71,16 @@ def _refused(message: str, param: str, code: str) -> ApiError:
 def check(body: Mapping[str, Any]) -> None:
     """Refuse request templates, server-side tools and too many sequences (400 naming the
     parameter)."""
-    if "chat_template" in body:
+    # The two spellings vLLM reads (renderers/online_renderer.py, validate_chat_template;
+    # pooling/base/io_processor.py), null meaning absent there as here.
+    if body.get("chat_template") is not None:
         raise _refused(
             "'chat_template' is not accepted: replicas render with their own templates.",
             "chat_template",
             "chat_template_refused",
         )
     kwargs = body.get("chat_template_kwargs")
-    if isinstance(kwargs, dict) and "chat_template" in kwargs:
+    if isinstance(kwargs, dict) and kwargs.get("chat_template") is not None:
         raise _refused(
             "'chat_template_kwargs.chat_template' is not accepted: replicas render with "
             "their own templates.",
