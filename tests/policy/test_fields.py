@@ -106,6 +106,6 @@ def test_the_gateway_sets_the_band_s_priority_over_the_client_s(
 
 
 def test_a_null_chat_template_is_absent_as_in_vllm() -> None:
-    body = {"model": "m", "prompt": "x", "chat_template": None}
+    body: dict[str, Any] = {"model": "m", "prompt": "x", "chat_template": None}
     body["chat_template_kwargs"] = {"chat_template": None, "enable_thinking": False}
     assert _forwarded("/v1/completions", body)["chat_template_kwargs"]["enable_thinking"] is False
