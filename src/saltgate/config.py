@@ -190,6 +190,9 @@ class GatewayConfig:
     ehbp: bool = True
     ehbp_key_file: Path | None = None
     require_encrypted_secret: bool = False
+    # Every replica runs vLLM with --scheduling-policy priority: the gateway sets each
+    # request's priority from its key's band (policy/fields.py); else none is forwarded.
+    replica_priority_scheduling: bool = False
     kv_relay: KvRelaySettings | None = None  # [kv_relay]: run the KV-event relay in serve
     # When a client leaves before its answer is complete: "finish" lets the replica finish
     # and meters its exact usage; "abort" stops the replica's work at once and meters only
@@ -494,6 +497,7 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
         ("store_outage_grace_s", (int, float)),
         ("allow_plaintext_upstream", bool),
         ("allow_plaintext_admin", bool),
+        ("replica_priority_scheduling", bool),
     ):
         if key in gw:
             kwargs[key] = _expect(gw, key, kind, "gateway")
