@@ -28,6 +28,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 from schemathesis.core.failures import FailureGroup
+from schemathesis.core.result import Ok
 from tests.admin.test_admin_api import admin_stack
 from tests.admin.test_openapi import REPO_COPY
 from tests.gateway.stack import MODEL, run
@@ -62,6 +63,8 @@ class Fuzz:
     def run(self, only: set[str] | None = None) -> None:
         schema = schemathesis.openapi.from_path(str(REPO_COPY))
         for result in schema.get_all_operations():
+            if not isinstance(result, Ok):  # the document itself is wrong: say where
+                raise result.err()
             operation = result.ok()
             if only is None or operation.definition.raw["operationId"] in only:
                 self.operation(operation)
