@@ -29,6 +29,7 @@ def check_config(config: GatewayConfig) -> str:
         if os.path.lexists(key_file):
             load_server_key(key_file)
         else:
+            _check_creatable(key_file, "ehbp.key_file")
             notes.append(f"EHBP key file {key_file} will be created")
     settings = config.store_settings
     if settings.backend == "postgresql":
@@ -45,6 +46,20 @@ def check_config(config: GatewayConfig) -> str:
         warn_plaintext_admin(config)
         notes.append(f"admin listener {admin_scheme(config)}://{config.admin_host}")
     return ", ".join(notes)
+
+
+def _check_creatable(path: Path, option: str) -> None:
+    """A file `serve` would create (with its missing directories) must be creatable: the
+    nearest existing directory above it is writable (under the shipped unit and container,
+    /etc/saltgate is read-only)."""
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise ConfigError(
+            f"{option}: cannot create {path}: {existing} is not a writable directory "
+            "(create the file at install, or keep it in the state directory)"
+        )
 
 
 def _check_writable(path: Path) -> None:

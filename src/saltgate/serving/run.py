@@ -215,7 +215,8 @@ def _ehbp_edge(
 
 
 def ehbp_key(config: GatewayConfig) -> ServerKey:
-    """The operator's key file, else a key made now (memory only)."""
+    """The key file (made if absent), else a key made now, in memory only (a
+    configuration built in code without one)."""
     if config.ehbp_key_file is None:
         return ServerKey.generate()
     return load_or_create_server_key(config.ehbp_key_file)
