@@ -142,7 +142,7 @@ def analyze(*args: str) -> subprocess.CompletedProcess[str]:
 def runnable_unit(tmp_path: Path, text: str) -> Path:
     """The unit with ExecStart pointing at this environment's saltgate: verify checks the
     program exists, and /opt/saltgate is not installed here."""
-    assert text.count(INSTALLED_AT) == 1
+    assert text.count(INSTALLED_AT) == 2  # the check before the start, the start
     unit = tmp_path / "saltgate.service"
     unit.write_text(text.replace(INSTALLED_AT, str(Path(sys.executable).parent / "saltgate")))
     return unit
@@ -167,6 +167,9 @@ def test_the_systemd_unit_is_hardened(tmp_path: Path) -> None:
         "ProtectSystem=strict",
         "StateDirectory=saltgate",
         "ExecReload=/bin/kill -HUP $MAINPID",
+        # A configuration error is said once, not restarted every 2 s forever (exit 2).
+        f"ExecStartPre={INSTALLED_AT} serve --check --config /etc/saltgate/gateway.toml",
+        "RestartPreventExitStatus=2",
     ):
         assert re.search(rf"^{re.escape(line)}$", text, re.MULTILINE), line
     done = analyze("security", "--offline=yes", str(runnable_unit(tmp_path, text)))
