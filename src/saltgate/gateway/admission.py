@@ -138,7 +138,7 @@ class Admission:
                     local = self.governor.record(self._subjects(principal), demand, self._clock())
                     ticket = SharedTicket(granted.id, granted.specs, local)
                 if not self.shared_up:
-                    log.warning("saltgate: limits shared through Redis again")
+                    log.warning("limits shared through Redis again")
                     self.shared_up = True
             else:
                 self._lost(failure)
@@ -154,7 +154,7 @@ class Admission:
     def _lost(self, exc: Exception) -> None:
         if self.shared_up:
             log.warning(
-                "saltgate: limits: Redis unreachable (%s); each process enforces 1/%d of "
+                "limits: Redis unreachable (%s); each process enforces 1/%d of "
                 "every limit on its own counts until it returns (docs/limits.md)",
                 type(exc).__name__,
                 self.share,
@@ -190,7 +190,7 @@ class Admission:
         try:
             await shared.settle(ticket, used)
         except (RedisError, OSError) as exc:
-            log.debug("saltgate: limits: settling in Redis failed (%s)", type(exc).__name__)
+            log.debug("limits: settling in Redis failed (%s)", type(exc).__name__)
 
 
 def reservation(

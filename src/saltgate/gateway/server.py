@@ -111,13 +111,13 @@ class Gateway:
         )
         if shared_limits is not None:
             log.info(
-                "saltgate: limits shared by the fleet through [cluster]'s Redis; while it is "
+                "limits shared by the fleet through [cluster]'s Redis; while it is "
                 "unreachable each process enforces 1/%d of every limit (docs/limits.md)",
                 limit_share,
             )
         elif limit_share > 1:
             log.warning(
-                "saltgate: limits are not shared between this gateway's %d processes "
+                "limits are not shared between this gateway's %d processes "
                 "([limits] share x --workers): each enforces 1/%d of every tenant's and "
                 "key's limit (rounded down), so together they never exceed it "
                 "(docs/limits.md)",
@@ -217,7 +217,7 @@ class Gateway:
             return self._log.reopen()
         except OSError as exc:
             log.warning(
-                "saltgate: cannot reopen the access log %s (%s); still writing to the old file",
+                "cannot reopen the access log %s (%s); still writing to the old file",
                 self._log.path,
                 exc.strerror,
             )
