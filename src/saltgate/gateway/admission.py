@@ -19,6 +19,7 @@ from typing import Final
 
 from redis.exceptions import RedisError
 
+from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
 from saltgate.governance.limits import (
     BUDGET,
@@ -42,6 +43,7 @@ from saltgate.policy.request import GENERATION_ROUTES
 from saltgate.prices import PriceVersion
 from saltgate.store.tenants import Principal
 
+REFUSALS: Final = "saltgate_limit_refusals_total"
 log = logging.getLogger(__name__)
 
 # What OpenAI's message calls each limit.
@@ -95,8 +97,18 @@ class Admission:
         share: int = 1,
         shared: SharedLimits | None = None,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        metrics: Metrics | None = None,
     ) -> None:
         self.governor = Governor(lease_ttl_s=lease_ttl_s)
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.describe(
+                REFUSALS,
+                "counter",
+                "Requests refused 429 by a limit or a spent budget, by tenant id, the limit "
+                "(requests, input_tokens, output_tokens, concurrency, budget) and whose it "
+                "is (tenant or key).",
+            )
         self.prices = prices
         self.share = share
         self.shared = shared
@@ -148,6 +160,9 @@ class Admission:
         headers = rate_headers(quotas, anthropic)
         if ticket is None:
             assert denial is not None
+            if self.metrics is not None:
+                labels = (("tenant", principal.tenant_id), ("limit", denial.kind))
+                self.metrics.inc(REFUSALS, (*labels, ("scope", denial.scope)))
             raise denial_error(denial, model, anthropic, headers)
         return ticket, headers
 

@@ -20,7 +20,9 @@ from urllib.parse import parse_qs
 
 import orjson
 
+from saltgate import __version__
 from saltgate.admin.usage import usage_completions
+from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog
@@ -108,6 +110,7 @@ class Gateway:
             share=limit_share,
             shared=shared_limits,
             lease_ttl_s=config.limits_lease_ttl_s,
+            metrics=self.metrics,
         )
         if shared_limits is not None:
             log.info(
@@ -178,6 +181,16 @@ class Gateway:
             "Replicas reached in clear across a network (allow_plaintext_upstream), by link: "
             "http (prompts, salts, API key) or kv_events (salts, token ids). 0 is the goal.",
             self._plaintext_links,
+        )
+        build = (
+            ("version", __version__),
+            ("build", "compiled" if build_kind() == COMPILED else "pure"),
+        )
+        m.gauge(
+            "saltgate_build_info",
+            "Always 1; its labels say which saltgate runs: the version, and the build "
+            "(compiled or pure Python).",
+            lambda: [(build, 1.0)],
         )
 
     def _plaintext_links(self) -> list[tuple[Labels, float]]:
