@@ -434,6 +434,7 @@ def _add_store(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _run_serve(args: argparse.Namespace) -> int:
     from saltgate.config import ConfigError, load_config
+    from saltgate.runtime import StartError
     from saltgate.store.errors import StoreError
 
     if args.workers < 1:
@@ -449,6 +450,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     except (ConfigError, StoreError) as exc:
         print(f"saltgate serve: {exc}", file=sys.stderr)
         return 2
+    except StartError as exc:  # --check: a port taken now
+        print(f"saltgate serve: {exc.strerror}", file=sys.stderr)
+        return 1
     if args.workers > 1:
         from saltgate.serving.supervisor import serve_workers
 

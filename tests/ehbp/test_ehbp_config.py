@@ -79,7 +79,7 @@ def test_check_refuses_a_key_file_serve_could_not_create(
     running gateway cannot write (/etc/saltgate under the shipped unit), then `serve` failed."""
     (tmp_path / "master.key").write_text(secrets.token_hex(32))
     (tmp_path / "master.key").chmod(0o600)
-    base = {**REPLICAS, "gateway": {"master_key_file": "master.key"}}
+    base = {**REPLICAS, "gateway": {"master_key_file": "master.key", "port": 0}}
     assert "EHBP key file" in check_config(parse_config(base, tmp_path))  # creatable: a note
     (tmp_path / "etc").write_text("a file, not a directory")
     beside_a_file = parse_config({**base, "ehbp": {"key_file": "etc/hpke.key"}}, tmp_path)

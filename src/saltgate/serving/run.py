@@ -13,7 +13,7 @@ import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from saltgate.admin.api import AdminApi
 from saltgate.admin.store import AdminStore
@@ -34,7 +34,7 @@ from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
 from saltgate.prices import price_versions
 from saltgate.routing import Router
-from saltgate.runtime import run_service, until_stopped
+from saltgate.runtime import listen_error, run_service, until_stopped
 from saltgate.serving import event_log
 from saltgate.serving.acceptor import AcceptGate, Acceptor
 from saltgate.serving.admin_listener import (
@@ -48,6 +48,7 @@ from saltgate.store.errors import StoreError
 from saltgate.store.usage_rollups import open_usage_reader
 
 log = logging.getLogger(__name__)
+INFERENCE_OPTIONS: Final = "the inference listener: gateway.host, gateway.port"
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +174,10 @@ async def start_gateway(
     await replicas.probe_all()
     replicas.start_probing()
     if listener is None:
-        port = await server.start(config.host, config.port)
+        try:
+            port = await server.start(config.host, config.port)
+        except OSError as exc:
+            raise listen_error(INFERENCE_OPTIONS, config.host, config.port, exc) from None
     else:
         port = Acceptor(server, listener.sock, listener.gate).port
     admin = None

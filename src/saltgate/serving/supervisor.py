@@ -38,11 +38,18 @@ from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.metrics import Counter, Gauge, Snapshot, merge_workers, render
 from saltgate.http import HttpServer
 from saltgate.kvevents.relay import KvRelay
-from saltgate.runtime import run_service, until_stopped
+from saltgate.runtime import StartError, listen_error, run_service, until_stopped
 from saltgate.serving import control, event_log
 from saltgate.serving.admin_listener import AdminListener, admin_tls, start_admin_listener
 from saltgate.serving.balance import ConnectionBoard
-from saltgate.serving.run import announce, ehbp_key, kv_upstreams, reread_config, start_kv_relay
+from saltgate.serving.run import (
+    INFERENCE_OPTIONS,
+    announce,
+    ehbp_key,
+    kv_upstreams,
+    reread_config,
+    start_kv_relay,
+)
 from saltgate.store.errors import StoreError
 from saltgate.store.usage_rollups import open_usage_reader
 
@@ -179,7 +186,10 @@ class Supervisor:
             key = ehbp_key(config)
             self._ehbp_private_key = key.private_bytes()
             self.ehbp_fingerprint = key.config.fingerprint
-        self._sock = listen(config.host, config.port)
+        try:
+            self._sock = listen(config.host, config.port)
+        except OSError as exc:
+            raise listen_error(INFERENCE_OPTIONS, config.host, config.port, exc) from None
         self.port = int(self._sock.getsockname()[1])
         self._board = ConnectionBoard.create(self.workers)
         try:
@@ -245,8 +255,9 @@ class Supervisor:
             if first is not None and first[:1] == control.USAGE_FAILED:
                 raise ConfigError(first[1:].decode(errors="replace"))
             if first is not None and first[:1] == control.FAILED:
-                raise OSError(first[1:].decode(errors="replace"))
-            raise OSError(f"worker {index} {describe_exit(returncode)} before it was ready")
+                reason = first[1:].decode(errors="replace")
+                raise StartError(f"worker {index} could not start: {reason}")
+            raise StartError(f"worker {index} {describe_exit(returncode)} before it was ready")
         worker = WorkerProcess(index, proc, reader, writer)
         if start.config.replicas != self.config.replicas:  # a reload came while it started
             await worker.ask(control.Reload(self.config.replicas), RELOAD_TIMEOUT_S)
@@ -289,7 +300,9 @@ class Supervisor:
                 try:
                     worker = await self._spawn(index)
                 except (ConfigError, OSError) as exc:
-                    log.error("worker %d could not start: %s", index, exc)
+                    # A StartError names the worker itself.
+                    said = exc.strerror if isinstance(exc, StartError) else None
+                    log.error("%s", said or f"worker {index} could not start: {exc}")
                     quick_deaths += 1
                     continue
                 break
