@@ -16,8 +16,8 @@ from saltgate.config import (
     create_master_key,
     load_config,
 )
-from saltgate.serving.admin_listener import admin_tls, allowed_hosts, host_allowed, host_name
 from saltgate.serving import check
+from saltgate.serving.admin_listener import admin_tls, allowed_hosts, host_allowed, host_name
 from saltgate.serving.check import check_config
 from saltgate.serving.run import start_gateway
 
