@@ -223,7 +223,9 @@ def test_the_dockerfile_builds_with_make_dist_and_runs_the_wheel_unprivileged() 
     [copied] = [args for kind, args in runtime if kind == "COPY"]
     assert copied.startswith("--from=builder /src/requirements-runtime.lock /src/dist/saltgate-")
     [user] = [args for kind, args in runtime if kind == "USER"]
-    assert user not in ("root", "0")
+    assert user == "10001:10001"  # numeric and fixed: runAsNonRoot, files chowned ahead
+    assert "groupadd --system --gid 10001 saltgate" in run
+    assert "useradd --system --uid 10001 --gid saltgate" in run
     [health] = [args for kind, args in runtime if kind == "HEALTHCHECK"]
     assert "SALTGATE_HEALTH_URL" in health
     assert any(kind == "ENV" and "/health" in args for kind, args in runtime)
