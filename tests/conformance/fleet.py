@@ -102,7 +102,11 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def _start(
-    index: int, workdir: Path, api_key: str, extra: tuple[str, ...] = ()
+    index: int,
+    workdir: Path,
+    api_key: str,
+    extra: tuple[str, ...] = (),
+    environment: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], VllmReplica]:
     port = free_port()
     kv = f"ipc://{workdir}/kv{index}.sock"
@@ -131,6 +135,7 @@ def _start(
         # and 0.9 s beside two busy loops (docs/testing.md).
         OMP_NUM_THREADS="1",
     )
+    env.update(environment or {})
     # The line docs/deployment.md gives operators (saltgate.audit.vllm_line), filled in...
     line = vllm_serve_argv(
         {"MODEL": str(VLLM_DIR / "model"), "HOST": "127.0.0.1", "PORT": str(port),
@@ -198,7 +203,11 @@ def _wait_healthy(procs: list[subprocess.Popen[bytes]], replicas: list[VllmRepli
 
 
 def _start_all(
-    workdir: Path, api_key: str, extras: list[tuple[str, ...]], first_index: int = 0
+    workdir: Path,
+    api_key: str,
+    extras: list[tuple[str, ...]],
+    first_index: int = 0,
+    environment: dict[str, str] | None = None,
 ) -> Iterator[Fleet]:
     missing = _missing_env()
     if missing:
@@ -211,7 +220,7 @@ def _start_all(
     replicas: list[VllmReplica] = []
     try:
         for i, extra in enumerate(extras, start=first_index):
-            proc, replica = _start(i, workdir, api_key, extra)
+            proc, replica = _start(i, workdir, api_key, extra, environment)
             procs.append(proc)
             replicas.append(replica)
         _wait_healthy(procs, replicas)
@@ -257,6 +266,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     _claim(tmp_path_factory, "vllm")
     workdir = tmp_path_factory.mktemp("vllm")
     yield from _start_all(workdir, dashed_key(), [(), ()])
+
+
+@pytest.fixture(scope="session")
+def store_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One generation replica with vLLM's Responses store on (VLLM_ENABLE_RESPONSES_API_STORE
+    =1), which no deployment should run: the positive control of the Responses-state tests
+    (a replica of its own, so the documented line's replicas stay as documented)."""
+    _claim(tmp_path_factory, "vllm-store")
+    workdir = tmp_path_factory.mktemp("vllm-store")
+    store_on = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+    yield from _start_all(workdir, dashed_key(), [()], first_index=4, environment=store_on)
 
 
 POOLING_CONVERSIONS = ("embed", "classify")

@@ -61,6 +61,15 @@ REFUSED: list[tuple[str, str, dict[str, Any]]] = [
     ("web_search_preview", "tools[0].type", {"tools": [{"type": "web_search_preview"}]}),
     ("container", "tools[0].type", {"tools": [{"type": "container"}]}),
 ]
+# Fields that need a response stored on a replica: refused on /v1/responses, whatever
+# `store` says (policy/responses.py). The id is another tenant's, as an attacker would send.
+RESPONSE_STATE: list[tuple[str, str, dict[str, Any]]] = [
+    ("previous_response_id", "previous_response_id", {"previous_response_id": "resp_alice01"}),
+    ("previous_response_id_unstored", "previous_response_id", {
+        "previous_response_id": "resp_alice01", "store": False}),
+    ("background", "background", {"background": True, "store": True}),
+    ("background_as_1", "background", {"background": 1}),
+]  # fmt: skip
 # Answers as replicas write them with per-request metrics / disaggregation on.
 ANSWER_FIELDS_SEEN: list[dict[str, Any]] = [
     {"id": "c", "choices": [{"index": 0, "text": "x"}], "metrics": {"queue_time": 0.1}},
@@ -100,6 +109,9 @@ def refused_cases() -> Iterator[Case]:
             body = {"model": MODEL, **shape, **extra}
             yield Case(f"{name}@{route}", route, body, param=param)
             yield Case(f"{name}+stripped@{route}", route, {**body, **STRIPPED}, param=param)
+    route = "/v1/responses"
+    for name, param, extra in RESPONSE_STATE:
+        yield Case(f"{name}@{route}", route, {"model": MODEL, **SHAPES[route], **extra}, param=param)
 
 
 def raw_duplicates() -> Iterator[tuple[str, bytes]]:

@@ -21,7 +21,7 @@ from saltgate.derivations.derive import (
     InvalidSecretError,
     validate_user_cache_secret,
 )
-from saltgate.policy import content, fields
+from saltgate.policy import content, fields, responses
 from saltgate.policy.errors import (
     ApiError,
     body_too_large,
@@ -376,6 +376,7 @@ def inspect(route: str, body: Mapping[str, Any]) -> Inspected:
         raise invalid_type("prompt_cache_key", "a string")
 
     fields.check(body)
+    responses.check(route, body)
     parts = content.check(route, body)
     wants_usage = not stream or route not in STREAM_OPTIONS_ROUTES or include_usage
     return Inspected(
@@ -445,14 +446,22 @@ def prepare(
     """
     obj = body.obj
     salted = salt is not None and inspected.route in SALTED_ROUTES
+    # The replica keeps no response: `store` false on every Responses request (responses.py).
+    stateless = inspected.route == ROUTE_RESPONSES
     if inspected.content_rewrite:
         obj = content.rewrite(inspected.route, orjson.loads(body.serialized), salt)
-    elif STRIPPED_FIELDS.isdisjoint(obj) and not inspected.forces_usage:  # the usual case
-        if not salted and priority is None:
+    elif (  # the usual case
+        STRIPPED_FIELDS.isdisjoint(obj)
+        and not inspected.forces_usage
+        and not (stateless and responses.STORE in obj)
+    ):
+        if not salted and priority is None and not stateless:
             return body.serialized
-        if salted and obj:
-            ranked = b"" if priority is None else b',"priority":%d' % priority
-            return body.serialized[:-1] + b',"cache_salt":' + orjson.dumps(salt) + ranked + b"}"
+        if obj:
+            tail = b"" if not salted else b',"cache_salt":' + orjson.dumps(salt)
+            tail += b"" if priority is None else b',"priority":%d' % priority
+            tail += b',"store":false' if stateless else b""
+            return body.serialized[:-1] + tail + b"}"
     if STRIPPED_FIELDS.isdisjoint(obj):
         out = dict(obj)
     else:
@@ -461,6 +470,8 @@ def prepare(
         out["cache_salt"] = salt
     if priority is not None:
         out["priority"] = priority
+    if stateless:
+        out[responses.STORE] = False
     if inspected.forces_usage:
         options = obj.get("stream_options")
         forced = dict(options) if isinstance(options, dict) else {}

@@ -10,7 +10,10 @@ request, so what a switch lets in (fetched media, embeds) is what those caches g
 
 - `responses_store`: VLLM_ENABLE_RESPONSES_API_STORE=1. Answers of /v1/responses with
   `store` (default true) are kept and served back by GET /v1/responses/{id} to anyone, as
-  vLLM's store does (a minimal store: the answer body by id).
+  vLLM's store does (a minimal store: the answer body by id, and the conversation's text);
+  a `previous_response_id` continues that conversation for anyone who names it, its text
+  put before the new input (so the prompt, and the usage, grow as vLLM's do); an unknown
+  one is vLLM's 404. Whole answers only: a streamed one is not kept.
 - `fetch_media`: no --allowed-media-domains: every http(s) `image_url` of a chat request
   is fetched, redirects followed unless `media_redirects` is off
   (VLLM_MEDIA_URL_ALLOW_REDIRECTS=0), and inlined as a `data:` URL for the media caches;
@@ -81,11 +84,17 @@ class UnsafeReplica:
     def __init__(self, options: UnsafeOptions) -> None:
         self.options = options
         self._stored: dict[str, bytes] = {}
+        self._conversations: dict[str, str] = {}  # by response id: its text so far
 
     # -- requests --------------------------------------------------------------------------
     async def before_generate(self, route: bytes, body: dict[str, Any]) -> None:
         """Take what only these settings allow: `prompt_embeds`, `image_embeds` parts, media
-        URLs (fetched). Edits `body` in place; with a switch off, leaves it to the refusal."""
+        URLs (fetched), a stored conversation continued. Edits `body` in place; with a
+        switch off, leaves it to the refusal."""
+        if route == b"/v1/responses" and self.options.responses_store:
+            previous = body.pop("previous_response_id", None)
+            if previous is not None:
+                body["input"] = self._continued(str(previous), body.get("input"))
         if route == b"/v1/completions" and self.options.prompt_embeds and "prompt_embeds" in body:
             if not _is_tensor(body.pop("prompt_embeds")):
                 raise vllm_validation(
@@ -102,6 +111,22 @@ class UnsafeReplica:
                         for part in message["content"]
                         if not self._embeds_taken(part)
                     ]
+
+    def _continued(self, response_id: str, given: object) -> object:
+        """The input with the stored conversation before it (no owner check, as vLLM's)."""
+        before = self._conversations.get(response_id)
+        if before is None:
+            raise SimError(
+                404,
+                f"Response with id '{response_id}' not found.",
+                "invalid_request_error",
+                "previous_response_id",
+            )
+        if isinstance(given, str):
+            return f"{before}\n{given}"
+        if isinstance(given, list):
+            return [{"role": "user", "content": before}, *given]
+        return before
 
     def _embeds_taken(self, part: object) -> bool:
         """An `image_embeds` part --enable-mm-embeds lets in (dropped: nothing is loaded)."""
@@ -126,9 +151,12 @@ class UnsafeReplica:
     def after_whole(self, route: bytes, body: dict[str, Any], answer: bytes) -> bytes:
         """The answer of a whole (not streamed) generation, as these settings change it."""
         if route == b"/v1/responses" and self.options.responses_store and body.get("store", True):
-            response_id = orjson.loads(answer).get("id")
+            doc = orjson.loads(answer)
+            response_id = doc.get("id")
             if isinstance(response_id, str):
                 self._stored[response_id] = answer
+                said = " ".join(_texts(doc.get("output")))
+                self._conversations[response_id] = f"{_text_of(body.get('input'))}\n{said}"
         completion = route in (b"/v1/completions", b"/v1/chat/completions")
         if completion and self.options.per_request_metrics:
             data = orjson.loads(answer)
@@ -223,3 +251,24 @@ def _lora_refusal(path: bytes, body: bytes) -> tuple[int, bytes]:
         status, kind, message = 400, "BadRequestError", f"Loading lora {name} failed: no adapter"
     error = {"message": message, "type": kind, "param": None, "code": status}
     return status, orjson.dumps({"error": error})
+
+
+def _text_of(given: object) -> str:
+    """The text of a Responses `input`: a string, or its messages' text."""
+    if isinstance(given, str):
+        return given
+    return " ".join(_texts(given))
+
+
+def _texts(items: object) -> list[str]:
+    """Every string under a `content` or `text` member of a list of items."""
+    found: list[str] = []
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, dict):
+            continue
+        content = item.get("content", item.get("text"))
+        if isinstance(content, str):
+            found.append(content)
+        elif isinstance(content, list):
+            found.extend(_texts(content))
+    return found
