@@ -111,7 +111,9 @@ def refused_cases() -> Iterator[Case]:
             yield Case(f"{name}+stripped@{route}", route, {**body, **STRIPPED}, param=param)
     route = "/v1/responses"
     for name, param, extra in RESPONSE_STATE:
-        yield Case(f"{name}@{route}", route, {"model": MODEL, **SHAPES[route], **extra}, param=param)
+        yield Case(
+            f"{name}@{route}", route, {"model": MODEL, **SHAPES[route], **extra}, param=param
+        )
 
 
 def raw_duplicates() -> Iterator[tuple[str, bytes]]:
