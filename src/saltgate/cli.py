@@ -290,6 +290,12 @@ def _add_admin_plane(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "verify",
         help="recompute the chain of hashes; exit status 1 naming the first broken entry",
     )
+    p.add_argument(
+        "--expect",
+        metavar="SEQ:HASH",
+        help="a head kept outside the store (printed by an earlier verify): entry SEQ must "
+        "still have HASH, so entries cut from the end are detected",
+    )
     _state_dir_arg(p)
     p.set_defaults(func=_audit_log_verify)
 
@@ -772,18 +778,20 @@ def _prices_clear(args: argparse.Namespace) -> int:
 
 def _audit_log_verify(args: argparse.Namespace) -> int:
     from saltgate.config import ConfigError
-    from saltgate.store.audit import verify_chain
+    from saltgate.store.audit import expected_head, head_problem, verify_chain
     from saltgate.store.backends import open_database
     from saltgate.store.errors import StoreError
 
     try:
+        expect = None if args.expect is None else expected_head(args.expect)
         settings, _ = _store_settings(args)
         db = open_database(settings, create=False)
         try:
             check = verify_chain(db)
+            problem = None if expect is None else head_problem(db, check, expect)
         finally:
             db.close()
-    except (ConfigError, StoreError) as exc:
+    except (ConfigError, StoreError, ValueError) as exc:
         print(f"saltgate audit-log verify: {exc}", file=sys.stderr)
         return 1
     if not check.ok:
@@ -793,7 +801,16 @@ def _audit_log_verify(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    print(f"audit log intact: {check.checked} entries")
+    if problem is not None:
+        print(f"saltgate audit-log verify: {problem}", file=sys.stderr)
+        return 1
+    keyed = (
+        f"keyed from entry {check.keyed_from}"
+        if check.keyed_from is not None
+        else "NOT keyed (written without the master key: rewriting it is not detected)"
+    )
+    head = "" if check.head is None else f"; head {check.head[0]}:{check.head[1].hex()}"
+    print(f"audit log intact: {check.checked} entries, {keyed}{head}")
     return 0
 
 

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import ipaddress
 import os
-import secrets
-import stat
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
-from saltgate.derivations.derive import MASTER_KEY_MIN_BYTES
 from saltgate.kvevents.settings import (
     KvRelaySettings,
     KvUpstream,
@@ -34,16 +31,20 @@ from saltgate.policy.forwarded import TrustedProxies
 from saltgate.prices import Price, parse_prices
 from saltgate.routing.cluster import ClusterSettings
 from saltgate.routing.router import RouterConfig
+
+# Re-exported: callers import these from here (saltgate.secretfiles has them for the store).
+from saltgate.secretfiles import SECRET_FILE_MAX_BYTES as SECRET_FILE_MAX_BYTES  # noqa: PLC0414
+from saltgate.secretfiles import ConfigError as ConfigError  # noqa: PLC0414
+from saltgate.secretfiles import create_master_key as create_master_key  # noqa: PLC0414
+from saltgate.secretfiles import create_secret_file as create_secret_file  # noqa: PLC0414
+from saltgate.secretfiles import load_master_key as load_master_key  # noqa: PLC0414
+from saltgate.secretfiles import open_secret_file as open_secret_file  # noqa: PLC0414
+from saltgate.secretfiles import read_secret_file as read_secret_file  # noqa: PLC0414
 from saltgate.store.settings import StoreSettings
 
-SECRET_FILE_MAX_BYTES = 4096
 CLIENT_GONE_MODES = ("finish", "abort")
 LOG_FORMATS = ("text", "json")
 TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
-
-
-class ConfigError(ValueError):
-    """A configuration problem a person can fix; the message says where and how."""
 
 
 UPSTREAM_SCHEMES = {"http": 80, "https": 443}
@@ -88,62 +89,6 @@ def plaintext_zmq_remote(endpoint: str) -> bool:
     host = rest.rpartition(":")[0] or rest
     host = host.rpartition(";")[2]  # "tcp://source;host:port": the remote is after ';'
     return not is_loopback(host)
-
-
-# -- secret files ------------------------------------------------------------------------
-
-
-def read_secret_file(path: Path, what: str) -> bytes:
-    """The bytes of a secret file (master key, EHBP key, a replica's API key).
-
-    Refuses a symlink (O_NOFOLLOW: a link planted in a shared directory cannot redirect
-    the read), anything but a regular file, and a file others can read, checked with
-    fstat on the descriptor that is read, so the file cannot be swapped in between.
-    Errors name the file and the rule, never the content.
-    """
-    fd = open_secret_file(path, what)
-    try:
-        data = os.read(fd, SECRET_FILE_MAX_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > SECRET_FILE_MAX_BYTES:
-        raise ConfigError(f"{what} {path} is over {SECRET_FILE_MAX_BYTES} bytes")
-    return data
-
-
-def open_secret_file(path: Path, what: str) -> int:
-    """A descriptor on ``path`` once it passed `read_secret_file`'s rules (also those of
-    a TLS private key, which OpenSSL then reads by name)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        reason = "it is a symlink (name the file itself)" if exc.errno == errno.ELOOP else None
-        raise ConfigError(f"cannot read {what} {path}: {reason or exc.strerror}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ConfigError(f"{what} {path} must be a regular file of mode 0600")
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(f"{what} {path} is readable by others: it must have mode 0600")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def create_secret_file(path: Path, what: str, text: str) -> bool:
-    """Write ``text`` to a new file of mode 0600 (in a 0700 directory made if needed)
-    unless the file exists; True if it was created. Never writes through a symlink."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return False
-    except OSError as exc:
-        raise ConfigError(f"cannot create {what} {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +171,14 @@ class GatewayConfig:
     port: int = 8000
     admin_host: str = "127.0.0.1"
     admin_port: int | None = 8001
+    # Host names the admin listener answers to besides admin_host and the loopback names
+    # (a DNS-rebinding page names its own host: refused, docs/admin-api.md).
+    admin_allowed_hosts: tuple[str, ...] = ()
+    # TLS for the admin listener (PEM files; the key mode 0600). Off loopback without it,
+    # `serve` refuses to start unless allow_plaintext_admin is set (then warns).
+    admin_tls_cert_file: Path | None = None
+    admin_tls_key_file: Path | None = None
+    allow_plaintext_admin: bool = False
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0
     prices: dict[str, Price] = field(default_factory=dict)
@@ -237,6 +190,9 @@ class GatewayConfig:
     ehbp: bool = True
     ehbp_key_file: Path | None = None
     require_encrypted_secret: bool = False
+    # Every replica runs vLLM with --scheduling-policy priority: the gateway sets each
+    # request's priority from its key's band (policy/fields.py); else none is forwarded.
+    replica_priority_scheduling: bool = False
     kv_relay: KvRelaySettings | None = None  # [kv_relay]: run the KV-event relay in serve
     # When a client leaves before its answer is complete: "finish" lets the replica finish
     # and meters its exact usage; "abort" stops the replica's work at once and meters only
@@ -270,9 +226,20 @@ class GatewayConfig:
         return self.state_dir / "saltgate.db"
 
     @property
+    def admin_plaintext_remote(self) -> bool:
+        """An admin listener off loopback without TLS: admin tokens and the console's
+        cookie would cross the network in clear."""
+        return (
+            self.admin_port is not None
+            and self.admin_tls_cert_file is None
+            and not is_loopback(self.admin_host)
+        )
+
+    @property
     def store_settings(self) -> StoreSettings:
         """Where tenants, keys and usage live: [store], or the embedded default."""
-        return self.store or StoreSettings.in_state_dir(self.state_dir)
+        settings = self.store or StoreSettings.in_state_dir(self.state_dir)
+        return dataclasses.replace(settings, master_key_file=self.master_key_file)
 
 
 def _expect(table: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -473,7 +440,31 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
     )
     if not config.allow_plaintext_upstream:
         _refuse_plaintext(replicas)
+    refuse_plaintext_admin(config)
     return config
+
+
+def refuse_plaintext_admin(config: GatewayConfig) -> None:
+    """ConfigError for an admin listener off loopback over plain HTTP, unless the
+    operator opted in (allow_plaintext_admin; then `admin_plaintext_warning` says it)."""
+    if config.admin_plaintext_remote and not config.allow_plaintext_admin:
+        raise ConfigError(
+            f"gateway.admin_host: {config.admin_host} is off loopback, and admin tokens and "
+            "console sessions would cross the network in clear: set admin_tls_cert_file and "
+            "admin_tls_key_file, bind 127.0.0.1 and reach it over an SSH tunnel, or set "
+            "[gateway] allow_plaintext_admin = true"
+        )
+
+
+def admin_plaintext_warning(config: GatewayConfig) -> str | None:
+    """The warning for an admin listener the operator opted to serve off loopback in clear."""
+    if not config.admin_plaintext_remote:
+        return None
+    return (
+        f"WARNING: the admin listener on {config.admin_host} is off loopback without TLS "
+        "(allow_plaintext_admin): admin tokens and console sessions cross the network in "
+        "clear; set admin_tls_cert_file and admin_tls_key_file"
+    )
 
 
 def _refuse_plaintext(replicas: tuple[ReplicaConfig, ...]) -> None:
@@ -505,9 +496,12 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
         ("upstream_timeout_s", (int, float)),
         ("store_outage_grace_s", (int, float)),
         ("allow_plaintext_upstream", bool),
+        ("allow_plaintext_admin", bool),
+        ("replica_priority_scheduling", bool),
     ):
         if key in gw:
             kwargs[key] = _expect(gw, key, kind, "gateway")
+    kwargs.update(_admin_listener(gw, base))
     if kwargs.get("store_outage_grace_s", 1) <= 0:
         raise ConfigError("gateway.store_outage_grace_s: must be positive")
     for key, choices in (("on_client_gone", CLIENT_GONE_MODES), ("log_format", LOG_FORMATS)):
@@ -531,10 +525,35 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
             kwargs["trusted_proxies"] = TrustedProxies.parse(items)
         except ValueError as exc:
             raise ConfigError(f"gateway.trusted_proxies: {exc}") from None
-    unknown = set(gw) - {*kwargs, "state_dir", "master_key_file"}
+    unknown = set(gw) - {*kwargs, "state_dir", "master_key_file", *ADMIN_LISTENER_KEYS}
     if unknown:
         raise ConfigError(f"gateway: unknown keys {sorted(unknown)}")
     return kwargs
+
+
+ADMIN_LISTENER_KEYS: Final = ("admin_allowed_hosts", "admin_tls_cert_file", "admin_tls_key_file")
+_HOST_NAME: Final = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253})")
+
+
+def _admin_listener(gw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """[gateway] admin_allowed_hosts and the admin listener's TLS files."""
+    out: dict[str, Any] = {}
+    if "admin_allowed_hosts" in gw:
+        names = _expect(gw, "admin_allowed_hosts", list, "gateway")
+        if not all(isinstance(n, str) and _HOST_NAME.fullmatch(n) for n in names):
+            raise ConfigError(
+                "gateway.admin_allowed_hosts: expected host names without a port, such as "
+                '["admin.internal", "10.0.0.4", "[fd00::4]"]'
+            )
+        out["admin_allowed_hosts"] = tuple(n.lower() for n in names)
+    files = [k for k in ("admin_tls_cert_file", "admin_tls_key_file") if k in gw]
+    if len(files) == 1:
+        raise ConfigError(
+            "gateway.admin_tls_cert_file and admin_tls_key_file: give both (PEM files)"
+        )
+    for key in files:
+        out[key] = _relative_to(base, _expect(gw, key, str, "gateway"))
+    return out
 
 
 def _ehbp(table: Any, base: Path) -> dict[str, Any]:
@@ -716,20 +735,3 @@ def load_config(path: str | Path) -> GatewayConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     return dataclasses.replace(parse_config(doc, path.parent), config_file=path)
-
-
-def load_master_key(path: Path) -> bytes:
-    """Read the cluster secret (raw or hex); refuse short keys and files others can read."""
-    key = read_secret_file(path, "master key file").strip()
-    with contextlib.suppress(ValueError, UnicodeDecodeError):
-        key = bytes.fromhex(key.decode())
-    if len(key) < MASTER_KEY_MIN_BYTES:
-        raise ConfigError(
-            f"master key in {path} is too short: need at least {MASTER_KEY_MIN_BYTES} bytes"
-        )
-    return key
-
-
-def create_master_key(path: Path) -> bool:
-    """Write a fresh 32-byte key (hex) with mode 0600 if none exists; True if created."""
-    return create_secret_file(path, "master key file", secrets.token_hex(32) + "\n")

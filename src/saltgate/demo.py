@@ -82,7 +82,7 @@ async def _up(port: int, replicas: int, state_dir: Path, sim_base_port: int) -> 
     model = sims[0].server.config.model
     print(f"saltgate up: gateway on {running.url} with {replicas} simulated replicas", flush=True)
     admin_url = f"http://{config.admin_host}:{running.admin_port}"
-    print(f"  metrics:  {admin_url}/metrics")
+    print(f"  metrics:  {admin_url}/metrics (with the admin token: usage:read)")
     print(f"  admin API: {admin_url}/admin/v1/ (docs/admin-api.md)")
     print(f"  admin token (every scope): {admin_token}")
     print(f"  console:  {admin_url}/console/ (sign in with the admin token)")

@@ -270,7 +270,7 @@ def test_admin_routes_are_404_on_the_inference_port(tmp_path: Path) -> None:
             # Positive control: the same request on the admin listener is served.
             assert (await admin.call(admin.root, "GET", "tenants")).status_code == 200
             async with admin.client(None) as c:
-                assert (await c.get("/metrics")).status_code == 200
+                assert (await c.get("/metrics")).status_code == 401  # takes a token
                 assert (await c.get("/admin/v2/x")).status_code == 404
 
     run(go)

@@ -34,6 +34,7 @@ PURE_PACKAGES = (
 PURE_MODULES = (
     "saltgate",  # the package's own __init__
     "saltgate.config",
+    "saltgate.secretfiles",  # the secret files' rules, config's and the store's (audit key)
     "saltgate.tables",  # the TOML table helpers [store] and [cluster] share
     "saltgate.prices",
     "saltgate.kvevents",  # a docstring: the modules below are the pure ones of the package

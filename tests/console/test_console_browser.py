@@ -22,7 +22,7 @@ from playwright.sync_api import expect
 from tests.support.console import MODEL, Browser, ConsoleStack, browser, console_stack
 from tests.support.waiting import eventually_blocking
 
-from saltgate.console.security import COOKIE, CSP, SESSION_IDLE_S, SIGN_IN_PER_CLIENT
+from saltgate.console.security import COOKIE, CSP, SESSION_IDLE_S, SIGN_IN_PER_KEY
 from saltgate.http import HttpServer, Request, Response
 from saltgate.prices import Price, PriceVersion
 from saltgate.store.tenants import TenantStore
@@ -430,9 +430,35 @@ def test_session_cookie_is_httponly_strict_and_sign_in_is_rate_limited(tmp_path:
         cookie = ok.headers["set-cookie"]
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/console/" in cookie
         assert stack.admin_token not in cookie
-        for _ in range(SIGN_IN_PER_CLIENT - 1):
-            wrong = post(stack, "sign-in", {"token": "sgadm_wrong"}, None, stack.origin)
-            assert wrong.status_code == 401
-        limited = post(stack, "sign-in", {"token": stack.admin_token}, None, stack.origin)
+        for _ in range(2 * SIGN_IN_PER_KEY):  # successes count nothing
+            again = post(stack, "sign-in", {"token": stack.admin_token}, None, stack.origin)
+            assert again.status_code == 303
+        # Everyone behind the SSH tunnel is 127.0.0.1: another client's failures (with
+        # other tokens) use up their own budget, not the operator's.
+        wrong = "sgadm_wrong" + "x" * 40
+        for _ in range(SIGN_IN_PER_KEY):
+            assert post(stack, "sign-in", {"token": wrong}, None, stack.origin).status_code == 401
+        limited = post(stack, "sign-in", {"token": wrong}, None, stack.origin)
         assert limited.status_code == 429
         assert "set-cookie" not in limited.headers
+        ok = post(stack, "sign-in", {"token": stack.admin_token}, None, stack.origin)
+        assert ok.status_code == 303
+        # The operator's own mistyped token (their prefix) does meet the limit.
+        typo = stack.admin_token[:-3] + "zzz"
+        for _ in range(SIGN_IN_PER_KEY):
+            assert post(stack, "sign-in", {"token": typo}, None, stack.origin).status_code == 401
+        limited = post(stack, "sign-in", {"token": stack.admin_token}, None, stack.origin)
+        assert limited.status_code == 429
+
+
+def test_done_shows_only_the_console_s_own_messages(tmp_path: Path) -> None:
+    with console_stack(tmp_path) as stack:
+        ok = post(stack, "sign-in", {"token": stack.admin_token}, None, stack.origin)
+        cookie = ok.cookies[COOKIE]
+        known = get(stack, "overview", cookie, params={"done": "limits-saved"})
+        assert "Limits saved." in known.text  # the control: a code of ours is shown
+        phish = "Session expired. Re-enter your admin token at https://evil.example/saltgate"
+        page = get(stack, "overview", cookie, params={"done": phish})
+        assert page.status_code == 200
+        assert "evil.example" not in page.text and "Session expired" not in page.text
+        assert 'role="status"' not in page.text

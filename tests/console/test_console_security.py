@@ -8,7 +8,8 @@ from saltgate.console.security import (
     MAX_SESSIONS,
     SESSION_IDLE_S,
     SESSION_MAX_S,
-    SIGN_IN_PER_CLIENT,
+    SIGN_IN_ALL,
+    SIGN_IN_PER_KEY,
     SIGN_IN_WINDOW_S,
     Sessions,
     SignInLimiter,
@@ -83,14 +84,29 @@ def test_a_refused_token_ends_all_its_sessions_and_the_table_is_bounded() -> Non
     assert sessions.find(first) is None
 
 
-def test_sign_in_attempts_are_limited_per_client_within_the_window() -> None:
+def test_only_failed_sign_ins_count_per_token_prefix_within_the_window() -> None:
     clock = Clock()
     limiter = SignInLimiter(clock)
-    assert all(limiter.allow("10.0.0.1") for _ in range(SIGN_IN_PER_CLIENT))
-    assert not limiter.allow("10.0.0.1")
-    assert limiter.allow("10.0.0.2")  # another client has its own count
+    mine, other = "sgadm_AAAAAAAA" + "x" * 40, "sgadm_BBBBBBBB" + "y" * 40
+    for _ in range(3 * SIGN_IN_PER_KEY):
+        assert limiter.allow(mine)  # successes are never counted: only failed() counts
+    for _ in range(SIGN_IN_PER_KEY):
+        assert limiter.allow(other)
+        limiter.failed(other)
+    assert not limiter.allow(other)
+    assert not limiter.allow("sgadm_BBBBBBBB" + "z" * 40)  # the same prefix: the same count
+    assert limiter.allow(mine)  # another prefix (the other operator, same address) is free
     clock.now += SIGN_IN_WINDOW_S
-    assert limiter.allow("10.0.0.1")
+    assert limiter.allow(other)
+
+
+def test_failures_over_all_prefixes_meet_one_budget() -> None:
+    limiter = SignInLimiter(Clock())
+    for i in range(SIGN_IN_ALL):
+        token = f"sgadm_{i:08d}"
+        assert limiter.allow(token)
+        limiter.failed(token)
+    assert not limiter.allow("sgadm_never-tried")
 
 
 def test_cookie_value_reads_only_the_console_cookie() -> None:

@@ -332,3 +332,59 @@ def media_uuid(salt: str, modality: str, media: bytes) -> str:
     msg = b"saltgate/v1/media-uuid" + lp(modality.encode()) + lp(media)
     mac = hmac_sha256(salt.encode(), msg)
     return "sg1m_" + base64.urlsafe_b64encode(mac).decode().replace("=", "")
+
+
+# -- audit log (docs/spec.md, "Audit log key and chain") ---------------------------------
+
+_SHORT_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\n": "\\n",
+    "\r": "\\r",
+    "\t": "\\t",
+    "\b": "\\b",
+    "\f": "\\f",
+}
+
+
+def _ascii_json_string(text: str) -> str:
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in _SHORT_ESCAPES:
+            out.append(_SHORT_ESCAPES[ch])
+        elif code < 0x20 or 0x7F < code <= 0xFFFF:
+            out.append(f"\\u{code:04x}")
+        elif code > 0xFFFF:  # a UTF-16 surrogate pair
+            code -= 0x10000
+            out.append(f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def audit_fields_json(fields: list[Any]) -> bytes:
+    """The entry's fields as the spec encodes them: a JSON array, no spaces, ASCII only,
+    integers in decimal, the time as the shortest decimal that reads back to it with at
+    least one digit after the point."""
+    parts = []
+    for v in fields:
+        if v is None:
+            parts.append("null")
+        elif isinstance(v, bool):
+            raise TypeError("no booleans in an entry")
+        elif isinstance(v, int):
+            parts.append(str(v))
+        elif isinstance(v, float):
+            parts.append(repr(v))
+        else:
+            parts.append(_ascii_json_string(v))
+    return ("[" + ",".join(parts) + "]").encode("ascii")
+
+
+def audit_key(master: bytes) -> bytes:
+    return hkdf_sha256(master, b"saltgate/v1/audit-log", 32)
+
+
+def audit_entry_hash(k_audit: bytes, prev: bytes, fields: list[Any]) -> bytes:
+    return hmac_sha256(k_audit, prev + audit_fields_json(fields))

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from tests.support.gateways import metrics_token
 from tests.support.http import async_client
 
 from saltgate.config import (
@@ -45,6 +47,8 @@ class Tap:
     seen: list[Request] = field(default_factory=list)
     server: HttpServer | None = None
     port: int = 0
+    # Set by a test: rewrites each answer body and streamed chunk (a replica's extras).
+    answer: Callable[[bytes], bytes] | None = None
 
     async def start(self) -> None:
         pool = UpstreamPool("127.0.0.1", self.target.port)
@@ -55,14 +59,20 @@ class Tap:
             upstream = await pool.request(request.method, request.path, headers, request.body)
             if upstream.header(b"transfer-encoding") == b"chunked":
                 kept = [(k, v) for k, v in upstream.headers if k != b"transfer-encoding"]
-                return Response(upstream.status, kept, stream=upstream.chunks())
+                return Response(upstream.status, kept, stream=self._rewritten(upstream.chunks()))
             body = await upstream.read()
             kept = [(k, v) for k, v in upstream.headers if k != b"content-length"]
-            return Response(upstream.status, kept, body)
+            return Response(
+                upstream.status, kept, body if self.answer is None else self.answer(body)
+            )
 
         self.server = HttpServer(handle)
         self.port = await self.server.start("127.0.0.1", 0)
         self._pool = pool
+
+    async def _rewritten(self, chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+        async for chunk in chunks:
+            yield chunk if self.answer is None else self.answer(chunk)
 
     async def close(self) -> None:
         assert self.server is not None
@@ -81,6 +91,21 @@ class Stack:
     @property
     def url(self) -> str:
         return self.gateway.url
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.admin_port}/metrics"
+
+    async def scrape(self) -> str:
+        """/metrics from the admin listener, with a usage:read admin token (it takes one)."""
+        async with async_client(timeout=30) as http:
+            answer = await http.get(self.metrics_url, headers=self.metrics_headers)
+        assert answer.status_code == 200, answer.text
+        return answer.text
+
+    @functools.cached_property
+    def metrics_headers(self) -> dict[str, str]:
+        return metrics_token(self.gateway.gateway.config.store_settings)
 
     def client(self, tenant: str | None = None, **kw: object) -> httpx.AsyncClient:
         headers = {"authorization": f"Bearer {self.keys[tenant]}"} if tenant else {}
@@ -144,6 +169,7 @@ async def stack(
     limits_share: int = 1,
     limits_lease_ttl_s: float = 600.0,
     queue: QueueConfig | None = None,
+    replica_priority_scheduling: bool = False,
 ) -> AsyncIterator[Stack]:
     """``models``: replica i serves models[i] (else every replica serves MODEL)."""
     base = sim or SimConfig(port=0)
@@ -172,6 +198,7 @@ async def stack(
         limits_share=limits_share,
         limits_lease_ttl_s=limits_lease_ttl_s,
         queue=queue or QueueConfig(),
+        replica_priority_scheduling=replica_priority_scheduling,
     )
     gateway = await start_gateway(config, workers=workers)
     try:

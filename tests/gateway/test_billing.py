@@ -12,8 +12,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from tests.gateway.stack import MODEL, ledger_rows, long_prompt, run, stack
-from tests.support.http import async_client
+from tests.gateway.stack import MODEL, Stack, ledger_rows, long_prompt, run, stack
 
 from saltgate.cli import main as saltgate
 from saltgate.prices import Price, PriceVersion
@@ -48,9 +47,8 @@ async def _traffic(client: httpx.AsyncClient, details: bool) -> None:
         assert resp.status_code == 200
 
 
-async def _metrics(port: int | None) -> str:
-    async with async_client() as admin:
-        return (await admin.get(f"http://127.0.0.1:{port}/metrics")).text
+async def _metrics(s: Stack) -> str:
+    return await s.scrape()
 
 
 @pytest.mark.parametrize("details", [False, True])
@@ -84,7 +82,7 @@ def test_unreported_cached_tokens_are_recorded_unknown_counted_and_warned_once(
                 assert rows[1]["cost_micro_usd"] < full
             url = f"http://127.0.0.1:{s.taps[0].port}"
             counted = f'{UNREPORTED}{{replica="{url}"}} 5.0'
-            text = await _metrics(s.gateway.admin_port)
+            text = await _metrics(s)
             assert (counted in text) is not details, text
             # An unknown cached count is not a 0: without the flag no cached tokens are
             # counted at all; with it (the control) the repeat's hit is.

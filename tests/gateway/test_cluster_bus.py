@@ -28,6 +28,7 @@ from tests.gateway.stack import MODEL, new_state_dir, run
 from tests.support import completions
 from tests.support.completions import cached
 from tests.support.exceptions import ExceptionWatch
+from tests.support.gateways import metrics_token
 from tests.support.http import async_client
 from tests.support.waiting import eventually
 
@@ -63,8 +64,9 @@ class Fleet:
 
     async def metrics(self, i: int) -> str:
         port = self.gateways[i].admin_port
+        headers = metrics_token(self.gateways[i].gateway.config.store_settings)
         async with async_client(timeout=10) as http:
-            return (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+            return (await http.get(f"http://127.0.0.1:{port}/metrics", headers=headers)).text
 
 
 @asynccontextmanager

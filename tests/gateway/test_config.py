@@ -298,3 +298,15 @@ def test_tls_settings_need_https_and_urls_carry_no_credentials(tmp_path: Path) -
     with pytest.raises(ConfigError, match="no credentials in the URL") as info:
         load_config(path)
     assert "hunter2" not in str(info.value)
+
+
+def test_replica_priority_scheduling_is_off_unless_set(tmp_path: Path) -> None:
+    path = tmp_path / "g.toml"
+    replica = '[[replicas]]\nurl = "http://127.0.0.1:8000"\n'
+    path.write_text(replica)
+    assert not load_config(path).replica_priority_scheduling
+    path.write_text("[gateway]\nreplica_priority_scheduling = true\n" + replica)
+    assert load_config(path).replica_priority_scheduling
+    path.write_text('[gateway]\nreplica_priority_scheduling = "yes"\n' + replica)
+    with pytest.raises(ConfigError, match="replica_priority_scheduling"):
+        load_config(path)

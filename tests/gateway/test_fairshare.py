@@ -98,7 +98,7 @@ def test_replica_queues_stay_within_the_gate_under_overload(tmp_path: Path) -> N
             sampler.cancel()
             assert max(peak) <= bound + 1, peak
             assert max(held) >= 1, "the excess waited in saltgate's queue"
-            scrape = (await c.get(f"http://127.0.0.1:{s.gateway.admin_port}/metrics")).text
+            scrape = await s.scrape()
             assert 'saltgate_queue_wait_seconds_count{tenant="' in scrape
 
     run(main)
@@ -121,7 +121,7 @@ def test_without_the_queue_nothing_changes(tmp_path: Path) -> None:
             assert gateway.replicas.on_free is None and gateway.replicas.on_queue is None
             peak = await overload(s, c, 36)
             assert max(peak) > 8, peak
-            scrape = (await c.get(f"http://127.0.0.1:{s.gateway.admin_port}/metrics")).text
+            scrape = await s.scrape()
             assert "saltgate_queue_" not in scrape
 
     run(main)
@@ -259,7 +259,7 @@ def test_a_request_that_waits_too_long_gets_503_or_529(tmp_path: Path) -> None:
             assert anthropic.headers["retry-after"] == "1"
             assert (await long).status_code == 200
             assert len(fair(s).queue) == 0
-            scrape = (await c.get(f"http://127.0.0.1:{s.gateway.admin_port}/metrics")).text
+            scrape = await s.scrape()
             assert "saltgate_queue_timeouts_total{tenant=" in scrape
             assert all(b"too late" not in b for b in s.seen_bodies()), "never dispatched"
 

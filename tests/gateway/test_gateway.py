@@ -9,7 +9,6 @@ import orjson
 import pytest
 from tests.gateway.stack import MODEL, ledger_rows, long_prompt, run, stack
 from tests.support.completions import cached, complete
-from tests.support.http import async_client
 from tests.support.leaks import leaks
 from tests.support.waiting import eventually
 
@@ -253,11 +252,7 @@ def test_metrics_carry_no_secrets(tmp_path: Path) -> None:
                 "salt_key": derive_subkeys(master).salt,
             }
 
-            async def scrape() -> str:
-                async with async_client() as admin:
-                    port = s.gateway.admin_port
-                    return (await admin.get(f"http://127.0.0.1:{port}/metrics")).text
-
+            scrape = s.scrape
             text = await scrape()
             assert 'saltgate_requests_total{method="POST",status="200"} 1.0' in text
             assert "saltgate_tokens_total" in text

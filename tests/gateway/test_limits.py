@@ -200,7 +200,7 @@ def test_processes_without_a_shared_engine_each_enforce_an_explicit_share(
             refused = await c.post("/v1/completions", json=completion())
             assert "Limit 2, Used 2" in refused.json()["error"]["message"]
             assert refused.headers["x-ratelimit-limit-requests"] == "2"
-            metrics = (await c.get(f"http://127.0.0.1:{s.gateway.admin_port}/metrics")).text
+            metrics = await s.scrape()
             assert "saltgate_limits_share 4.0" in metrics
 
     run(main)
@@ -231,7 +231,9 @@ def test_serve_with_two_workers_enforces_half_in_each(tmp_path: Path) -> None:
             assert sum(r.status_code == 200 for r in answers) <= 6
             refused = [r for r in answers if r.status_code == 429]
             assert refused and all("Limit 3, Used 3" in r.text for r in refused)
-            metrics = (await clients[0].get(gateway.metrics_url)).text
+            metrics = (
+                await clients[0].get(gateway.metrics_url, headers=gateway.metrics_headers)
+            ).text
             assert per_worker(series(metrics), "saltgate_limits_share") == {0: 2.0, 1: 2.0}
         finally:
             for c in clients:

@@ -81,8 +81,7 @@ def test_a_live_gateway_exposes_only_documented_metrics(tmp_path: Path) -> None:
             assert (await alice.post("/v1/completions", json=invented)).status_code == 404
             async with async_client(base_url=s.url) as anonymous:
                 assert (await anonymous.post("/v1/completions", json=body)).status_code == 401
-            async with async_client() as admin:
-                text = (await admin.get(f"http://127.0.0.1:{s.gateway.admin_port}/metrics")).text
+            text = await s.scrape()
             replica = f"http://127.0.0.1:{s.taps[0].port}"
             with TenantStore.from_state_dir(s.state_dir) as store:
                 tenant = store.get_tenant("alice").id

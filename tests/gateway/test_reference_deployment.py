@@ -347,7 +347,7 @@ async def _through_haproxy(
         # The bus, as the doc's ACL user: every worker of both nodes hears the three others.
         async def bus_joined() -> bool:
             for g in gateways.values():
-                page = (await client.get(g.metrics_url)).text
+                page = (await client.get(g.metrics_url, headers=g.metrics_headers)).text
                 if _samples(page, "saltgate_cluster_bus_up") != [1.0, 1.0]:
                     return False
                 if _samples(page, "saltgate_cluster_peers") != [3.0, 3.0]:

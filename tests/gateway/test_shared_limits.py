@@ -175,7 +175,9 @@ def test_two_gateway_processes_on_one_redis_hold_the_tenants_limit(
                 limits = [await post(i) for _ in range(6)]
                 assert [r.status_code for r in limits].count(200) <= 5
                 assert "Limit 5" in limits[-1].json()["error"]["message"]
-                metrics = (await http.get(gateways[i].metrics_url)).text
+                metrics = (
+                    await http.get(gateways[i].metrics_url, headers=gateways[i].metrics_headers)
+                ).text
                 assert "saltgate_limits_shared_up 0.0" in metrics
 
             redis_server.start()
@@ -231,7 +233,7 @@ def test_a_gateway_that_loses_redis_counts_what_it_admitted_through_it(
             assert [r.status_code for r in alone] == [200, 200, 429, 429, 429, 429]
             assert alone[0].headers["x-ratelimit-limit-requests"] == "5"  # the fallback share
             assert "Limit 5, Used 5" in alone[-1].json()["error"]["message"]
-            metrics = (await http.get(gateway.metrics_url)).text
+            metrics = (await http.get(gateway.metrics_url, headers=gateway.metrics_headers)).text
             assert "saltgate_limits_shared_up 0.0" in metrics
         finally:
             await http.aclose()

@@ -358,6 +358,10 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
             async with async_client(base_url=gateway.url, headers=headers, timeout=10) as http:
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
                 delivered += 1
+                # Scraped before the outage, as Prometheus does: the admin listener then
+                # takes the same token through it (serving/admin_listener.py).
+                scrape = await http.get(gateway.metrics_url, headers=gateway.metrics_headers)
+                assert scrape.status_code == 200
                 ready = await http.get("/ready")
                 assert ready.status_code == 200 and ready.json()["store"] == "ok"
                 await asyncio.to_thread(private_postgres.stop, "immediate")
@@ -378,7 +382,13 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
                 assert ready.json()["store"] == "unreachable"
                 assert ready.json()["replicas"]["healthy"] == 1  # the store alone says no
                 assert "postgresql://" not in ready.text
-                assert _gauge(await http.get(gateway.metrics_url), "unreachable") >= 1.5
+                assert (
+                    _gauge(
+                        await http.get(gateway.metrics_url, headers=gateway.metrics_headers),
+                        "unreachable",
+                    )
+                    >= 1.5
+                )
                 error = resp.json()["error"]
                 assert error["code"] == "store_unavailable"
                 assert "key store" in error["message"] and "try again" in error["message"]
@@ -399,7 +409,7 @@ def test_past_the_grace_a_gateway_answers_503_until_the_store_returns(
                 await eventually(serving, what="serving again after the store is back")
                 ready = await http.get("/ready")
                 assert ready.status_code == 200 and ready.json()["store"] == "ok"
-                metrics = await http.get(gateway.metrics_url)
+                metrics = await http.get(gateway.metrics_url, headers=gateway.metrics_headers)
                 assert _gauge(metrics, "unreachable") == 0.0
                 assert _gauge(metrics, "spooled") >= delivered - 2  # all but the first, last
             spool = settings.spool_dir

@@ -274,6 +274,8 @@ def test_prepare_strips_and_sets_the_salt() -> None:
         "vllm_xargs": {"kv_cache_report_mode": "all"},
         "kv_transfer_params": {"remote_block_ids": [1]},
         "request_id": "another-tenants-request",
+        "priority": -1000,
+        "session_id": "another-tenants-session",
         "temperature": 0.5,
     }
     out = forwarded(COMPLETIONS, body)
@@ -286,6 +288,8 @@ def test_prepare_strips_and_sets_the_salt() -> None:
         "kv_transfer_params",
         "ec_transfer_params",
         "request_id",
+        "priority",
+        "session_id",
     }
     assert expected == STRIPPED_FIELDS
 

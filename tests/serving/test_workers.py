@@ -108,7 +108,8 @@ class Fleet:
 
     async def metrics(self) -> dict[str, float]:
         async with async_client(timeout=10) as http:
-            return series((await http.get(self.gateway.metrics_url)).text)
+            page = await http.get(self.gateway.metrics_url, headers=self.gateway.metrics_headers)
+            return series(page.text)
 
     def posts(self, tap: int) -> int:
         return sum(r.method == b"POST" for r in self.taps[tap].seen)

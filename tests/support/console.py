@@ -82,7 +82,9 @@ class ConsoleStack:
 
     @property
     def origin(self) -> str:
-        return f"http://{self.running.gateway.config.admin_host}:{self.running.admin_port}"
+        config = self.running.gateway.config
+        scheme = "https" if config.admin_tls_cert_file is not None else "http"
+        return f"{scheme}://{config.admin_host}:{self.running.admin_port}"
 
     @property
     def console_url(self) -> str:
@@ -102,10 +104,11 @@ class ConsoleStack:
 
 
 @contextmanager
-def console_stack(tmp_path: Path) -> Iterator[ConsoleStack]:
+def console_stack(tmp_path: Path, **options: Any) -> Iterator[ConsoleStack]:
     """A simulated replica and a gateway serving its admin listener on a free port, with
     prices (so the console shows cost) and an admin token of every scope, minted as an
-    operator does (`saltgate admin-tokens create --scopes all`)."""
+    operator does (`saltgate admin-tokens create --scopes all`); `options` are more
+    GatewayConfig fields."""
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     create_master_key(state / "master.key")
@@ -119,6 +122,7 @@ def console_stack(tmp_path: Path) -> Iterator[ConsoleStack]:
         port=0,
         admin_port=0,
         prices={MODEL: Price(2.0, 0.5, 8.0)},
+        **options,
     )
     running = loop.run(start_gateway(config))
     try:

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 from tests.support.http import async_client
 
-from saltgate.admin.scopes import SCOPES
-from saltgate.config import create_master_key
+from saltgate.admin.scopes import SCOPES, USAGE_READ
+from saltgate.config import create_master_key, load_config
 from saltgate.store.admin_tokens import AdminTokens
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
@@ -85,12 +85,21 @@ def spawn(args: list[str], banner: str) -> tuple[subprocess.Popen[str], str]:
     raise AssertionError(f"{args[0]} did not start: {''.join(seen)[-2000:]}")
 
 
+def metrics_token(store: StoreSettings) -> dict[str, str]:
+    """Headers for /metrics on the admin listener: a usage:read admin token minted in
+    `store` (what a Prometheus scrape config carries)."""
+    with TenantStore(open_database(store)) as tenants:
+        token = AdminTokens(tenants.db).create([USAGE_READ])[1]
+    return {"authorization": f"Bearer {token}"}
+
+
 @dataclass
 class GatewayProcess:
     proc: asyncio.subprocess.Process
     url: str
     metrics_url: str
     log: Path
+    metrics_headers: dict[str, str]  # a usage:read token: what /metrics takes
 
     @classmethod
     async def start(cls, config: Path, log: Path, *, workers: int = 1) -> GatewayProcess:
@@ -98,6 +107,7 @@ class GatewayProcess:
         prints where it serves; its stderr (warnings: store outages, replays, worker
         restarts; the access log) goes to `log`."""
         assert SALTGATE.exists(), f"missing {SALTGATE}: run `make install`"
+        headers = metrics_token(load_config(config).store_settings)
         with log.open("wb") as err:
             proc = await asyncio.create_subprocess_exec(
                 str(SALTGATE),
@@ -120,12 +130,12 @@ class GatewayProcess:
             if "serving on" in line:
                 url = line.split()[3]
             if "metrics on" in line:
-                return cls(proc, url, line.split()[3], log)
+                return cls(proc, url, line.split()[3], log, headers)
 
     async def served_per_worker(self) -> dict[int, float]:
         """The requests each worker has answered so far (saltgate_worker_requests_total)."""
         async with async_client(timeout=10) as http:
-            text = (await http.get(self.metrics_url)).text
+            text = (await http.get(self.metrics_url, headers=self.metrics_headers)).text
         return per_worker(series(text), "saltgate_worker_requests_total")
 
     async def stop(self) -> None:

@@ -185,3 +185,19 @@ def match(method: str, path: str) -> Match | None:
             return Match(route, params)
         allowed.append(route.method)
     return Match(None, {}, tuple(allowed)) if allowed else None
+
+
+# The admin listener's own data (its /metrics, the console's fleet page and TTFT) counts
+# every tenant's traffic and names the replicas and the store: it is what the usage API
+# shows an unpinned usage:read token, so that is what it takes (docs/admin-api.md).
+FLEET_SCOPE: Final = USAGE_READ
+
+
+def may_read_fleet(own: frozenset[str], pinned: str | None) -> str | None:
+    """None if a token with scopes `own`, pinned to `pinned`, may read the listener's own
+    data (metrics, fleet, TTFT); else why not."""
+    if FLEET_SCOPE not in own:
+        return f"this admin token lacks the scope {FLEET_SCOPE}"
+    if pinned is not None:
+        return "every tenant's traffic is not for a token pinned to a tenant"
+    return None

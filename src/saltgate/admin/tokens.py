@@ -7,6 +7,7 @@ keys (``sg_``) are never admin tokens: their shape is refused before the store i
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from saltgate.admin.store import AdminStore
@@ -22,6 +23,11 @@ class AdminPrincipal:
     tenant_id: str | None  # pinned: sees and changes only this tenant; None: every tenant
 
 
+# The id of the admin token the current request was accepted with, for the admin
+# listener's access line (saltgate.serving.admin_listener sets it to None per request).
+AUTHENTICATED: ContextVar[str | None] = ContextVar("saltgate_admin_token_id", default=None)
+
+
 def principal(info: AdminTokenInfo) -> AdminPrincipal:
     return AdminPrincipal(info.id, info.scopes, info.tenant_id)
 
@@ -33,4 +39,7 @@ async def authenticate_admin(store: AdminStore, token: str) -> AdminPrincipal | 
     The digest is compared in constant time (AdminTokens.authenticate).
     """
     info = await store.run(lambda db: AdminTokens(db).authenticate(token))
-    return None if info is None else principal(info)
+    if info is None:
+        return None
+    AUTHENTICATED.set(info.id)
+    return principal(info)

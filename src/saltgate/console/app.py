@@ -33,10 +33,10 @@ from saltgate.admin.service import (
     Page,
     store_status,
 )
-from saltgate.admin.tokens import authenticate_admin
+from saltgate.admin.tokens import AUTHENTICATED, authenticate_admin
 from saltgate.config import GatewayConfig
 from saltgate.console import html
-from saltgate.console.html import esc, link, url, when
+from saltgate.console.html import Markup, esc, fmt, link, raw, url, when
 from saltgate.console.security import (
     SAFE_METHODS,
     Session,
@@ -101,6 +101,16 @@ LIMIT_FIELDS: Final = (
     ("budget_usd", "Budget (USD)"),
     ("budget_period", "Budget period (e.g. 30d, 7d, 24h)"),
 )
+# What a form's redirect says on the next page (``?done=CODE``); other codes show nothing.
+DONE: Final = {
+    "tenant-created": "Tenant created.",
+    "limits-saved": "Limits saved.",
+    "salt-rotated": "Salt rotated: a fresh cache namespace.",
+    "key-revoked": "Key revoked.",
+    "admin-token-revoked": "Admin token revoked.",
+    "price-set": "Price set.",
+    "price-cleared": "Price cleared: the configuration's applies.",
+}
 WEIGHT_LABEL: Final = "Fair-share weight"
 SCOPE_NAMES: Final = (
     "usage:read",
@@ -128,7 +138,7 @@ class View:
 
     title: str
     data: dict[str, Any]
-    body: str
+    body: Markup
     current: str = ""
     status: int = 200
 
@@ -288,6 +298,7 @@ class Console:
     def _session(self, request: Request, *, wants_json: bool) -> Session:
         session = self.sessions.find(cookie_value(request))
         if session is not None:
+            AUTHENTICATED.set(session.token_id)  # the access log names who acted
             return session
         if wants_json:
             body = orjson.dumps({"error": {"message": "sign in first", "type": "unauthorized"}})
@@ -301,7 +312,7 @@ class Console:
             "Sign in",
             name="sign-in",
         )
-        body += (
+        body += raw(
             "<p>Sign in with an admin token (<code>saltgate admin-tokens create --scopes all"
             "</code>; <code>saltgate up</code> prints one). The console can do what the "
             "token's scopes allow, nothing more.</p>"
@@ -313,12 +324,13 @@ class Console:
             return self._sign_in_page(200)
         if request.method != b"POST":
             return self._plain(405, "Use GET or POST.")
-        if not self.sign_ins.allow(request.client.peer):
-            return self._sign_in_page(429, "Too many sign-in attempts; wait a minute.")
         form = parse_qs(request.body.decode("utf-8", "replace"))
         token = (form.get("token") or [""])[-1].strip()
+        if not self.sign_ins.allow(token):
+            return self._sign_in_page(429, "Too many failed sign-ins; wait a minute.")
         me = await authenticate_admin(self.service.store, token) if token else None
-        if me is None:
+        if me is None:  # refused (a store outage raises instead: no one's guess, not counted)
+            self.sign_ins.failed(token)
             return self._sign_in_page(401, "That admin token was not accepted.")
         value = self.sessions.start(token, me.token_id, me.scopes, me.tenant_id)
         return redirect(url("overview"), [(b"set-cookie", set_cookie(value, tls=self.tls))])
@@ -404,6 +416,7 @@ class Console:
 
     async def _get(self, session: Session, rest: str, query: dict[str, str]) -> Response:
         name, as_json = (rest[:-5], True) if rest.endswith(".json") else (rest, False)
+        done = DONE.get(query.pop("done", ""))  # a code of ours: a link cannot bring text
         if name == "usage.csv":
             return await self._usage_csv(session, query)
         parts = name.split("/")
@@ -415,7 +428,6 @@ class Console:
             return self._plain(404, "No such page.")
         if as_json:
             return _response(view.status, orjson.dumps(view.data), JSON_TYPE, [])
-        done = query.get("done")
         body = (html.notice(done) if done else "") + view.body
         twin = url(f"{name}.json", query)
         who = session.token_id + (f" (tenant {session.tenant_id})" if session.tenant_id else "")
@@ -450,7 +462,7 @@ class Console:
             totals = dict.fromkeys(totals)
         prompt, cached = totals.get("input_tokens") or 0, totals.get("input_cached_tokens")
         hit = None if cached is None or not prompt else cached / prompt
-        ttft = await self._ttft_view()
+        ttft = await self._ttft_view(session)
         data = {
             "range": chosen,
             "bucket_width": width,
@@ -500,8 +512,17 @@ class Console:
         )
         return View("Overview", data, body)
 
-    async def _ttft_view(self) -> dict[str, Any]:
-        """TTFT quantiles since start, and the mean between samples the console took."""
+    async def _ttft_view(self, session: Session) -> dict[str, Any]:
+        """TTFT quantiles since start, and the mean between samples the console took:
+        every tenant's traffic, so nothing for a token that may not read it."""
+        if scopes.may_read_fleet(session.scopes, session.tenant_id) is not None:
+            return {
+                "requests": None,
+                "mean_s": None,
+                "p50_s": None,
+                "p95_s": None,
+                "series": {"time": [], "mean_s": []},
+            }
         snap = await self._snapshot()
         hist = snap.histograms.get("saltgate_time_to_first_token_seconds")
         count = total = 0.0
@@ -578,7 +599,7 @@ class Console:
             + (html.notice(error, kind="error") if error else "")
             + html.chart(twin + "#usage", f"{label} per {width}")
             + html.table(["Group", label], rows, empty="No usage in this range.")
-            + f"<p>{link(url('usage.csv', query), 'Download as CSV')}</p>"
+            + fmt("<p>{}</p>", link(url("usage.csv", query), "Download as CSV"))
         )
         return View("Usage explorer", data, body)
 
@@ -675,7 +696,7 @@ class Console:
             + (
                 ""
                 if session.tenant_id is not None  # the operator's, as the service says
-                else "<h2>New tenant</h2>"
+                else raw("<h2>New tenant</h2>")
                 + html.form(
                     url("tenants"),
                     html.field("name", "Name"),
@@ -698,7 +719,7 @@ class Console:
             )
         tenant: dict[str, Any] = dict(found.to_dict())
         limits = tenant.get("limits") or {}
-        fields = "".join(
+        fields = html.EMPTY.join(
             html.field(
                 k, label, shown, kind="text" if k in (BUDGET_USD, BUDGET_PERIOD) else "number"
             )
@@ -719,19 +740,23 @@ class Console:
                     )
                 ],
             )
-            + f"<p>{link(url('keys', {'tenant': str(tenant['id'])}), 'Keys of this tenant')}</p>"
-            + "<h2>Limits</h2>"
+            + fmt("<p>{}</p>", link(url("keys", {"tenant": tenant["id"]}), "Keys of this tenant"))
+            + raw("<h2>Limits</h2>")
             + (
-                "<p>The operator sets this tenant's limits, budget and weight (a token "
-                "pinned to the tenant may not).</p>"
+                raw(
+                    "<p>The operator sets this tenant's limits, budget and weight (a token "
+                    "pinned to the tenant may not).</p>"
+                )
                 if session.tenant_id is not None
-                else "<p>Leave a field empty for no limit of that kind. The weight is the "
-                "tenant's fair share when the replicas are saturated (empty: 1).</p>"
+                else raw(
+                    "<p>Leave a field empty for no limit of that kind. The weight is the "
+                    "tenant's fair share when the replicas are saturated (empty: 1).</p>"
+                )
                 + html.form(
                     url(f"tenants/{tenant['id']}/limits"), fields, "Save limits", name="limits"
                 )
             )
-            + "<h2>Cache namespace</h2>"
+            + raw("<h2>Cache namespace</h2>")
             + html.form(
                 url(f"tenants/{tenant['id']}/rotate-salt"),
                 "",
@@ -786,10 +811,10 @@ class Console:
                 empty="No keys.",
             )
             + (
-                "<h2>New key</h2>"
+                raw("<h2>New key</h2>")
                 + html.form(
                     url("keys/create"),
-                    f'<input type="hidden" name="tenant" value="{esc(chosen)}">',
+                    html.hidden("tenant", chosen),
                     "Mint a key",
                     name="create-key",
                 )
@@ -800,6 +825,11 @@ class Console:
         return View("Keys", data, body)
 
     async def _fleet(self, session: Session, query: dict[str, str]) -> View:
+        refused = scopes.may_read_fleet(session.scopes, session.tenant_id)
+        if refused is not None:  # replicas, the store and every tenant's traffic
+            message = f"The fleet is not shown to this admin token: {refused}."
+            body = html.notice(message, kind="error")
+            return View("Routing and fleet", {"error": message}, body)  # as a refused call
         snap = await self._snapshot()
         gauges = {
             name: {dict(labels).get("replica", ""): v for labels, v in g.values}
@@ -865,18 +895,18 @@ class Console:
             else f"bus {'up' if bus['up'] else 'down'}, {int(bus['peers'] or 0)} other gateways"
         )
         body = (
-            "<h2>Replicas</h2>"
+            raw("<h2>Replicas</h2>")
             + html.table(
                 ["Replica", "Health", "In flight", "Cached ratio (1 h)"], rows, empty="No replicas."
             )
-            + "<h2>Gateways on the bus</h2>"
-            + f"<p>{esc(peers)}</p>"
+            + raw("<h2>Gateways on the bus</h2>")
+            + fmt("<p>{}</p>", peers)
             + (
-                f"<p>{esc(int(bus['workers_alive'] or 0))} worker processes alive</p>"
+                fmt("<p>{} worker processes alive</p>", int(bus["workers_alive"] or 0))
                 if bus["workers_alive"] is not None
                 else ""
             )
-            + "<h2>Store</h2>"
+            + raw("<h2>Store</h2>")
             + html.table(
                 ["Backend", "Where", "Unreachable for", "Spooled records"],
                 [
@@ -909,14 +939,16 @@ class Console:
                 esc(e.actor),
                 esc(e.action),
                 esc(e.resource_id),
-                f"<code>{esc(e.before or 'null')}</code>",
-                f"<code>{esc(e.after or 'null')}</code>",
+                fmt("<code>{}</code>", e.before or "null"),
+                fmt("<code>{}</code>", e.after or "null"),
             )
             for e in entries
         ]
-        more = ""
+        more = html.EMPTY
         if has_more:
-            more = f"<p>{link(url('audit', {'after': str(entries[-1].seq)}), 'Next entries')}</p>"
+            more = fmt(
+                "<p>{}</p>", link(url("audit", {"after": str(entries[-1].seq)}), "Next entries")
+            )
         body = (
             (html.notice(error, kind="error") if error else "")
             + html.table(
@@ -955,9 +987,8 @@ class Console:
             )
             for t in tokens
         ]
-        boxes = "".join(
-            f'<label><input type="checkbox" name="scopes" value="{esc(s)}"'
-            f"{' checked' if s in session.scopes else ''}> {esc(s)}</label>"
+        boxes = html.EMPTY.join(
+            fmt('<label><input type="checkbox" name="scopes" value="{}" checked> {}</label>', s, s)
             for s in SCOPE_NAMES
             if s in session.scopes
         )
@@ -968,10 +999,10 @@ class Console:
                 rows,
                 empty="No admin tokens visible.",
             )
-            + "<h2>New admin token</h2><p>A token can have only scopes this one has.</p>"
+            + raw("<h2>New admin token</h2><p>A token can have only scopes this one has.</p>")
             + html.form(
                 url("admin-tokens"),
-                f'<fieldset class="scopes">{boxes}</fieldset>'
+                fmt('<fieldset class="scopes">{}</fieldset>', boxes)
                 + html.field("tenant_id", "Pinned to tenant (id, optional)"),
                 "Create admin token",
                 name="create-admin-token",
@@ -996,7 +1027,7 @@ class Console:
                 esc(p.get("source")),
                 html.form(
                     url("prices/clear"),
-                    f'<input type="hidden" name="model" value="{esc(p.get("model"))}">',
+                    html.hidden("model", p.get("model")),
                     "Clear",
                     name=f"clear-price-{p.get('model')}",
                 )
@@ -1018,24 +1049,23 @@ class Console:
             rows,
             empty="No prices: usage is counted, not priced.",
         )
-        body += (
+        body += raw(
             "<p>A price set here (source <em>store</em>) overrides the configuration's "
             "<code>[prices]</code> table for that model; clearing it reverts to the "
             "configuration's. The gateways bill with a change within a second; a request "
             "keeps the price of its time.</p>"
         )
         if writes:
-            body += (
+            body += raw(
                 "<h2>Set a price</h2><p>USD per million tokens, up to 6 decimals.</p>"
-                + html.form(
-                    url("prices"),
-                    html.field("model", "Model")
-                    + html.field("input_per_mtok", "Input")
-                    + html.field("cached_input_per_mtok", "Cached input")
-                    + html.field("output_per_mtok", "Output"),
-                    "Set price",
-                    name="set-price",
-                )
+            ) + html.form(
+                url("prices"),
+                html.field("model", "Model")
+                + html.field("input_per_mtok", "Input")
+                + html.field("cached_input_per_mtok", "Cached input")
+                + html.field("output_per_mtok", "Output"),
+                "Set price",
+                name="set-price",
             )
         return View("Prices", {"prices": prices, "error": error}, body)
 
@@ -1059,7 +1089,7 @@ class Console:
         to = (
             ""
             if isinstance(made, Refusal)
-            else url(f"tenants/{made.id}", {"done": "Tenant created."})
+            else url(f"tenants/{made.id}", {"done": "tenant-created"})
         )
         return self._after(made, to)
 
@@ -1072,13 +1102,13 @@ class Console:
         done = await self._do(
             session, lambda caller: self.service.tenants_limits(caller, tenant, limits)
         )
-        return self._after(done, url(f"tenants/{tenant}", {"done": "Limits saved."}))
+        return self._after(done, url(f"tenants/{tenant}", {"done": "limits-saved"}))
 
     async def _rotate_salt(self, session: Session, tenant: str, _: Form) -> Response:
         done = await self._do(
             session, lambda caller: self.service.tenants_rotate_salt(caller, tenant)
         )
-        back = {"done": "Salt rotated: a fresh cache namespace."}
+        back = {"done": "salt-rotated"}
         return self._after(done, url(f"tenants/{tenant}", back))
 
     async def _create_key(self, session: Session, _: str, form: Form) -> Response:
@@ -1091,7 +1121,7 @@ class Console:
     async def _revoke_key(self, session: Session, key: str, _: Form) -> Response:
         done = await self._do(session, lambda caller: self.service.keys_revoke(caller, key))
         tenant = "" if isinstance(done, Refusal) else done.tenant_id
-        return self._after(done, url("keys", {"tenant": tenant, "done": f"Key {key} revoked."}))
+        return self._after(done, url("keys", {"tenant": tenant, "done": "key-revoked"}))
 
     async def _rotate_key(self, session: Session, key: str, form: Form) -> Response:
         try:
@@ -1117,7 +1147,7 @@ class Console:
         done = await self._do(
             session, lambda caller: self.service.admin_tokens_revoke(caller, token_id)
         )
-        return self._after(done, url("admin-tokens", {"done": f"Admin token {token_id} revoked."}))
+        return self._after(done, url("admin-tokens", {"done": "admin-token-revoked"}))
 
     async def _set_price(self, session: Session, _: str, form: Form) -> Response:
         model = form.one("model")
@@ -1127,12 +1157,12 @@ class Console:
         except ValueError as exc:
             return self._plain(400, str(exc))
         done = await self._do(session, lambda caller: self.service.prices_set(caller, model, price))
-        return self._after(done, url("prices", {"done": f"Price of {model} set."}))
+        return self._after(done, url("prices", {"done": "price-set"}))
 
     async def _clear_price(self, session: Session, _: str, form: Form) -> Response:
         model = form.one("model")
         done = await self._do(session, lambda caller: self.service.prices_clear(caller, model))
-        back = {"done": f"Price of {model} cleared: the configuration's applies."}
+        back = {"done": "price-cleared"}
         return self._after(done, url("prices", back))
 
     def _after(self, done: object, to: str) -> Response:
@@ -1150,8 +1180,8 @@ class Console:
         made_id = made.key.id if isinstance(made, NewKey) else made.token.id
         body = (
             html.notice("Copy it now: it is shown this once.")
-            + f'<p><code class="secret" data-secret="1">{esc(made.value)}</code></p>'
-            + f"<p>Id {esc(made_id)}. {link(back, 'Back')}</p>"
+            + fmt('<p><code class="secret" data-secret="1">{}</code></p>', made.value)
+            + fmt("<p>Id {}. {}</p>", made_id, link(back, "Back"))
         )
         return _response(201, html.page(title, body, signed_in=""), HTML_TYPE, [])
 
@@ -1255,6 +1285,8 @@ def _num(value: object) -> str:
 
 def _ttft_text(ttft: Mapping[str, Any]) -> str:
     p50, p95 = ttft.get("p50_s"), ttft.get("p95_s")
+    if ttft.get("requests") is None:
+        return "not shown to this token (every tenant's traffic)"
     if p50 is None or p95 is None:
         return "no streamed requests yet"
     return f"≤ {p50:g} s / ≤ {p95:g} s"

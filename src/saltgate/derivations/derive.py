@@ -26,6 +26,7 @@ from saltgate.derivations.labels import (
     CACHE_SALT_DOMAIN,
     CLUSTER_BATCH_DOMAIN,
     CLUSTER_STREAM_DOMAIN,
+    LABEL_AUDIT_KEY,
     LABEL_CLUSTER_BUS_KEY,
     LABEL_KV_EVENTS_KEY,
     LABEL_ROUTE_KEY,
@@ -103,8 +104,7 @@ def _hkdf_sha256(master_key: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=SHA256(), length=SUBKEY_BYTES, salt=None, info=info).derive(master_key)
 
 
-def derive_subkeys(master_key: bytes) -> SubKeys:
-    """HKDF-SHA256 (RFC 5869, no salt) of the cluster secret into the three sub-keys."""
+def _checked_master(master_key: bytes) -> bytes:
     if not isinstance(master_key, bytes | bytearray):
         raise TypeError("master_key must be bytes")
     if len(master_key) < MASTER_KEY_MIN_BYTES:
@@ -113,12 +113,29 @@ def derive_subkeys(master_key: bytes) -> SubKeys:
             f"master_key must be at least {MASTER_KEY_MIN_BYTES} random bytes "
             f"(got {len(master_key)} bytes)"
         )
-    key = bytes(master_key)
+    return bytes(master_key)
+
+
+def derive_subkeys(master_key: bytes) -> SubKeys:
+    """HKDF-SHA256 (RFC 5869, no salt) of the cluster secret into the three sub-keys."""
+    key = _checked_master(master_key)
     return SubKeys(
         salt=_hkdf_sha256(key, LABEL_SALT_KEY),
         route=_hkdf_sha256(key, LABEL_ROUTE_KEY),
         kv_events=_hkdf_sha256(key, LABEL_KV_EVENTS_KEY),
     )
+
+
+def derive_audit_key(master_key: bytes) -> bytes:
+    """K_audit (docs/spec.md section 13): HKDF-SHA256 of the master key, the audit log's
+    HMAC key. The database holds the chain, never this key."""
+    return _hkdf_sha256(_checked_master(master_key), LABEL_AUDIT_KEY)
+
+
+def audit_entry_mac(k_audit: bytes, prev_hash: bytes, fields_json: bytes) -> bytes:
+    """A keyed audit entry's hash (section 13): HMAC-SHA256 under K_audit of the previous
+    entry's hash and the canonical JSON of the entry's fields."""
+    return hmac.new(k_audit, prev_hash + fields_json, hashlib.sha256).digest()
 
 
 CLUSTER_TAG_BYTES: Final = 16

@@ -32,6 +32,10 @@ CLUSTER_BATCH_DOMAIN: Final = b"saltgate/v1/cluster-batch"
 # The uuid set on each multimodal content part (section 12): keyed by the cache salt.
 MEDIA_UUID_DOMAIN: Final = b"saltgate/v1/media-uuid"
 
+# The audit log's HMAC key from the master key (section 13): the chain is keyed by what
+# the database does not hold.
+LABEL_AUDIT_KEY: Final = b"saltgate/v1/audit-log"
+
 # What every derived cache salt starts with ("sg" + the spec version).
 SALT_PREFIX: Final = "sg1_"
 # What every media uuid starts with ("sg1" + "m" for media).

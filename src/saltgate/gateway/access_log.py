@@ -37,7 +37,9 @@ from saltgate.gateway.usage import Usage
 FLUSH_S: Final = 0.2
 FLUSH_BYTES: Final = 64 * 1024
 FORMATS: Final = ("text", "json")
+MAX_PATH_CHARS: Final = 512  # an admin path's characters logged (a client chose them)
 _CLIENT_ID: Final = re.compile(rb"[\x21-\x7e]{1,128}")
+_METHOD: Final = re.compile(rb"[A-Z]{1,16}")
 _NO_USAGE: Final = Usage()
 
 
@@ -120,12 +122,53 @@ class AccessLog:
                 f"completion={used.completion_tokens} "
                 f"ttfb_ms={ttfb_ms} total_ms={total_ms} client_request_id={_quoted(client)}"
             ).encode()
+        self._add(line)
+
+    def _add(self, line: bytes) -> None:
         self._buffer.append(line + b"\n")
         self._size += len(line) + 1
         if self._size >= FLUSH_BYTES:
             self.flush()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+
+    def write_admin(
+        self,
+        method: bytes,
+        path: bytes,
+        status: int,
+        *,
+        token_id: str | None,
+        client_addr: str,
+        started: float,
+    ) -> None:
+        """The line of a request on the admin listener (saltgate.serving.admin_listener):
+        marked ``admin``, with the admin token's id, never the token, and the path without
+        its query (which could carry what a client should not have put in a URL)."""
+        if self.fd is None:
+            return
+        total_ms = round((time.monotonic() - started) * 1000, 3)
+        shown = path.decode("utf-8", "replace")[:MAX_PATH_CHARS]
+        verb = method.decode() if _METHOD.fullmatch(method) else "-"
+        if self.json:
+            line = orjson.dumps(
+                {
+                    "time": self._time(),
+                    "listener": "admin",
+                    "client_addr": client_addr or None,
+                    "admin_token_id": token_id,
+                    "method": verb,
+                    "route": shown,  # the key the gateway's lines use for their path
+                    "status": status,
+                    "total_ms": total_ms,
+                }
+            )
+        else:
+            line = (
+                f"{self._time()} admin client={client_addr or '-'} token={token_id or '-'} "
+                f"{verb} path={_quoted(shown)} status={status} total_ms={total_ms}"
+            ).encode()
+        self._add(line)
 
     def flush(self) -> None:
         if self._timer is not None:

@@ -45,6 +45,7 @@ from saltgate.governance.fairness import service
 from saltgate.governance.limits import Ticket, prompt_estimate
 from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
 from saltgate.policy.errors import ApiError
+from saltgate.policy.fields import scrub_answer, scrub_events
 from saltgate.policy.headers import scrub_response_headers
 from saltgate.policy.request import ANTHROPIC_ROUTES, GENERATION_ROUTES
 from saltgate.prices import PriceVersion
@@ -322,7 +323,7 @@ class Exchange:
                 raise replica_failed() from None
             usage = usage_from_body(body) if upstream.status == 200 else None
             await self._end(upstream.status, usage)
-            return Response(upstream.status, response_headers, body)
+            return Response(upstream.status, response_headers, scrub_answer(body))
         except asyncio.CancelledError as cancel:
             cancelled = cancel
         await self._end(NOT_SERVED)
@@ -368,7 +369,7 @@ class Exchange:
                 raise failure
             if chunk is None:
                 self._finished = True
-                held = self._held + scanner.flush()
+                held = self._held + scrub_events(scanner.flush())
                 await self._end(200, scanner.usage)
                 if held:
                     return held
@@ -387,7 +388,7 @@ class Exchange:
                     meter.model_label(context.model, attempt),
                     time.monotonic() - context.started,
                 )
-            out = scanner.feed(chunk)
+            out = scrub_events(scanner.feed(chunk))
             if out.endswith(DONE):
                 out, self._held = out[: -len(DONE)], DONE
             if out:

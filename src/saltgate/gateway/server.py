@@ -35,6 +35,7 @@ from saltgate.gateway.replicas import ReplicaSet
 from saltgate.gateway.shared_limits import SharedLimits
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError, missing_parameter, model_not_found
+from saltgate.policy.fields import band_priority
 from saltgate.policy.forwarded import client_address
 from saltgate.policy.headers import credential, forward_request_headers
 from saltgate.policy.request import (
@@ -287,7 +288,9 @@ class Gateway:
         ):
             raise plaintext_secret_refused()
         salt = self._salt(principal, inspected.user_cache_secret) if self.config.salting else None
-        payload = prepare(body, inspected, salt)
+        scheduled = self.config.replica_priority_scheduling
+        ranked = band_priority(principal.priority) if scheduled else None
+        payload = prepare(body, inspected, salt, ranked)
         plan = self.replicas.plan(
             route, body.obj, inspected.model, salt, remember=inspected.user_cache_secret is None
         )

@@ -21,7 +21,7 @@ from saltgate.derivations.derive import (
     InvalidSecretError,
     validate_user_cache_secret,
 )
-from saltgate.policy import content
+from saltgate.policy import content, fields
 from saltgate.policy.errors import (
     ApiError,
     body_too_large,
@@ -375,6 +375,7 @@ def inspect(route: str, body: Mapping[str, Any]) -> Inspected:
     if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
         raise invalid_type("prompt_cache_key", "a string")
 
+    fields.check(body)
     parts = content.check(route, body)
     wants_usage = not stream or route not in STREAM_OPTIONS_ROUTES or include_usage
     return Inspected(
@@ -411,11 +412,19 @@ STRIPPED_FIELDS: Final[frozenset[str]] = frozenset(
         # vLLM takes a client-chosen request id from the body; ids are engine-wide, so
         # a chosen id could collide with (and abort or confuse) another tenant's request.
         "request_id",
+        # Scheduling priority: a client's would jump every tenant's queue under vLLM's
+        # priority scheduling (the gateway sets its own from the key's band: fields.py).
+        "priority",
+        # Copied into the replica's KV events: a client could label its blocks as another
+        # tenant's session (no gateway consumer needs one, so none is set).
+        "session_id",
     }
 )
 
 
-def prepare(body: Body, inspected: Inspected, salt: str | None) -> bytes:
+def prepare(
+    body: Body, inspected: Inspected, salt: str | None, priority: int | None = None
+) -> bytes:
     """The body to forward: stripped fields removed, ``cache_salt`` set on the routes that
     use the cache (SALTED_ROUTES), usage forced on streams that only carry it on request;
     serialised with orjson.
@@ -430,22 +439,28 @@ def prepare(body: Body, inspected: Inspected, salt: str | None) -> bytes:
 
     Content parts with media (or client uuids) are rewritten on a copy first
     (`content.rewrite`: media uuids bound to ``salt``, client uuids dropped).
+
+    ``priority``: the gateway's scheduling priority for the request (the key's band,
+    `fields.BAND_PRIORITY`), set when the replicas run priority scheduling; None sets none.
     """
     obj = body.obj
     salted = salt is not None and inspected.route in SALTED_ROUTES
     if inspected.content_rewrite:
         obj = content.rewrite(inspected.route, orjson.loads(body.serialized), salt)
     elif STRIPPED_FIELDS.isdisjoint(obj) and not inspected.forces_usage:  # the usual case
-        if not salted:
+        if not salted and priority is None:
             return body.serialized
-        if obj:
-            return body.serialized[:-1] + b',"cache_salt":' + orjson.dumps(salt) + b"}"
+        if salted and obj:
+            ranked = b"" if priority is None else b',"priority":%d' % priority
+            return body.serialized[:-1] + b',"cache_salt":' + orjson.dumps(salt) + ranked + b"}"
     if STRIPPED_FIELDS.isdisjoint(obj):
         out = dict(obj)
     else:
         out = {k: v for k, v in obj.items() if k not in STRIPPED_FIELDS}
     if salted:
         out["cache_salt"] = salt
+    if priority is not None:
+        out["priority"] = priority
     if inspected.forces_usage:
         options = obj.get("stream_options")
         forced = dict(options) if isinstance(options, dict) else {}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from saltgate.config import ConfigError, GatewayConfig, load_master_key
 from saltgate.gateway.ehbp import load_server_key
+from saltgate.serving.admin_listener import admin_scheme, admin_tls, warn_plaintext_admin
 
 
 def check_config(config: GatewayConfig) -> str:
@@ -39,6 +40,10 @@ def check_config(config: GatewayConfig) -> str:
     if config.access_log not in ("stderr", "off"):
         _check_writable(Path(config.access_log))
     notes.append(f"access log {config.access_log}")
+    if config.admin_port is not None:
+        admin_tls(config)  # refuses plain HTTP off loopback; loads the TLS files
+        warn_plaintext_admin(config)
+        notes.append(f"admin listener {admin_scheme(config)}://{config.admin_host}")
     return ", ".join(notes)
 
 

@@ -29,13 +29,19 @@ from saltgate.gateway.replicas import ReplicaSet, tls_context
 from saltgate.gateway.server import Gateway, error_response
 from saltgate.gateway.shared_limits import connect_shared_limits
 from saltgate.gateway.tracing import start_tracer
-from saltgate.http import Handler, HttpServer, Request, Response
+from saltgate.http import Handler, HttpServer
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
 from saltgate.prices import price_versions
 from saltgate.routing import Router
 from saltgate.runtime import run_service, until_stopped
 from saltgate.serving.acceptor import AcceptGate, Acceptor
+from saltgate.serving.admin_listener import (
+    AdminListener,
+    admin_scheme,
+    admin_tls,
+    start_admin_listener,
+)
 from saltgate.store.backends import open_gateway_store
 from saltgate.store.errors import StoreError
 from saltgate.store.usage_rollups import open_usage_reader
@@ -116,6 +122,9 @@ async def start_gateway(
 ) -> RunningGateway:
     """Open the store, probe the replicas and serve: on `config`'s host and port, or (a
     worker, one of `workers`) on `listener` with the EHBP key its parent gave every worker."""
+    # The admin listener's refusal (plain HTTP off loopback) and TLS files first: nothing
+    # is opened or bound when they stop the start.
+    admin_context = admin_tls(config) if config.admin_port is not None else None
     tracer = start_tracer(config.tracing) if config.tracing is not None else None
     master_key = load_master_key(config.master_key_file)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -131,6 +140,7 @@ async def start_gateway(
     replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s, router=router)
     metrics = Metrics()
     store.register_gauges(metrics.gauge)
+    access_log = AccessLog.open(config.access_log, config.log_format)
     gateway = Gateway(
         config,
         subkeys=subkeys,
@@ -138,7 +148,7 @@ async def start_gateway(
         ledger=store.ledger,
         replicas=replicas,
         metrics=metrics,
-        access_log=AccessLog.open(config.access_log, config.log_format),
+        access_log=access_log,
         store_down_for=store.unreachable_for,
         tracer=tracer,
         limit_share=config.limits_share * workers,
@@ -170,20 +180,15 @@ async def start_gateway(
         api = admin_api = AdminApi(
             AdminStore(config.store_settings), usage=gateway.usage, prices=config.prices
         )
-        console = Console(api.service, metrics.snapshot, config)
+        console = Console(
+            api.service, metrics.snapshot, config, tls=config.admin_tls_cert_file is not None
+        )
 
-        async def admin_handler(request: Request) -> Response:
-            answer = await api.handle(request) or await console.handle(request)
-            if answer is not None:
-                return answer
-            if request.method == b"GET" and request.path == b"/metrics":
-                return Response(
-                    200, [(b"content-type", b"text/plain; version=0.0.4")], metrics.render()
-                )
-            return Response(404)
+        async def render() -> bytes:
+            return metrics.render()
 
-        admin = HttpServer(admin_handler, error_response=error_response)
-        admin_port = await admin.start(config.admin_host, config.admin_port)
+        front = AdminListener(config, api, console, render, access_log)
+        admin, admin_port = await start_admin_listener(front, config, admin_context)
     running = RunningGateway(
         gateway, server, port, metrics, admin, admin_port, ehbp, admin_api=admin_api
     )
@@ -268,8 +273,9 @@ def announce(
     served = f"{len(config.replicas)} replicas" + (f", {workers} workers" if workers else "")
     print(f"saltgate: serving on {url} ({served})", flush=True)
     if admin_port is not None:
-        print(f"saltgate: metrics on http://{config.admin_host}:{admin_port}/metrics")
-        print(f"saltgate: admin API on http://{config.admin_host}:{admin_port}/admin/v1/")
+        admin = f"{admin_scheme(config)}://{config.admin_host}:{admin_port}"
+        print(f"saltgate: metrics on {admin}/metrics (an admin token with usage:read)")
+        print(f"saltgate: admin API on {admin}/admin/v1/")
     if ehbp_fingerprint is not None:
         print(f"saltgate: EHBP key {ehbp_fingerprint} at {KEYS_PATH}")
     for part in parts:

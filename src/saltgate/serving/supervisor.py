@@ -33,12 +33,13 @@ from saltgate.admin.store import AdminStore
 from saltgate.config import ConfigError, GatewayConfig, load_master_key
 from saltgate.console.app import Console
 from saltgate.derivations.derive import derive_subkeys
+from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.metrics import Counter, Gauge, Snapshot, merge_workers, render
-from saltgate.gateway.server import error_response
-from saltgate.http import HttpServer, Request, Response
+from saltgate.http import HttpServer
 from saltgate.kvevents.relay import KvRelay
 from saltgate.runtime import run_service, until_stopped
 from saltgate.serving import control
+from saltgate.serving.admin_listener import AdminListener, admin_tls, start_admin_listener
 from saltgate.serving.balance import ConnectionBoard
 from saltgate.serving.run import announce, ehbp_key, kv_upstreams, reread_config, start_kv_relay
 from saltgate.store.errors import StoreError
@@ -140,7 +141,14 @@ class Supervisor:
         self._admin_api = AdminApi(
             AdminStore(config.store_settings), usage=self._usage, prices=config.prices
         )
-        self._console = Console(self._admin_api.service, self.metrics, config)
+        self._console = Console(
+            self._admin_api.service,
+            self.metrics,
+            config,
+            tls=config.admin_tls_cert_file is not None,
+        )
+        # The admin listener's lines; the workers write the gateway's to the same target.
+        self._access_log = AccessLog.open(config.access_log, config.log_format)
         self._ehbp_private_key: bytes | None = None
         self.ehbp_fingerprint: str | None = None
         self._procs: dict[int, asyncio.subprocess.Process] = {}
@@ -163,6 +171,7 @@ class Supervisor:
         """Bind, start every worker and wait until each accepts; ConfigError or OSError
         (with the worker's own message) if one cannot start."""
         config = self.config
+        admin_context = admin_tls(config) if config.admin_port is not None else None
         if config.ehbp:
             key = ehbp_key(config)
             self._ehbp_private_key = key.private_bytes()
@@ -181,8 +190,12 @@ class Supervisor:
             if failed:
                 raise failed[0]
             if config.admin_port is not None:
-                self._admin = HttpServer(self._admin_handler, error_response=error_response)
-                self.admin_port = await self._admin.start(config.admin_host, config.admin_port)
+                front = AdminListener(
+                    config, self._admin_api, self._console, self._render, self._access_log
+                )
+                self._admin, self.admin_port = await start_admin_listener(
+                    front, config, admin_context
+                )
             if config.kv_relay is not None:
                 k_kv = derive_subkeys(load_master_key(config.master_key_file)).kv_events
                 self.relay = start_kv_relay(config, k_kv)
@@ -315,6 +328,7 @@ class Supervisor:
             self._retire(worker)
         if self._admin is not None:
             await self._admin.close()
+        self._access_log.close()
         await self._admin_api.store.aclose()
         await self._usage.aclose()
         if self.relay is not None:
@@ -336,6 +350,10 @@ class Supervisor:
             *(w.ask(control.ReopenLog(), RELOAD_TIMEOUT_S) for w in list(self.alive.values()))
         )
         reopened = sum(a == control.LOG_REOPENED + b"1" for a in answers)
+        try:
+            self._access_log.reopen()  # the admin listener's lines
+        except OSError as exc:
+            print(f"saltgate: cannot reopen the access log: {exc.strerror}", file=sys.stderr)
         if reopened:
             print(
                 f"saltgate: reopened the access log {self.config.access_log} in {reopened} of "
@@ -403,14 +421,8 @@ class Supervisor:
         now = worker.last.total("saltgate_requests_total") if worker is not None else 0.0
         return self._retired_requests[index] + now
 
-    async def _admin_handler(self, request: Request) -> Response:
-        answer = await self._admin_api.handle(request) or await self._console.handle(request)
-        if answer is not None:
-            return answer
-        if request.method == b"GET" and request.path == b"/metrics":
-            body = render(await self.metrics())
-            return Response(200, [(b"content-type", b"text/plain; version=0.0.4")], body)
-        return Response(404)
+    async def _render(self) -> bytes:
+        return render(await self.metrics())
 
 
 def serve_workers(config: GatewayConfig, workers: int) -> int:

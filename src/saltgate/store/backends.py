@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from saltgate.prices import PriceVersion
+from saltgate.store.audit import audit_key
 from saltgate.store.db import Database
 from saltgate.store.errors import StoreError
 from saltgate.store.ledger import Ledger, UsageLedger
@@ -28,10 +29,10 @@ def open_database(settings: StoreSettings, *, create: bool = True) -> Database:
             raise StoreError(
                 f"no saltgate database at {settings.sqlite_path} (wrong --state-dir or --config?)"
             )
-        return SqliteDatabase(settings.sqlite_path)
+        return SqliteDatabase(settings.sqlite_path, audit_key(settings.master_key_file))
     from saltgate.store.postgres import PostgresDatabase
 
-    return PostgresDatabase(settings)
+    return PostgresDatabase(settings, audit_key(settings.master_key_file))
 
 
 # What the gateway's metrics register a gauge with: name, help text, reader.

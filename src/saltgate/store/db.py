@@ -16,6 +16,7 @@ from saltgate.store.settings import Backend
 
 class Database(Protocol):
     backend: Backend
+    audit_key: bytes | None  # K_audit: keys the audit log's chain (saltgate.store.audit)
 
     def describe(self) -> str:
         """Where the data lives, for messages (never a password)."""

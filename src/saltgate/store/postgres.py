@@ -139,9 +139,10 @@ class PostgresDatabase:
 
     backend: Backend = "postgresql"
 
-    def __init__(self, settings: StoreSettings) -> None:
+    def __init__(self, settings: StoreSettings, audit_key: bytes | None = None) -> None:
         self.settings = settings
         self.conn = connect(settings)
+        self.audit_key = audit_key
 
     def describe(self) -> str:
         return self.settings.describe()

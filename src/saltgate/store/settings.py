@@ -19,6 +19,7 @@ from saltgate.tables import check_keys, toml_string
 Backend = Literal["sqlite", "postgresql"]
 
 DB_FILENAME = "saltgate.db"
+MASTER_KEY_FILENAME = "master.key"  # in a state directory, beside the database
 SPOOL_DIRNAME = "spool"
 _KEYS = {"url", "password_file", "password_env", "spool_dir"}
 _POSTGRES_SCHEMES = {"postgresql", "postgres"}
@@ -34,11 +35,20 @@ class StoreSettings:
     password_file: Path | None = None  # postgresql: read at each connection
     password_env: str | None = None
     spool_dir: Path | None = None  # postgresql: usage records wait here while it is down
+    # The master key, whose K_audit keys the audit log (store/audit.py): the gateway's
+    # master_key_file; for a state directory, its master.key.
+    master_key_file: Path | None = None
 
     @classmethod
     def sqlite(cls, path: Path) -> StoreSettings:
-        """The embedded default: one SQLite file (``state_dir/saltgate.db``)."""
-        return cls("sqlite", f"sqlite:///{path}", sqlite_path=path)
+        """The embedded default: one SQLite file (``state_dir/saltgate.db``), the master
+        key beside it."""
+        return cls(
+            "sqlite",
+            f"sqlite:///{path}",
+            sqlite_path=path,
+            master_key_file=path.parent / MASTER_KEY_FILENAME,
+        )
 
     @classmethod
     def in_state_dir(cls, state_dir: Path) -> StoreSettings:

@@ -127,9 +127,10 @@ class SqliteDatabase:
 
     backend: Backend = "sqlite"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], audit_key: bytes | None = None) -> None:
         self.path = Path(path)
         self.conn = open_db(self.path)
+        self.audit_key = audit_key
 
     def describe(self) -> str:
         return str(self.path)

@@ -52,7 +52,7 @@ from saltgate.store.errors import (
     TenantNotFoundError,
 )
 from saltgate.store.model_prices import MODEL_PRICES_SQL, store_versions
-from saltgate.store.settings import DB_FILENAME
+from saltgate.store.settings import DB_FILENAME, StoreSettings
 from saltgate.store.sqlite import SqliteDatabase, open_db
 
 KEY_PREFIX = "sg_"
@@ -258,9 +258,10 @@ class TenantStore:
     def __init__(
         self, target: str | os.PathLike[str] | Database, *, actor: Actor | None = None
     ) -> None:
-        self._db: Database = (
-            SqliteDatabase(target) if isinstance(target, str | os.PathLike) else target
-        )
+        if isinstance(target, str | os.PathLike):  # a SQLite file: its master key beside it
+            key_file = StoreSettings.sqlite(Path(target)).master_key_file
+            target = SqliteDatabase(target, audit.audit_key(key_file))
+        self._db: Database = target
         self.actor = actor or Actor.cli()
 
     @classmethod
