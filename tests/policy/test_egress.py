@@ -280,7 +280,7 @@ def test_sizes_statuses_and_encodings() -> None:
     egress.check_declared_size("garbage", 100)  # the streamed count still applies
     with pytest.raises(MediaRefused, match="over 100 bytes") as caught:
         egress.check_declared_size("101", 100)
-    assert (caught.value.status, caught.value.code) == (413, "media_too_large")
+    assert (caught.value.status, caught.value.code) == (400, "media_too_large")
     egress.check_status(200)
     for status in (204, 206, 304, 403, 404, 500):
         with pytest.raises(MediaRefused, match=f"HTTP {status}"):

@@ -25,11 +25,14 @@ from __future__ import annotations
 import base64
 import ipaddress
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 from urllib.parse import urljoin, urlsplit
+
+from saltgate.policy.content import ANTHROPIC_CONTENT_ROUTES, MAX_MEDIA_ITEMS, RemoteMedia
+from saltgate.policy.errors import AnthropicApiError, ApiError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -60,11 +63,14 @@ REDIRECT_STATUSES: Final = frozenset({301, 302, 303, 307, 308})
 MAX_URL_CHARS: Final = 8192
 MIB: Final = 1024 * 1024
 
-# Status and code of each kind of refusal (the shell names the parameter).
+# Status and code of each kind of refusal (the shell names the parameter). All 400: the
+# request names media this gateway will not take, and a client retrying a 5xx (the OpenAI
+# SDKs do) would only make it fetch again; the code tells the kinds apart.
 REFUSED: Final = (400, "media_url_refused")
 FAILED: Final = (400, "media_fetch_failed")
-TOO_LARGE: Final = (413, "media_too_large")
-TIMED_OUT: Final = (504, "media_fetch_timeout")
+TOO_LARGE: Final = (400, "media_too_large")
+TIMED_OUT: Final = (400, "media_fetch_timeout")
+TOO_MANY: Final = (400, "too_many_remote_media")
 
 _LABEL: Final = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\Z")
 # WHATWG URL: a host whose last label is a number is an IPv4 address in some spelling.
@@ -95,8 +101,9 @@ class MediaSettings:
     allow_networks: tuple[IPNetwork, ...] = ()  # non-public networks a fetch may reach
     max_item_bytes: int = 20 * MIB
     max_request_bytes: int = 64 * MIB
-    timeout_s: float = 10.0  # per item: waiting for a slot, resolving, redirects, body
+    timeout_s: float = 10.0  # per request, all its items: slots, resolving, redirects, bodies
     max_redirects: int = 3
+    max_items: int = 8  # remote media URLs one request may have fetched (distinct URLs)
     per_tenant_concurrency: int = 4
     max_concurrency: int = 64  # all tenants together, per gateway process
     content_types: tuple[str, ...] = DEFAULT_CONTENT_TYPES  # "type/subtype" or "type/*"
@@ -186,6 +193,7 @@ _PARSERS: Final[Mapping[str, Callable[[object], object]]] = {
     "max_request_bytes": _count("max_request_bytes"),
     "timeout_s": _timeout,
     "max_redirects": _count("max_redirects", 0, 10),
+    "max_items": _count("max_items", 1, MAX_MEDIA_ITEMS),
     "per_tenant_concurrency": _count("per_tenant_concurrency"),
     "max_concurrency": _count("max_concurrency"),
     "content_types": _content_types,
@@ -442,6 +450,12 @@ def check_size(size: int, limit: int) -> None:
         raise MediaRefused(f"the media is over {limit} bytes", TOO_LARGE)
 
 
+def check_request_size(total: int, limit: int) -> None:
+    """The media of one request together (max_request_bytes)."""
+    if total > limit:
+        raise MediaRefused(f"the request's media are over {limit} bytes together", TOO_LARGE)
+
+
 def check_encoding(content_encoding: str | None) -> None:
     """The fetch asks for identity; an encoded answer would be inlined undecoded."""
     if content_encoding is not None and content_encoding.strip().lower() not in ("", "identity"):
@@ -457,3 +471,46 @@ class Media(NamedTuple):
     @property
     def data_url(self) -> str:
         return f"data:{self.mime};base64,{base64.b64encode(self.data).decode('ascii')}"
+
+
+# -- a request ----------------------------------------------------------------------------
+
+
+def refusal(route: str, param: str, refused: MediaRefused) -> ApiError:
+    """The answer to a refused media URL: the part, the reason (no URL: it may carry a
+    signed token), in Anthropic's shape on its routes."""
+    message = (
+        f"Invalid '{param}': {refused.reason}. This gateway fetches media URLs under its "
+        "egress policy; media it will not fetch can be sent inline as a data: URL (base64)."
+    )
+    kind = AnthropicApiError if route in ANTHROPIC_CONTENT_ROUTES else ApiError
+    return kind(refused.status, message, param=param, code=refused.code)
+
+
+def fetch_list(
+    route: str, items: Sequence[RemoteMedia], settings: MediaSettings
+) -> list[RemoteMedia]:
+    """What a request's remote media takes to fetch: each distinct URL once, in body
+    order, at most ``max_items`` of them; ApiError naming the part otherwise (a URL asked
+    as two modalities is refused: one answer has one type)."""
+    first: dict[str, RemoteMedia] = {}
+    for item in items:
+        seen = first.get(item.url)
+        if seen is None:
+            if len(first) == settings.max_items:
+                raise refusal(
+                    route,
+                    item.param,
+                    MediaRefused(
+                        f"a request may name at most {settings.max_items} remote media URLs",
+                        TOO_MANY,
+                    ),
+                )
+            first[item.url] = item
+        elif seen.modality != item.modality:
+            raise refusal(
+                route,
+                item.param,
+                MediaRefused(f"the same URL is {seen.param}, as {seen.modality}"),
+            )
+    return list(first.values())
