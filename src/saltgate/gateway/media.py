@@ -88,10 +88,10 @@ class Slots:
             if entry.users == 0:
                 del self._tenants[tenant]
 
-    @property
-    def tenants(self) -> int:
-        """Tenants with a fetch running or waiting."""
-        return len(self._tenants)
+    def users(self, tenant: str) -> int:
+        """The fetches of ``tenant`` running or waiting for a slot."""
+        entry = self._tenants.get(tenant)
+        return 0 if entry is None else entry.users
 
 
 class _Budget:
