@@ -15,7 +15,7 @@ import asyncio
 import base64
 import ipaddress
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -89,7 +89,7 @@ FIXED = {
 }
 
 
-async def _chunks(size: int) -> AsyncIterator[bytes]:
+async def _chunks(size: int) -> AsyncGenerator[bytes, None]:
     for _ in range(size // 100):
         yield b"y" * 100
 

@@ -6,14 +6,18 @@ import ipaddress
 import re
 from pathlib import Path
 
+import orjson
 import pytest
 
 from saltgate.policy import egress
+from saltgate.policy.content import RemoteMedia
 from saltgate.policy.egress import MediaRefused, MediaSettings, parse_url
+from saltgate.policy.errors import AnthropicApiError, ApiError
 
 pytestmark = pytest.mark.unit
 
 OPEN = MediaSettings(remote="fetch")
+CHAT = "/v1/chat/completions"
 
 
 def refused(url: str, settings: MediaSettings = OPEN) -> str:
@@ -27,7 +31,7 @@ def refused(url: str, settings: MediaSettings = OPEN) -> str:
 
 def test_a_plain_https_url_is_taken_apart() -> None:
     url = parse_url("HTTPS://Media.Example.COM./a/b.png?x=1#frag", OPEN)
-    assert url == ("https", "media.example.com", 443, "/a/b.png?x=1", None)
+    assert tuple(url) == ("https", "media.example.com", 443, "/a/b.png?x=1", None)
     assert url.authority == "media.example.com"
     assert url.url == "https://media.example.com/a/b.png?x=1"
     assert parse_url("http://example.com", OPEN).target == "/"
@@ -360,9 +364,61 @@ def test_a_full_table_is_read(tmp_path: Path) -> None:
             "max_item_bytes: must not be more than max_request_bytes",
         ),
         ({"tls_ca_file": ""}, "tls_ca_file: expected a file name"),
-        ({"allow_private": True}, "unknown keys ['allow_private']"),
+        ({"allow_private": True}, "allow_private: unknown key; expected some of"),
     ],
 )
 def test_table_mistakes_are_named(table: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         MediaSettings.from_table(table, Path())
+
+
+# -- a request ----------------------------------------------------------------------------
+
+
+def remote(param: str, url: str, modality: str = "image") -> RemoteMedia:
+    return RemoteMedia(param, url, modality)
+
+
+def test_each_url_is_fetched_once_and_the_count_is_capped() -> None:
+    settings = MediaSettings(max_items=2)
+    a, b = "https://a.example/x.png", "https://b.example/y.png"
+    items = [remote("p0", a), remote("p1", b), remote("p2", a)]
+    assert egress.fetch_list(CHAT, items, settings) == items[:2]
+    with pytest.raises(ApiError) as caught:
+        egress.fetch_list(CHAT, [*items, remote("p3", "https://c.example/")], settings)
+    error = caught.value
+    assert (error.status, error.code, error.param) == (400, "too_many_remote_media", "p3")
+    assert "at most 2 remote media URLs" in error.message
+
+
+def test_one_url_as_two_modalities_is_refused() -> None:
+    url = "https://a.example/x"
+    with pytest.raises(ApiError, match="the same URL is p0, as image") as caught:
+        egress.fetch_list(CHAT, [remote("p0", url), remote("p1", url, "audio")], OPEN)
+    assert caught.value.param == "p1"
+
+
+def test_a_refusal_names_the_part_and_the_reason_in_the_route_s_shape() -> None:
+    why = MediaRefused("the media is over 5 bytes", egress.TOO_LARGE)
+    openai = egress.refusal(CHAT, "messages[0].content[1].image_url", why)
+    assert type(openai) is ApiError
+    assert openai.to_dict()["error"]["code"] == "media_too_large"
+    assert openai.message.startswith(
+        "Invalid 'messages[0].content[1].image_url': the media is over 5 bytes."
+    )
+    anthropic = egress.refusal("/v1/messages", "messages[0].content[1].source", why)
+    assert isinstance(anthropic, AnthropicApiError)
+    assert orjson.loads(anthropic.body())["type"] == "error"
+
+
+def test_the_request_s_bytes_are_capped_together() -> None:
+    egress.check_request_size(10, 10)
+    with pytest.raises(MediaRefused, match="over 10 bytes together") as caught:
+        egress.check_request_size(11, 10)
+    assert caught.value.code == "media_too_large"
+
+
+def test_max_items_is_read_and_bounded_by_the_request_s_media_cap() -> None:
+    assert MediaSettings.from_table({"max_items": 32}, Path()).max_items == 32
+    with pytest.raises(ValueError, match=r"^max_items: expected an integer, 1 to 32"):
+        MediaSettings.from_table({"max_items": 33}, Path())

@@ -119,7 +119,7 @@ class MediaSettings:
         ValueError("key: what is expected")."""
         unknown = sorted(set(table) - set(_PARSERS))
         if unknown:
-            raise ValueError(f"unknown keys {unknown}; expected {sorted(_PARSERS)}")
+            raise ValueError(f"{unknown[0]}: unknown key; expected some of {sorted(_PARSERS)}")
         out: dict[str, Any] = {key: _PARSERS[key](table[key]) for key in table}
         if "tls_ca_file" in out:
             out["tls_ca_file"] = base / out["tls_ca_file"]
