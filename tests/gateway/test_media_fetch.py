@@ -15,6 +15,7 @@ import asyncio
 import base64
 import ipaddress
 import socket
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -247,6 +248,17 @@ def test_fetched_media_reaches_the_replica_inline_with_the_namespace_s_uuid(
                 "media_type": "image/png",
                 "data": base64.b64encode(raw).decode(),
             }
+            # The Responses API's input_image is a URL string.
+            image = {"type": "input_image", "image_url": url}
+            item = {"role": "user", "content": [{"type": "input_text", "text": "hi"}, image]}
+            body = {"model": MODEL, "input": [item], "max_output_tokens": 2}
+            resp = await alice.post("/v1/responses", json=body)
+            assert resp.status_code == 200, resp.text
+            sent = orjson.loads(s.forwarded()[-1].body)["input"][0]["content"][1]
+            assert sent["image_url"] == data_url(raw) and sent["uuid"] == fetched_uuid
+            assert t.victim.seen == []  # the proxy variables were never used
+            monkeypatch.undo()  # the test's own scrape would use them
+            assert 'saltgate_media_fetches_total{outcome="fetched"} 4.0' in await s.scrape()
 
     run(main)
 
@@ -339,7 +351,8 @@ def test_every_refusal_is_a_400_that_says_why_and_nothing_reaches_a_replica(
 ) -> None:
     async def main() -> None:
         async with fetching(tmp_path, **SETTINGS) as t, t.s.client("alice") as alice:
-            for name, urls, code, words in list(refusals(t.media, t.victim)):
+            cases = list(refusals(t.media, t.victim))
+            for name, urls, code, words in cases:
                 resp = await alice.post(CHAT, json=chat(*urls))
                 assert resp.status_code == 400, (name, resp.text)
                 error = resp.json()["error"]
@@ -358,6 +371,11 @@ def test_every_refusal_is_a_400_that_says_why_and_nothing_reaches_a_replica(
             doc = resp.json()
             assert doc["type"] == "error" and "(loopback)" in doc["error"]["message"]
             assert t.s.forwarded() == [] and t.victim.seen == []
+            # Counted by outcome, the Anthropic one with the rest.
+            expected = Counter(code for _, _, code, _ in cases) + Counter(["media_url_refused"])
+            scrape = await t.s.scrape()
+            for code, count in expected.items():
+                assert f'saltgate_media_fetches_total{{outcome="{code}"}} {count:.1f}' in scrape
 
     run(main)
 

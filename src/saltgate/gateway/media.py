@@ -29,9 +29,11 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Final
 
 import orjson
 
+from saltgate.gateway.metrics import Metrics
 from saltgate.http import UpstreamError, UpstreamPool, UpstreamResponse
 from saltgate.http.tls import client_context
 from saltgate.policy import content, egress
@@ -49,6 +51,8 @@ from saltgate.policy.errors import ApiError
 from saltgate.policy.request import Body
 
 Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
+FETCHES: Final = "saltgate_media_fetches_total"
+_FETCHED: Final = (("outcome", "fetched"),)
 
 
 async def system_resolver(host: str, port: int) -> list[IPAddress]:
@@ -116,8 +120,17 @@ def _header(response: UpstreamResponse, name: bytes) -> str | None:
 class MediaFetcher:
     """Fetches a request's remote media under ``settings`` and inlines it."""
 
-    def __init__(self, settings: MediaSettings, resolve: Resolver = system_resolver) -> None:
+    def __init__(
+        self, settings: MediaSettings, metrics: Metrics, resolve: Resolver = system_resolver
+    ) -> None:
         self.settings = settings
+        self.metrics = metrics
+        metrics.describe(
+            FETCHES,
+            "counter",
+            "Requests with remote media ([media] remote = fetch), by outcome: fetched, or "
+            "the code of the refusal.",
+        )
         self.resolve = resolve  # tests inject theirs (a name resolving to a private address)
         self.slots = Slots(settings.per_tenant_concurrency, settings.max_concurrency)
         self._tls: ssl.SSLContext | None = None
@@ -134,7 +147,10 @@ class MediaFetcher:
         items = content.remote_media(route, body.obj)
         if not items:
             return body
-        fetches = egress.fetch_list(route, items, self.settings)
+        try:
+            fetches = egress.fetch_list(route, items, self.settings)
+        except ApiError as refused:
+            raise self._counted(refused) from None
         fetched: dict[str, str] = {}
         failure: ApiError | None = None
         try:
@@ -145,10 +161,15 @@ class MediaFetcher:
             why = f"fetching the request's media took longer than {self.settings.timeout_s:g} s"
             failure = egress.refusal(route, late.param, MediaRefused(why, TIMED_OUT))
         if failure is not None:
-            raise failure
+            raise self._counted(failure)
+        self.metrics.inc(FETCHES, _FETCHED)
         obj = content.inline_media(route, orjson.loads(body.serialized), fetched)
         content.check(route, obj)  # nothing remote is left for a replica to fetch
         return Body(obj, orjson.dumps(obj))
+
+    def _counted(self, refused: ApiError) -> ApiError:
+        self.metrics.inc(FETCHES, (("outcome", refused.code or "refused"),))
+        return refused
 
     async def _fetch_all(
         self,

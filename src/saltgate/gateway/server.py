@@ -136,7 +136,7 @@ class Gateway:
         self._store_down_for = store_down_for or (lambda: 0.0)
         self.tracer = tracer  # [tracing]: a span per request (gateway/tracing.py)
         # [media] remote = "fetch": remote media fetched here and inlined (gateway/media.py)
-        self.media = MediaFetcher(config.media) if config.media.fetch else None
+        self.media = MediaFetcher(config.media, self.metrics) if config.media.fetch else None
         self._tenant_salts: dict[tuple[str, int], str] = {}
         self._routes: dict[tuple[bytes, bytes], str] = {}
         self._request_labels: dict[tuple[bytes, int], tuple[tuple[str, str], ...]] = {}
