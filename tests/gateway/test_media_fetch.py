@@ -15,6 +15,7 @@ import asyncio
 import base64
 import ipaddress
 import socket
+import ssl
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -26,10 +27,12 @@ import httpx
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, Stack, run, stack
+from tests.support.tls import make_pki
 from tests.support.waiting import eventually
 
 from saltgate.gateway.media import MediaFetcher
 from saltgate.http import HttpServer, Request, Response
+from saltgate.http.tls import server_context
 from saltgate.policy import egress
 from saltgate.policy.egress import IPAddress, MediaSettings, MediaUrl
 from saltgate.store.tenants import TenantStore
@@ -46,8 +49,9 @@ class MediaServer:
     answers once `release` is set; ``/bytes/N`` is N bytes; ``/stream/N`` N bytes in
     chunks, without Content-Length; `redirects` maps a path to a Location."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, scheme: str = "http") -> None:
         self.host = host
+        self.scheme = scheme
         self.seen: list[Request] = []
         self.redirects: dict[bytes, str] = {}
         self.release = asyncio.Event()
@@ -56,7 +60,7 @@ class MediaServer:
         self.port = 0
 
     def url(self, path: str, host: str | None = None) -> str:
-        return f"http://{host or self.host}:{self.port}{path}"
+        return f"{self.scheme}://{host or self.host}:{self.port}{path}"
 
     async def handle(self, request: Request) -> Response:
         self.seen.append(request)
@@ -96,9 +100,9 @@ async def _chunks(size: int) -> AsyncGenerator[bytes, None]:
 
 
 @asynccontextmanager
-async def serving(host: str) -> AsyncIterator[MediaServer]:
-    server = MediaServer(host)
-    server.port = await server.server.start(host, 0)
+async def serving(host: str, tls: ssl.SSLContext | None = None) -> AsyncIterator[MediaServer]:
+    server = MediaServer(host, "http" if tls is None else "https")
+    server.port = await server.server.start(host, 0, tls=tls)
     try:
         yield server
     finally:
@@ -110,6 +114,7 @@ ADDRESSES: dict[str, list[str]] = {
     "media.test": [MEDIA_HOST],
     "internal.test": ["10.0.0.7"],
     "split.test": [MEDIA_HOST, "10.0.0.7"],  # one allowed address is not enough
+    "wrong.example": [MEDIA_HOST],  # the name tests/support/tls.py's wrong_host is for
 }
 
 
@@ -141,9 +146,12 @@ class Setup:
 
 
 @asynccontextmanager
-async def fetching(tmp: Path, **settings: Any) -> AsyncIterator[Setup]:
-    """The gateway in fetch mode, the media server and the victim."""
-    async with serving(MEDIA_HOST) as media, serving("127.0.0.1") as victim:
+async def fetching(
+    tmp: Path, tls: ssl.SSLContext | None = None, **settings: Any
+) -> AsyncIterator[Setup]:
+    """The gateway in fetch mode, the media server (over ``tls`` when given) and the
+    victim."""
+    async with serving(MEDIA_HOST, tls) as media, serving("127.0.0.1") as victim:
         table = {
             "remote": "fetch",
             "allow_networks": [f"{MEDIA_HOST}/32"],
@@ -274,6 +282,38 @@ def test_the_same_url_twice_is_fetched_once(tmp_path: Path) -> None:
             assert [p["image_url"]["url"] for p in images] == [
                 data_url(t.media.image(b"/dog.png"))
             ] * 2
+
+    run(main)
+
+
+def test_https_media_is_verified_for_the_url_s_host_at_the_checked_address(
+    tmp_path: Path,
+) -> None:
+    """The media server (127.0.0.2) holds a certificate for wrong.example only: fetched
+    by that name (resolved by the injected resolver), the TLS name and the Host are the
+    name, not the address; by another name resolving to the same address, refused."""
+    pki = make_pki(tmp_path / "pki")
+    server_tls = server_context(pki.wrong_host.cert, pki.wrong_host.key)
+    names: list[str | None] = []
+    server_tls.sni_callback = lambda _sock, name, _ctx: names.append(name)
+
+    async def main() -> None:
+        async with (
+            fetching(tmp_path, server_tls, tls_ca_file=str(pki.ca)) as t,
+            t.s.client("alice") as alice,
+        ):
+            url = t.media.url("/cat.png", host="wrong.example")
+            resp = await alice.post(CHAT, json=chat(url))
+            assert resp.status_code == 200, resp.text
+            assert replica_image(t.s)["image_url"]["url"] == data_url(t.media.image(b"/cat.png"))
+            assert names == ["wrong.example"]
+            assert t.media.seen[0].header(b"host") == f"wrong.example:{t.media.port}".encode()
+            resp = await alice.post(CHAT, json=chat(t.media.url("/cat.png", host="media.test")))
+            assert resp.status_code == 400, resp.text
+            error = resp.json()["error"]
+            assert error["code"] == "media_fetch_failed"
+            assert "certificate verify failed" in error["message"]
+            assert len(t.media.seen) == 1  # no request went over the unverified connection
 
     run(main)
 

@@ -204,7 +204,7 @@ class MediaFetcher:
         except MediaRefused as refused:
             raise egress.refusal(route, item.param, refused) from None
         except UpstreamError as broke:
-            why = MediaRefused(f"the media server could not be fetched from ({broke})", FAILED)
+            why = MediaRefused(f"fetching the media failed ({broke})", FAILED)
             raise egress.refusal(route, item.param, why) from None
         fetched[item.url] = media.data_url
 
