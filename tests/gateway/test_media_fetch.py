@@ -27,6 +27,7 @@ import httpx
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, Stack, run, stack
+from tests.support.adversarial_media import remote_cases
 from tests.support.tls import make_pki
 from tests.support.waiting import eventually
 
@@ -416,6 +417,34 @@ def test_every_refusal_is_a_400_that_says_why_and_nothing_reaches_a_replica(
             scrape = await t.s.scrape()
             for code, count in expected.items():
                 assert f'saltgate_media_fetches_total{{outcome="{code}"}} {count:.1f}' in scrape
+
+    run(main)
+
+
+def test_the_corpus_s_internal_urls_are_refused_in_fetch_mode_on_every_route(
+    tmp_path: Path,
+) -> None:
+    """tests/support/adversarial_media.py's remote cases (metadata, loopback ports, a
+    private https host, [::1], file:) in every route's shape, with the default egress
+    policy: each a 400 before any replica, and nothing fetched."""
+
+    async def main() -> None:
+        settings = MediaSettings(remote="fetch")
+        async with stack(tmp_path, replicas=1, media=settings) as s, s.client("bob") as bob:
+            fetcher = s.gateway.gateway.media
+            assert isinstance(fetcher, MediaFetcher)
+            resolver = Resolver()
+            fetcher.resolve = resolver
+            for case in remote_cases():
+                resp = await bob.post(case.route, json={"model": MODEL, **case.body})
+                assert resp.status_code == 400, (case.name, resp.text)
+                doc = resp.json()
+                if case.route.startswith("/v1/messages"):
+                    assert doc["type"] == "error", case.name
+                else:
+                    expected = "invalid_media_url" if "file:" in case.name else "media_url_refused"
+                    assert doc["error"]["code"] == expected, (case.name, doc)
+            assert s.forwarded() == [] and resolver.calls == []
 
     run(main)
 
