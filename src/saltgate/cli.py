@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from saltgate.admin.service import AdminService, Caller, KeyView, Page
+    from saltgate.admin.service import AdminService, Caller, KeyView, LimitsChange, Page
     from saltgate.config import GatewayConfig
     from saltgate.governance.limits import Limits
     from saltgate.kvevents.settings import KvRelaySettings, KvUpstream
@@ -346,7 +346,15 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
         help="a tenant's fair share of saturated replicas (default 1; 2: twice a tenant of "
         "1's; tenants only, docs/fairness.md)",
     )
-    p.add_argument("--clear", action="store_true", help="remove every limit")
+    p.add_argument(
+        "--clear",
+        action="append",
+        nargs="?",
+        const="all",
+        metavar="KIND",
+        help="remove one kind: rpm, input_tpm, output_tpm, concurrency, budget, weight "
+        "(repeatable); alone and without KIND: every limit. Kinds not named are kept",
+    )
 
 
 def _add_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -434,6 +442,7 @@ def _add_store(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _run_serve(args: argparse.Namespace) -> int:
     from saltgate.config import ConfigError, load_config
+    from saltgate.runtime import StartError
     from saltgate.store.errors import StoreError
 
     if args.workers < 1:
@@ -449,6 +458,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     except (ConfigError, StoreError) as exc:
         print(f"saltgate serve: {exc}", file=sys.stderr)
         return 2
+    except StartError as exc:  # --check: a port taken now
+        print(f"saltgate serve: {exc.strerror}", file=sys.stderr)
+        return 1
     if args.workers > 1:
         from saltgate.serving.supervisor import serve_workers
 
@@ -548,11 +560,12 @@ def _keys_set_limits(args: argparse.Namespace) -> int:
     return _with_service(args, apply)
 
 
-def _limits_from_args(args: argparse.Namespace) -> Limits | None:
-    """The limits the options give, through the one parser the API and the console use
-    (saltgate.governance.limits.parse_limits); ConfigError (one line on stderr) when wrong."""
+def _limits_from_args(args: argparse.Namespace) -> LimitsChange:
+    """The change the options give: an edit (the limits named set, the kinds in --clear
+    removed, every other kept), or none at all for a bare --clear; through the parser the
+    API and the console use. ConfigError (one line on stderr) when wrong."""
     from saltgate.config import ConfigError
-    from saltgate.governance.limits import parse_limits
+    from saltgate.governance.limits import parse_limits_edit
 
     given = {
         "rpm": args.rpm,
@@ -563,22 +576,21 @@ def _limits_from_args(args: argparse.Namespace) -> Limits | None:
         "budget_period": args.budget_period,
         "weight": args.weight,
     }
-    if args.clear:
-        if any(v is not None for v in given.values()):
-            raise ConfigError("set-limits: give --clear alone, or the limits without it")
+    named = {k: v for k, v in given.items() if v not in (None, "")}
+    clear = set(args.clear or ())
+    if "all" in clear:
+        if named or len(clear) > 1:
+            raise ConfigError("set-limits: give --clear alone to remove every limit")
         return None
-    if (args.budget_usd is None) != (args.budget_period is None):
-        raise ConfigError("set-limits: --budget-usd and --budget-period go together")
-    try:
-        limits = parse_limits(given)
-    except ValueError as exc:
-        raise ConfigError(f"set-limits: {exc}") from None
-    if limits is None:
+    if not named and not clear:
         raise ConfigError(
             "set-limits: give at least one of --rpm, --input-tpm, --output-tpm, "
-            "--concurrency, --budget-usd, --weight (or --clear)"
+            "--concurrency, --budget-usd, --budget-period, --weight, --clear"
         )
-    return limits
+    try:
+        return parse_limits_edit(named, clear)
+    except ValueError as exc:
+        raise ConfigError(f"set-limits: {exc}") from None
 
 
 def _limits_label(limits: Limits | None) -> str:

@@ -187,7 +187,7 @@ class GatewayConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     config_file: Path | None = None  # where it was read from: `saltgate serve` reloads it
     # Client-keyed mode (docs/client-keyed.md): serve EHBP next to plaintext; the HPKE key
-    # lives in memory (made at start) unless the operator gives a key file.
+    # file (a configuration file's default: state_dir/hpke.key); None: a key in memory.
     ehbp: bool = True
     ehbp_key_file: Path | None = None
     require_encrypted_secret: bool = False
@@ -440,7 +440,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         queue=_queue(doc.get("queue", {})),
         media=_media(doc.get("media", {}), base),
         **_limits(doc.get("limits", {})),
-        **_ehbp(doc.get("ehbp", {}), base),
+        **_ehbp(doc.get("ehbp", {}), base, state_dir),
         **kwargs,
     )
     if not config.allow_plaintext_upstream:
@@ -561,14 +561,15 @@ def _admin_listener(gw: dict[str, Any], base: Path) -> dict[str, Any]:
     return out
 
 
-def _ehbp(table: Any, base: Path) -> dict[str, Any]:
-    """[ehbp]: enabled (default true), key_file (made 0600 if absent), require_encrypted_secret."""
+def _ehbp(table: Any, base: Path, state_dir: Path) -> dict[str, Any]:
+    """[ehbp]: enabled (default true), key_file (made 0600 if absent; by default in the state
+    directory, so that a restart keeps the key clients pinned), require_encrypted_secret."""
     if not isinstance(table, dict):
         raise ConfigError("ehbp: expected a table")
     unknown = set(table) - {"enabled", "key_file", "require_encrypted_secret"}
     if unknown:
         raise ConfigError(f"ehbp: unknown keys {sorted(unknown)}")
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"ehbp_key_file": state_dir / "hpke.key"}
     if "enabled" in table:
         out["ehbp"] = _expect(table, "enabled", bool, "ehbp")
     if "key_file" in table:

@@ -67,6 +67,7 @@ async def _up(port: int, replicas: int, state_dir: Path, sim_base_port: int) -> 
         replicas=tuple(ReplicaConfig(s.url) for s in sims),
         state_dir=state_dir,
         master_key_file=state_dir / "master.key",
+        ehbp_key_file=state_dir / "hpke.key",  # kept: clients pinned it
         port=port,
         admin_port=port + 1 if port else 0,
     )
@@ -88,7 +89,9 @@ async def _up(port: int, replicas: int, state_dir: Path, sim_base_port: int) -> 
     print(f"  console:  {admin_url}/console/ (sign in with the admin token)")
     print(f"  state:    {state_dir}")
     if running.ehbp is not None:
-        print(f"  EHBP key: {running.ehbp.key.config.fingerprint} (made at start; pin it)")
+        print(
+            f"  EHBP key: {running.ehbp.key.config.fingerprint} (in {config.ehbp_key_file}; pin it)"
+        )
     for name, key in keys:
         print(f"  tenant {name}: API key {key}")
     print(

@@ -27,7 +27,7 @@ from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore
 
 # Pinned apart from the table: a route added or dropped must be added here too, on purpose.
-EXPECTED_ROUTES = 26
+EXPECTED_ROUTES = 28
 
 
 @dataclass
@@ -297,6 +297,23 @@ def test_tenants_keys_and_the_audit_log_through_the_api(tmp_path: Path) -> None:
             assert r.status_code == 400
             r = await admin.call(root, "PUT", f"tenants/{carol}/limits", {"rps": 1})
             assert r.status_code == 400 and r.json()["error"]["param"] == "rps"
+            # PATCH edits: what it names is set (or cleared by null), the rest is kept.
+            patch = {"budget_usd": "5", "budget_period": "30d"}
+            r = await admin.call(root, "PATCH", f"tenants/{carol}/limits", patch)
+            assert r.status_code == 200, r.text
+            budget = {"budget_micro_usd": 5_000_000, "budget_period_s": 30 * 86400}
+            assert r.json()["limits"] == {"rpm": 60, **budget}
+            r = await admin.call(root, "PATCH", f"tenants/{carol}/limits", {"rpm": None})
+            assert r.status_code == 200 and r.json()["limits"] == budget
+            r = await admin.call(root, "PATCH", f"tenants/{carol}/limits", {"budget_usd": 1})
+            assert r.status_code == 200 and r.json()["limits"]["budget_micro_usd"] == 1_000_000
+            r = await admin.call(
+                root, "PATCH", f"tenants/{carol}/limits", {"budget_period": None, "rpm": 5}
+            )
+            assert r.status_code == 200 and r.json()["limits"] == {"rpm": 5}
+            r = await admin.call(root, "PATCH", f"tenants/{carol}/limits", {"budget_usd": 1})
+            assert r.status_code == 400 and "a budget needs both" in r.text  # no period kept
+            r = await admin.call(root, "PUT", f"tenants/{carol}/limits", {"rpm": 60})
             r = await admin.call(root, "POST", f"tenants/{carol}/keys", {"priority": "urgent"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
             r = await admin.call(root, "POST", f"tenants/{carol}/keys", {"priority": "batch"})

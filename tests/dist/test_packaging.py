@@ -142,7 +142,7 @@ def analyze(*args: str) -> subprocess.CompletedProcess[str]:
 def runnable_unit(tmp_path: Path, text: str) -> Path:
     """The unit with ExecStart pointing at this environment's saltgate: verify checks the
     program exists, and /opt/saltgate is not installed here."""
-    assert text.count(INSTALLED_AT) == 1
+    assert text.count(INSTALLED_AT) == 2  # the check before the start, the start
     unit = tmp_path / "saltgate.service"
     unit.write_text(text.replace(INSTALLED_AT, str(Path(sys.executable).parent / "saltgate")))
     return unit
@@ -167,6 +167,9 @@ def test_the_systemd_unit_is_hardened(tmp_path: Path) -> None:
         "ProtectSystem=strict",
         "StateDirectory=saltgate",
         "ExecReload=/bin/kill -HUP $MAINPID",
+        # A configuration error is said once, not restarted every 2 s forever (exit 2).
+        f"ExecStartPre={INSTALLED_AT} serve --check --config /etc/saltgate/gateway.toml",
+        "RestartPreventExitStatus=2",
     ):
         assert re.search(rf"^{re.escape(line)}$", text, re.MULTILINE), line
     done = analyze("security", "--offline=yes", str(runnable_unit(tmp_path, text)))
@@ -220,7 +223,9 @@ def test_the_dockerfile_builds_with_make_dist_and_runs_the_wheel_unprivileged() 
     [copied] = [args for kind, args in runtime if kind == "COPY"]
     assert copied.startswith("--from=builder /src/requirements-runtime.lock /src/dist/saltgate-")
     [user] = [args for kind, args in runtime if kind == "USER"]
-    assert user not in ("root", "0")
+    assert user == "10001:10001"  # numeric and fixed: runAsNonRoot, files chowned ahead
+    assert "groupadd --system --gid 10001 saltgate" in run
+    assert "useradd --system --uid 10001 --gid saltgate" in run
     [health] = [args for kind, args in runtime if kind == "HEALTHCHECK"]
     assert "SALTGATE_HEALTH_URL" in health
     assert any(kind == "ENV" and "/health" in args for kind, args in runtime)

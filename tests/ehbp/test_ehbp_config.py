@@ -4,7 +4,9 @@ and `saltgate up` (a key made at start, EHBP and plaintext alike)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import secrets
 from pathlib import Path
 
 import ehbp
@@ -16,13 +18,15 @@ from tests.support.up import saltgate_up
 from saltgate.config import ConfigError, parse_config
 from saltgate.ehbp.frames import KEYS_PATH, KeyConfig
 from saltgate.gateway.ehbp import load_or_create_server_key
+from saltgate.serving.check import check_config
+from saltgate.serving.run import ehbp_key
 
 REPLICAS = {"replicas": [{"url": "http://127.0.0.1:9"}]}
 
 
 def test_the_ehbp_section(tmp_path: Path) -> None:
     default = parse_config(dict(REPLICAS), tmp_path)
-    assert default.ehbp and default.ehbp_key_file is None
+    assert default.ehbp and default.ehbp_key_file == tmp_path / ".state" / "hpke.key"
     assert not default.require_encrypted_secret
     config = parse_config(
         {**REPLICAS, "ehbp": {"key_file": "hpke.key", "require_encrypted_secret": True}},
@@ -57,6 +61,38 @@ def test_the_key_file_is_made_once_private_and_kept(tmp_path: Path) -> None:
     link.symlink_to(path)
     with pytest.raises(ConfigError, match="cannot read"):
         load_or_create_server_key(link)
+
+
+def test_serve_keeps_its_default_key_across_a_restart(tmp_path: Path) -> None:
+    """Without `key_file` the key lives in the state directory: a restart (the key loaded
+    again from the same configuration) serves the key clients pinned."""
+    config = parse_config(dict(REPLICAS), tmp_path)
+    first = ehbp_key(config)
+    assert (tmp_path / ".state" / "hpke.key").stat().st_mode & 0o777 == 0o600
+    assert ehbp_key(parse_config(dict(REPLICAS), tmp_path)).config == first.config
+
+
+def test_check_refuses_a_key_file_serve_could_not_create(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve --check` used to say "will be created" for a key file in a directory the
+    running gateway cannot write (/etc/saltgate under the shipped unit), then `serve` failed."""
+    (tmp_path / "master.key").write_text(secrets.token_hex(32))
+    (tmp_path / "master.key").chmod(0o600)
+    base = {**REPLICAS, "gateway": {"master_key_file": "master.key", "port": 0}}
+    assert "EHBP key file" in check_config(parse_config(base, tmp_path))  # creatable: a note
+    (tmp_path / "etc").write_text("a file, not a directory")
+    beside_a_file = parse_config({**base, "ehbp": {"key_file": "etc/hpke.key"}}, tmp_path)
+    with pytest.raises(ConfigError, match="not a writable directory"):
+        check_config(beside_a_file)
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    # What a read-only mount answers, even to root (EROFS); as root a mode would not do.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != read_only and real_access(p, mode))
+    config = parse_config({**base, "ehbp": {"key_file": "ro/keys/hpke.key"}}, tmp_path)
+    with pytest.raises(ConfigError, match=r"ehbp.key_file: cannot create .*ro"):
+        check_config(config)
 
 
 def test_saltgate_up_serves_ehbp_and_plaintext_alike(tmp_path: Path) -> None:

@@ -164,13 +164,13 @@ def test_sighup_reopens_the_access_log_after_rotation(tmp_path: Path, workers: i
                 senders = [asyncio.create_task(traffic()) for _ in range(4)]
                 await eventually(lambda: log.exists() and log.stat().st_size > 0, what="lines")
                 log.rename(tmp_path / "gw.log.1")
+                since = gateway.log.stat().st_size
                 gateway.proc.send_signal(signal.SIGHUP)
-                assert gateway.proc.stdout is not None
-                while b"reopened the access log" not in (
-                    line := await asyncio.wait_for(gateway.proc.stdout.readline(), 30)
-                ):
-                    assert line, "the gateway exited"
-                assert f"in {workers} of {workers} workers".encode() in line or workers == 1
+                line = await gateway.event("reopened the access log", since=since)
+                event = orjson.loads(line)  # log_format = "json": event lines are JSON too
+                assert event["level"] == "info", event
+                assert event["process"] == ("supervisor" if workers > 1 else "gateway"), event
+                assert f"in {workers} of {workers} workers" in event["message"] or workers == 1
                 after = []
                 for _ in range(20):
                     resp = await http.get("/health")
@@ -191,6 +191,16 @@ def test_sighup_reopens_the_access_log_after_rotation(tmp_path: Path, workers: i
     assert set(after) <= set(new)  # after the reopen: the new file only
     counts = Counter(old + new)
     assert set(counts) == set(sent) and max(counts.values()) == 1  # none lost, none twice
+    # Every event line on stderr is JSON too, from the supervisor and each worker, and
+    # the shutdown is said (issue 43: reload, reopen and shutdown left no line).
+    events = [orjson.loads(line) for line in (tmp_path / "stderr.log").read_text().splitlines()]
+    said = [(e["process"], e["message"]) for e in events]
+    first = "supervisor" if workers > 1 else "gateway"
+    assert said[-1] == (first, "stopped"), said
+    assert any(p == first and m.startswith("stopping: ") for p, m in said), said
+    assert all(e["time"].endswith("Z") and e["level"] in ("info", "warning") for e in events)
+    if workers > 1:  # each worker names itself (its warning: limits not shared)
+        assert {e["worker"] for e in events} == {None, 0, 1}, events
 
 
 def test_client_chosen_strings_cannot_forge_a_line(tmp_path: Path) -> None:

@@ -132,6 +132,14 @@ def test_spent_budget_is_insufficient_quota_without_retry(tmp_path: Any) -> None
             assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
             assert refused.headers["x-should-retry"] == "false"
             assert "retry-after" not in refused.headers
+            # Counted for the operator, by tenant id and limit (issue 43: refusals had no
+            # tenant label); the tenant's name never is one.
+            tenant = s.gateway.gateway.keys.authenticate(s.keys["alice"])
+            assert tenant is not None
+            text = await s.scrape()
+            labels = f'tenant="{tenant.tenant_id}",limit="budget",scope="tenant"'
+            assert f"saltgate_limit_refusals_total{{{labels}}} 1.0" in text, text
+            assert "alice" not in text
 
     run(main)
 

@@ -16,6 +16,8 @@ from pathlib import Path
 from tests.gateway.stack import MODEL, run, stack
 from tests.support.http import async_client
 
+from saltgate import __version__
+from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.store.tenants import TenantStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,6 +109,8 @@ def test_a_live_gateway_exposes_only_documented_metrics(tmp_path: Path) -> None:
         assert f'saltgate_replica_healthy{{replica="{replica}"}} 1.0' in text
         assert 'le="600.0"' in text  # the default upstream timeout ends the durations
         assert "alice" not in text  # a tenant's name is never a label
+        build = "compiled" if build_kind() == COMPILED else "pure"
+        assert f'saltgate_build_info{{version="{__version__}",build="{build}"}} 1.0' in text
 
     run(main)
 
@@ -168,6 +172,24 @@ def test_promtool_checks_the_rules_and_runs_their_unit_tests(tmp_path: Path) -> 
     shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
     failed = _run("test", "rules", RULE_TESTS.name, cwd=tmp_path)
     assert failed.returncode != 0 and "SaltgateTTFTHigh" in failed.stdout + failed.stderr
+
+
+def fired_alerts(tests: str) -> set[str]:
+    """The alerts some case of a promtool test file expects to fire (not `exp_alerts: []`)."""
+    return set(re.findall(r"alertname: (\w+)\n\s+exp_alerts:\n\s+- exp_labels:", tests))
+
+
+def test_every_alert_has_a_unit_test_that_fires_it() -> None:
+    """Each rule of saltgate-rules.yml is fired by some case of saltgate-rules.test.yml
+    (issue 43: six of ten had none), so promtool proves its expression and labels."""
+    alerts = set(re.findall(r"^\s*- alert: (\w+)$", RULES.read_text(), re.MULTILINE))
+    assert len(alerts) >= 12
+    assert alerts <= fired_alerts(RULE_TESTS.read_text()), alerts - fired_alerts(
+        RULE_TESTS.read_text()
+    )
+    # the control: a case that expects silence is not a test that fires
+    quiet = "      - eval_time: 2m\n        alertname: SaltgateX\n        exp_alerts: []\n"
+    assert fired_alerts(quiet) == set()
 
 
 def test_promtool_refuses_a_malformed_rule(tmp_path: Path) -> None:

@@ -4,9 +4,12 @@ PostgreSQL outage through it), 200 otherwise; and `serve --check` through the re
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,8 +18,9 @@ from tests.routing.test_routing_gateway import FAST_PROBES, kill
 from tests.support.gateways import SALTGATE, write_gateway_config
 from tests.support.waiting import eventually
 
-from saltgate.config import create_master_key
+from saltgate.config import ConfigError, create_master_key, load_config
 from saltgate.gateway.readiness import ReplicaView, readiness, store_state
+from saltgate.serving.check import check_config
 
 
 def test_readiness_rules() -> None:
@@ -139,3 +143,60 @@ def test_serve_check_names_the_problem(tmp_path: Path, extra: str, needle: str) 
     )
     done = _serve_check(config)
     assert done.returncode == 2 and needle in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_taken_port_is_named_by_check_and_serve(tmp_path: Path, workers: int) -> None:
+    """An admin port in use was reported against the inference port ("cannot serve on
+    HOST:PORT"), and `--check` passed: both now name the admin listener and its options,
+    with exit 1 (a port may be free a moment later; the unit retries 1, not 2)."""
+    master = tmp_path / "master.key"
+    create_master_key(master)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = taken.getsockname()[1]
+        config = write_gateway_config(
+            tmp_path / "gw.toml",
+            state_dir=tmp_path / "state",
+            master_key_file=master,
+            replicas=["http://127.0.0.1:9"],
+            admin_port=busy,
+        )
+        checked = _serve_check(config)
+        served = subprocess.run(
+            [str(SALTGATE), "serve", "--config", str(config), "--workers", str(workers)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    for done in (checked, served):
+        assert done.returncode == 1, done.stderr
+        said = f"cannot listen on 127.0.0.1:{busy} (the admin listener: gateway.admin_host, "
+        assert said in done.stderr, done.stderr
+        assert "cannot serve on" not in done.stderr
+
+
+def test_check_refuses_tracing_without_its_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`[tracing]` without the otel extra passed `--check`, then `serve` failed."""
+    master = tmp_path / "master.key"
+    create_master_key(master)
+    config = load_config(
+        write_gateway_config(
+            tmp_path / "gw.toml",
+            state_dir=tmp_path / "state",
+            master_key_file=master,
+            replicas=["http://127.0.0.1:9"],
+            sections='[tracing]\notlp_endpoint = "http://127.0.0.1:4318"\n',
+        )
+    )
+    assert "replicas" in check_config(config)  # installed here: passes
+    real = importlib.util.find_spec
+
+    def without_otel(name: str, *args: Any) -> Any:
+        return None if name.startswith("opentelemetry") else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_otel)
+    with pytest.raises(ConfigError, match=r"pip install 'saltgate\[otel\]'"):
+        check_config(config)

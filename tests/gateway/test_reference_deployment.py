@@ -239,7 +239,7 @@ async def _deployment(
         [
             ("/etc/saltgate/gateway.toml", str(configs["node-a"])),
             ("/etc/saltgate", str(etc)),
-            ("chown saltgate master.key\n", ""),
+            ("chown saltgate master.key hpke.key\n", ""),
         ],
     )
     env = {**os.environ, "PATH": f"{SALTGATE.parent}:{os.environ['PATH']}"}

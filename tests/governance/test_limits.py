@@ -25,12 +25,15 @@ from saltgate.governance.limits import (
     REQUESTS,
     Demand,
     Governor,
+    LimitError,
     Limits,
     Ticket,
     fair_weight,
+    json_limits_edit,
     limits_label,
     output_allowance,
     parse_limits,
+    parse_limits_edit,
 )
 
 pytestmark = pytest.mark.unit
@@ -406,3 +409,49 @@ def test_the_label_gives_back_what_the_parser_takes(
     assert limits_label(Limits(budget_micro_usd=12_500_000, budget_period_s=2592000)) == (
         "budget=$12.5/30d"
     )
+
+
+# -- edits: what is not named is kept (issue 42: `set-limits --rpm 10` erased the rest) -----
+
+
+SET_EARLIER = Limits(rpm=60, input_tpm=1000, budget_micro_usd=5_000_000, budget_period_s=86400)
+
+
+def test_an_edit_sets_what_it_names_and_keeps_the_rest() -> None:
+    edited = parse_limits_edit({"rpm": "10"}).apply(SET_EARLIER)
+    assert edited == Limits(
+        rpm=10, input_tpm=1000, budget_micro_usd=5_000_000, budget_period_s=86400
+    )
+    # A budget's amount alone, its period kept; dollars as the CLI gives them.
+    assert parse_limits_edit({"budget_usd": "7.5"}).apply(SET_EARLIER) == Limits(
+        rpm=60, input_tpm=1000, budget_micro_usd=7_500_000, budget_period_s=86400
+    )
+    assert parse_limits_edit({"weight": 2}).apply(None) == Limits(weight=2)
+
+
+def test_an_edit_clears_what_it_names_and_the_budget_as_one() -> None:
+    assert parse_limits_edit({}, ["budget", "rpm"]).apply(SET_EARLIER) == Limits(input_tpm=1000)
+    assert parse_limits_edit({}, ["input_tpm"]).apply(Limits(input_tpm=5)) is None  # all gone
+    assert parse_limits_edit({}, ["weight"]).apply(None) is None  # nothing to clear: fine
+
+
+def test_an_edit_that_cannot_hold_is_refused_with_its_field() -> None:
+    with pytest.raises(LimitError, match="a budget needs both") as info:
+        parse_limits_edit({"budget_usd": "1"}).apply(None)  # no period set, none given
+    with pytest.raises(LimitError, match="rpm is both set and cleared"):
+        parse_limits_edit({"rpm": 1}, ["rpm"])
+    with pytest.raises(LimitError, match="budget is both set and cleared"):
+        parse_limits_edit({"budget_period": "30d"}, ["budget"])
+    with pytest.raises(LimitError, match="cannot clear 'rps'") as info:
+        parse_limits_edit({}, ["rps"])
+    assert info.value.field == "rps"
+    with pytest.raises(LimitError, match="limit rpm must be from 0"):
+        parse_limits_edit({"rpm": 10**10})
+
+
+def test_a_json_merge_patch_sets_values_and_clears_nulls() -> None:
+    patch = json_limits_edit({"output_tpm": 500, "budget_usd": None, "rpm": None})
+    assert patch.apply(SET_EARLIER) == Limits(input_tpm=1000, output_tpm=500)
+    assert json_limits_edit({}).apply(SET_EARLIER) == SET_EARLIER  # nothing named: kept
+    with pytest.raises(LimitError, match="unknown limit 'rps'"):
+        json_limits_edit({"rps": None})

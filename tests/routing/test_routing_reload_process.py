@@ -83,7 +83,7 @@ def test_sighup_reloads_the_replica_list(tmp_path: Path) -> None:
                 assert 2 not in (await burst("a", until={0, 1})).values()
                 write_config(config, state, sims)
                 proc.send_signal(signal.SIGHUP)
-                await line_with(proc.stdout, "reloaded")
+                await line_with(proc.stderr, "reloaded")
                 # The added replica takes its share. Each prompt's replica is a draw keyed
                 # by the run's random route secret (1 in 3 for each), so prompts are sent
                 # until the added one and the first have each served one, at most 100
@@ -96,7 +96,7 @@ def test_sighup_reloads_the_replica_list(tmp_path: Path) -> None:
                 its_own = [prompt for prompt, index in ranked.items() if index == 0]
                 write_config(config, state, sims[1:])
                 proc.send_signal(signal.SIGHUP)
-                await line_with(proc.stdout, "reloaded")
+                await line_with(proc.stderr, "reloaded")
                 assert 0 not in [await served_by(p) for p in its_own]  # the removed one
                 config.write_text("[router]\npolicy = 'nope'\n")
                 proc.send_signal(signal.SIGHUP)

@@ -16,6 +16,7 @@ from saltgate.config import (
     create_master_key,
     load_config,
 )
+from saltgate.serving import check
 from saltgate.serving.admin_listener import admin_tls, allowed_hosts, host_allowed, host_name
 from saltgate.serving.check import check_config
 from saltgate.serving.run import start_gateway
@@ -96,8 +97,10 @@ def test_tls_files_come_in_pairs_and_lift_the_refusal(tmp_path: Path) -> None:
 
 
 def test_serve_check_refuses_and_warns_as_serve_does(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # No socket in a unit test: --check's port probe is tests/gateway/test_ready.py's.
+    monkeypatch.setattr(check, "check_ports", lambda config: None)
     (tmp_path / "st").mkdir()
     create_master_key(tmp_path / "st" / "master.key")
     path = write(tmp_path, 'admin_host = "0.0.0.0"\nallow_plaintext_admin = true')

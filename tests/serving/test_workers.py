@@ -320,13 +320,12 @@ def test_a_killed_worker_is_restarted_and_each_delivered_200_has_one_record(
             await f.gateway.stop()
             assert f.gateway.proc.returncode == 0
             log = f.log.read_text()
-            lines = [ln for ln in log.splitlines() if "worker 1" in ln]
-            assert lines == [
-                ln
-                for ln in lines
-                if ln.startswith(f"saltgate: worker 1 (pid {victim}) was killed by SIGKILL after ")
-            ]
-            assert len(lines) == 1 and lines[0].endswith("restarting it (restart 1)"), lines
+            # The supervisor's word on worker 1: its death and restart, once, as a warning.
+            lines = [ln for ln in log.splitlines() if "[supervisor]" in ln and "worker 1" in ln]
+            assert len(lines) == 1, lines
+            assert " WARNING [supervisor] saltgate.serving.supervisor: " in lines[0], lines
+            assert f"worker 1 (pid {victim}) was killed by SIGKILL after " in lines[0], lines
+            assert lines[0].endswith("restarting it (restart 1)"), lines
             master = load_master_key(tmp_path / "master.key")
             assert not leaks(log, api_key=f.key, master_key=master)
             # The key-shaped request id a client chose is in the access log lines there,
@@ -405,13 +404,9 @@ async def _reload_to_second_replica(f: Fleet) -> str:
     text = f.config.read_text()
     old, new = (f"127.0.0.1:{t.port}" for t in f.taps[:2])
     f.config.write_text(text.replace(old, new))
+    since = f.gateway.log.stat().st_size
     os.kill(f.pid, signal.SIGHUP)
-    assert f.gateway.proc.stdout is not None
-    line = ""
-    while "reloaded" not in line:  # after the banner lines
-        line = (await asyncio.wait_for(f.gateway.proc.stdout.readline(), 30)).decode()
-        assert line, "the gateway exited"
-    return line
+    return await f.gateway.event("reloaded", since=since)
 
 
 def test_sighup_changes_the_replicas_of_every_worker(tmp_path: Path) -> None:
@@ -423,7 +418,8 @@ def test_sighup_changes_the_replicas_of_every_worker(tmp_path: Path) -> None:
             assert (f.posts(0), f.posts(1)) == (20, 0)
             before = per_worker(await f.metrics(), "saltgate_worker_requests_total")
             line = await _reload_to_second_replica(f)
-            assert line == f"saltgate: reloaded {f.config}: 1 replicas in 2 of 2 workers\n"
+            assert " INFO [supervisor] saltgate.serving.supervisor: " in line, line
+            assert line.endswith(f"reloaded {f.config}: 1 replicas in 2 of 2 workers"), line
             await _fresh_requests(f, 40)
             after = per_worker(await f.metrics(), "saltgate_worker_requests_total")
             assert all(after[i] > before[i] for i in range(WORKERS)), (before, after)
@@ -479,7 +475,7 @@ def test_a_reload_while_a_worker_restarts_reaches_it_too(tmp_path: Path) -> None
                 what="worker 1's replacement starting",
             )
             line = await _reload_to_second_replica(f)
-            assert line.endswith(" workers\n") and "1 replicas in " in line, line
+            assert line.endswith(" workers") and "1 replicas in " in line, line
 
             async def both_alive() -> bool:
                 return (await f.metrics())["saltgate_workers_alive"] == 2

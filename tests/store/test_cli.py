@@ -91,17 +91,26 @@ def test_admin_commands_work_on_the_configured_store(
     assert (code, out) == (0, f"tenant acme limits {expected}")
     assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(f"\tlimits {expected}")
     for bad, message in (
-        (("--budget-usd", "5"), "--budget-usd and --budget-period go together"),
         (("--budget-usd", "0.0000001", "--budget-period", "1d"), "at most 6 decimals"),
         (("--budget-usd", "5", "--budget-period", "soon"), "budget_period must be a duration"),
         (("--rpm", "-1"), "limit rpm must be from 0 to"),
         (("--rpm", "18446744073709551615"), "limit rpm must be from 0 to"),
         (("--rpm", "5", "--clear"), "--clear alone"),
+        (("--clear", "rps"), "cannot clear 'rps'"),
+        (("--rpm", "5", "--clear", "rpm"), "rpm is both set and cleared"),
         ((), "give at least one"),
     ):
         code, _, err = _saltgate(capsys, *set_limits, *bad, *c)
         assert code == 1 and message in err, (bad, err)
     assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(f"\tlimits {expected}")
+    # An edit: what is named changes, the rest stays (issue 42: it was all replaced).
+    code, out, _ = _saltgate(capsys, *set_limits, "--rpm", "10", "--budget-usd", "5", *c)
+    edited = "rpm=10 input_tpm=10000 output_tpm=2000 concurrency=4 budget=$5/30d"
+    assert (code, out) == (0, f"tenant acme limits {edited}")
+    code, out, _ = _saltgate(capsys, *set_limits, "--clear", "budget", "--clear", "rpm", *c)
+    assert (code, out) == (0, "tenant acme limits input_tpm=10000 output_tpm=2000 concurrency=4")
+    code, _, err = _saltgate(capsys, *set_limits, "--budget-usd", "5", *c)
+    assert code == 1 and "a budget needs both" in err  # no period left to keep
     key_id = listed.split("\t")[0]
     code, out, _ = _saltgate(capsys, "keys", "set-limits", key_id, "--rpm", "5", *c)
     assert (code, out) == (0, f"key {key_id} limits rpm=5")
@@ -201,7 +210,11 @@ def test_a_tenants_weight_is_set_listed_and_refused_on_keys(
     code, _, err = _saltgate(capsys, "keys", "set-limits", key_id, "--weight", "2", *c)
     assert code == 1 and "a key cannot set it" in err and "\n" not in err
     assert _saltgate(capsys, "keys", "list", *c)[1].endswith("\tlimits none")
-    assert _saltgate(capsys, *set_limits, "--weight", "3", *c)[0] == 0
+    # An edit keeps rpm=60 unless cleared: a weight alone is left.
+    assert _saltgate(capsys, *set_limits, "--weight", "3", "--clear", "rpm", *c)[:2] == (
+        0,
+        "tenant acme limits weight=3",
+    )
 
     async def principal() -> tuple[float | None, bool]:
         store = await open_gateway_store(StoreSettings.in_state_dir(tmp_path / "state"))

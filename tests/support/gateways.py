@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tests.support.http import async_client
+from tests.support.waiting import eventually
 
 from saltgate.admin.scopes import SCOPES, USAGE_READ
 from saltgate.config import create_master_key, load_config
@@ -137,6 +138,20 @@ class GatewayProcess:
         async with async_client(timeout=10) as http:
             text = (await http.get(self.metrics_url, headers=self.metrics_headers)).text
         return per_worker(series(text), "saltgate_worker_requests_total")
+
+    async def event(self, words: str, *, since: int = 0, timeout_s: float = 30) -> str:
+        """The first event line the gateway wrote after byte `since` of its stderr (`log`)
+        that holds `words`."""
+        found: list[str] = []
+
+        def seen() -> bool:
+            text = self.log.read_bytes()[since:].decode(errors="replace")
+            found[:] = [line for line in text.splitlines() if words in line]
+            return bool(found) or self.proc.returncode is not None
+
+        await eventually(seen, timeout_s=timeout_s, what=f"a line with {words!r}")
+        assert found, f"the gateway exited: {self.log.read_text()[-2000:]}"
+        return found[0]
 
     async def stop(self) -> None:
         if self.proc.returncode is None:

@@ -29,7 +29,13 @@ from saltgate.admin.service import (
 )
 from saltgate.admin.store import AdminStore
 from saltgate.admin.tokens import AdminPrincipal, authenticate_admin
-from saltgate.governance.limits import LimitError, Limits, parse_limits
+from saltgate.governance.limits import (
+    LimitError,
+    Limits,
+    LimitsEdit,
+    json_limits_edit,
+    parse_limits,
+)
 from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError
@@ -133,6 +139,14 @@ def _limits(body: dict[str, Any]) -> Limits | None:
         raise ApiError(400, str(exc), param=exc.field) from None
 
 
+def _limits_edit(body: dict[str, Any]) -> LimitsEdit:
+    """An edit from a JSON merge patch (json_limits_edit)."""
+    try:
+        return json_limits_edit(body)
+    except LimitError as exc:
+        raise ApiError(400, str(exc), param=exc.field) from None
+
+
 class AdminApi:
     """`handle` answers /admin/... requests (None for any other path): the HTTP front end
     of saltgate.admin.service, which holds every rule."""
@@ -155,12 +169,14 @@ class AdminApi:
             "tenants_archive": self._tenants_archive,
             "tenants_rotate_salt": self._tenants_rotate_salt,
             "tenants_limits": self._tenants_limits,
+            "tenants_limits_edit": self._tenants_limits_edit,
             "keys_list": self._keys_list,
             "keys_create": self._keys_create,
             "keys_get": self._keys_get,
             "keys_revoke": self._keys_revoke,
             "keys_rotate": self._keys_rotate,
             "keys_limits": self._keys_limits,
+            "keys_limits_edit": self._keys_limits_edit,
             "audit_logs_list": self._audit_logs_list,
             "admin_tokens_list": self._admin_tokens_list,
             "admin_tokens_create": self._admin_tokens_create,
@@ -289,6 +305,10 @@ class AdminApi:
         limits = _limits(call.body())
         return 200, (await self.service.tenants_limits(call.caller, call.tenant, limits)).to_dict()
 
+    async def _tenants_limits_edit(self, call: Call) -> JsonAnswer:
+        edit = _limits_edit(call.body())
+        return 200, (await self.service.tenants_limits(call.caller, call.tenant, edit)).to_dict()
+
     async def _keys_list(self, call: Call) -> JsonAnswer:
         found = await self.service.keys_list(
             call.caller, call.tenant, after=call.after(), limit=call.limit()
@@ -323,6 +343,10 @@ class AdminApi:
     async def _keys_limits(self, call: Call) -> JsonAnswer:
         limits = _limits(call.body())
         return 200, (await self.service.keys_limits(call.caller, call.key, limits)).to_dict()
+
+    async def _keys_limits_edit(self, call: Call) -> JsonAnswer:
+        edit = _limits_edit(call.body())
+        return 200, (await self.service.keys_limits(call.caller, call.key, edit)).to_dict()
 
     async def _audit_logs_list(self, call: Call) -> JsonAnswer:
         limit, after = call.limit(), call.after()

@@ -60,6 +60,18 @@ _LIMITS: Final[Schema] = {
     },
 }
 
+# A JSON merge patch of limits: a value sets one, null clears its kind, absent keeps it.
+_LIMITS_PATCH: Final[Schema] = {
+    "type": "object",
+    "description": "Limits to set (as in Limits) or to clear (null; a null budget_usd, "
+    "budget_period or budget_* clears the budget); the others are kept.",
+    "additionalProperties": False,
+    "properties": {
+        name: {"anyOf": [schema, {"type": "null"}]}
+        for name, schema in _LIMITS["properties"].items()
+    },
+}
+
 SCHEMAS: Final[dict[str, Schema]] = {
     "Error": _object(
         ("error",),
@@ -72,6 +84,7 @@ SCHEMAS: Final[dict[str, Schema]] = {
         ),
     ),
     "Limits": _LIMITS,
+    "LimitsPatch": _LIMITS_PATCH,
     "Me": _object(
         ("object", "id", "scopes", "tenant_id"),
         object=_STR,
@@ -233,6 +246,12 @@ OPERATIONS: Final[dict[str, Operation]] = {
         _ref("Tenant"),
         body=_ref("Limits"),
     ),
+    "tenants_limits_edit": Operation(
+        "Edit a tenant's limits, budget and weight: set those given, clear those null, keep "
+        "the others (not with a pinned token)",
+        _ref("Tenant"),
+        body=_ref("LimitsPatch"),
+    ),
     "keys_list": Operation("A tenant's API keys", _list_of("ApiKey"), query=_PAGED),
     "keys_create": Operation(
         "Mint an API key (its value is in this answer only)",
@@ -252,6 +271,11 @@ OPERATIONS: Final[dict[str, Operation]] = {
         },
     ),
     "keys_limits": Operation("Replace a key's own limits", _ref("ApiKey"), body=_ref("Limits")),
+    "keys_limits_edit": Operation(
+        "Edit a key's own limits: set those given, clear those null, keep the others",
+        _ref("ApiKey"),
+        body=_ref("LimitsPatch"),
+    ),
     "audit_logs_list": Operation("The audit log", _list_of("AuditEntry"), query=_PAGED),
     "admin_tokens_list": Operation("Admin tokens", _list_of("AdminToken"), query=_PAGED),
     "admin_tokens_create": Operation(

@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 from saltgate.admin import openapi, scopes, usage
 from saltgate.admin.store import AdminStore
 from saltgate.admin.tokens import AdminPrincipal
-from saltgate.governance.limits import Limits
+from saltgate.governance.limits import LimitError, Limits, LimitsEdit
 from saltgate.governance.priority import PRIORITIES
 from saltgate.policy.errors import ApiError
 from saltgate.prices import Price
@@ -176,6 +176,20 @@ def not_found(what: str) -> ApiError:
     return ApiError(404, f"no such {what}", code="not_found")
 
 
+# What a limits operation does: replace them all (None: clear them), or edit some.
+LimitsChange = Limits | LimitsEdit | None
+
+
+def _changed(current: Limits | None, change: LimitsChange) -> Limits | None:
+    """The limits after `change`, read against what is stored in the same transaction."""
+    if not isinstance(change, LimitsEdit):
+        return change
+    try:
+        return change.apply(current)
+    except LimitError as exc:  # the edit and what was kept do not hold together
+        raise ApiError(400, str(exc), param=exc.field) from None
+
+
 def _operator_only(what: str) -> ApiError:
     return ApiError(
         403,
@@ -312,14 +326,14 @@ class AdminService:
 
         return await self._tenant_change(caller, "tenants_rotate_salt", ref, rotate)
 
-    async def tenants_limits(self, caller: Caller, ref: str, limits: Limits | None) -> Tenant:
-        """A tenant's limits, budget and weight: the operator's (a pinned token narrows its
-        own keys' limits instead, which the tenant's still bound)."""
+    async def tenants_limits(self, caller: Caller, ref: str, change: LimitsChange) -> Tenant:
+        """A tenant's limits, budget and weight, replaced or edited: the operator's (a
+        pinned token narrows its own keys' limits instead, which the tenant's still bound)."""
 
         def apply(store: TenantStore, t: Tenant) -> Tenant:
             if caller.pinned is not None:
                 raise _operator_only("limits, budget or weight")
-            return store.set_limits(t.id, limits)
+            return store.set_limits(t.id, _changed(t.limits, change))
 
         return await self._tenant_change(caller, "tenants_limits", ref, apply)
 
@@ -378,10 +392,11 @@ class AdminService:
 
         return await self._run(caller, "keys_rotate", rotate)
 
-    async def keys_limits(self, caller: Caller, key_id: str, limits: Limits | None) -> ApiKeyInfo:
+    async def keys_limits(self, caller: Caller, key_id: str, change: LimitsChange) -> ApiKeyInfo:
         def apply(db: Database) -> ApiKeyInfo:
             store = TenantStore(db, actor=caller.actor)
-            return store.set_key_limits(_key(store, caller, key_id).id, limits)
+            key = _key(store, caller, key_id)
+            return store.set_key_limits(key.id, _changed(key.limits, change))
 
         return await self._run(caller, "keys_limits", apply)
 

@@ -19,6 +19,7 @@ from typing import Final
 
 from redis.exceptions import RedisError
 
+from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
 from saltgate.governance.limits import (
     BUDGET,
@@ -42,6 +43,7 @@ from saltgate.policy.request import GENERATION_ROUTES
 from saltgate.prices import PriceVersion
 from saltgate.store.tenants import Principal
 
+REFUSALS: Final = "saltgate_limit_refusals_total"
 log = logging.getLogger(__name__)
 
 # What OpenAI's message calls each limit.
@@ -95,8 +97,18 @@ class Admission:
         share: int = 1,
         shared: SharedLimits | None = None,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        metrics: Metrics | None = None,
     ) -> None:
         self.governor = Governor(lease_ttl_s=lease_ttl_s)
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.describe(
+                REFUSALS,
+                "counter",
+                "Requests refused 429 by a limit or a spent budget, by tenant id, the limit "
+                "(requests, input_tokens, output_tokens, concurrency, budget) and whose it "
+                "is (tenant or key).",
+            )
         self.prices = prices
         self.share = share
         self.shared = shared
@@ -138,7 +150,7 @@ class Admission:
                     local = self.governor.record(self._subjects(principal), demand, self._clock())
                     ticket = SharedTicket(granted.id, granted.specs, local)
                 if not self.shared_up:
-                    log.warning("saltgate: limits shared through Redis again")
+                    log.warning("limits shared through Redis again")
                     self.shared_up = True
             else:
                 self._lost(failure)
@@ -148,13 +160,16 @@ class Admission:
         headers = rate_headers(quotas, anthropic)
         if ticket is None:
             assert denial is not None
+            if self.metrics is not None:
+                labels = (("tenant", principal.tenant_id), ("limit", denial.kind))
+                self.metrics.inc(REFUSALS, (*labels, ("scope", denial.scope)))
             raise denial_error(denial, model, anthropic, headers)
         return ticket, headers
 
     def _lost(self, exc: Exception) -> None:
         if self.shared_up:
             log.warning(
-                "saltgate: limits: Redis unreachable (%s); each process enforces 1/%d of "
+                "limits: Redis unreachable (%s); each process enforces 1/%d of "
                 "every limit on its own counts until it returns (docs/limits.md)",
                 type(exc).__name__,
                 self.share,
@@ -190,7 +205,7 @@ class Admission:
         try:
             await shared.settle(ticket, used)
         except (RedisError, OSError) as exc:
-            log.debug("saltgate: limits: settling in Redis failed (%s)", type(exc).__name__)
+            log.debug("limits: settling in Redis failed (%s)", type(exc).__name__)
 
 
 def reservation(

@@ -194,7 +194,7 @@ class Meter:
         if labels is None:
             labels = self._unreported[replica] = (("replica", replica),)
             log.warning(
-                "saltgate: replica %s reports no cached tokens in its usage (start vLLM with "
+                "replica %s reports no cached tokens in its usage (start vLLM with "
                 "--enable-prompt-tokens-details); its requests are recorded with cached "
                 "tokens unknown and priced at the full input price (docs/billing.md)",
                 labels[0][1],

@@ -20,7 +20,9 @@ from urllib.parse import parse_qs
 
 import orjson
 
+from saltgate import __version__
 from saltgate.admin.usage import usage_completions
+from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog
@@ -111,16 +113,17 @@ class Gateway:
             share=limit_share,
             shared=shared_limits,
             lease_ttl_s=config.limits_lease_ttl_s,
+            metrics=self.metrics,
         )
         if shared_limits is not None:
             log.info(
-                "saltgate: limits shared by the fleet through [cluster]'s Redis; while it is "
+                "limits shared by the fleet through [cluster]'s Redis; while it is "
                 "unreachable each process enforces 1/%d of every limit (docs/limits.md)",
                 limit_share,
             )
         elif limit_share > 1:
             log.warning(
-                "saltgate: limits are not shared between this gateway's %d processes "
+                "limits are not shared between this gateway's %d processes "
                 "([limits] share x --workers): each enforces 1/%d of every tenant's and "
                 "key's limit (rounded down), so together they never exceed it "
                 "(docs/limits.md)",
@@ -184,6 +187,16 @@ class Gateway:
             "http (prompts, salts, API key) or kv_events (salts, token ids). 0 is the goal.",
             self._plaintext_links,
         )
+        build = (
+            ("version", __version__),
+            ("build", "compiled" if build_kind() == COMPILED else "pure"),
+        )
+        m.gauge(
+            "saltgate_build_info",
+            "Always 1; its labels say which saltgate runs: the version, and the build "
+            "(compiled or pure Python).",
+            lambda: [(build, 1.0)],
+        )
 
     def _plaintext_links(self) -> list[tuple[Labels, float]]:
         configs = [r.config for r in self.replicas.replicas]
@@ -222,7 +235,7 @@ class Gateway:
             return self._log.reopen()
         except OSError as exc:
             log.warning(
-                "saltgate: cannot reopen the access log %s (%s); still writing to the old file",
+                "cannot reopen the access log %s (%s); still writing to the old file",
                 self._log.path,
                 exc.strerror,
             )

@@ -20,6 +20,7 @@ the SDK's own cost dwarfs the interpreter's.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
@@ -53,6 +54,23 @@ _OPERATIONS: Final = {
     "/v1/embeddings": "embeddings",
 }
 _TRACE_FIELDS: Final = (TRACE_PARENT, TRACE_STATE)
+
+
+OTEL_MODULES: Final = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+)
+
+
+def require_otel() -> None:
+    """ConfigError when the `otel` extra is missing, without importing it (`serve --check`
+    says it as `serve` would)."""
+    try:
+        found = all(importlib.util.find_spec(m) is not None for m in OTEL_MODULES)
+    except ModuleNotFoundError:  # a parent package missing
+        found = False
+    if not found:
+        raise ConfigError(EXTRA_MISSING)
 
 
 def start_tracer(settings: TracingConfig) -> GatewayTracer:

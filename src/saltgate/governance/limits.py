@@ -203,6 +203,76 @@ def parse_limits(given: Mapping[str, object]) -> Limits | None:
     decimals) and ``budget_period`` (a duration such as 30d, 24h, or seconds). Every value
     is bounded (MAX_LIMIT; a weight in [MIN_WEIGHT, MAX_WEIGHT]). None when nothing is set
     (clear the limits); LimitError naming the first wrong field."""
+    return _build(_parsed_fields(given))
+
+
+# What `--clear` and a JSON null name: a limit, the budget (its amount and period together)
+# or the weight.
+CLEARABLE: Final = ("rpm", "input_tpm", "output_tpm", "concurrency", "budget", "weight")
+_CLEARED_FIELDS: Final = {"budget": ("budget_micro_usd", "budget_period_s")}
+# The names a JSON null may carry, and the kind each clears.
+_NULL_CLEARS: Final = {
+    **{k: k for k in CLEARABLE if k != "budget"},
+    **dict.fromkeys(("budget_micro_usd", "budget_period_s", BUDGET_USD, BUDGET_PERIOD), "budget"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsEdit:
+    """A change to limits already set: these set, those cleared, every other kept (an
+    operator adding an rpm must not lose the budget set last month)."""
+
+    given: Mapping[str, int | float]
+    clear: frozenset[str]
+
+    def apply(self, current: Limits | None) -> Limits | None:
+        """The limits after the edit; LimitError if they do not hold together (a budget
+        amount with no period, say)."""
+        kept = {f.name: getattr(current, f.name) for f in fields(Limits)} if current else {}
+        for kind in self.clear:
+            for name in _CLEARED_FIELDS.get(kind, (kind,)):
+                kept.pop(name, None)
+        kept.update(self.given)
+        return _build({k: v for k, v in kept.items() if v is not None})
+
+
+def parse_limits_edit(given: Mapping[str, object], clear: Iterable[str] = ()) -> LimitsEdit:
+    """An edit from the fields to set (as parse_limits takes them; a None or empty value
+    sets nothing) and the kinds to clear (CLEARABLE); LimitError naming the wrong one."""
+    cleared = frozenset(clear)
+    unknown = sorted(cleared - set(CLEARABLE))
+    if unknown:
+        raise LimitError(f"cannot clear {unknown[0]!r}: use {', '.join(CLEARABLE)}", unknown[0])
+    parsed = _parsed_fields(given)
+    both = sorted(k for k in cleared for f in _CLEARED_FIELDS.get(k, (k,)) if f in parsed)
+    if both:
+        raise LimitError(f"{both[0]} is both set and cleared", both[0])
+    return LimitsEdit(parsed, cleared)
+
+
+def json_limits_edit(body: Mapping[str, object]) -> LimitsEdit:
+    """An edit from a JSON merge patch: a value sets its limit, a null clears its kind
+    (``{"rpm": 60, "budget_usd": null}``), an absent name is kept."""
+    nulls = [name for name, value in body.items() if value is None]
+    unknown = sorted(n for n in nulls if n not in _NULL_CLEARS)
+    if unknown:
+        raise LimitError(f"unknown limit {unknown[0]!r}: use {', '.join(LIMIT_NAMES)}", unknown[0])
+    given = {name: value for name, value in body.items() if value is not None}
+    return parse_limits_edit(given, {_NULL_CLEARS[n] for n in nulls})
+
+
+def _build(fields_: Mapping[str, int | float]) -> Limits | None:
+    """Limits from parsed fields, checked together; None when nothing is set."""
+    try:
+        limits = Limits(**fields_)  # type: ignore[arg-type]  # each checked by _parsed_fields
+    except ValueError as exc:  # what only the fields together say (a budget needs both)
+        raise LimitError(str(exc)) from None
+    return None if limits.empty else limits
+
+
+def _parsed_fields(given: Mapping[str, object]) -> dict[str, int | float]:
+    """Each given field parsed and bounded, under its stored name; nothing checked across
+    fields yet (an edit may give the amount of a budget whose period is already set)."""
     unknown = sorted(set(given) - set(LIMIT_NAMES))
     if unknown:
         raise LimitError(f"unknown limit {unknown[0]!r}: use {', '.join(LIMIT_NAMES)}", unknown[0])
@@ -224,11 +294,7 @@ def parse_limits(given: Mapping[str, object]) -> Limits | None:
             raise LimitError(f"limit {name} must be from 0 to {most}, got {value}", name)
     if fields_.get("budget_period_s") == 0:
         raise LimitError("a budget period must be at least 1 second", "budget_period_s")
-    try:
-        limits = Limits(**fields_)  # type: ignore[arg-type]  # each checked above
-    except ValueError as exc:  # what only the fields together say (a budget needs both)
-        raise LimitError(str(exc)) from None
-    return None if limits.empty else limits
+    return fields_
 
 
 def _count(name: str, value: object) -> int:

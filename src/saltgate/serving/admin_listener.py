@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import logging
 import os
 import ssl
 import sys
@@ -41,7 +42,11 @@ from saltgate.gateway.server import error_response
 from saltgate.http import HttpServer, Request, Response
 from saltgate.http.tls import server_context, tls_failure
 from saltgate.policy.errors import ApiError
+from saltgate.runtime import listen_error
 from saltgate.store.errors import StoreError
+
+log = logging.getLogger(__name__)
+ADMIN_OPTIONS: Final = "the admin listener: gateway.admin_host, gateway.admin_port"
 
 METRICS_PATH: Final = b"/metrics"
 METRICS_TYPE: Final = (b"content-type", b"text/plain; version=0.0.4")
@@ -229,10 +234,14 @@ async def start_admin_listener(
 ) -> tuple[HttpServer, int]:
     """The admin listener serving on admin_host:admin_port; `tls` from `admin_tls`, made
     before anything else started (a refusal leaves nothing bound)."""
-    warn_plaintext_admin(config)
+    if (warning := admin_plaintext_warning(config)) is not None:
+        log.warning(warning)
     server = HttpServer(listener.handle, error_response=error_response)
     assert config.admin_port is not None
-    port = await server.start(config.admin_host, config.admin_port, tls=tls)
+    try:
+        port = await server.start(config.admin_host, config.admin_port, tls=tls)
+    except OSError as exc:
+        raise listen_error(ADMIN_OPTIONS, config.admin_host, config.admin_port, exc) from None
     return server, port
 
 

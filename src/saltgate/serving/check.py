@@ -12,11 +12,20 @@ the network of the moment, not with the file.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 from saltgate.config import ConfigError, GatewayConfig, load_master_key
 from saltgate.gateway.ehbp import load_server_key
-from saltgate.serving.admin_listener import admin_scheme, admin_tls, warn_plaintext_admin
+from saltgate.gateway.tracing import require_otel
+from saltgate.runtime import listen_error
+from saltgate.serving.admin_listener import (
+    ADMIN_OPTIONS,
+    admin_scheme,
+    admin_tls,
+    warn_plaintext_admin,
+)
+from saltgate.serving.run import INFERENCE_OPTIONS
 
 
 def check_config(config: GatewayConfig) -> str:
@@ -29,7 +38,10 @@ def check_config(config: GatewayConfig) -> str:
         if os.path.lexists(key_file):
             load_server_key(key_file)
         else:
+            _check_creatable(key_file, "ehbp.key_file")
             notes.append(f"EHBP key file {key_file} will be created")
+    if config.tracing is not None:
+        require_otel()
     settings = config.store_settings
     if settings.backend == "postgresql":
         from saltgate.store.postgres import conninfo  # noqa: PLC0415 - psycopg only when configured
@@ -44,7 +56,41 @@ def check_config(config: GatewayConfig) -> str:
         admin_tls(config)  # refuses plain HTTP off loopback; loads the TLS files
         warn_plaintext_admin(config)
         notes.append(f"admin listener {admin_scheme(config)}://{config.admin_host}")
+    check_ports(config)
     return ", ".join(notes)
+
+
+def check_ports(config: GatewayConfig) -> None:
+    """StartError when a listener's port cannot be bound now (in use, or a privileged
+    port): bound and let go at once. Exit 1 in `--check`, not 2: a port held by a gateway
+    still stopping is free a moment later, and the unit retries exit 1 only."""
+    listeners = [(INFERENCE_OPTIONS, config.host, config.port)]
+    if config.admin_port is not None:
+        listeners.append((ADMIN_OPTIONS, config.admin_host, config.admin_port))
+    for what, host, port in listeners:
+        if port == 0:
+            continue  # any free port
+        try:
+            family, _, _, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            socket.create_server(address[:2], family=family).close()
+        except OSError as exc:
+            raise listen_error(what, host, port, exc) from None
+
+
+def _check_creatable(path: Path, option: str) -> None:
+    """A file `serve` would create (with its missing directories) must be creatable: the
+    nearest existing directory above it is writable (under the shipped unit and container,
+    /etc/saltgate is read-only)."""
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise ConfigError(
+            f"{option}: cannot create {path}: {existing} is not a writable directory "
+            "(create the file at install, or keep it in the state directory)"
+        )
 
 
 def _check_writable(path: Path) -> None:

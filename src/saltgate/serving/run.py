@@ -8,12 +8,12 @@ other way: the server stops taking requests, then the gateway closes what it hol
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from saltgate.admin.api import AdminApi
 from saltgate.admin.store import AdminStore
@@ -34,7 +34,8 @@ from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
 from saltgate.prices import price_versions
 from saltgate.routing import Router
-from saltgate.runtime import run_service, until_stopped
+from saltgate.runtime import listen_error, run_service, until_stopped
+from saltgate.serving import event_log
 from saltgate.serving.acceptor import AcceptGate, Acceptor
 from saltgate.serving.admin_listener import (
     AdminListener,
@@ -45,6 +46,9 @@ from saltgate.serving.admin_listener import (
 from saltgate.store.backends import open_gateway_store
 from saltgate.store.errors import StoreError
 from saltgate.store.usage_rollups import open_usage_reader
+
+log = logging.getLogger(__name__)
+INFERENCE_OPTIONS: Final = "the inference listener: gateway.host, gateway.port"
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +174,10 @@ async def start_gateway(
     await replicas.probe_all()
     replicas.start_probing()
     if listener is None:
-        port = await server.start(config.host, config.port)
+        try:
+            port = await server.start(config.host, config.port)
+        except OSError as exc:
+            raise listen_error(INFERENCE_OPTIONS, config.host, config.port, exc) from None
     else:
         port = Acceptor(server, listener.sock, listener.gate).port
     admin = None
@@ -215,21 +222,22 @@ def _ehbp_edge(
 
 
 def ehbp_key(config: GatewayConfig) -> ServerKey:
-    """The operator's key file, else a key made now (memory only)."""
+    """The key file (made if absent), else a key made now, in memory only (a
+    configuration built in code without one)."""
     if config.ehbp_key_file is None:
         return ServerKey.generate()
     return load_or_create_server_key(config.ehbp_key_file)
 
 
 def reread_config(path: Path) -> GatewayConfig | None:
-    """The configuration file read again for a reload (SIGHUP); None, said on stderr, if
-    it is refused."""
+    """The configuration file read again for a reload (SIGHUP); None, logged, if it is
+    refused."""
     try:
         config = load_config(path)
         for index, replica in enumerate(config.replicas):
             tls_context(replica, index)  # TLS files that do not load refuse the reload here
     except ConfigError as exc:
-        print(f"saltgate: reload refused, keeping the current replicas: {exc}", file=sys.stderr)
+        log.error("reload refused, keeping the current replicas: %s", exc)
         return None
     return config
 
@@ -237,7 +245,7 @@ def reread_config(path: Path) -> GatewayConfig | None:
 def _reload_from(running: RunningGateway, path: Path) -> None:
     """SIGHUP: reopen the access log (log rotation), then take the file's [[replicas]]."""
     if running.gateway.reopen_log():
-        print(f"saltgate: reopened the access log {running.gateway.config.access_log}", flush=True)
+        log.info("reopened the access log %s", running.gateway.config.access_log)
     config = reread_config(path)
     if config is None:
         return
@@ -256,7 +264,7 @@ async def _announce_reload(
     """Say the reload is done once the added replicas have answered their first probe
     (each bounded by probe_timeout_s), so a replaced list is serving when it is said."""
     await asyncio.gather(*probes, return_exceptions=True)
-    print(f"saltgate: reloaded {path}: {len(config.replicas)} replicas", flush=True)
+    log.info("reloaded %s: %d replicas", path, len(config.replicas))
 
 
 def announce(
@@ -284,6 +292,7 @@ def announce(
 
 
 async def _serve(config: GatewayConfig) -> None:
+    event_log.configure(config.log_format)
     running = await start_gateway(config)
     announce(
         config,
@@ -299,7 +308,9 @@ async def _serve(config: GatewayConfig) -> None:
         path = config.config_file
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_from, running, path)
     await until_stopped()
+    log.info("stopping: no new connections; requests in flight finish")
     await running.close()
+    log.info("stopped")
 
 
 def serve(config: GatewayConfig) -> int:

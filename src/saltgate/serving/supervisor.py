@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import signal
 import socket
 import sys
@@ -37,11 +38,18 @@ from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.metrics import Counter, Gauge, Snapshot, merge_workers, render
 from saltgate.http import HttpServer
 from saltgate.kvevents.relay import KvRelay
-from saltgate.runtime import run_service, until_stopped
-from saltgate.serving import control
+from saltgate.runtime import StartError, listen_error, run_service, until_stopped
+from saltgate.serving import control, event_log
 from saltgate.serving.admin_listener import AdminListener, admin_tls, start_admin_listener
 from saltgate.serving.balance import ConnectionBoard
-from saltgate.serving.run import announce, ehbp_key, kv_upstreams, reread_config, start_kv_relay
+from saltgate.serving.run import (
+    INFERENCE_OPTIONS,
+    announce,
+    ehbp_key,
+    kv_upstreams,
+    reread_config,
+    start_kv_relay,
+)
 from saltgate.store.errors import StoreError
 from saltgate.store.usage_rollups import open_usage_reader
 
@@ -56,6 +64,8 @@ RELOAD_TIMEOUT_S: Final = 10.0
 # one still running after this is killed.
 STOP_TIMEOUT_S: Final = 30.0
 LISTEN_BACKLOG: Final = 1024
+
+log = logging.getLogger(__name__)
 
 
 class WorkerProcess:
@@ -176,7 +186,10 @@ class Supervisor:
             key = ehbp_key(config)
             self._ehbp_private_key = key.private_bytes()
             self.ehbp_fingerprint = key.config.fingerprint
-        self._sock = listen(config.host, config.port)
+        try:
+            self._sock = listen(config.host, config.port)
+        except OSError as exc:
+            raise listen_error(INFERENCE_OPTIONS, config.host, config.port, exc) from None
         self.port = int(self._sock.getsockname()[1])
         self._board = ConnectionBoard.create(self.workers)
         try:
@@ -242,8 +255,9 @@ class Supervisor:
             if first is not None and first[:1] == control.USAGE_FAILED:
                 raise ConfigError(first[1:].decode(errors="replace"))
             if first is not None and first[:1] == control.FAILED:
-                raise OSError(first[1:].decode(errors="replace"))
-            raise OSError(f"worker {index} {describe_exit(returncode)} before it was ready")
+                reason = first[1:].decode(errors="replace")
+                raise StartError(f"worker {index} could not start: {reason}")
+            raise StartError(f"worker {index} {describe_exit(returncode)} before it was ready")
         worker = WorkerProcess(index, proc, reader, writer)
         if start.config.replicas != self.config.replicas:  # a reload came while it started
             await worker.ask(control.Reload(self.config.replicas), RELOAD_TIMEOUT_S)
@@ -270,11 +284,13 @@ class Supervisor:
             self.restarts[index] += 1
             lived = time.monotonic() - worker.started
             quick_deaths = quick_deaths + 1 if lived < RESTART_QUICK_S else 0
-            print(
-                f"saltgate: worker {index} (pid {worker.proc.pid}) {describe_exit(returncode)}"
-                f" after {lived:.1f} s; restarting it (restart {self.restarts[index]})",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                "worker %d (pid %d) %s after %.1f s; restarting it (restart %d)",
+                index,
+                worker.proc.pid,
+                describe_exit(returncode),
+                lived,
+                self.restarts[index],
             )
             while True:
                 if quick_deaths:
@@ -284,7 +300,9 @@ class Supervisor:
                 try:
                     worker = await self._spawn(index)
                 except (ConfigError, OSError) as exc:
-                    print(f"saltgate: worker {index} could not start: {exc}", file=sys.stderr)
+                    # A StartError names the worker itself.
+                    said = exc.strerror if isinstance(exc, StartError) else None
+                    log.error("%s", said or f"worker {index} could not start: {exc}")
                     quick_deaths += 1
                     continue
                 break
@@ -316,9 +334,7 @@ class Supervisor:
             _, late = await asyncio.wait(waits, timeout=STOP_TIMEOUT_S)
             for proc in self._procs.values():
                 if proc.returncode is None:
-                    print(
-                        f"saltgate: worker pid {proc.pid} did not stop; killing it", file=sys.stderr
-                    )
+                    log.warning("worker pid %d did not stop; killing it", proc.pid)
                     proc.kill()
             await asyncio.gather(*late)
         for keeper in self._keepers:
@@ -353,12 +369,13 @@ class Supervisor:
         try:
             self._access_log.reopen()  # the admin listener's lines
         except OSError as exc:
-            print(f"saltgate: cannot reopen the access log: {exc.strerror}", file=sys.stderr)
+            log.error("cannot reopen the access log: %s", exc.strerror)
         if reopened:
-            print(
-                f"saltgate: reopened the access log {self.config.access_log} in {reopened} of "
-                f"{self.workers} workers",
-                flush=True,
+            log.info(
+                "reopened the access log %s in %d of %d workers",
+                self.config.access_log,
+                reopened,
+                self.workers,
             )
         config = reread_config(path)
         if config is None:
@@ -371,10 +388,12 @@ class Supervisor:
             *(w.ask(order, RELOAD_TIMEOUT_S) for w in list(self.alive.values()))
         )
         done = sum(a == control.RELOADED for a in answers)
-        print(
-            f"saltgate: reloaded {path}: {len(config.replicas)} replicas in {done} of "
-            f"{self.workers} workers",
-            flush=True,
+        log.info(
+            "reloaded %s: %d replicas in %d of %d workers",
+            path,
+            len(config.replicas),
+            done,
+            self.workers,
         )
 
     async def metrics(self) -> Snapshot:
@@ -388,7 +407,7 @@ class Supervisor:
                 try:
                     worker.last = Snapshot.from_json(answer[1:])
                 except ValueError as exc:
-                    print(f"saltgate: worker {worker.index}: {exc}", file=sys.stderr)
+                    log.warning("worker %d: unreadable metrics: %s", worker.index, exc)
         live = {str(i): w.last for i, w in self.alive.items()}
         merged = merge_workers(live, self._retired)
         slots = range(self.workers)
@@ -437,6 +456,7 @@ def serve_workers(config: GatewayConfig, workers: int) -> int:
 
 async def _serve_workers(config: GatewayConfig, workers: int) -> None:
     """Run until SIGTERM or SIGINT, then drain every worker."""
+    event_log.configure(config.log_format, supervisor=True)
     supervisor = Supervisor(config, workers)
     await supervisor.start()
     announce(
@@ -459,5 +479,7 @@ async def _serve_workers(config: GatewayConfig, workers: int) -> None:
         )
     try:
         await until_stopped()
+        log.info("stopping: draining %d workers", len(supervisor.alive))
     finally:
         await supervisor.stop()
+    log.info("stopped")

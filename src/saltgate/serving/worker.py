@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from saltgate.config import ConfigError
 from saltgate.ehbp.frames import ServerKey
 from saltgate.runtime import install_uvloop
-from saltgate.serving import control
+from saltgate.serving import control, event_log
 from saltgate.serving.balance import ConnectionBoard
 from saltgate.serving.run import RunningGateway, SharedListener, start_gateway
 from saltgate.store.errors import StoreError
@@ -56,6 +56,7 @@ async def work(index: int, workers: int, listen_fd: int, control_fd: int, board_
     start = await control.read_order(reader)
     if not isinstance(start, control.Start):
         return 1  # the parent went away before giving an order
+    event_log.configure(start.config.log_format, worker=index)
     board = ConnectionBoard(board_fd, workers)
     key = start.ehbp_private_key
     try:

@@ -131,7 +131,7 @@ class PgLedger:
             self._healthy = True
         except (*_DOWN, psycopg.Error) as exc:
             log.warning(
-                "saltgate: ledger store %s unreachable at start (%s); spooling usage to %s",
+                "ledger store %s unreachable at start (%s); spooling usage to %s",
                 self.settings.describe(),
                 describe_error(exc),
                 self.spool.directory,
@@ -190,7 +190,7 @@ class PgLedger:
                 try:
                     await self._commit(batch)
                 except Exception as exc:  # a bug must fail these records, not all later ones
-                    log.exception("saltgate: ledger commit failed")
+                    log.exception("ledger commit failed")
                     release(batch, f"usage records not committed: {type(exc).__name__}")
             if self._closed:
                 return
@@ -205,7 +205,7 @@ class PgLedger:
                 self._unreachable(exc)
             except psycopg.Error as exc:
                 log.error(
-                    "saltgate: ledger store %s refused %d usage records (%s); spooled, to be "
+                    "ledger store %s refused %d usage records (%s); spooled, to be "
                     "replayed one by one",
                     self.settings.describe(),
                     len(records),
@@ -228,7 +228,7 @@ class PgLedger:
                 f"usage records neither reached {self.settings.describe()} nor could be "
                 f"spooled to {self.spool.directory}: {exc.strerror or exc}"
             )
-            log.error("saltgate: %s", error)
+            log.error("%s", error)
         release(batch, error)
 
     async def _key_use_loop(self) -> None:
@@ -252,7 +252,7 @@ class PgLedger:
                     )
                 stored = True
             except (*_DOWN, psycopg.Error) as exc:
-                log.warning("saltgate: keys' last use not stored: %s", describe_error(exc))
+                log.warning("keys' last use not stored: %s", describe_error(exc))
         if not stored:
             self.key_use.restore(taken)
 
@@ -265,7 +265,7 @@ class PgLedger:
         if self._healthy:
             self._healthy = False
             log.warning(
-                "saltgate: ledger store %s unreachable (%s); spooling usage to %s",
+                "ledger store %s unreachable (%s); spooling usage to %s",
                 self.settings.describe(),
                 describe_error(exc),
                 self.spool.directory,
@@ -285,7 +285,7 @@ class PgLedger:
         try:
             return await self._try_recover()
         except Exception:  # a bug here must not end recovery for the process's life
-            log.exception("saltgate: ledger recovery failed; retrying")
+            log.exception("ledger recovery failed; retrying")
             return False
 
     async def _try_recover(self) -> bool:
@@ -305,7 +305,7 @@ class PgLedger:
                         await pool.close(timeout=0)
                     self._healthy = True  # new records go to PostgreSQL from here on
                     log.warning(
-                        "saltgate: ledger store %s reachable again; replaying the spool",
+                        "ledger store %s reachable again; replaying the spool",
                         self.settings.describe(),
                     )
                 await self._replay(conn)
@@ -338,8 +338,7 @@ class PgLedger:
                     if refused:
                         kept = await asyncio.to_thread(self.spool.set_aside, segment, refused)
                         log.error(
-                            "saltgate: ledger store %s refused %d spooled usage records; "
-                            "they are kept in %s",
+                            "ledger store %s refused %d spooled usage records; they are kept in %s",
                             self.settings.describe(),
                             len(refused),
                             kept,
@@ -353,7 +352,7 @@ class PgLedger:
         if replayed:
             self.replayed += replayed
             log.warning(
-                "saltgate: replayed %d spooled usage records into %s in %.1f s",
+                "replayed %d spooled usage records into %s in %.1f s",
                 replayed,
                 self.settings.describe(),
                 time.monotonic() - started,

@@ -330,7 +330,7 @@ class PgKeyIndex:
         self._last_ok = time.monotonic()
         if self._down_since is not None:
             log.warning(
-                "saltgate: key store %s reachable again after %.1f s",
+                "key store %s reachable again after %.1f s",
                 self.settings.describe(),
                 self._last_ok - self._down_since,
             )
@@ -340,7 +340,7 @@ class PgKeyIndex:
         if self._down_since is None:
             self._down_since = self._last_ok
             log.warning(
-                "saltgate: key store %s unreachable (%s); authenticating from the %d keys "
+                "key store %s unreachable (%s); authenticating from the %d keys "
                 "known for at most %g s",
                 self.settings.describe(),
                 describe_error(exc),

@@ -158,7 +158,7 @@ class Spool:
             os.close(fd)
             raise
         if skipped:
-            log.warning("saltgate: spool %s: %d line(s) that are no record skipped", path, skipped)
+            log.warning("spool %s: %d line(s) that are no record skipped", path, skipped)
         return Segment(path, records, skipped, fd)
 
     def set_aside(self, segment: Segment, records: Sequence[UsageRecord]) -> Path:
