@@ -1,12 +1,12 @@
 """[media] remote = "fetch": the gateway fetches remote media itself, under its egress policy.
 
-Real parts over loopback: a media server on 127.0.0.2, the one network the tests allow
-(``allow_networks = ["127.0.0.2/32"]``), so that the rest of loopback stays what the policy
-refuses; a "victim" listener on 127.0.0.1, standing for what a URL must not reach (it
-counts every request); the gateway in front of the simulator. Names resolve through a
-resolver the tests inject (``media.test`` is 127.0.0.2, ``internal.test`` a private
-address); ``.test`` names resolve nowhere else, so a second resolution by the client
-would fail the fetch.
+Real parts over loopback: a media server on 127.0.0.2, in the one network the tests allow
+(``allow_networks = ["127.0.0.2/31"]``; nothing listens on 127.0.0.3), so that the rest of
+loopback stays what the policy refuses; a "victim" listener on 127.0.0.1, standing for
+what a URL must not reach (it counts every request); the gateway in front of the
+simulator. Names resolve through a resolver the tests inject (``media.test`` is
+127.0.0.2, ``internal.test`` a private address); ``.test`` names resolve nowhere else, so
+a second resolution by the client would fail the fetch.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tests.support.adversarial_media import remote_cases
 from tests.support.tls import make_pki
 from tests.support.waiting import eventually
 
-from saltgate.gateway.media import MediaFetcher
+from saltgate.gateway.media import MediaFetcher, SystemResolver
 from saltgate.http import HttpServer, Request, Response
 from saltgate.http.tls import server_context
 from saltgate.policy import egress
@@ -115,7 +115,11 @@ ADDRESSES: dict[str, list[str]] = {
     "media.test": [MEDIA_HOST],
     "internal.test": ["10.0.0.7"],
     "split.test": [MEDIA_HOST, "10.0.0.7"],  # one allowed address is not enough
-    "wrong.example": [MEDIA_HOST],  # the name tests/support/tls.py's wrong_host is for
+    "wrong.example": [MEDIA_HOST],
+    "fallback.test": [
+        "127.0.0.3",
+        MEDIA_HOST,
+    ],  # nothing listens on the first  # the name tests/support/tls.py's wrong_host is for
 }
 
 
@@ -148,14 +152,14 @@ class Setup:
 
 @asynccontextmanager
 async def fetching(
-    tmp: Path, tls: ssl.SSLContext | None = None, **settings: Any
+    tmp: Path, *, tls: ssl.SSLContext | None = None, **settings: Any
 ) -> AsyncIterator[Setup]:
     """The gateway in fetch mode, the media server (over ``tls`` when given) and the
     victim."""
     async with serving(MEDIA_HOST, tls) as media, serving("127.0.0.1") as victim:
         table = {
             "remote": "fetch",
-            "allow_networks": [f"{MEDIA_HOST}/32"],
+            "allow_networks": [f"{MEDIA_HOST}/31"],  # .2 and .3
             "ports": [80, media.port, victim.port],
             **settings,
         }
@@ -272,6 +276,45 @@ def test_fetched_media_reaches_the_replica_inline_with_the_namespace_s_uuid(
     run(main)
 
 
+@pytest.mark.parametrize("allowed", [False, True], ids=["loopback-refused", "loopback-allowed"])
+def test_the_system_resolver_s_answers_are_checked(tmp_path: Path, allowed: bool) -> None:
+    """``localhost`` through the system's resolver (127.0.0.1, and ::1 where /etc/hosts
+    says so): refused as loopback; with loopback allowed, fetched from whichever of its
+    addresses answers (the victim listens on 127.0.0.1 only)."""
+    loopback: dict[str, Any] = {"allow_networks": ["127.0.0.0/8", "::1/128"]} if allowed else {}
+
+    async def main() -> None:
+        async with fetching(tmp_path, **loopback) as t, t.s.client("alice") as alice:
+            resolver = t.fetcher.resolve = SystemResolver(2)
+            try:
+                url = t.victim.url("/cat.png", host="localhost")
+                resp = await alice.post(CHAT, json=chat(url))
+            finally:
+                resolver.close()
+            if allowed:
+                assert resp.status_code == 200, resp.text
+                [asked] = t.victim.seen
+                assert asked.header(b"host") == f"localhost:{t.victim.port}".encode()
+            else:
+                assert resp.status_code == 400, resp.text
+                assert "(loopback)" in resp.json()["error"]["message"]
+                assert t.victim.seen == []
+
+    run(main)
+
+
+def test_an_address_that_does_not_answer_falls_through_to_the_next(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with fetching(tmp_path) as t, t.s.client("alice") as alice:
+            url = t.media.url("/cat.png", host="fallback.test")
+            resp = await alice.post(CHAT, json=chat(url))
+            assert resp.status_code == 200, resp.text
+            assert t.resolver.calls == ["fallback.test"]  # resolved once, both tried
+            assert len(t.media.seen) == 1
+
+    run(main)
+
+
 def test_the_same_url_twice_is_fetched_once(tmp_path: Path) -> None:
     async def main() -> None:
         async with fetching(tmp_path) as t, t.s.client("alice") as alice:
@@ -300,7 +343,7 @@ def test_https_media_is_verified_for_the_url_s_host_at_the_checked_address(
 
     async def main() -> None:
         async with (
-            fetching(tmp_path, server_tls, tls_ca_file=str(pki.ca)) as t,
+            fetching(tmp_path, tls=server_tls, tls_ca_file=str(pki.ca)) as t,
             t.s.client("alice") as alice,
         ):
             url = t.media.url("/cat.png", host="wrong.example")

@@ -23,18 +23,20 @@ refusal is a 400 naming the part and the reason, never the URL (it may carry a t
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import itertools
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Final
 
 import orjson
 
 from saltgate.gateway.metrics import Metrics
-from saltgate.http import UpstreamError, UpstreamPool, UpstreamResponse
+from saltgate.http import Headers, UpstreamError, UpstreamPool, UpstreamResponse
 from saltgate.http.tls import client_context
 from saltgate.policy import content, egress
 from saltgate.policy.egress import (
@@ -55,10 +57,21 @@ FETCHES: Final = "saltgate_media_fetches_total"
 _FETCHED: Final = (("outcome", "fetched"),)
 
 
-async def system_resolver(host: str, port: int) -> list[IPAddress]:
-    """The addresses ``host`` resolves to, by the loop's resolver (getaddrinfo)."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return [ipaddress.ip_address(info[4][0]) for info in infos]
+class SystemResolver:
+    """The system's resolver (getaddrinfo) in threads of its own, at most one per fetch
+    slot: a tenant whose names answer slowly holds its own slots' threads, neither the
+    event loop nor the default executor the rest of the gateway uses (the spool)."""
+
+    def __init__(self, threads: int) -> None:
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="saltgate-media-dns")
+
+    async def __call__(self, host: str, port: int) -> list[IPAddress]:
+        lookup = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+        infos = await asyncio.get_running_loop().run_in_executor(self._threads, lookup)
+        return [ipaddress.ip_address(info[4][0]) for info in infos]
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
 
 class _Tenant:
@@ -112,6 +125,16 @@ class _Budget:
         egress.check_request_size(self.used, self.limit)
 
 
+def _asking(modality: str) -> Headers:
+    """A fetch's request headers: nothing of the client's request."""
+    return [
+        (b"accept", f"{modality}/*".encode()),
+        (b"accept-encoding", b"identity"),
+        (b"user-agent", b"saltgate-media-fetch"),
+        (b"connection", b"close"),
+    ]
+
+
 def _header(response: UpstreamResponse, name: bytes) -> str | None:
     value = response.header(name)
     return None if value is None else value.decode("latin-1")
@@ -120,9 +143,7 @@ def _header(response: UpstreamResponse, name: bytes) -> str | None:
 class MediaFetcher:
     """Fetches a request's remote media under ``settings`` and inlines it."""
 
-    def __init__(
-        self, settings: MediaSettings, metrics: Metrics, resolve: Resolver = system_resolver
-    ) -> None:
+    def __init__(self, settings: MediaSettings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
         metrics.describe(
@@ -131,9 +152,14 @@ class MediaFetcher:
             "Requests with remote media ([media] remote = fetch), by outcome: fetched, or "
             "the code of the refusal.",
         )
-        self.resolve = resolve  # tests inject theirs (a name resolving to a private address)
+        self._resolver = SystemResolver(settings.max_concurrency)
+        # Tests inject theirs (a name resolving to a private address).
+        self.resolve: Resolver = self._resolver
         self.slots = Slots(settings.per_tenant_concurrency, settings.max_concurrency)
         self._tls: ssl.SSLContext | None = None
+
+    def close(self) -> None:
+        self._resolver.close()
 
     @property
     def tls(self) -> ssl.SSLContext:
@@ -213,41 +239,48 @@ class MediaFetcher:
         settings = self.settings
         url = egress.parse_url(item.url, settings)
         for hops in itertools.count():
-            pool = await self._pool(url)
+            response, pool = await self._get(url, item.modality)
             try:
-                response = await pool.request(
-                    b"GET",
-                    url.target.encode("ascii"),
-                    [
-                        (b"accept", f"{item.modality}/*".encode()),
-                        (b"accept-encoding", b"identity"),
-                        (b"user-agent", b"saltgate-media-fetch"),
-                        (b"connection", b"close"),
-                    ],
-                )
-                try:
-                    if response.status in REDIRECT_STATUSES:
-                        location = _header(response, b"location")
-                        url = egress.redirect(url, location, hops, settings)
-                        continue
-                    return await self._media(response, item.modality, budget)
-                finally:
-                    response.release()
+                if response.status in REDIRECT_STATUSES:
+                    location = _header(response, b"location")
+                    url = egress.redirect(url, location, hops, settings)
+                    continue
+                return await self._media(response, item.modality, budget)
             finally:
+                response.release()
                 await pool.close()
         raise AssertionError("unreachable")
 
-    async def _pool(self, url: MediaUrl) -> UpstreamPool:
-        """A one-connection client for ``url``, bound to the address it resolves to, once
-        that address (every one it resolves to) passed the policy."""
-        address = url.literal
-        if address is None:
+    async def _get(self, url: MediaUrl, modality: str) -> tuple[UpstreamResponse, UpstreamPool]:
+        """The answer to a GET of ``url`` (and its one-connection client, to close), from
+        the first of its checked addresses that answers."""
+        failure: UpstreamError | None = None
+        for address in await self._addresses(url):
+            pool = self._pool(url, address)
             try:
-                addresses = await self.resolve(url.host, url.port)
-            except OSError:
-                raise MediaRefused("the media host does not resolve", FAILED) from None
-            egress.check_addresses(addresses, self.settings)
-            address = addresses[0]
+                return await pool.request(
+                    b"GET", url.target.encode("ascii"), _asking(modality)
+                ), pool
+            except UpstreamError as exc:
+                failure = exc  # the next address; the pool is closed outside the handler
+            await pool.close()
+        assert failure is not None
+        raise failure
+
+    async def _addresses(self, url: MediaUrl) -> list[IPAddress]:
+        """The addresses to connect to: the literal, or what the host resolves to, once,
+        every one of them checked."""
+        if url.literal is not None:
+            return [url.literal]  # parse_url checked it
+        try:
+            addresses = await self.resolve(url.host, url.port)
+        except OSError:
+            raise MediaRefused("the media host does not resolve", FAILED) from None
+        egress.check_addresses(addresses, self.settings)
+        return list(dict.fromkeys(addresses))
+
+    def _pool(self, url: MediaUrl, address: IPAddress) -> UpstreamPool:
+        """A one-connection client for ``url`` bound to ``address``."""
         timeout = self.settings.timeout_s
         return UpstreamPool(
             url.host,

@@ -219,6 +219,8 @@ class Gateway:
         """Close what the gateway holds, once its server hands it no more requests."""
         await self.replicas.close()
         await self.ledger.aclose()
+        if self.media is not None:
+            self.media.close()
         self._log.close()
         await self.keys.aclose()
         if self.usage is not None:
