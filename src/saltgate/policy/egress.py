@@ -17,7 +17,9 @@ decision is here, without a socket:
   unless in ``allow_networks``; unspecified, multicast and broadcast always;
 - a redirect's ``Location`` is a new URL checked from the start, never https to http, and
   at most ``max_redirects`` of them;
-- the answer is 200, of an allowed content type of the part's modality, within the sizes.
+- the answer is 200, of an allowed content type of the part's modality, within the sizes;
+- a request fetches each distinct URL once, at most ``max_items`` of them (`fetch_list`);
+  a refusal is a 400 naming the part, never the URL (`refusal`).
 """
 
 from __future__ import annotations
