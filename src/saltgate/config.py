@@ -27,6 +27,7 @@ from saltgate.kvevents.settings import (
     client_key_lines,
     parse_client_key,
 )
+from saltgate.policy.egress import MediaSettings
 from saltgate.policy.forwarded import TrustedProxies
 from saltgate.prices import Price, parse_prices
 from saltgate.routing.cluster import ClusterSettings
@@ -220,6 +221,8 @@ class GatewayConfig:
     allow_plaintext_upstream: bool = False
     tracing: TracingConfig | None = None  # [tracing]; None: no spans, OpenTelemetry not loaded
     queue: QueueConfig = field(default_factory=QueueConfig)  # [queue]: off unless enabled
+    # [media]: remote media URLs refused (the default) or fetched under its egress policy.
+    media: MediaSettings = field(default_factory=MediaSettings)
 
     @property
     def db_path(self) -> Path:
@@ -397,6 +400,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         "tracing",
         "limits",
         "queue",
+        "media",
     }
     unknown = set(doc) - known
     if unknown:
@@ -434,6 +438,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         cluster=_cluster(doc.get("cluster"), base),
         tracing=_tracing(doc.get("tracing")),
         queue=_queue(doc.get("queue", {})),
+        media=_media(doc.get("media", {}), base),
         **_limits(doc.get("limits", {})),
         **_ehbp(doc.get("ehbp", {}), base, state_dir),
         **kwargs,
@@ -716,6 +721,15 @@ def _queue(table: Any) -> QueueConfig:
                 raise ConfigError(f"queue.{key}: expected an integer, 0 or more")
             out[key] = value
     return QueueConfig(**out)
+
+
+def _media(table: Any, base: Path) -> MediaSettings:
+    if not isinstance(table, dict):
+        raise ConfigError("media: expected a table")
+    try:
+        return MediaSettings.from_table(table, base)
+    except ValueError as exc:
+        raise ConfigError(f"media.{exc}") from None
 
 
 def _router(table: Any) -> RouterConfig:

@@ -29,6 +29,7 @@ from saltgate.config import (
 )
 from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.http import HttpServer, Request, Response, UpstreamPool
+from saltgate.policy.egress import MediaSettings
 from saltgate.policy.forwarded import TrustedProxies
 from saltgate.prices import Price
 from saltgate.routing import RouterConfig
@@ -170,6 +171,7 @@ async def stack(
     limits_lease_ttl_s: float = 600.0,
     queue: QueueConfig | None = None,
     replica_priority_scheduling: bool = False,
+    media: MediaSettings | None = None,
 ) -> AsyncIterator[Stack]:
     """``models``: replica i serves models[i] (else every replica serves MODEL)."""
     base = sim or SimConfig(port=0)
@@ -199,6 +201,7 @@ async def stack(
         limits_lease_ttl_s=limits_lease_ttl_s,
         queue=queue or QueueConfig(),
         replica_priority_scheduling=replica_priority_scheduling,
+        media=media or MediaSettings(),
     )
     gateway = await start_gateway(config, workers=workers)
     try:

@@ -310,3 +310,30 @@ def test_replica_priority_scheduling_is_off_unless_set(tmp_path: Path) -> None:
     path.write_text('[gateway]\nreplica_priority_scheduling = "yes"\n' + replica)
     with pytest.raises(ConfigError, match="replica_priority_scheduling"):
         load_config(path)
+
+
+def test_media_is_refused_unless_the_media_section_says_fetch(tmp_path: Path) -> None:
+    path = tmp_path / "g.toml"
+    replica = '[[replicas]]\nurl = "http://127.0.0.1:8000"\n'
+    path.write_text(replica)
+    assert not load_config(path).media.fetch  # remote media URLs: 400
+    path.write_text(
+        replica + '[media]\nremote = "fetch"\nhosts = ["*.cdn.example"]\n'
+        'allow_networks = ["10.1.0.0/16"]\ntimeout_s = 5\ntls_ca_file = "ca.pem"\n'
+    )
+    media = load_config(path).media
+    assert media.fetch and media.hosts == ("*.cdn.example",)
+    assert [str(n) for n in media.allow_networks] == ["10.1.0.0/16"]
+    assert (media.timeout_s, media.tls_ca_file) == (5.0, tmp_path / "ca.pem")
+    for bad, needle in (
+        ('[media]\nremote = "proxy"\n', "media.remote: expected one of refuse, fetch"),
+        ('[media]\nallow_networks = ["10.0.0.1/8"]\n', "media.allow_networks: 10.0.0.1/8"),
+        ("[media]\nmax_redirect = 1\n", "media.max_redirect: unknown key"),
+        ("media = 1\n", "media: expected a table"),
+    ):
+        path.write_text(
+            bad.replace("[media]", replica + "[media]") if "[" in bad else bad + replica
+        )
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert str(info.value).startswith(needle), str(info.value)

@@ -31,10 +31,12 @@ from saltgate.gateway.context import RequestContext, Tracer
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
 from saltgate.gateway.fairshare import FairShare
+from saltgate.gateway.media import MediaFetcher
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
-from saltgate.gateway.shared_limits import SharedLimits
+from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
+from saltgate.governance.limits import Ticket
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError, missing_parameter, model_not_found
 from saltgate.policy.fields import band_priority
@@ -45,6 +47,7 @@ from saltgate.policy.request import (
     ROUTE_HEALTH,
     ROUTE_READY,
     ROUTE_USAGE,
+    Body,
     inspect,
     parse_body,
     prepare,
@@ -135,6 +138,8 @@ class Gateway:
         # Seconds the store has been out of reach (GatewayStore.unreachable_for), for /ready.
         self._store_down_for = store_down_for or (lambda: 0.0)
         self.tracer = tracer  # [tracing]: a span per request (gateway/tracing.py)
+        # [media] remote = "fetch": remote media fetched here and inlined (gateway/media.py)
+        self.media = MediaFetcher(config.media, self.metrics) if config.media.fetch else None
         self._tenant_salts: dict[tuple[str, int], str] = {}
         self._routes: dict[tuple[bytes, bytes], str] = {}
         self._request_labels: dict[tuple[bytes, int], tuple[tuple[str, str], ...]] = {}
@@ -214,6 +219,8 @@ class Gateway:
         """Close what the gateway holds, once its server hands it no more requests."""
         await self.replicas.close()
         await self.ledger.aclose()
+        if self.media is not None:
+            self.media.close()
         self._log.close()
         await self.keys.aclose()
         if self.usage is not None:
@@ -291,7 +298,7 @@ class Gateway:
         if route == ROUTE_USAGE:
             return await self._usage(request, principal)
         body = parse_body(request.body, self.config.max_body_bytes)
-        inspected = inspect(route, body.obj)
+        inspected = inspect(route, body.obj, allow_remote=self.media is not None)
         context.model = inspected.model
         self._check_model(route, inspected.model, principal)
         if (
@@ -303,7 +310,6 @@ class Gateway:
         salt = self._salt(principal, inspected.user_cache_secret) if self.config.salting else None
         scheduled = self.config.replica_priority_scheduling
         ranked = band_priority(principal.priority) if scheduled else None
-        payload = prepare(body, inspected, salt, ranked)
         plan = self.replicas.plan(
             route, body.obj, inspected.model, salt, remember=inspected.user_cache_secret is None
         )
@@ -313,6 +319,9 @@ class Gateway:
             ticket, limit_headers = await admission.admit(
                 principal, route, inspected.model, len(request.body), inspected.max_tokens
             )
+        if self.media is not None and inspected.content_rewrite:  # fetched once admitted
+            body = await self._inline_media(route, body, principal, admission, ticket)
+        payload = prepare(body, inspected, salt, ranked)
         exchange = Exchange(
             self.meter,
             principal,
@@ -333,6 +342,26 @@ class Gateway:
         if limit_headers:
             response.headers += limit_headers
         return response
+
+    async def _inline_media(
+        self,
+        route: str,
+        body: Body,
+        principal: Principal,
+        admission: Admission | None,
+        ticket: Ticket | SharedTicket | None,
+    ) -> Body:
+        """``body`` with its remote media fetched and inlined; a refusal frees what the
+        admission reserved (no replica will be asked)."""
+        assert self.media is not None
+        failure: BaseException | None = None
+        try:
+            return await self.media.inline(route, body, principal.tenant_id)
+        except BaseException as exc:
+            failure = exc  # settled and raised outside the handler (buildinfo.py)
+        if admission is not None and ticket is not None:
+            admission.settle(ticket, 0, 0, 0)
+        raise failure
 
     async def _usage(self, request: Request, principal: Principal) -> Response:
         """The key's tenant's usage, in the admin API's shape; never another tenant's."""

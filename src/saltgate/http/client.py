@@ -297,7 +297,11 @@ class UpstreamResponse:
 class UpstreamPool:
     """Kept-alive connections to one upstream (host, port), over TLS when ``tls`` is a
     client context (http/tls.py): the certificate is verified for ``host`` before a byte
-    of a request is written; a context set later serves the connections made after."""
+    of a request is written; a context set later serves the connections made after.
+
+    ``address``: connect there instead of resolving ``host`` (an IP address the caller
+    resolved and checked: gateway/media.py), ``host`` staying the TLS name; ``authority``:
+    the Host header (default ``host:port``)."""
 
     def __init__(
         self,
@@ -309,8 +313,11 @@ class UpstreamPool:
         connect_timeout: float = 5.0,
         response_timeout: float | None = 600.0,
         read_timeout: float | None = 600.0,
+        address: str | None = None,
+        authority: str | None = None,
     ) -> None:
         self.host = host
+        self.address = host if address is None else address
         self.port = port
         self.tls = tls
         self.max_idle = max_idle
@@ -319,7 +326,7 @@ class UpstreamPool:
         self.read_timeout = read_timeout
         self._idle: list[_UpstreamConnection] = []
         self._all: set[_UpstreamConnection] = set()
-        self._host_header = f"{host}:{port}".encode()
+        self._host_header = (f"{host}:{port}" if authority is None else authority).encode()
 
     @property
     def open_connections(self) -> int:
@@ -332,7 +339,7 @@ class UpstreamPool:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
                     lambda: _UpstreamConnection(self),
-                    self.host,
+                    self.address,
                     self.port,
                     ssl=tls,
                     server_hostname=self.host if tls is not None else None,

@@ -334,8 +334,9 @@ def _optional_count(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def inspect(route: str, body: Mapping[str, Any]) -> Inspected:
-    """Read and type-check the fields the gateway uses; 400 naming the parameter if wrong."""
+def inspect(route: str, body: Mapping[str, Any], *, allow_remote: bool = False) -> Inspected:
+    """Read and type-check the fields the gateway uses; 400 naming the parameter if wrong.
+    ``allow_remote``: http(s) media passes, for the gateway to fetch ([media] remote)."""
     model = body.get("model")
     if model is None:
         if route in MODEL_OPTIONAL_ROUTES:
@@ -377,7 +378,7 @@ def inspect(route: str, body: Mapping[str, Any]) -> Inspected:
 
     fields.check(body)
     responses.check(route, body)
-    parts = content.check(route, body)
+    parts = content.check(route, body, allow_remote=allow_remote)
     wants_usage = not stream or route not in STREAM_OPTIONS_ROUTES or include_usage
     return Inspected(
         route=route,
