@@ -17,6 +17,7 @@ from tests.support.http import async_client
 from tests.support.waiting import eventually
 
 from saltgate.governance.limits import Limits
+from saltgate.serving.run import start_gateway
 from saltgate.sim.run import SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
 
@@ -140,6 +141,60 @@ def test_spent_budget_is_insufficient_quota_without_retry(tmp_path: Any) -> None
             labels = f'tenant="{tenant.tenant_id}",limit="budget",scope="tenant"'
             assert f"saltgate_limit_refusals_total{{{labels}}} 1.0" in text, text
             assert "alice" not in text
+
+    run(main)
+
+
+def test_a_budget_set_after_spend_counts_it(tmp_path: Any) -> None:
+    """The budget's period holds what the ledger recorded before it was set (issue 42:
+    after 100x its budget a tenant still got requests through)."""
+
+    async def main() -> None:
+        async with stack(tmp_path) as s, s.client("alice") as c:
+            for _ in range(3):  # spend, with no budget yet
+                assert (await c.post("/v1/completions", json=completion())).status_code == 200
+            await limit(s, "alice", Limits(budget_micro_usd=1, budget_period_s=86400))
+            refused = await c.post("/v1/completions", json=completion())
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "insufficient_quota"
+            # The control: bob spent nothing, so the same budget admits him.
+            await limit(s, "bob", Limits(budget_micro_usd=1, budget_period_s=86400))
+            async with s.client("bob") as b:
+                assert (await b.post("/v1/completions", json=completion())).status_code == 200
+
+    run(main)
+
+
+def test_a_restarted_gateway_keeps_counting_the_period(tmp_path: Any) -> None:
+    """A gateway started after the spend (a restart, or a second one without [cluster])
+    refuses a budget the first used up (it forgot, and admitted, before)."""
+
+    async def main() -> None:
+        async with stack(tmp_path) as s, s.client("alice") as c:
+            spent = Limits(budget_micro_usd=1, budget_period_s=86400)
+            await limit(s, "alice", spent)
+            assert (await c.post("/v1/completions", json=completion())).status_code == 200
+            assert (await c.post("/v1/completions", json=completion())).status_code == 429
+            again = await start_gateway(s.gateway.gateway.config)
+            try:
+                async with async_client(base_url=again.url, timeout=30) as fresh:
+                    headers = {"authorization": f"Bearer {s.keys['alice']}"}
+                    resp = await fresh.post("/v1/completions", json=completion(), headers=headers)
+                    assert resp.status_code == 429, resp.text
+                    # A budget raised above the spend admits again at once.
+                    await limit(s, "alice", Limits(budget_micro_usd=10**9, budget_period_s=1))
+                    await eventually(
+                        lambda: (
+                            again.gateway.keys.authenticate(s.keys["alice"]) is not None
+                            and again.gateway.keys.authenticate(s.keys["alice"]).limits  # type: ignore[union-attr]
+                            == Limits(budget_micro_usd=10**9, budget_period_s=1)
+                        ),
+                        what="the second gateway has the new limits",
+                    )
+                    resp = await fresh.post("/v1/completions", json=completion(), headers=headers)
+                    assert resp.status_code == 200, resp.text
+            finally:
+                await again.close()
 
     run(main)
 

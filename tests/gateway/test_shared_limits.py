@@ -97,6 +97,28 @@ def test_no_over_admission_at_a_concurrency_cap_trial_after_trial(
     run(main)
 
 
+def test_a_budget_is_seeded_from_the_ledger_once_for_the_fleet(
+    redis_server: RedisServer,
+) -> None:
+    """The first gateway to see a budget starts it in Redis from the ledger's spend; a
+    second finds it there and adds nothing (the spend counted once, not once per gateway);
+    spend older than the period is not counted."""
+    subject = ("tenant", "tn_budgetseed0001")
+
+    async def main() -> None:
+        async with engines(redis_server, 2) as (a, b):
+            spent = [(4000.0, 1000), (20.0, 5), (10.0, 7)]  # (age s, micro-dollars)
+            assert await a.seed_budget(subject, 3600, spent) is True
+            assert await b.seed_budget(subject, 3600, spent) is False
+            over = [(subject, Limits(budget_micro_usd=12, budget_period_s=3600))]
+            _, denial, _ = await a.admit(over, Demand(1, 1, 1))
+            assert denial is not None and (denial.kind, denial.used) == ("budget", 12)
+            under = [(subject, Limits(budget_micro_usd=13, budget_period_s=3600))]
+            assert (await b.admit(under, Demand(1, 1, 1)))[0] is not None
+
+    run(main)
+
+
 def test_unused_output_returns_and_a_retry_at_retry_after_is_admitted(
     redis_server: RedisServer,
 ) -> None:

@@ -455,3 +455,17 @@ def test_a_json_merge_patch_sets_values_and_clears_nulls() -> None:
     assert json_limits_edit({}).apply(SET_EARLIER) == SET_EARLIER  # nothing named: kept
     with pytest.raises(LimitError, match="unknown limit 'rps'"):
         json_limits_edit({"rps": None})
+
+
+def test_a_budget_seeded_from_the_ledger_counts_each_spend_for_its_period() -> None:
+    """Spend recorded before this process counts until its time + the period, like an
+    admission made then; seeding again replaces the log (never counted twice)."""
+    governor = Governor()
+    governor.set_limits(TENANT, Limits(budget_micro_usd=10, budget_period_s=100))
+    governor.seed_budget(TENANT, [(0.0, 6), (50.0, 4)], now=60.0)
+    refused = governor.admit([TENANT], Demand(1, 1, 1), now=60.0)
+    assert refused.denial is not None and refused.denial.used == 10
+    assert refused.denial.retry_at == 100.0  # the first spend leaves the period then
+    assert governor.admit([TENANT], Demand(1, 1, 1), now=100.0).admitted
+    governor.seed_budget(TENANT, [(50.0, 4)], now=101.0)  # again: replaced, not added
+    assert governor.admit([TENANT], Demand(1, 1, 1), now=101.0).admitted

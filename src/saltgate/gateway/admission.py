@@ -42,8 +42,13 @@ from saltgate.policy.errors import AnthropicApiError, ApiError
 from saltgate.policy.request import GENERATION_ROUTES
 from saltgate.prices import PriceVersion
 from saltgate.store.tenants import Principal
+from saltgate.store.usage_rollups import UsageReader, read_buckets
 
 REFUSALS: Final = "saltgate_limit_refusals_total"
+# A budget starts from the ledger's minute rollups (a spend counts from its minute's end);
+# a store that could not be read is tried again after this.
+BUDGET_BUCKET_S: Final = 60
+BUDGET_RETRY_S: Final = 5.0
 log = logging.getLogger(__name__)
 
 # What OpenAI's message calls each limit.
@@ -98,9 +103,17 @@ class Admission:
         shared: SharedLimits | None = None,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         metrics: Metrics | None = None,
+        spend: UsageReader | None = None,
     ) -> None:
+        """`spend`: the store's usage rollups, from which each budget starts (None: a budget
+        counts from the first request this process sees)."""
         self.governor = Governor(lease_ttl_s=lease_ttl_s)
         self.metrics = metrics
+        self.spend = spend
+        # (subject, period) of each budget started from the ledger, and those being read.
+        self._seeded: set[tuple[tuple[str, str], int]] = set()
+        self._seeding: dict[tuple[tuple[str, str], int], asyncio.Future[None]] = {}
+        self._seed_retry_at: dict[tuple[tuple[str, str], int], float] = {}
         if metrics is not None:
             metrics.describe(
                 REFUSALS,
@@ -122,6 +135,8 @@ class Admission:
     ) -> tuple[Ticket | SharedTicket, Headers]:
         """Reserve the request in every limit, or raise the 429 that says which refused.
         Returns the ticket to settle and the headers for the answer."""
+        if self.spend is not None:
+            await self._start_budgets(principal)
         demand = reservation(self.prices.get(model), route, body_bytes, max_tokens)
         anthropic = route.startswith("/v1/messages")
         ticket: Ticket | SharedTicket | None = None
@@ -165,6 +180,72 @@ class Admission:
                 self.metrics.inc(REFUSALS, (*labels, ("scope", denial.scope)))
             raise denial_error(denial, model, anthropic, headers)
         return ticket, headers
+
+    # -- budgets from the ledger ----------------------------------------------------------
+    async def _start_budgets(self, principal: Principal) -> None:
+        """Before a subject's first admission here, start its budget from what the ledger
+        holds for its period: a budget set after spend, or a gateway restarted mid-period,
+        counts what was spent (docs/limits.md). Once per subject and period per process;
+        concurrent first requests wait for the one read."""
+        for subject, limits in (
+            (("tenant", principal.tenant_id), principal.limits),
+            (("key", principal.key_id), principal.key_limits),
+        ):
+            if limits is None or limits.budget_period_s is None:
+                continue
+            mark = (subject, limits.budget_period_s)
+            if mark in self._seeded or self._clock() < self._seed_retry_at.get(mark, 0.0):
+                continue
+            pending = self._seeding.get(mark)
+            if pending is None:
+                pending = asyncio.ensure_future(self._start_budget(principal, subject, limits))
+                self._seeding[mark] = pending
+            await asyncio.shield(pending)
+
+    async def _start_budget(
+        self, principal: Principal, subject: tuple[str, str], limits: Limits
+    ) -> None:
+        period = limits.budget_period_s
+        assert period is not None and self.spend is not None
+        mark = (subject, period)
+        wall, now = time.time(), self._clock()
+        filters = {"tenant_id": [principal.tenant_id]}
+        if subject[0] == "key":
+            filters["key_id"] = [principal.key_id]
+        start = int(wall - period) // BUDGET_BUCKET_S * BUDGET_BUCKET_S
+        failure: Exception | None = None
+        spent: list[tuple[float, int]] = []  # (age in seconds, micro-dollars)
+        try:
+            for group in await read_buckets(
+                self.spend, BUDGET_BUCKET_S, start, int(wall) + 1, group_by=(), filters=filters
+            ):
+                # A bucket counts from its end: never out of the period before its spend.
+                age = max(wall - (group.bucket + BUDGET_BUCKET_S), 0.0)
+                spent.append((age, group.sums["cost_micro_usd"]))
+        except Exception as exc:  # any failure of the store: admit, and try again later
+            failure = exc
+        if failure is None and self.shared is not None and self.shared_up:
+            try:
+                await self.shared.seed_budget(subject, period, spent)
+            except (RedisError, OSError) as exc:
+                failure = exc
+        del self._seeding[mark]
+        if failure is not None:
+            log.warning(
+                "limits: the %s budget could not be started from the ledger (%s); it counts "
+                "from now, retried in %.0f s",
+                subject[0],
+                type(failure).__name__,
+                BUDGET_RETRY_S,
+            )
+            self._seed_retry_at[mark] = self._clock() + BUDGET_RETRY_S
+            return
+        self.governor.set_limits(subject, _shared(limits, self.share))
+        # Each process enforces budget / share on its own counts: it starts with its share
+        # of what was spent (rounded up), so together they admit at most what is left.
+        share = [(now - age, -(-amount // self.share)) for age, amount in spent]
+        self.governor.seed_budget(subject, share, now)
+        self._seeded.add(mark)
 
     def _lost(self, exc: Exception) -> None:
         if self.shared_up:

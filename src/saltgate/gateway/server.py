@@ -114,6 +114,7 @@ class Gateway:
             shared=shared_limits,
             lease_ttl_s=config.limits_lease_ttl_s,
             metrics=self.metrics,
+            spend=usage,
         )
         if shared_limits is not None:
             log.info(

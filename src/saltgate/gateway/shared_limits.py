@@ -151,6 +151,36 @@ end
 return 1
 """
 
+# A budget's log started from the ledger's spend (gateway/admission.py), once for the
+# fleet: only while Redis holds nothing for it, so the first gateway to see the subject
+# seeds it and every other finds it there (the check and the writes are one script).
+# ARGV: the span (us), then (age in us, amount) pairs, ages from Redis's own clock.
+SEED_SCRIPT: Final = """
+local function s(x) return string.format('%.0f', x) end
+local key = KEYS[1]
+if redis.call('EXISTS', key) == 1 or redis.call('EXISTS', key .. ':s') == 1 then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local span = tonumber(ARGV[1])
+local sum = 0
+for i = 2, #ARGV, 2 do
+  local at, amount = now - tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+  if at > now - span and amount > 0 then
+    local id = 'ledger:' .. ARGV[i]
+    redis.call('ZADD', key, s(at), id)
+    redis.call('HSET', key .. ':a', id, s(amount))
+    sum = sum + amount
+  end
+end
+if sum == 0 then return 1 end
+local ms = math.floor(span / 1000) + 1000
+redis.call('SET', key .. ':s', s(sum))
+redis.call('PEXPIRE', key, s(ms))
+redis.call('PEXPIRE', key .. ':a', s(ms))
+redis.call('PEXPIRE', key .. ':s', s(ms))
+return 1
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class _Spec:
@@ -218,6 +248,7 @@ class SharedLimits:
         self._window_s = window_s
         self._admit = client.register_script(ADMIT_SCRIPT)
         self._settle = client.register_script(SETTLE_SCRIPT)
+        self._seed = client.register_script(SEED_SCRIPT)
         self._ttl_us = int(lease_ttl_s * _US)
 
     async def admit(
@@ -246,6 +277,19 @@ class SharedLimits:
             Denial(spec.kind, spec.scope, spec.limit, used, requested, retry_at, now),
             ordered,
         )
+
+    async def seed_budget(
+        self, subject: tuple[str, str], period_s: int, spent: Sequence[tuple[float, int]]
+    ) -> bool:
+        """Start the subject's budget log in Redis from (age in seconds, amount) pairs,
+        unless Redis holds it already; True if this call seeded it. RedisError when Redis
+        cannot answer."""
+        scope, ident = subject
+        args: list[str | int] = [period_s * _US]
+        for age, amount in spent:
+            args += [max(int(age * _US), 0), amount]
+        keys = [f"sg:lim:{scope}:{ident}:{BUDGET}"]
+        return bool(await self._seed(keys=keys, args=args))
 
     async def settle(self, ticket: SharedTicket, used: Demand) -> None:
         """Correct the reservations to what was used and free the lease."""

@@ -598,6 +598,25 @@ class Governor:
             if BUDGET in current.logs:
                 current.logs[BUDGET].span = float(limits.budget_period_s or 0)
 
+    def seed_budget(
+        self, subject: tuple[str, str], spent: Iterable[tuple[float, int]], now: float
+    ) -> None:
+        """Start a subject's budget log from spend recorded elsewhere (the ledger): each
+        (time, amount) counts until time + the budget's period, like an admission made
+        then. Replaces what the log held: its admissions are in that record once they end
+        (those still in flight count no more; their settlement leaves the new log alone)."""
+        state = self._subjects.get(subject)
+        if state is None or state.limits.budget_period_s is None:
+            return
+        old = state.logs.pop(BUDGET, None)
+        for entry in old.entries if old is not None else ():
+            entry.live = False
+        log = state.log(BUDGET)
+        for at, amount in sorted(spent):
+            if amount > 0:
+                log.add(at, amount)
+        log.prune(now)
+
     def governs(self, subjects: Iterable[tuple[str, str]]) -> bool:
         """Whether any of these subjects has limits (if not, the caller skips admission)."""
         return any(s in self._subjects for s in subjects)
