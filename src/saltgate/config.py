@@ -163,6 +163,15 @@ class QueueConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CanaryConfig:
+    """[canary]: the isolation canary, on unless disabled (docs/canary.md)."""
+
+    enabled: bool = True
+    interval_s: float = 60.0  # between runs (each: three requests per replica)
+    timeout_s: float = 30.0  # per canary request; past it the run is inconclusive
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     replicas: tuple[ReplicaConfig, ...]
     state_dir: Path
@@ -220,6 +229,7 @@ class GatewayConfig:
     allow_plaintext_upstream: bool = False
     tracing: TracingConfig | None = None  # [tracing]; None: no spans, OpenTelemetry not loaded
     queue: QueueConfig = field(default_factory=QueueConfig)  # [queue]: off unless enabled
+    canary: CanaryConfig = field(default_factory=CanaryConfig)  # [canary]: on by default
 
     @property
     def db_path(self) -> Path:
@@ -397,6 +407,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         "tracing",
         "limits",
         "queue",
+        "canary",
     }
     unknown = set(doc) - known
     if unknown:
@@ -434,6 +445,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         cluster=_cluster(doc.get("cluster"), base),
         tracing=_tracing(doc.get("tracing")),
         queue=_queue(doc.get("queue", {})),
+        canary=_canary(doc.get("canary", {})),
         **_limits(doc.get("limits", {})),
         **_ehbp(doc.get("ehbp", {}), base, state_dir),
         **kwargs,
@@ -716,6 +728,25 @@ def _queue(table: Any) -> QueueConfig:
                 raise ConfigError(f"queue.{key}: expected an integer, 0 or more")
             out[key] = value
     return QueueConfig(**out)
+
+
+def _canary(table: Any) -> CanaryConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("canary: expected a table")
+    known = ("enabled", "interval_s", "timeout_s")
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"canary: unknown keys {unknown}; expected {list(known)}")
+    out: dict[str, Any] = {}
+    if "enabled" in table:
+        out["enabled"] = _expect(table, "enabled", bool, "canary")
+    for key, low in (("interval_s", 1), ("timeout_s", 0.1)):
+        if key in table:
+            value = _expect(table, key, (int, float), "canary")
+            if not low <= value <= 86_400:
+                raise ConfigError(f"canary.{key}: expected seconds, {low:g} to 86400")
+            out[key] = float(value)
+    return CanaryConfig(**out)
 
 
 def _router(table: Any) -> RouterConfig:
