@@ -9,6 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 from tests.gateway.stack import MODEL, Stack, ledger_rows, long_prompt, run, stack
+from tests.support.http import async_client
 from tests.support.waiting import eventually
 
 from saltgate.config import CanaryConfig, ConfigError, load_config
@@ -42,6 +43,19 @@ def sample(page: str, name: str, **labels: str) -> float | None:
 
 def label(s: Stack, i: int) -> str:
     return f"http://127.0.0.1:{s.taps[i].port}"
+
+
+async def fleet_canary(s: Stack) -> dict[str, str | None]:
+    """Each replica's canary state as the console's fleet page shows it (signed in with
+    the scraper's usage:read token, which may read the fleet)."""
+    admin = f"http://127.0.0.1:{s.gateway.admin_port}"
+    token = s.metrics_headers["authorization"].removeprefix("Bearer ")
+    async with async_client(base_url=admin, timeout=30) as c:
+        signed = await c.post("/console/sign-in", data={"token": token}, headers={"origin": admin})
+        assert signed.status_code == 303, signed.text
+        page = await c.get("/console/fleet.json")
+        assert page.status_code == 200, page.text
+        return {r["replica"]: r["canary"] for r in page.json()["replicas"]}
 
 
 async def send(s: Stack, tenant: str, n: int) -> None:
@@ -110,6 +124,7 @@ async def leaky_replica_is_caught(tmp_path: Path, timeout_s: float = 10.0) -> No
         assert sample(page, RESULT, replica=leaky, result="failure") == 1.0
         assert sample(page, FAILURES, replica=label(s, 1)) == 0.0
         assert sample(page, "saltgate_replica_healthy", replica=label(s, 1)) == 1.0
+        assert await fleet_canary(s) == {leaky: "failure", label(s, 1): "pass"}
         assert "cache_salt" in orjson.loads(s.taps[0].canary[-1].body)  # the proxy drops it
         await send(s, "alice", 8)
         await send(s, "bob", 8)
@@ -122,6 +137,7 @@ async def leaky_replica_is_caught(tmp_path: Path, timeout_s: float = 10.0) -> No
 
         await eventually(back, what="the fixed replica back after a passing canary")
         assert sample(await s.scrape(), RESULT, replica=leaky, result="pass") == 1.0
+        assert await fleet_canary(s) == {leaky: "pass", label(s, 1): "pass"}
 
 
 def test_a_replica_behind_a_proxy_that_drops_cache_salt_is_taken_out_at_once(
@@ -168,6 +184,7 @@ def test_an_inconclusive_canary_is_shown_and_keeps_the_replica_in(
                 assert sample(page, FAILURES, replica=label(s, i)) == 0.0
                 assert sample(page, "saltgate_replica_healthy", replica=label(s, i)) == 1.0
             assert all(why in o.reason for o in canary.last.values())
+            assert set((await fleet_canary(s)).values()) == {"inconclusive"}
             await send(s, "alice", 6)
             assert all(tap.seen for tap in s.taps)
 
@@ -181,6 +198,7 @@ def test_the_canary_can_be_switched_off(tmp_path: Path) -> None:
             assert all(tap.canary == [] for tap in s.taps)
             page = await s.scrape()
             assert RESULT not in page and FAILURES not in page
+            assert set((await fleet_canary(s)).values()) == {None}  # shown "not run"
 
     run(main)
 

@@ -22,10 +22,11 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Final
 
-PROMPT_WORDS: Final = 256
-"""Random six-letter words per prompt: 256 tokens on the simulator's tokenizer (16 blocks
-of 16), several hundred on a BPE vocabulary, so that several of vLLM's blocks fill (16
-tokens on GPU, 32 to 128 on CPU) while the prompt stays far below any context length."""
+PROMPT_WORDS: Final = 96
+"""Random six-letter words per prompt: 96 tokens on the simulator's tokenizer (6 blocks
+of 16), some 250 on a large BPE vocabulary, 530 on the conformance suite's tiny one
+(16 blocks of 32): several of vLLM's blocks of 16 (GPU) or 32, at least one of 128 (its CPU
+default), far below any context length and a small share of any KV pool."""
 WORD_LETTERS: Final = 6
 SALT_BYTES: Final = 18  # 24 base64url characters: vLLM takes at most 128, no '/' or '@'
 ENTROPY_BYTES: Final = PROMPT_WORDS * WORD_LETTERS + 2 * SALT_BYTES
