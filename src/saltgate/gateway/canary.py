@@ -89,7 +89,8 @@ class IsolationCanary:
         except (UpstreamError, TimeoutError) as exc:
             reason = str(exc) or f"no answer within {self.config.timeout_s:g} s"
             outcome = Outcome(Verdict.INCONCLUSIVE, f"a canary request failed: {reason}")
-        if self.replicas.router.state(replica.id) is None:
+        state = self.replicas.router.state(replica.id)
+        if state is None or replica not in self.replicas.replicas:
             return outcome  # removed by a reload while it ran
         before = self.last.get(replica.id)
         self.last[replica.id] = outcome
@@ -105,17 +106,18 @@ class IsolationCanary:
                 replica.label,
                 outcome.reason,
             )
-        elif before is not None and before.verdict is Verdict.FAILED:
-            if outcome.verdict is Verdict.PASSED:
+        elif outcome.verdict is Verdict.PASSED:
+            if before is not None and before.verdict is Verdict.FAILED:
                 log.warning(
                     "replica %d (%s) is back: its isolation canary passed", index, replica.label
                 )
-        elif outcome.verdict is Verdict.INCONCLUSIVE and before != outcome:
+        elif before != outcome:  # inconclusive: said when its reason changes
             log.warning(
-                "replica %d (%s): isolation canary inconclusive, still in rotation (%s)",
+                "replica %d (%s): isolation canary inconclusive (%s); it stays %s",
                 index,
                 replica.label,
                 outcome.reason,
+                "out of rotation" if state.health.isolation.failed else "in rotation",
             )
         return outcome
 
