@@ -164,6 +164,15 @@ class QueueConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CanaryConfig:
+    """[canary]: the isolation canary, on unless disabled (docs/canary.md)."""
+
+    enabled: bool = True
+    interval_s: float = 60.0  # between runs (each: three requests per replica)
+    timeout_s: float = 30.0  # per canary request; past it the run is inconclusive
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     replicas: tuple[ReplicaConfig, ...]
     state_dir: Path
@@ -223,6 +232,7 @@ class GatewayConfig:
     queue: QueueConfig = field(default_factory=QueueConfig)  # [queue]: off unless enabled
     # [media]: remote media URLs refused (the default) or fetched under its egress policy.
     media: MediaSettings = field(default_factory=MediaSettings)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)  # [canary]: on by default
 
     @property
     def db_path(self) -> Path:
@@ -401,6 +411,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         "limits",
         "queue",
         "media",
+        "canary",
     }
     unknown = set(doc) - known
     if unknown:
@@ -439,6 +450,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         tracing=_tracing(doc.get("tracing")),
         queue=_queue(doc.get("queue", {})),
         media=_media(doc.get("media", {}), base),
+        canary=_canary(doc.get("canary", {})),
         **_limits(doc.get("limits", {})),
         **_ehbp(doc.get("ehbp", {}), base, state_dir),
         **kwargs,
@@ -730,6 +742,25 @@ def _media(table: Any, base: Path) -> MediaSettings:
         return MediaSettings.from_table(table, base)
     except ValueError as exc:
         raise ConfigError(f"media.{exc}") from None
+
+
+def _canary(table: Any) -> CanaryConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("canary: expected a table")
+    known = ("enabled", "interval_s", "timeout_s")
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"canary: unknown keys {unknown}; expected {list(known)}")
+    out: dict[str, Any] = {}
+    if "enabled" in table:
+        out["enabled"] = _expect(table, "enabled", bool, "canary")
+    for key, low in (("interval_s", 1), ("timeout_s", 0.1)):
+        if key in table:
+            value = _expect(table, key, (int, float), "canary")
+            if not low <= value <= 86_400:
+                raise ConfigError(f"canary.{key}: expected seconds, {low:g} to 86400")
+            out[key] = float(value)
+    return CanaryConfig(**out)
 
 
 def _router(table: Any) -> RouterConfig:

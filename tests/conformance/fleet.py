@@ -38,7 +38,13 @@ import pytest
 from tests.support.kv_relay import first_seq_since, raw_stream
 
 from saltgate.audit.vllm_line import vllm_serve_argv
-from saltgate.config import GatewayConfig, ReplicaConfig, create_master_key, load_master_key
+from saltgate.config import (
+    CanaryConfig,
+    GatewayConfig,
+    ReplicaConfig,
+    create_master_key,
+    load_master_key,
+)
 from saltgate.derivations.derive import SubKeys, derive_subkeys
 from saltgate.kvevents.wire import BlockStored, KVEvent, decode_batch
 from saltgate.serving.run import start_gateway
@@ -321,6 +327,9 @@ async def gateway(
         port=0,
         admin_port=None,
         salting=salting,
+        # Off: its requests and their KV events would mix with what these tests count;
+        # test_vllm_canary.py runs it.
+        canary=CanaryConfig(enabled=False),
     )
     running = await start_gateway(config)
     try:

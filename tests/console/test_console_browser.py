@@ -172,9 +172,14 @@ def check_keys(b: Browser, stack: ConsoleStack, twin: dict[str, Any], seen: Seen
 
 def check_fleet(b: Browser, stack: ConsoleStack, twin: dict[str, Any], seen: Seen) -> None:
     replica = stack.sim.url
-    assert [(r["replica"], r["healthy"]) for r in twin["replicas"]] == [(replica, True)]
+    replicas = [(r["replica"], r["healthy"], r["canary"]) for r in twin["replicas"]]
+    assert replicas == [(replica, True, "pass")]
     [row] = first_table(b)
-    assert (row["Replica"], row["Health"]) == (replica, "healthy")
+    assert (row["Replica"], row["Health"], row["Isolation canary"]) == (
+        replica,
+        "healthy",
+        "pass",
+    )
 
 
 def check_audit(b: Browser, stack: ConsoleStack, twin: dict[str, Any], seen: Seen) -> None:

@@ -20,6 +20,7 @@ from tests.support.gateways import metrics_token
 from tests.support.http import async_client
 
 from saltgate.config import (
+    CanaryConfig,
     GatewayConfig,
     QueueConfig,
     ReplicaConfig,
@@ -28,6 +29,7 @@ from saltgate.config import (
     load_master_key,
 )
 from saltgate.derivations.derive import cache_salt, derive_subkeys
+from saltgate.gateway.canary import REQUEST_ID_PREFIX
 from saltgate.http import HttpServer, Request, Response, UpstreamPool
 from saltgate.policy.egress import MediaSettings
 from saltgate.policy.forwarded import TrustedProxies
@@ -38,6 +40,7 @@ from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
 
 MODEL = "sim-model"
+CANARY_ID = REQUEST_ID_PREFIX.encode()
 
 
 @dataclass
@@ -46,6 +49,11 @@ class Tap:
 
     target: RunningSim
     seen: list[Request] = field(default_factory=list)
+    # The gateway's isolation canary requests (gateway/canary.py), kept apart from `seen`:
+    # no tenant sent them.
+    canary: list[Request] = field(default_factory=list)
+    # Set by a test: rewrites each request body on its way to the replica (a leaky proxy).
+    request: Callable[[bytes], bytes] | None = None
     server: HttpServer | None = None
     port: int = 0
     # Set by a test: rewrites each answer body and streamed chunk (a replica's extras).
@@ -55,9 +63,11 @@ class Tap:
         pool = UpstreamPool("127.0.0.1", self.target.port)
 
         async def handle(request: Request) -> Response:
-            self.seen.append(request)
+            canary = (request.header(b"x-request-id") or b"").startswith(CANARY_ID)
+            (self.canary if canary else self.seen).append(request)
             headers = [(k, v) for k, v in request.headers if k not in (b"host", b"content-length")]
-            upstream = await pool.request(request.method, request.path, headers, request.body)
+            body = request.body if self.request is None else self.request(request.body)
+            upstream = await pool.request(request.method, request.path, headers, body)
             if upstream.header(b"transfer-encoding") == b"chunked":
                 kept = [(k, v) for k, v in upstream.headers if k != b"transfer-encoding"]
                 return Response(upstream.status, kept, stream=self._rewritten(upstream.chunks()))
@@ -172,6 +182,7 @@ async def stack(
     queue: QueueConfig | None = None,
     replica_priority_scheduling: bool = False,
     media: MediaSettings | None = None,
+    canary: CanaryConfig | None = None,
 ) -> AsyncIterator[Stack]:
     """``models``: replica i serves models[i] (else every replica serves MODEL)."""
     base = sim or SimConfig(port=0)
@@ -202,6 +213,7 @@ async def stack(
         queue=queue or QueueConfig(),
         replica_priority_scheduling=replica_priority_scheduling,
         media=media or MediaSettings(),
+        canary=canary or CanaryConfig(),
     )
     gateway = await start_gateway(config, workers=workers)
     try:

@@ -837,6 +837,12 @@ class Console:
         }
         healthy = gauges.get("saltgate_replica_healthy", {})
         inflight = gauges.get("saltgate_replica_inflight", {})
+        results = snap.gauges.get("saltgate_isolation_canary_result")
+        canary = {  # each replica's latest isolation canary result (docs/canary.md)
+            dict(labels).get("replica", ""): dict(labels).get("result")
+            for labels, v in (results.values if results is not None else [])
+            if v == 1.0
+        }
         start = (int(time.time()) - 3600) // 60 * 60
         params = {
             "start_time": str(start),
@@ -862,6 +868,7 @@ class Console:
                 {
                     "replica": name,
                     "healthy": healthy.get(name) == 1.0,
+                    "canary": canary.get(name),  # None: not run (yet, or switched off)
                     "inflight": int(inflight.get(name, 0)),
                     "cached_ratio_1h": None if c is None or not p else c / p,
                 }
@@ -884,6 +891,7 @@ class Console:
             (
                 esc(r["replica"]),
                 esc("healthy" if r["healthy"] else "unhealthy"),
+                esc(r["canary"] or "not run"),
                 esc(r["inflight"]),
                 esc("unknown" if r["cached_ratio_1h"] is None else f"{r['cached_ratio_1h']:.1%}"),
             )
@@ -897,7 +905,9 @@ class Console:
         body = (
             raw("<h2>Replicas</h2>")
             + html.table(
-                ["Replica", "Health", "In flight", "Cached ratio (1 h)"], rows, empty="No replicas."
+                ["Replica", "Health", "Isolation canary", "In flight", "Cached ratio (1 h)"],
+                rows,
+                empty="No replicas.",
             )
             + raw("<h2>Gateways on the bus</h2>")
             + fmt("<p>{}</p>", peers)

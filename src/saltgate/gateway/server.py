@@ -27,6 +27,7 @@ from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.admission import Admission
+from saltgate.gateway.canary import IsolationCanary
 from saltgate.gateway.context import RequestContext, Tracer
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
@@ -135,6 +136,12 @@ class Gateway:
         self.fair = (
             FairShare(config.queue, replicas, self.metrics) if config.queue.enabled else None
         )
+        # [canary]: the isolation canary (gateway/canary.py), started by serving/run.py.
+        self.canary = (
+            IsolationCanary(config.canary, replicas, self.metrics)
+            if config.canary.enabled
+            else None
+        )
         self._log = access_log or AccessLog(None)
         # Seconds the store has been out of reach (GatewayStore.unreachable_for), for /ready.
         self._store_down_for = store_down_for or (lambda: 0.0)
@@ -218,6 +225,8 @@ class Gateway:
 
     async def aclose(self) -> None:
         """Close what the gateway holds, once its server hands it no more requests."""
+        if self.canary is not None:
+            await self.canary.close()
         await self.replicas.close()
         await self.ledger.aclose()
         if self.media is not None:

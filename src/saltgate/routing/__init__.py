@@ -3,6 +3,7 @@
 Pure: imports nothing that performs I/O (docs/routing.md).
 """
 
+from saltgate.routing.canary import CanaryRun, Outcome, Verdict, judge, new_run
 from saltgate.routing.domain import POLICIES, Policy, ReplicaId
 from saltgate.routing.health import (
     RUNNING_METRIC,
@@ -23,8 +24,10 @@ __all__ = [
     "RUNNING_METRIC",
     "Breaker",
     "BreakerState",
+    "CanaryRun",
     "HotKeys",
     "Member",
+    "Outcome",
     "Overload",
     "Plan",
     "Policy",
@@ -34,7 +37,10 @@ __all__ = [
     "ReplicaState",
     "Router",
     "RouterConfig",
+    "Verdict",
     "hrw_score",
+    "judge",
+    "new_run",
     "parse_gauge",
     "parse_waiting",
     "rank",

@@ -8,12 +8,16 @@
 - Overload: the replica's own queue (vLLM's ``vllm:num_requests_waiting``) with
   hysteresis. An overloaded replica is skipped when picking but stays a member, so the
   ranking of every key is unchanged and its traffic returns when the queue drains.
+- Isolation: the isolation canary's verdicts (routing/canary.py). FAILED takes the
+  replica out at once, only PASSED brings it back; INCONCLUSIVE changes nothing.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from saltgate.routing.canary import Verdict
 
 WAITING_METRIC = b"vllm:num_requests_waiting"
 RUNNING_METRIC = b"vllm:num_requests_running"
@@ -98,14 +102,27 @@ class Overload:
 
 
 @dataclass(slots=True)
+class Isolation:
+    """Fail closed: out from a canary FAILED until a canary PASSED."""
+
+    failed: bool = False
+
+    def observed(self, verdict: Verdict) -> None:
+        if verdict is not Verdict.INCONCLUSIVE:
+            self.failed = verdict is Verdict.FAILED
+
+
+@dataclass(slots=True)
 class ReplicaHealth:
     breaker: Breaker
     probe: Probe
     overload: Overload
+    isolation: Isolation = field(default_factory=Isolation)
 
     def available(self, now: float) -> bool:
-        """A member that may be picked: its probes pass and its breaker lets a request by."""
-        return self.probe.up and self.breaker.allows(now)
+        """A member that may be picked: its probes pass, its last conclusive canary did
+        not fail, and its breaker lets a request by."""
+        return self.probe.up and not self.isolation.failed and self.breaker.allows(now)
 
     def probed(self, ok: bool) -> None:
         self.probe.observed(ok)

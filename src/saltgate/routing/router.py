@@ -14,9 +14,10 @@ Policies (``RouterConfig.policy``):
   much more prefill than another replica (docs/routing.md).
 - ``consistent_hash``, ``round_robin``, ``least_loaded``: baselines to measure it against
   (baselines.py).
-Every policy skips replicas whose breaker is open or whose probes fail, and a request
-naming a model goes only to replicas that serve it (`set_models`): every rule above works
-within that set, so a key keeps its rendezvous order among the replicas of its model.
+Every policy skips replicas whose breaker is open, whose probes fail or whose isolation
+canary failed (routing/canary.py), and a request naming a model goes only to replicas
+that serve it (`set_models`): every rule above works within that set, so a key keeps its
+rendezvous order among the replicas of its model.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from saltgate.derivations.derive import (
 )
 from saltgate.routing.affinity import PrefixAffinity
 from saltgate.routing.baselines import baseline_key, baseline_pick
+from saltgate.routing.canary import Verdict
 from saltgate.routing.domain import POLICIES, Policy, ReplicaId
 from saltgate.routing.health import Breaker, Overload, Probe, ReplicaHealth
 from saltgate.routing.hotkeys import HotKeys, warm_set_size
@@ -605,6 +607,12 @@ class Router:
         state = self._states.get(replica_id)
         if state is not None:
             state.health.probed(ok)
+
+    def canary(self, replica_id: ReplicaId, verdict: Verdict) -> None:
+        """An isolation canary's verdict on the replica (routing/canary.py)."""
+        state = self._states.get(replica_id)
+        if state is not None:
+            state.health.isolation.observed(verdict)
 
     # -- the cluster bus (routing/cluster.py) --------------------------------------------------
     def start_sharing(self) -> None:

@@ -173,6 +173,9 @@ async def start_gateway(
     )
     await replicas.probe_all()
     replicas.start_probing()
+    if gateway.canary is not None:  # its first round before serving (docs/canary.md)
+        await gateway.canary.run_all()
+        gateway.canary.start()
     if listener is None:
         try:
             port = await server.start(config.host, config.port)
