@@ -315,12 +315,18 @@ def tenancy(tmp_path_factory: pytest.TempPathFactory) -> Tenancy:
 
 @asynccontextmanager
 async def gateway(
-    fleet: Fleet, tenancy: Tenancy, *, replicas: tuple[int, ...] = (0, 1), salting: bool = True
+    fleet: Fleet,
+    tenancy: Tenancy,
+    *,
+    replicas: tuple[int, ...] = (0, 1),
+    salting: bool = True,
+    api_key: str | None = None,
 ) -> AsyncIterator[str]:
-    """saltgate in front of the chosen replicas, for the tenancy; yields its URL."""
+    """saltgate in front of the chosen replicas, for the tenancy; yields its URL.
+    `api_key`: the key the gateway sends them (default: the one they take)."""
     config = GatewayConfig(
         replicas=tuple(
-            ReplicaConfig(fleet.replicas[i].url, api_key=fleet.api_key) for i in replicas
+            ReplicaConfig(fleet.replicas[i].url, api_key=api_key or fleet.api_key) for i in replicas
         ),
         state_dir=tenancy.state_dir,
         master_key_file=tenancy.state_dir / "master.key",

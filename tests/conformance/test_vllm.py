@@ -242,6 +242,20 @@ def test_4_replicas_refuse_requests_without_their_api_key(fleet: Fleet, tenancy:
             models = await bob.get("/v1/models")
             assert models.status_code == 200
             assert [m["id"] for m in models.json()["data"]] == [MODEL_NAME]
+        # The gateway given a wrong key: vLLM's /health takes none, its /v1/models refuses
+        # it, and the gateway says so instead of relaying vLLM's 401 to the tenant.
+        wrong_key = "not-the-replicas-key"
+        async with (
+            gateway(fleet, tenancy, api_key=wrong_key) as url,
+            as_tenant(url, tenancy, "bob") as bob,
+        ):
+            ready = await bob.get("/ready")
+            assert ready.status_code == 503, ready.text
+            reasons = {r["reason"] for r in ready.json()["replicas"]["list"]}
+            assert reasons == {"credentials_refused"}, ready.text
+            body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1}
+            answer = await bob.post("/v1/completions", json=body)
+            assert answer.status_code == 503 and "no_replica" in answer.text, answer.text
 
     asyncio.run(main())
 

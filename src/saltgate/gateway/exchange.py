@@ -38,7 +38,7 @@ from saltgate.gateway.admission import Admission
 from saltgate.gateway.context import AttemptTrace, RequestContext
 from saltgate.gateway.fairshare import FairShare
 from saltgate.gateway.metrics import TTFT_BUCKETS, Labels, Metrics, duration_buckets
-from saltgate.gateway.replicas import Attempt, ReplicaSet
+from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt, ReplicaSet
 from saltgate.gateway.shared_limits import SharedTicket
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
 from saltgate.governance.fairness import service
@@ -202,6 +202,25 @@ class Meter:
         self.metrics.inc(_UNREPORTED, labels)
 
 
+async def _send(
+    replicas: ReplicaSet, attempt: Attempt, path: bytes, headers: Headers, payload: bytes
+) -> UpstreamResponse | bool:
+    """One attempt at a replica: its answer, or whether the failure came after it began
+    answering. A 401 or 403 refuses the gateway's API key, not the tenant's: a failure
+    before the answer, never relayed (gateway/replicas.py takes the replica down)."""
+    replica = attempt.replica
+    try:
+        upstream = await replica.pool.request(
+            b"POST", replica.prefix + path, headers + replica.auth, payload
+        )
+    except UpstreamError as exc:
+        return not exc.before_response
+    if upstream.status not in CREDENTIALS_REFUSED:
+        return upstream
+    await replicas.credentials_refused(replica, upstream)
+    return False
+
+
 class Exchange:
     """See the module docstring; `forward` starts it, `_end` ends it, once."""
 
@@ -290,13 +309,11 @@ class Exchange:
                 if trace is not None:
                     span = self._span = trace.attempt(self._context, replica.label)
                     sent = span.upstream_headers(headers)
-                try:
-                    upstream = await replica.pool.request(
-                        b"POST", replica.prefix + path, sent + replica.auth, payload
-                    )
+                sending = await _send(replicas, attempt, path, sent, payload)
+                if isinstance(sending, UpstreamResponse):
+                    upstream = sending
                     break
-                except UpstreamError as exc:
-                    answered = not exc.before_response
+                answered = sending
                 self._failed()
                 if self._span is not None and not answered:
                     self._span.end(REPLICA_FAILED)

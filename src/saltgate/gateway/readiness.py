@@ -29,6 +29,9 @@ class ReplicaView:
 
     healthy: bool
     models: tuple[str, ...]
+    # Why it is down, when known: credentials_refused (it refuses the gateway's API key),
+    # isolation_canary_failed, probe_failed.
+    reason: str | None = None
 
 
 def store_state(down_s: float, grace_s: float) -> str:
@@ -63,7 +66,11 @@ def readiness(
         "replicas": {
             "healthy": healthy,
             "total": len(replicas),
-            "list": [{"replica": i, "healthy": r.healthy} for i, r in enumerate(replicas)],
+            "list": [
+                {"replica": i, "healthy": r.healthy}
+                | ({} if r.healthy or r.reason is None else {"reason": r.reason})
+                for i, r in enumerate(replicas)
+            ],
         },
         "models": models,
     }

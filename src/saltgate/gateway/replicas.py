@@ -19,13 +19,13 @@ import ssl
 import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import orjson
 
 from saltgate.config import ConfigError, ReplicaConfig
-from saltgate.http.client import UpstreamError, UpstreamPool
+from saltgate.http.client import UpstreamError, UpstreamPool, UpstreamResponse
 from saltgate.http.tls import client_context, tls_failure
 from saltgate.routing import (
     RUNNING_METRIC,
@@ -40,6 +40,18 @@ from saltgate.routing import (
 
 log = logging.getLogger(__name__)
 
+# What a replica answers a request whose API key it does not take (vLLM: 401).
+CREDENTIALS_REFUSED: Final = frozenset({401, 403})
+
+
+def _refusal_cause(index: int, status: int, where: str) -> str:
+    """The operator's line: which replica refused, and what to check (never the key)."""
+    return (
+        f"it refuses the gateway's API key ({where} answered {status}): check api_key_file "
+        f"or api_key_env of [[replicas]] {index} against the replica's --api-key"
+    )
+
+
 RETIRE_POLL_S = 0.1
 
 
@@ -53,6 +65,8 @@ class Replica:
     probed: bool = False  # a /v1/models probe has answered: `models` is known
     # The probe's list that disagreed with the pinned one, last logged (logged once).
     mismatch: frozenset[str] | None = None
+    # 401 or 403 while it refuses the gateway's API key (its probe or a request saw it).
+    refused: int | None = None
     # The replica's identity in the ranking: its URL, the same on every gateway.
     id: ReplicaId = field(init=False)
     label: str = field(init=False)  # its URL in metric labels and logs (`replica_label`)
@@ -261,6 +275,16 @@ class ReplicaSet:
             for i, r in enumerate(self._replicas.values())
         ]
 
+    def down_reason(self, replica: Replica) -> str | None:
+        """Why the replica may not be picked, as /ready names it (no URL, no key); None if
+        it may be, or if only its breaker holds it back for now."""
+        health = self._state(replica).health
+        if replica.refused is not None:
+            return "credentials_refused"
+        if health.isolation.failed:
+            return "isolation_canary_failed"
+        return None if health.probe.up else "probe_failed"
+
     def _state(self, replica: Replica) -> ReplicaState:
         state = self.router.state(replica.id)
         assert state is not None, "the router and the replica set list the same replicas"
@@ -293,6 +317,8 @@ class ReplicaSet:
             return ok  # removed while the probe ran
         was_up = state.health.probe.up
         self.router.probed(replica.id, ok)
+        if replica.refused is not None:
+            self.router.credentials_refused(replica.id)
         if state.health.probe.up != was_up:
             index = self.replicas.index(replica)
             if ok:
@@ -307,8 +333,12 @@ class ReplicaSet:
         await resp.read()
         if resp.status != 200:
             return f"/health answered {resp.status}"
+        # vLLM's /health takes no key; /v1/models does, so a wrong key shows here.
         resp = await replica.pool.request(b"GET", replica.prefix + b"/v1/models", replica.auth)
         body = await resp.read()
+        replica.refused = resp.status if resp.status in CREDENTIALS_REFUSED else None
+        if replica.refused is not None:
+            return _refusal_cause(self.replicas.index(replica), replica.refused, "/v1/models")
         if resp.status == 200:
             self._learn_models(replica, _model_entries(body))
         resp = await replica.pool.request(b"GET", replica.prefix + b"/metrics", replica.auth)
@@ -365,6 +395,25 @@ class ReplicaSet:
                 sorted(learnt),
             )
         self.router.set_models(replica.id, replica.served)
+
+    async def credentials_refused(self, replica: Replica, answer: UpstreamResponse) -> None:
+        """A request's answer was 401 or 403: the replica refuses the gateway's API key, not
+        the tenant's (the gateway authenticated the tenant). Its answer is dropped (the
+        tenant gets the gateway's own), and the replica is down at once, said once."""
+        with contextlib.suppress(UpstreamError):
+            await answer.read()  # the connection goes back to the pool clean
+        state = self.router.state(replica.id)
+        was_up = state is not None and state.health.probe.up
+        replica.refused = answer.status
+        self.router.credentials_refused(replica.id)
+        if was_up and replica in self.replicas:
+            index = self.replicas.index(replica)
+            log.warning(
+                "replica %d (%s) is down: %s",
+                index,
+                replica.id,
+                _refusal_cause(index, answer.status, "a request"),
+            )
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(r) for r in self.replicas))

@@ -256,7 +256,8 @@ class Gateway:
     def readiness(self, model: str | None = None) -> tuple[bool, dict[str, Any]]:
         """What /ready answers (gateway/readiness.py), from the router's health."""
         views = [
-            ReplicaView(ok, tuple(sorted(r.served or ()))) for _, r, ok in self.replicas.available()
+            ReplicaView(ok, tuple(sorted(r.served or ())), self.replicas.down_reason(r))
+            for _, r, ok in self.replicas.available()
         ]
         return readiness(self._store_down_for(), self.config.store_outage_grace_s, views, model)
 

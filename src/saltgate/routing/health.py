@@ -84,6 +84,11 @@ class Probe:
     def observed(self, ok: bool) -> None:
         self.failures = 0 if ok else self.failures + 1
 
+    def refused(self) -> None:
+        """The replica refused the gateway's credentials: down at once, not after
+        `failure_threshold` probes (waiting would only show tenants its 401s)."""
+        self.failures = max(self.failures + 1, self.failure_threshold)
+
 
 @dataclass(slots=True)
 class Overload:

@@ -608,6 +608,13 @@ class Router:
         if state is not None:
             state.health.probed(ok)
 
+    def credentials_refused(self, replica_id: ReplicaId) -> None:
+        """The replica answered the gateway's API key with 401 or 403: down at once, until
+        a probe passes."""
+        state = self._states.get(replica_id)
+        if state is not None:
+            state.health.probe.refused()
+
     def canary(self, replica_id: ReplicaId, verdict: Verdict) -> None:
         """An isolation canary's verdict on the replica (routing/canary.py)."""
         state = self._states.get(replica_id)
