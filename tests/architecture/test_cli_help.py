@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from saltgate.cli import HelpFormatter, Parser, build_parser
+from saltgate.cli import build_parser
+from saltgate.cli.common import HelpFormatter, Parser
 from saltgate_bench.cli import build_parser as build_bench_parser
 
 pytestmark = pytest.mark.unit

@@ -327,7 +327,7 @@ def client_library_problems(graph: Graph) -> list[str]:
     """Libraries the client's modules reach that saltgate-client does not install. The CLI
     is an entry, its subcommands' modules not: they are imported when run, and say what to
     install when missing (cli.main)."""
-    reached = {"saltgate.cli"}
+    reached = {m for m in graph.modules if m == "saltgate.cli" or m.startswith("saltgate.cli.")}
     for entry in CLIENT_ENTRIES:
         reached |= graph.closure(entry)
     found = third_party(graph, reached)

@@ -18,7 +18,8 @@ import zmq
 from tests.support.kv_relay import receive_until
 from tests.support.waiting import eventually_blocking
 
-from saltgate.cli import _kv_relay_from_args, build_parser, main
+from saltgate.cli import build_parser, main
+from saltgate.cli.relay import _kv_relay_from_args
 from saltgate.config import ConfigError, kv_relay_settings, parse_config
 from saltgate.kvevents.publisher import KvEventPublisher
 from saltgate.kvevents.relay import KvRelay, relay_server_keys

@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from saltgate.cli import Parser
+from saltgate.cli.common import Parser
 
 BENCHMARKS = {
     "replay": "saltgate_bench.replay",
