@@ -1,0 +1,1 @@
+"""The console's pages, a module each, and its forms (actions.py)."""
