@@ -233,6 +233,9 @@ class GatewayConfig:
     # [media]: remote media URLs refused (the default) or fetched under its egress policy.
     media: MediaSettings = field(default_factory=MediaSettings)
     canary: CanaryConfig = field(default_factory=CanaryConfig)  # [canary]: on by default
+    # [responses] store: replicas keep responses (vLLM's store on), each its owner's only
+    # (docs/fields.md); false: every request forwarded with store false, no state.
+    responses_store: bool = False
 
     @property
     def db_path(self) -> Path:
@@ -412,6 +415,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         "queue",
         "media",
         "canary",
+        "responses",
     }
     unknown = set(doc) - known
     if unknown:
@@ -451,6 +455,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         queue=_queue(doc.get("queue", {})),
         media=_media(doc.get("media", {}), base),
         canary=_canary(doc.get("canary", {})),
+        responses_store=_responses(doc.get("responses", {})),
         **_limits(doc.get("limits", {})),
         **_ehbp(doc.get("ehbp", {}), base, state_dir),
         **kwargs,
@@ -742,6 +747,16 @@ def _media(table: Any, base: Path) -> MediaSettings:
         return MediaSettings.from_table(table, base)
     except ValueError as exc:
         raise ConfigError(f"media.{exc}") from None
+
+
+def _responses(table: Any) -> bool:
+    """[responses]: store (default false)."""
+    if not isinstance(table, dict):
+        raise ConfigError("responses: expected a table")
+    unknown = sorted(set(table) - {"store"})
+    if unknown:
+        raise ConfigError(f"responses: unknown keys {unknown}; expected ['store']")
+    return bool(_expect(table, "store", bool, "responses")) if "store" in table else False
 
 
 def _canary(table: Any) -> CanaryConfig:

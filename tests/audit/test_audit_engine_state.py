@@ -106,6 +106,8 @@ def clean(finding: Finding) -> bool:
 
 def test_responses_store_is_read_from_the_get_after_the_create() -> None:
     on = judge_responses_store("r", CREATED, ProbeAnswer(200, CREATED.body))
+    kept = judge_responses_store("r", CREATED, ProbeAnswer(200, CREATED.body), kept=True)
+    assert kept.severity is Severity.INFO and "[responses] store" in kept.summary
     assert on.severity is Severity.HIGH and RESPONSES_STORE_ENV in on.fix
     off = judge_responses_store("r", CREATED, STORE_OFF)
     assert off.severity is Severity.OK and not off.fix

@@ -321,6 +321,7 @@ async def gateway(
     replicas: tuple[int, ...] = (0, 1),
     salting: bool = True,
     api_key: str | None = None,
+    responses_store: bool = False,
 ) -> AsyncIterator[str]:
     """saltgate in front of the chosen replicas, for the tenancy; yields its URL.
     `api_key`: the key the gateway sends them (default: the one they take)."""
@@ -336,6 +337,7 @@ async def gateway(
         # Off: its requests and their KV events would mix with what these tests count;
         # test_vllm_canary.py runs it.
         canary=CanaryConfig(enabled=False),
+        responses_store=responses_store,
     )
     running = await start_gateway(config)
     try:

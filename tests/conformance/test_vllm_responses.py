@@ -67,3 +67,37 @@ def test_16_a_stored_response_is_nobody_elses_through_saltgate(
                     assert read.status_code == 404 and ALICE_SAYS[:20] not in read.text
 
     asyncio.run(main())
+
+
+def test_17_with_the_store_kept_each_response_is_its_owners_only(
+    store_fleet: Fleet, tenancy: Tenancy
+) -> None:
+    """`[responses] store = true` in front of vLLM's store: alice continues her response
+    (its conversation in her prompt), bob naming it gets the unknown-id answer."""
+    body = {"model": MODEL_NAME, "max_output_tokens": 2}
+
+    async def main() -> None:
+        async with gateway(store_fleet, tenancy, replicas=(0,), responses_store=True) as url:
+            as_alice = {"authorization": f"Bearer {tenancy.keys['alice']}"}
+            as_bob = {"authorization": f"Bearer {tenancy.keys['bob']}"}
+            async with (
+                async_client(base_url=url, headers=as_alice, timeout=120) as alice,
+                async_client(base_url=url, headers=as_bob, timeout=120) as bob,
+            ):
+                alone = await alice.post("/v1/responses", json={**body, "input": "hi"})
+                made = await alice.post("/v1/responses", json={**body, "input": ALICE_SAYS})
+                assert made.status_code == 200, made.text
+                her_id = made.json()["id"]
+                follow = {**body, "input": "hi", "previous_response_id": her_id}
+                mine = await alice.post("/v1/responses", json=follow)
+                assert mine.status_code == 200, mine.text
+                grown = mine.json()["usage"]["input_tokens"]
+                assert grown > alone.json()["usage"]["input_tokens"] + 20, mine.text
+                theirs = await bob.post("/v1/responses", json=follow)
+                assert theirs.status_code == 404, theirs.text
+                said = theirs.json()["error"]["message"]
+                assert said == f"Response with id '{her_id}' not found.", said
+                assert (await alice.get(f"/v1/responses/{her_id}")).status_code == 200
+                assert (await bob.get(f"/v1/responses/{her_id}")).status_code == 404
+
+    asyncio.run(main())

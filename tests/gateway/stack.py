@@ -181,6 +181,7 @@ async def stack(
     limits_lease_ttl_s: float = 600.0,
     queue: QueueConfig | None = None,
     replica_priority_scheduling: bool = False,
+    responses_store: bool = False,
     media: MediaSettings | None = None,
     canary: CanaryConfig | None = None,
 ) -> AsyncIterator[Stack]:
@@ -212,6 +213,7 @@ async def stack(
         limits_lease_ttl_s=limits_lease_ttl_s,
         queue=queue or QueueConfig(),
         replica_priority_scheduling=replica_priority_scheduling,
+        responses_store=responses_store,
         media=media or MediaSettings(),
         canary=canary or CanaryConfig(),
     )

@@ -120,6 +120,10 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     src.execute_many(PRICE_INSERT, price_rows([price], 1.0))
     PriceStore(src).set("m", Price(2.0, 0.2, 4.0))  # over the config's, with its version
     src.execute_many(USAGE_INSERT, _records(12, 1000.0, acme.id, acme_key_id))
+    src.execute(  # a response a replica keeps for acme ([responses] store)
+        "INSERT INTO responses (id, tenant_id, replica, created_at) VALUES (?, ?, ?, ?)",
+        ("resp_acme1", acme.id, "https://10.0.1.1:8443", 1000.0),
+    )
     # A row from before schema version 3: no request id, which PostgreSQL requires.
     src.execute(
         "INSERT INTO usage (ts, tenant_id, key_id, model, prompt_tokens, cached_tokens, "
@@ -132,7 +136,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert (code, err) == (0, ""), err
     assert pg_store.password_file is not None
     assert pg_store.password_file.read_text().strip() not in out
-    table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:10]}
+    table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:11]}
     audited = str(len(src.query("SELECT seq FROM audit_log")))
     assert table == {
         "tenants": ["2", "2"],
@@ -142,6 +146,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
         "admin_tokens": ["3", "3"],
         "audit_log": [audited, audited],
         "key_last_used": ["1", "1"],
+        "responses": ["1", "1"],
         "usage": ["13", "13"],
     }
     assert "verified" in out
@@ -188,7 +193,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     since = ("--since", "1970-01-01T00:16:40")  # ts 1000: the first pass's rows too
     code, out, err = _saltgate(capsys, "store", "copy", "--from", source.url, *to, *since)
     assert (code, err) == (0, ""), err
-    assert out.splitlines()[9].split() == ["usage", "17", "17"]
+    assert out.splitlines()[10].split() == ["usage", "17", "17"]
     assert _rows(dst, MODEL_PRICES_SQL) == _rows(src, MODEL_PRICES_SQL)  # the new price
     assert verify_chain(dst).checked == len(src.query("SELECT seq FROM audit_log"))
     assert len(dst.query(USAGE_SQL)) == 18

@@ -569,7 +569,7 @@ class _Checks:
         self.add(judge_bind_address(replica.url, await self.bind_observation(replica.url)))
         headers = self._replica_headers(replica)
         self.report.findings += await probe_engine_state(
-            self.client, replica.url, headers, listener
+            self.client, replica.url, headers, listener, kept=self.config.responses_store
         )
         return text
 

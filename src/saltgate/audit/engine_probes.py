@@ -120,9 +120,16 @@ def _model(answer: ProbeAnswer) -> str:
 
 
 async def probe_engine_state(
-    client: httpx.AsyncClient, url: str, headers: dict[str, str], listener: MediaListener
+    client: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    listener: MediaListener,
+    *,
+    kept: bool = False,
 ) -> list[Finding]:
-    """Every engine-state probe of one replica, and the KV tiers of its /metrics."""
+    """Every engine-state probe of one replica, and the KV tiers of its /metrics; `kept`:
+    the gateway keeps responses for their owners ([responses] store), so the store is on
+    by design."""
     base = url.rstrip("/")
     models = await _send(client, base + "/v1/models", headers, None)
     model = _model(models)
@@ -148,7 +155,7 @@ async def probe_engine_state(
     created = create.json() if create.status == 200 else None
     if isinstance(created, dict) and isinstance(created.get("id"), str):
         read = await _send(client, f"{base}/v1/responses/{created['id']}", headers, None)
-    findings.append(judge_responses_store(url, create, read))
+    findings.append(judge_responses_store(url, create, read, kept=kept))
 
     token = secrets.token_hex(8)
     image = {"type": "image_url", "image_url": {"url": listener.url(token)}}

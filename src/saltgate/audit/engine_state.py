@@ -98,7 +98,33 @@ def _unprobed(check: str, url: str, answer: ProbeAnswer, what: str) -> Finding |
 # -- the Responses store ------------------------------------------------------------------
 
 
-def judge_responses_store(url: str, create: ProbeAnswer, read: ProbeAnswer | None) -> Finding:
+def _store_on(check: str, url: str, *, kept: bool) -> Finding:
+    """The store answered the audit's GET: a finding, unless the gateway keeps responses
+    for their owners ([responses] store = true), which needs it on."""
+    if kept:
+        return Finding(
+            check,
+            url,
+            Severity.INFO,
+            "the Responses store is on, as [responses] store = true needs: through the "
+            "gateway each response is its owner's only; straight to the replica it is "
+            "anyone's, so nothing but the gateway may reach it (replica-direct-access)",
+        )
+    return Finding(
+        check,
+        url,
+        Severity.HIGH,
+        "the Responses store is on: a response created with store=true is served back "
+        "by GET /v1/responses/{id} to anyone holding the id, with no owner check (and "
+        "can be continued or cancelled by it); the store is never evicted. The audit's "
+        "own one-token probe stays stored until the replica restarts",
+        f"start vLLM without {RESPONSES_STORE_ENV} (unset or 0)",
+    )
+
+
+def judge_responses_store(
+    url: str, create: ProbeAnswer, read: ProbeAnswer | None, *, kept: bool = False
+) -> Finding:
     """POST /v1/responses with store true, then GET /v1/responses/{id}: 200 means stored.
 
     vLLM keeps stored responses in a dict per API-server process, never evicted, with no
@@ -119,16 +145,7 @@ def judge_responses_store(url: str, create: ProbeAnswer, read: ProbeAnswer | Non
             f"not checked: POST /v1/responses answered {create.quoted()}",
         )
     if read.status == 200:
-        return Finding(
-            check,
-            url,
-            Severity.HIGH,
-            "the Responses store is on: a response created with store=true is served back "
-            "by GET /v1/responses/{id} to anyone holding the id, with no owner check (and "
-            "can be continued or cancelled by it); the store is never evicted. The audit's "
-            "own one-token probe stays stored until the replica restarts",
-            f"start vLLM without {RESPONSES_STORE_ENV} (unset or 0)",
-        )
+        return _store_on(check, url, kept=kept)
     if read.status == 404:
         return Finding(
             check,

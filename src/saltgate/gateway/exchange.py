@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Final
 
 from saltgate.derivations.derive import ROUTE_RESPONSES
@@ -39,6 +39,7 @@ from saltgate.gateway.context import AttemptTrace, RequestContext
 from saltgate.gateway.fairshare import FairShare
 from saltgate.gateway.metrics import TTFT_BUCKETS, Labels, Metrics, duration_buckets
 from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt, ReplicaSet
+from saltgate.gateway.responses import response_id_in
 from saltgate.gateway.shared_limits import SharedTicket
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
 from saltgate.governance.fairness import service
@@ -69,6 +70,8 @@ _FAILURES: Final = "saltgate_upstream_failures_total"
 OTHER_MODEL: Final = "other"  # the model label of any model the gateway does not know
 _LABEL_CACHE: Final = 65_536  # (tenant, model, status) label sets remembered; cleared when full
 _UNREPORTED: Final = "saltgate_replica_cached_tokens_unreported_total"
+# Records a response id with its tenant and replica ([responses] store).
+KeepResponse = Callable[[str, str, ReplicaId], Awaitable[None]]
 _STREAM_FAILED: Final = (
     b"data: "
     + ApiError(502, "The replica failed during the stream; retry the request.").body()
@@ -234,6 +237,7 @@ class Exchange:
         "_fair",
         "_finished",
         "_held",
+        "_keep",
         "_meter",
         "_prefilling",
         "_principal",
@@ -253,12 +257,14 @@ class Exchange:
         admission: Admission | None = None,
         ticket: Ticket | SharedTicket | None = None,
         fair: FairShare | None = None,
+        keep: KeepResponse | None = None,
     ) -> None:
         """`ticket`: the request's reservations under its tenant's limits, settled with
         `admission` when it ends (gateway/admission.py); None when it has no limits.
         `fair`: with [queue], the first attempt waits its turn there (gateway/fairshare.py)."""
         self._admission = admission
         self._fair = fair
+        self._keep = keep  # [responses] store: record the answer's response id and owner
         self._charged = -1.0  # the service the fair queue charged at release; -1: none
         self._ticket = ticket
         self._meter = meter
@@ -283,10 +289,12 @@ class Exchange:
         payload: bytes,
         *,
         client_wants_usage: bool,
+        avoid: Sequence[ReplicaId] = (),
     ) -> Response:
         """Send the request down the plan's ranking until a replica answers; a failure
-        before any response moves on to the next replica."""
-        tried: list[ReplicaId] = []
+        before any response moves on to the next replica. `avoid`: replicas not to try
+        (all but the one holding the response a request continues)."""
+        tried = list(avoid)
         trace = self._context.span
         fair = self._fair
         # Every ending awaits its record outside the handler that caught it: compiled code
@@ -338,9 +346,7 @@ class Exchange:
                 self._failed()
                 await self._end(REPLICA_FAILED)
                 raise replica_failed() from None
-            usage = usage_from_body(body) if upstream.status == 200 else None
-            await self._end(upstream.status, usage)
-            return Response(upstream.status, response_headers, scrub_answer(body))
+            return await self._whole(upstream.status, response_headers, body)
         except asyncio.CancelledError as cancel:
             cancelled = cancel
         await self._end(NOT_SERVED)
@@ -406,6 +412,8 @@ class Exchange:
                     time.monotonic() - context.started,
                 )
             out = scrub_events(scanner.feed(chunk))
+            if self._keep is not None:
+                await self._kept(out)
             if out.endswith(DONE):
                 out, self._held = out[: -len(DONE)], DONE
             if out:
@@ -434,6 +442,24 @@ class Exchange:
         await self._end(CLIENT_CLOSED, scanner.usage)
         if failure is not None:
             raise failure
+
+    async def _whole(self, status: int, headers: Headers, body: bytes) -> Response:
+        """A whole answer: its response id kept, metered, then handed to the client."""
+        usage = usage_from_body(body) if status == 200 else None
+        if status == 200:
+            await self._kept(body)
+        await self._end(status, usage)
+        return Response(status, headers, scrub_answer(body))
+
+    async def _kept(self, data: bytes) -> None:
+        """Record the response id the answer carries, once, before the client sees it (so
+        a continuation made at once finds it)."""
+        keep, attempt = self._keep, self._attempt
+        response_id = response_id_in(data)
+        if keep is None or attempt is None or response_id is None:
+            return
+        self._keep = None
+        await keep(response_id, self._principal.tenant_id, attempt.replica.id)
 
     # -- the one ending ----------------------------------------------------------------
     def _settle(self, used: Usage | None, cost: int | None) -> None:

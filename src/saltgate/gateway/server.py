@@ -36,13 +36,14 @@ from saltgate.gateway.media import MediaFetcher
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
+from saltgate.gateway.responses import BY_ID, ResponseOwners, by_id, unknown_response
 from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
 from saltgate.governance.limits import Ticket
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError, missing_parameter, model_not_found
 from saltgate.policy.fields import band_priority
 from saltgate.policy.forwarded import client_address
-from saltgate.policy.headers import credential, forward_request_headers
+from saltgate.policy.headers import credential, forward_request_headers, scrub_response_headers
 from saltgate.policy.request import (
     ANTHROPIC_ROUTES,
     ROUTE_HEALTH,
@@ -55,6 +56,7 @@ from saltgate.policy.request import (
     resolve_route,
 )
 from saltgate.prices import PriceVersion, price_versions
+from saltgate.routing import ReplicaId
 from saltgate.store.errors import StoreUnavailableError
 from saltgate.store.ledger import UsageLedger
 from saltgate.store.tenants import KeySource, Principal
@@ -148,6 +150,8 @@ class Gateway:
         self.tracer = tracer  # [tracing]: a span per request (gateway/tracing.py)
         # [media] remote = "fetch": remote media fetched here and inlined (gateway/media.py)
         self.media = MediaFetcher(config.media, self.metrics) if config.media.fetch else None
+        # [responses] store: who owns each response the replicas keep (gateway/responses.py)
+        self.owners = ResponseOwners(config.store_settings) if config.responses_store else None
         self._tenant_salts: dict[tuple[str, int], str] = {}
         self._routes: dict[tuple[bytes, bytes], str] = {}
         self._request_labels: dict[tuple[bytes, int], tuple[tuple[str, str], ...]] = {}
@@ -231,6 +235,8 @@ class Gateway:
         await self.ledger.aclose()
         if self.media is not None:
             self.media.close()
+        if self.owners is not None:
+            await self.owners.aclose()
         self._log.close()
         await self.keys.aclose()
         if self.usage is not None:
@@ -291,6 +297,10 @@ class Gateway:
         self, request: Request, context: RequestContext, body_encrypted: bool
     ) -> Response:
         route = self._routes.get((request.method, request.path))
+        if route is None and self.owners is not None:
+            found = by_id(request.method, request.path)
+            if found is not None:
+                return await self._by_id(request, *found)
         if route is None:
             route = resolve_route(request.method, request.path)
             self._routes[(request.method, request.path)] = route  # bounded: allowed routes only
@@ -309,7 +319,10 @@ class Gateway:
         if route == ROUTE_USAGE:
             return await self._usage(request, principal)
         body = parse_body(request.body, self.config.max_body_bytes)
-        inspected = inspect(route, body.obj, allow_remote=self.media is not None)
+        owners = self.owners
+        inspected = inspect(
+            route, body.obj, allow_remote=self.media is not None, keeps_responses=owners is not None
+        )
         context.model = inspected.model
         self._check_model(route, inspected.model, principal)
         if (
@@ -321,6 +334,7 @@ class Gateway:
         salt = self._salt(principal, inspected.user_cache_secret) if self.config.salting else None
         scheduled = self.config.replica_priority_scheduling
         ranked = band_priority(principal.priority) if scheduled else None
+        avoid = await self._holding(inspected.previous_response_id, principal)
         plan = self.replicas.plan(
             route, body.obj, inspected.model, salt, remember=inspected.user_cache_secret is None
         )
@@ -341,6 +355,7 @@ class Gateway:
             admission=admission,
             ticket=ticket,
             fair=self.fair,
+            keep=None if owners is None else owners.record,
         )
         response = await exchange.forward(
             self.replicas,
@@ -349,10 +364,46 @@ class Gateway:
             forward_request_headers(request.headers, context.request_id),
             payload,
             client_wants_usage=inspected.client_wants_usage,
+            avoid=avoid,
         )
         if limit_headers:
             response.headers += limit_headers
         return response
+
+    async def _holding(self, previous: str | None, principal: Principal) -> list[ReplicaId]:
+        """For a request continuing a response ([responses] store): every replica but the
+        one holding it, which is the tenant's, else the answer for an unknown id."""
+        if previous is None or self.owners is None:
+            return []
+        holder = await self.owners.replica_of(previous, principal.tenant_id)
+        if holder is None:
+            raise unknown_response(previous)
+        ids = [r.id for r in self.replicas.replicas]
+        if holder not in ids:
+            raise ApiError(
+                503,
+                "The replica that holds this response is no longer served; start a new "
+                "conversation.",
+                type="service_unavailable",
+                code="response_replica_gone",
+            )
+        return [i for i in ids if i != holder]
+
+    async def _by_id(self, request: Request, ident: str, cancel: bool) -> Response:
+        """GET or DELETE /v1/responses/{id}, POST .../cancel ([responses] store): forwarded
+        to the replica holding it when it is the caller's, else the unknown-id answer."""
+        assert self.owners is not None
+        principal = self._authenticate(request)
+        holder = await self.owners.replica_of(ident, principal.tenant_id)
+        replica = next((r for r in self.replicas.replicas if r.id == holder), None)
+        if holder is None or replica is None:
+            raise unknown_response(ident)
+        path = BY_ID + ident.encode() + (b"/cancel" if cancel else b"")
+        upstream = await replica.pool.request(request.method, replica.prefix + path, replica.auth)
+        body = await upstream.read()
+        if request.method == b"DELETE" and upstream.status == 200:
+            await self.owners.forget(ident)
+        return Response(upstream.status, scrub_response_headers(upstream.headers), body)
 
     async def _inline_media(
         self,

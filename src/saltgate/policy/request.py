@@ -297,6 +297,10 @@ class Inspected(NamedTuple):
     prompt_cache_key: str | None = None
     # content parts to rewrite (media uuids, client uuids, mm kwargs): policy/content.py
     content_rewrite: bool = False
+    # With [responses] store: the client's `store` passes, and the response it continues
+    # (policy/responses.py); without, the replica keeps nothing.
+    keeps_responses: bool = False
+    previous_response_id: str | None = None
 
     def __repr__(self) -> str:  # never the user's secret
         return (
@@ -334,9 +338,16 @@ def _optional_count(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def inspect(route: str, body: Mapping[str, Any], *, allow_remote: bool = False) -> Inspected:
+def inspect(
+    route: str,
+    body: Mapping[str, Any],
+    *,
+    allow_remote: bool = False,
+    keeps_responses: bool = False,
+) -> Inspected:
     """Read and type-check the fields the gateway uses; 400 naming the parameter if wrong.
-    ``allow_remote``: http(s) media passes, for the gateway to fetch ([media] remote)."""
+    ``allow_remote``: http(s) media passes, for the gateway to fetch ([media] remote).
+    ``keeps_responses``: replicas keep responses for their owners ([responses] store)."""
     model = body.get("model")
     if model is None:
         if route in MODEL_OPTIONAL_ROUTES:
@@ -377,7 +388,7 @@ def inspect(route: str, body: Mapping[str, Any], *, allow_remote: bool = False) 
         raise invalid_type("prompt_cache_key", "a string")
 
     fields.check(body)
-    responses.check(route, body)
+    previous = responses.check(route, body, keeps=keeps_responses)
     parts = content.check(route, body, allow_remote=allow_remote)
     wants_usage = not stream or route not in STREAM_OPTIONS_ROUTES or include_usage
     return Inspected(
@@ -389,6 +400,8 @@ def inspect(route: str, body: Mapping[str, Any], *, allow_remote: bool = False) 
         max_tokens=max_tokens,
         prompt_cache_key=prompt_cache_key or None,
         content_rewrite=parts.rewrite,
+        keeps_responses=keeps_responses,
+        previous_response_id=previous,
     )
 
 
@@ -448,7 +461,7 @@ def prepare(
     obj = body.obj
     salted = salt is not None and inspected.route in SALTED_ROUTES
     # The replica keeps no response: `store` false on every Responses request (responses.py).
-    stateless = inspected.route == ROUTE_RESPONSES
+    stateless = inspected.route == ROUTE_RESPONSES and not inspected.keeps_responses
     if inspected.content_rewrite:
         obj = content.rewrite(inspected.route, orjson.loads(body.serialized), salt)
     elif (  # the usual case

@@ -17,18 +17,23 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from saltgate.derivations.derive import ROUTE_RESPONSES
-from saltgate.policy.errors import ApiError, invalid_request
+from saltgate.policy.errors import ApiError, invalid_request, invalid_type
 
 # Forwarded on every /v1/responses request, replacing the client's: vLLM's default is true.
 STORE: Final = "store"
 _NO_STATE: Final = "this deployment keeps no response state on its replicas"
 
 
-def check(route: str, body: Mapping[str, Any]) -> None:
-    """Refuse what needs a stored response (400 naming the parameter)."""
+def check(route: str, body: Mapping[str, Any], *, keeps: bool = False) -> str | None:
+    """Refuse what needs a stored response (400 naming the parameter); with `keeps`
+    ([responses] store), the id a request continues, for the gateway to check its owner."""
     if route != ROUTE_RESPONSES:
-        return
-    if body.get("previous_response_id") is not None:
+        return None
+    previous = body.get("previous_response_id")
+    if keeps and previous is not None:
+        if not isinstance(previous, str) or not previous:
+            raise invalid_type("previous_response_id", "a string")
+    elif previous is not None:
         raise _refused(
             f"'previous_response_id' is not accepted: {_NO_STATE}. Send the conversation "
             "so far in 'input'.",
@@ -40,6 +45,7 @@ def check(route: str, body: Mapping[str, Any]) -> None:
             f"later, and {_NO_STATE}. Stream the response instead.",
             "background",
         )
+    return previous if keeps else None
 
 
 def _refused(message: str, param: str) -> ApiError:

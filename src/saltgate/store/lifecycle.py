@@ -77,6 +77,13 @@ _SMALL_TABLES = (
     ("SELECT key_id, ts FROM key_last_used", KEY_USE_UPSERT),
     # Entries move as they are (their hashes cover their seq); a second pass adds the new.
     (SELECT_ENTRIES + " ORDER BY seq", INSERT_ENTRY + " ON CONFLICT (seq) DO NOTHING"),
+    # Who owns each response the replicas keep ([responses] store): continuations keep
+    # working against the copy.
+    (
+        "SELECT id, tenant_id, replica, created_at FROM responses",
+        "INSERT INTO responses (id, tenant_id, replica, created_at) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (id) DO NOTHING",
+    ),
 )
 # What a copy moves, in the order it moves them (keys name their tenant).
 COPIED_TABLES = (
@@ -87,6 +94,7 @@ COPIED_TABLES = (
     "admin_tokens",
     "audit_log",
     "key_last_used",
+    "responses",
     "usage",
 )
 # What every store keeps for itself; tests/store/test_lifecycle.py checks that the schema

@@ -286,6 +286,24 @@ def _postgres_rollups() -> tuple[str, ...]:
 ROLLUPS_NAME = "usage rollups"
 
 
+def _responses(real: str) -> Migration:
+    """Version 11 on one backend: with `[responses] store = true`, each response a replica
+    keeps, under its owner: the tenant that made it and the replica that holds it
+    (gateway/responses.py). Read by id only; a response deleted through the gateway goes."""
+    return Migration(
+        11,
+        "responses kept on replicas: their owners",
+        (
+            f"""CREATE TABLE responses (
+                id TEXT PRIMARY KEY,
+                tenant_id TEXT NOT NULL,
+                replica TEXT NOT NULL,
+                created_at {real} NOT NULL
+            )""",
+        ),
+    )
+
+
 def _model_prices(integer: str, real: str, changed: tuple[str, ...]) -> Migration:
     """Version 10 on one backend: prices set through the store (the admin API's
     ``PUT /admin/v1/prices/{model}``, `saltgate prices set`), one row per model, in
@@ -448,6 +466,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
             for event in ("INSERT", "UPDATE", "DELETE")
         ),
     ),
+    _responses("REAL"),
 )
 
 POSTGRES_VERSION_TABLE = (
@@ -550,6 +569,7 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
             "ON model_prices FOR EACH STATEMENT EXECUTE FUNCTION saltgate_auth_changed()",
         ),
     ),
+    _responses("DOUBLE PRECISION"),
 )
 
 SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version
