@@ -225,3 +225,17 @@ def test_a_tenants_weight_is_set_listed_and_refused_on_keys(
 
     assert asyncio.run(principal()) == (3.0, False)
     assert _saltgate(capsys, *set_limits, "--clear", *c)[1] == "tenant acme limits none"
+
+
+def test_admin_commands_without_a_store_refuse_instead_of_making_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`./.state` was created silently, and a token minted there was the gateway's to
+    refuse (issue 43); an existing one is still taken."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _saltgate(capsys, "admin-tokens", "create", "--scopes", "all")
+    assert code == 1 and "give --config FILE" in err and "nothing was created" in err, err
+    assert out == "" and not (tmp_path / ".state").exists()
+    assert _saltgate(capsys, "tenants", "create", "acme", "--state-dir", ".state")[0] == 0
+    code, out, _ = _saltgate(capsys, "tenants", "list")  # the existing store, by default
+    assert code == 0 and out.split("\t")[1] == "acme", out

@@ -51,7 +51,8 @@ def _state_dir_arg(p: argparse.ArgumentParser, *, nested: bool = False) -> None:
     p.add_argument(
         "--state-dir",
         default=default,
-        help="directory holding saltgate.db, without --config (default .state)",
+        help="directory holding saltgate.db, without --config (default: .state, if it "
+        "holds one; none is created)",
     )
 
 
@@ -66,7 +67,15 @@ def _store_settings(args: argparse.Namespace) -> tuple[StoreSettings, GatewayCon
     if args.state_dir is None:
         if config is not None:
             return config.store_settings, config
-        return StoreSettings.in_state_dir(Path(".state")), None
+        default = StoreSettings.in_state_dir(Path(DEFAULT_STATE_DIR))
+        if default.sqlite_path is None or not default.sqlite_path.exists():
+            # A fresh store here would not be the gateway's: a token or key made in it
+            # would be refused there (issue 43). Only an existing one is taken by default.
+            raise ConfigError(
+                f"no store named and none in ./{DEFAULT_STATE_DIR}: give --config FILE (the "
+                "gateway's configuration) or --state-dir DIR; nothing was created"
+            )
+        return default, None
     if config is not None and config.store is not None:
         raise ConfigError(
             f"--state-dir: {args.config} names its store ({config.store.describe()}); "
@@ -75,6 +84,7 @@ def _store_settings(args: argparse.Namespace) -> tuple[StoreSettings, GatewayCon
     return StoreSettings.in_state_dir(Path(args.state_dir)), config
 
 
+DEFAULT_STATE_DIR = ".state"  # the gateway's default state_dir, beside its config
 _PAGE = 100  # the service's pages, read to the end for a command's whole list
 
 
