@@ -46,18 +46,23 @@ def test_a_tenant_continues_and_reads_only_its_own_responses(tmp_path: Path) -> 
 
             forwarded = len(s.forwarded())
             unknown = "resp_0000000000000000"
+            seen: dict[str, list[bytes]] = {}
             for rid in (her_id, unknown):
                 for answer in (
                     await bob.post(
                         "/v1/responses", json={**BODY, "input": "hi", "previous_response_id": rid}
                     ),
                     await bob.get(f"/v1/responses/{rid}"),
+                    await bob.delete(f"/v1/responses/{rid}"),
+                    await bob.post(f"/v1/responses/{rid}/cancel"),
                 ):
                     assert answer.status_code == 404, answer.text
                     assert (
                         answer.json()["error"]["message"] == f"Response with id '{rid}' not found."
                     )
                     assert HERS[:20] not in answer.text
+                    seen.setdefault(rid, []).append(answer.content.replace(rid.encode(), b"ID"))
+            assert seen[her_id] == seen[unknown]  # her id: the same bytes as nobody's
             assert len(s.forwarded()) == forwarded  # bob reached no replica
             by_id = [r for t in s.taps for r in t.seen if r.method == b"GET" and b"resp_" in r.path]
             assert len(by_id) == 1  # alice's read only
