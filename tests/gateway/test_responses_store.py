@@ -5,6 +5,7 @@ bob naming her id gets the answer for an unknown id and reaches no replica."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from tests.gateway.stack import MODEL, run, stack
@@ -76,5 +77,33 @@ def test_a_tenant_continues_and_reads_only_its_own_responses(tmp_path: Path) -> 
                     assert (await a2.post("/v1/responses", json=body)).status_code == 200
             finally:
                 await again.close()
+
+    run(main)
+
+
+def test_a_continuation_whose_replica_is_gone_is_refused_not_rerouted(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with (
+            stack(tmp_path, replicas=2, sim=STORE_ON, responses_store=True) as s,
+            s.client("alice") as alice,
+        ):
+            made = await alice.post("/v1/responses", json={**BODY, "input": HERS})
+            her_id = made.json()["id"]
+            held = [i for i, t in enumerate(s.taps) if t.seen and HERS in t.seen[-1].body.decode()]
+            config = s.gateway.gateway.config
+            others = tuple(r for i, r in enumerate(config.replicas) if i not in held)
+            assert len(held) == 1 and len(others) == 1
+            # The same store, a fleet without the holding replica.
+            again = await start_gateway(replace(config, replicas=others))
+            try:
+                headers = {"authorization": f"Bearer {s.keys['alice']}"}
+                async with async_client(base_url=again.url, headers=headers, timeout=30) as a2:
+                    body = {**BODY, "input": "hi", "previous_response_id": her_id}
+                    gone = await a2.post("/v1/responses", json=body)
+                    assert gone.status_code == 503, gone.text
+                    assert gone.json()["error"]["code"] == "response_replica_gone"
+            finally:
+                await again.close()
+            assert not any(her_id in r.body.decode() for t in s.taps for r in t.seen)
 
     run(main)
