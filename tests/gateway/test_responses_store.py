@@ -5,6 +5,7 @@ bob naming her id gets the answer for an unknown id and reaches no replica."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from tests.gateway.stack import MODEL, run, stack
@@ -46,18 +47,23 @@ def test_a_tenant_continues_and_reads_only_its_own_responses(tmp_path: Path) -> 
 
             forwarded = len(s.forwarded())
             unknown = "resp_0000000000000000"
+            seen: dict[str, list[bytes]] = {}
             for rid in (her_id, unknown):
                 for answer in (
                     await bob.post(
                         "/v1/responses", json={**BODY, "input": "hi", "previous_response_id": rid}
                     ),
                     await bob.get(f"/v1/responses/{rid}"),
+                    await bob.delete(f"/v1/responses/{rid}"),
+                    await bob.post(f"/v1/responses/{rid}/cancel"),
                 ):
                     assert answer.status_code == 404, answer.text
                     assert (
                         answer.json()["error"]["message"] == f"Response with id '{rid}' not found."
                     )
                     assert HERS[:20] not in answer.text
+                    seen.setdefault(rid, []).append(answer.content.replace(rid.encode(), b"ID"))
+            assert seen[her_id] == seen[unknown]  # her id: the same bytes as nobody's
             assert len(s.forwarded()) == forwarded  # bob reached no replica
             by_id = [r for t in s.taps for r in t.seen if r.method == b"GET" and b"resp_" in r.path]
             assert len(by_id) == 1  # alice's read only
@@ -71,5 +77,33 @@ def test_a_tenant_continues_and_reads_only_its_own_responses(tmp_path: Path) -> 
                     assert (await a2.post("/v1/responses", json=body)).status_code == 200
             finally:
                 await again.close()
+
+    run(main)
+
+
+def test_a_continuation_whose_replica_is_gone_is_refused_not_rerouted(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with (
+            stack(tmp_path, replicas=2, sim=STORE_ON, responses_store=True) as s,
+            s.client("alice") as alice,
+        ):
+            made = await alice.post("/v1/responses", json={**BODY, "input": HERS})
+            her_id = made.json()["id"]
+            held = [i for i, t in enumerate(s.taps) if t.seen and HERS in t.seen[-1].body.decode()]
+            config = s.gateway.gateway.config
+            others = tuple(r for i, r in enumerate(config.replicas) if i not in held)
+            assert len(held) == 1 and len(others) == 1
+            # The same store, a fleet without the holding replica.
+            again = await start_gateway(replace(config, replicas=others))
+            try:
+                headers = {"authorization": f"Bearer {s.keys['alice']}"}
+                async with async_client(base_url=again.url, headers=headers, timeout=30) as a2:
+                    body = {**BODY, "input": "hi", "previous_response_id": her_id}
+                    gone = await a2.post("/v1/responses", json=body)
+                    assert gone.status_code == 503, gone.text
+                    assert gone.json()["error"]["code"] == "response_replica_gone"
+            finally:
+                await again.close()
+            assert not any(her_id in r.body.decode() for t in s.taps for r in t.seen)
 
     run(main)
