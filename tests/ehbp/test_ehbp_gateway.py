@@ -270,7 +270,10 @@ def test_an_encrypted_request_whose_client_left_is_still_metered(tmp_path: Path)
     which then meters the replica's usage (status 499)."""
 
     async def main() -> None:
-        slow = SimConfig(port=0, prefill_ms_per_1k_tokens=100.0)
+        # Slow enough between every event (100 ms) that a client reading with a 50 ms
+        # timeout leaves mid-stream even when its loop is starved for a while: with 2 ms
+        # per token a busy machine let it read the whole answer (a 200) once in four runs.
+        slow = SimConfig(port=0, prefill_ms_per_1k_tokens=100.0, decode_ms_per_token=100.0)
         async with stack(tmp_path, replicas=1, sim=slow) as s:
             doc = {"model": MODEL, "prompt": long_prompt("sealed", 2000), "max_tokens": 20}
             enc, frames = sealed_request(s, orjson.dumps({**doc, "stream": True}))
