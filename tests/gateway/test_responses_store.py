@@ -107,3 +107,39 @@ def test_a_continuation_whose_replica_is_gone_is_refused_not_rerouted(tmp_path: 
             assert not any(her_id in r.body.decode() for t in s.taps for r in t.seen)
 
     run(main)
+
+
+def test_a_streamed_response_is_recorded_for_its_owner(tmp_path: Path) -> None:
+    """The id of a streamed response is read from its `response.created` event and recorded
+    before the client sees it: its owner's continuation is forwarded to the replica, another
+    tenant's is the gateway's unknown-id 404. (The simulator keeps whole answers only, so
+    the replica itself does not know a streamed id: its own 404 shows the request got there.)"""
+
+    async def main() -> None:
+        async with (
+            stack(tmp_path, replicas=1, sim=STORE_ON, responses_store=True) as s,
+            s.client("alice") as alice,
+            s.client("bob") as bob,
+        ):
+            streamed = await alice.post(
+                "/v1/responses", json={**BODY, "input": "hi", "stream": True}
+            )
+            assert streamed.status_code == 200, streamed.text
+            created = next(
+                line for line in streamed.text.splitlines() if '"response.created"' in line
+            )
+            rid = created.split('"id":"', 1)[1].split('"', 1)[0]
+            assert rid.startswith("resp_"), created
+            owners = s.gateway.gateway.owners
+            assert owners is not None
+            tenant = s.gateway.gateway.keys.authenticate(s.keys["alice"])
+            assert tenant is not None
+            assert await owners.replica_of(rid, tenant.tenant_id) is not None
+            follow = {**BODY, "input": "hi", "previous_response_id": rid}
+            before = len(s.forwarded())
+            theirs = await bob.post("/v1/responses", json=follow)
+            assert theirs.status_code == 404 and len(s.forwarded()) == before, theirs.text
+            await alice.post("/v1/responses", json=follow)
+            assert len(s.forwarded()) == before + 1  # hers went to the replica
+
+    run(main)
