@@ -199,6 +199,8 @@ class GatewayConfig:
     # file (a configuration file's default: state_dir/hpke.key); None: a key in memory.
     ehbp: bool = True
     ehbp_key_file: Path | None = None
+    # Keys replaced by a rotation, still opened (never offered) until clients moved on.
+    ehbp_retired_key_files: tuple[Path, ...] = ()
     require_encrypted_secret: bool = False
     # Every replica runs vLLM with --scheduling-policy priority: the gateway sets each
     # request's priority from its key's band (policy/fields.py); else none is forwarded.
@@ -580,10 +582,11 @@ def _admin_listener(gw: dict[str, Any], base: Path) -> dict[str, Any]:
 
 def _ehbp(table: Any, base: Path, state_dir: Path) -> dict[str, Any]:
     """[ehbp]: enabled (default true), key_file (made 0600 if absent; by default in the state
-    directory, so that a restart keeps the key clients pinned), require_encrypted_secret."""
+    directory, so that a restart keeps the key clients pinned), retired_key_files (keys a
+    rotation replaced, still opened), require_encrypted_secret."""
     if not isinstance(table, dict):
         raise ConfigError("ehbp: expected a table")
-    unknown = set(table) - {"enabled", "key_file", "require_encrypted_secret"}
+    unknown = set(table) - {"enabled", "key_file", "retired_key_files", "require_encrypted_secret"}
     if unknown:
         raise ConfigError(f"ehbp: unknown keys {sorted(unknown)}")
     out: dict[str, Any] = {"ehbp_key_file": state_dir / "hpke.key"}
@@ -591,6 +594,11 @@ def _ehbp(table: Any, base: Path, state_dir: Path) -> dict[str, Any]:
         out["ehbp"] = _expect(table, "enabled", bool, "ehbp")
     if "key_file" in table:
         out["ehbp_key_file"] = _relative_to(base, _expect(table, "key_file", str, "ehbp"))
+    if "retired_key_files" in table:
+        names = _expect(table, "retired_key_files", list, "ehbp")
+        if not all(isinstance(name, str) for name in names):
+            raise ConfigError("ehbp.retired_key_files: expected a list of file names")
+        out["ehbp_retired_key_files"] = tuple(_relative_to(base, name) for name in names)
     if "require_encrypted_secret" in table:
         required = _expect(table, "require_encrypted_secret", bool, "ehbp")
         if required and not out.get("ehbp", True):

@@ -89,9 +89,8 @@ async def _up(port: int, replicas: int, state_dir: Path, sim_base_port: int) -> 
     print(f"  console:  {admin_url}/console/ (sign in with the admin token)")
     print(f"  state:    {state_dir}")
     if running.ehbp is not None:
-        print(
-            f"  EHBP key: {running.ehbp.key.config.fingerprint} (in {config.ehbp_key_file}; pin it)"
-        )
+        fingerprint = running.ehbp.keyring.current.config.fingerprint
+        print(f"  EHBP key: {fingerprint} (in {config.ehbp_key_file}; pin it)")
     for name, key in keys:
         print(f"  tenant {name}: API key {key}")
     print(

@@ -18,7 +18,7 @@ from tests.gateway.stack import MODEL, Stack, long_prompt, run, stack
 from saltgate.client import async_openai_client, openai_client
 from saltgate.client.secret import ENV_VAR, SECRET_FILE
 from saltgate.client.transport import GatewayKeyError
-from saltgate.ehbp.frames import ServerKey
+from saltgate.ehbp.frames import Keyring, ServerKey
 
 SECRET_A = "user-a-" + "1" * 40
 SECRET_B = "user-b-" + "2" * 40
@@ -196,7 +196,7 @@ def test_rotation_is_followed_only_to_a_pinned_key(tmp_path: Path) -> None:
         async with stack(tmp_path, replicas=1) as s:
             edge = s.gateway.ehbp
             assert edge is not None
-            old, new = edge.key, ServerKey.generate()
+            old, new = edge.keyring.current, ServerKey.generate()
             pinned = sdk(
                 s, tmp_path / "p", SECRET_A, pin=[old.config.fingerprint, new.config.fingerprint]
             )
@@ -204,7 +204,7 @@ def test_rotation_is_followed_only_to_a_pinned_key(tmp_path: Path) -> None:
             prompt = long_prompt("rotation")
             assert await cached_completion(pinned, prompt) == 0
             assert await cached_completion(tofu, prompt) > 0  # served, in the user's namespace
-            edge.key = new  # the operator rotates; clients hold the old key
+            edge.keyring = Keyring(new)  # the operator rotates; clients hold the old key
             # pinned to both: 422 key-config, refetch, the new key is pinned, resend once,
             # served in the same namespace (the salt does not depend on the gateway's key)
             assert await cached_completion(pinned, prompt) > 0

@@ -33,7 +33,7 @@ def test_a_plain_openai_client_gets_client_keyed_caching(tmp_path: Path) -> None
                 s.keys["alice"],
                 port=0,
                 user_cache_secret=SECRET,
-                pin=(s.gateway.ehbp.key.config.fingerprint,),
+                pin=(s.gateway.ehbp.keyring.current.config.fingerprint,),
                 state_dir=tmp_path / "home",
             )
             running = await start_proxy(config)

@@ -15,11 +15,12 @@ from tests.gateway.stack import MODEL
 from tests.support.http import async_client
 from tests.support.up import saltgate_up
 
-from saltgate.config import ConfigError, parse_config
-from saltgate.ehbp.frames import KEYS_PATH, KeyConfig
+from saltgate.config import ConfigError, GatewayConfig, parse_config
+from saltgate.ehbp.frames import KEYS_PATH, KeyConfig, ServerKey
 from saltgate.gateway.ehbp import load_or_create_server_key
+from saltgate.secretfiles import create_secret_file
 from saltgate.serving.check import check_config
-from saltgate.serving.run import ehbp_key
+from saltgate.serving.run import ehbp_keyring
 
 REPLICAS = {"replicas": [{"url": "http://127.0.0.1:9"}]}
 
@@ -67,9 +68,9 @@ def test_serve_keeps_its_default_key_across_a_restart(tmp_path: Path) -> None:
     """Without `key_file` the key lives in the state directory: a restart (the key loaded
     again from the same configuration) serves the key clients pinned."""
     config = parse_config(dict(REPLICAS), tmp_path)
-    first = ehbp_key(config)
+    first = ehbp_keyring(config).current
     assert (tmp_path / ".state" / "hpke.key").stat().st_mode & 0o777 == 0o600
-    assert ehbp_key(parse_config(dict(REPLICAS), tmp_path)).config == first.config
+    assert ehbp_keyring(parse_config(dict(REPLICAS), tmp_path)).current.config == first.config
 
 
 def test_check_refuses_a_key_file_serve_could_not_create(
@@ -112,3 +113,34 @@ def test_saltgate_up_serves_ehbp_and_plaintext_alike(tmp_path: Path) -> None:
                 assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
 
     asyncio.run(main())
+
+
+def test_retired_keys_are_loaded_never_made_and_never_the_current_key(tmp_path: Path) -> None:
+    """A rotation's config: the old key under retired_key_files, opened but not offered;
+    `serve --check` names the offered fingerprint (what pinned clients must hold)."""
+    (tmp_path / "master.key").write_text(secrets.token_hex(32))
+    (tmp_path / "master.key").chmod(0o600)
+    old, new = ServerKey.generate(), ServerKey.generate()
+    for name, key in (("old.key", old), ("new.key", new)):
+        create_secret_file(tmp_path / name, "EHBP key file", key.private_bytes().hex() + "\n")
+    gateway = {"master_key_file": "master.key", "port": 0}
+
+    def config(retired: list[str]) -> GatewayConfig:
+        ehbp = {"key_file": "new.key", "retired_key_files": retired}
+        return parse_config({**REPLICAS, "gateway": gateway, "ehbp": ehbp}, tmp_path)
+
+    keyring = ehbp_keyring(config(["old.key"]))
+    assert keyring.current.config == new.config
+    assert [k.config for k in keyring.retired] == [old.config]
+    notes = check_config(config(["old.key"]))
+    assert new.config.fingerprint in notes and "1 retired EHBP keys" in notes
+    assert old.config.fingerprint not in notes
+    with pytest.raises(ConfigError, match="holds the current key"):
+        ehbp_keyring(config(["old.key", "new.key"]))
+    with pytest.raises(ConfigError, match="holds the current key"):
+        check_config(config(["new.key"]))
+    with pytest.raises(ConfigError, match=r"gone\.key"):
+        ehbp_keyring(config(["gone.key"]))
+    assert not (tmp_path / "gone.key").exists()
+    with pytest.raises(ConfigError, match="retired_key_files: expected list"):
+        parse_config({**REPLICAS, "ehbp": {"retired_key_files": "old.key"}}, tmp_path)

@@ -24,6 +24,7 @@ from saltgate.ehbp.frames import (
     KEYS_MEDIA_TYPE,
     KEYS_PATH,
     RESPONSE_NONCE_HEADER,
+    Keyring,
     ServerKey,
     frame,
     iter_frames,
@@ -105,7 +106,7 @@ def test_the_key_config_and_bodyless_requests_are_plaintext(tmp_path: Path) -> N
             assert resp.status_code == 200
             assert resp.headers["content-type"] == KEYS_MEDIA_TYPE
             assert s.gateway.ehbp is not None
-            assert resp.content == s.gateway.ehbp.key.config.encode()
+            assert resp.content == s.gateway.ehbp.keyring.current.config.encode()
             async with await tinfoil_client(s) as client:
                 models = await client.get("/v1/models")
             assert models.status_code == 200
@@ -132,7 +133,9 @@ def test_gateway_errors_inside_an_exchange_are_sealed_too(tmp_path: Path) -> Non
 
 def sealed_request(s: Stack, body: bytes) -> tuple[str, list[bytes]]:
     assert s.gateway.ehbp is not None
-    identity = ehbp.ServerIdentity.unmarshal_public_config(s.gateway.ehbp.key.config.encode())
+    identity = ehbp.ServerIdentity.unmarshal_public_config(
+        s.gateway.ehbp.keyring.current.config.encode()
+    )
     sealed = identity.encrypt_request_body(body)
     return sealed.encapsulated_key.hex(), [frame(c) for c in iter_frames(sealed.body)]
 
@@ -212,7 +215,8 @@ def test_a_rotated_key_answers_422_and_the_tinfoil_client_says_so(tmp_path: Path
         async with stack(tmp_path, replicas=1) as s:
             async with await tinfoil_client(s) as stale:
                 assert s.gateway.ehbp is not None
-                s.gateway.ehbp.key = ServerKey.generate()  # the operator rotates the key
+                # the operator rotates the key, keeping no overlap
+                s.gateway.ehbp.keyring = Keyring(ServerKey.generate())
                 with pytest.raises(ehbp.KeyConfigMismatchError):
                     await stale.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
             async with await tinfoil_client(s) as fresh:  # refetched config: works again
@@ -220,6 +224,31 @@ def test_a_rotated_key_answers_422_and_the_tinfoil_client_says_so(tmp_path: Path
                     "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}
                 )
                 assert ok.status_code == 200
+            assert len(s.forwarded()) == 1
+
+    run(main)
+
+
+def test_a_rotation_with_overlap_keeps_clients_of_the_old_key_working(tmp_path: Path) -> None:
+    """docs/client-keyed.md's rotation: the new key offered, the old one retired but still
+    opened, so a client holding the old key config is served; the test above is the
+    control (no overlap: the same client gets the 422)."""
+
+    async def main() -> None:
+        async with stack(tmp_path, replicas=1) as s:
+            edge = s.gateway.ehbp
+            assert edge is not None
+            old, new = edge.keyring.current, ServerKey.generate()
+            async with await tinfoil_client(s) as stale, s.client("alice") as plain:
+                edge.keyring = Keyring(new, (old,))
+                offered = await plain.get(KEYS_PATH)
+                assert offered.content == new.config.encode()  # only the new key is offered
+                body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+                resp = await stale.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                edge.keyring = Keyring(new)  # the overlap ends
+                with pytest.raises(ehbp.KeyConfigMismatchError):
+                    await stale.post("/v1/completions", json=body)
             assert len(s.forwarded()) == 1
 
     run(main)

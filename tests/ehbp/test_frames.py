@@ -15,6 +15,7 @@ from saltgate.ehbp.frames import (
     EhbpError,
     KeyConfig,
     KeyConfigError,
+    Keyring,
     ReplayGuard,
     ResponseOpener,
     ServerKey,
@@ -221,3 +222,31 @@ def test_the_replay_guard_remembers_a_bounded_window() -> None:
     assert guard.first_use(encs[3])  # evicts the oldest
     assert guard.first_use(encs[0])  # the window is bounded: documented as best-effort
     assert not guard.first_use(encs[3])
+
+
+def test_a_keyring_opens_under_its_current_and_retired_keys_only() -> None:
+    """A rotation's overlap: bodies sealed by the tinfoil client to the old key still open
+    while it is retired; once it is dropped they are a key-config mismatch (422)."""
+    old, new, stranger = ServerKey.generate(), ServerKey.generate(), ServerKey.generate()
+    overlap = Keyring(new, (old,))
+    for key in (old, new):
+        sealed = tinfoil_seal(key, b"during the overlap")
+        opened = overlap.open_request(sealed.encapsulated_key, sealed.body)
+        assert opened.plaintext == b"during the overlap"
+    after = tinfoil_seal(old, b"after")
+    with pytest.raises(KeyConfigError):
+        Keyring(new).open_request(after.encapsulated_key, after.body)
+    foreign = tinfoil_seal(stranger, b"x")
+    with pytest.raises(KeyConfigError):
+        overlap.open_request(foreign.encapsulated_key, foreign.body)
+    assert "private" not in repr(overlap) and old.private_bytes().hex() not in repr(overlap)
+
+
+def test_a_keyring_does_not_hide_tampering_behind_a_key_mismatch() -> None:
+    """A later frame altered under the key that opened frame 0 stays a bad frame (400): the
+    retired keys are tried only when the first frame opens under none."""
+    old, new = ServerKey.generate(), ServerKey.generate()
+    enc, (first, second) = two_frame_request(old)
+    with pytest.raises(EhbpError, match="frame 1 failed authentication") as refused:
+        Keyring(new, (old,)).open_request(enc, first + flip(second, len(second) - 1))
+    assert not isinstance(refused.value, KeyConfigError)

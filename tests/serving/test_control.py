@@ -41,6 +41,7 @@ policy = "least_loaded"
 
 [ehbp]
 enabled = true
+retired_key_files = ["old.key"]
 
 [prices.m]
 input = 1.0
@@ -64,7 +65,7 @@ def test_every_order_arrives_as_sent(tmp_path: Path, monkeypatch: pytest.MonkeyP
     config = load_config(tmp_path / "g.toml")
     assert config.cluster is not None and config.store is not None
     orders: list[Order] = [
-        Start(config, b"k" * 32),
+        Start(config, (b"k" * 32, b"r" * 32)),
         SendMetrics(),
         Reload(config.replicas),
     ]

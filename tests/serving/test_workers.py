@@ -43,7 +43,8 @@ from tests.support.leaks import leaks
 from tests.support.waiting import eventually
 
 from saltgate.config import create_master_key, load_master_key
-from saltgate.ehbp.frames import KEYS_PATH, RESPONSE_NONCE_HEADER
+from saltgate.ehbp.frames import KEYS_PATH, RESPONSE_NONCE_HEADER, ServerKey
+from saltgate.secretfiles import create_secret_file
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
@@ -123,9 +124,11 @@ async def fleet(
     sims: int = 1,
     configured: int | None = None,
     sim: SimConfig | None = None,
+    sections: str = "",
 ) -> AsyncIterator[Fleet]:
     """`saltgate serve --workers 2` on `store`, in front of `sims` simulated replicas (the
-    first `configured` of them in its config file), with one tenant and its key."""
+    first `configured` of them in its config file, with `sections` added), with one tenant
+    and its key."""
     master = tmp_path / "master.key"
     create_master_key(master)
     with TenantStore(open_database(store)) as tenants:
@@ -141,6 +144,7 @@ async def fleet(
         master_key_file=master,
         replicas=[f"http://127.0.0.1:{t.port}" for t in taps[:configured]],
         store=store,
+        sections=sections,
     )
     log = tmp_path / "gw.log"
     gateway = await GatewayProcess.start(config, log, workers=WORKERS)
@@ -583,17 +587,23 @@ def test_workers_do_not_outlive_a_killed_parent(tmp_path: Path) -> None:
 
 def test_every_worker_opens_ehbp_with_the_one_key_clients_fetched(tmp_path: Path) -> None:
     """A client fetches the HPKE key config once and then reaches any worker: each must
-    hold the same private key (a key per worker would answer 422, key config mismatch)."""
+    hold the same private key (a key per worker would answer 422, key config mismatch),
+    and the same retired key of a rotation (`[ehbp] retired_key_files`), not offered."""
     store = StoreSettings.in_state_dir(tmp_path / "state")
+    retired = ServerKey.generate()
+    create_secret_file(tmp_path / "old.key", "old EHBP key", retired.private_bytes().hex() + "\n")
+    sections = f'[ehbp]\nretired_key_files = ["{tmp_path / "old.key"}"]\n'
 
     async def main() -> None:
-        async with fleet(tmp_path, store) as f:
+        async with fleet(tmp_path, store, sections=sections) as f:
             async with async_client() as plain:
                 config = (await plain.get(f.gateway.url + KEYS_PATH)).content
-            identity = ehbp.ServerIdentity.unmarshal_public_config(config)
+            assert config != retired.config.encode()
+            offered = ehbp.ServerIdentity.unmarshal_public_config(config)
+            old = ehbp.ServerIdentity.unmarshal_public_config(retired.config.encode())
             before = per_worker(await f.metrics(), "saltgate_worker_requests_total")
 
-            async def sealed() -> None:
+            async def sealed(identity: ehbp.ServerIdentity) -> None:
                 async with async_client(
                     base_url=f.gateway.url,
                     transport=ehbp.AsyncEHBPTransport(identity),  # a connection of its own
@@ -604,11 +614,12 @@ def test_every_worker_opens_ehbp_with_the_one_key_clients_fetched(tmp_path: Path
                     assert resp.status_code == 200, resp.text
                     assert RESPONSE_NONCE_HEADER in resp.headers
 
-            await asyncio.gather(*(sealed() for _ in range(24)))
+            await asyncio.gather(*(sealed(key) for key in [offered, old] * 12))
             after = per_worker(await f.metrics(), "saltgate_worker_requests_total")
             assert all(after[i] > before[i] for i in range(WORKERS)), (before, after)
             values = await f.metrics()
             assert values['saltgate_ehbp_requests_total{outcome="opened"}'] == 24
             assert 'saltgate_ehbp_requests_total{outcome="rejected"}' not in values
+            assert 'saltgate_ehbp_requests_total{outcome="key_config"}' not in values
 
     run(main)

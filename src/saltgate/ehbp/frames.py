@@ -12,6 +12,7 @@ gateway edge and the client SDK share it and tests run it without sockets.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
 from collections.abc import Iterator
@@ -184,6 +185,37 @@ class ServerKey:
             raise EhbpError("the encrypted body holds no frames")
         secret = context.export(EXPORT_LABEL, SECRET_BYTES)
         return OpenedRequest(b"".join(parts), enc, secret)
+
+
+class Keyring:
+    """The key the gateway offers and the retired keys it still opens during a rotation.
+
+    Clients that fetched the key config before a rotation keep sealing to the old key, and
+    pinned clients move to the new fingerprint one by one; while both are held, a request
+    opens under either, so no client breaks mid-rotation. Only `current` is offered.
+    """
+
+    __slots__ = ("current", "retired")
+
+    def __init__(self, current: ServerKey, retired: tuple[ServerKey, ...] = ()) -> None:
+        self.current = current
+        self.retired = retired
+
+    def __repr__(self) -> str:
+        return f"Keyring(current={self.current!r}, retired={len(self.retired)})"
+
+    def open_request(
+        self, enc: bytes, body: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES
+    ) -> OpenedRequest:
+        """Open under the current key, else under each retired one; KeyConfigError only
+        when none holds the key the request was sealed to."""
+        try:
+            return self.current.open_request(enc, body, max_frame_bytes=max_frame_bytes)
+        except KeyConfigError:
+            for key in self.retired:
+                with contextlib.suppress(KeyConfigError):
+                    return key.open_request(enc, body, max_frame_bytes=max_frame_bytes)
+            raise
 
 
 # -- framing ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -31,6 +31,7 @@ from saltgate.ehbp.frames import (
     RESPONSE_NONCE_HEADER,
     EhbpError,
     KeyConfigError,
+    Keyring,
     ReplayGuard,
     ResponseSealer,
     ServerKey,
@@ -65,18 +66,18 @@ def plaintext_secret_refused() -> ApiError:
 
 
 class EhbpEdge:
-    """The HTTP server's handler when EHBP is on; `key` may be replaced to rotate."""
+    """The HTTP server's handler when EHBP is on; `keyring` may be replaced to rotate."""
 
     def __init__(
         self,
         handle: BodyHandler,
-        key: ServerKey,
+        keyring: Keyring,
         metrics: Metrics,
         *,
         replay: ReplayGuard | None = None,
     ) -> None:
         self._handle = handle
-        self.key = key
+        self.keyring = keyring
         self.metrics = metrics
         self.replay = replay or ReplayGuard()
         metrics.describe(_OUTCOMES, "counter", "EHBP-encrypted requests by outcome.")
@@ -86,7 +87,7 @@ class EhbpEdge:
             return Response(
                 200,
                 [(b"content-type", KEYS_MEDIA_TYPE.encode()), (b"cache-control", b"no-cache")],
-                self.key.config.encode(),
+                self.keyring.current.config.encode(),
             )
         values = [v for n, v in request.headers if n == _ENC_HEADER]
         if not values or not request.body:
@@ -95,7 +96,7 @@ class EhbpEdge:
             if len(values) > 1:
                 raise EhbpError(f"send exactly one {ENCAPSULATED_KEY_HEADER} header")
             enc = parse_hex_field(values[0], PUBLIC_KEY_BYTES, ENCAPSULATED_KEY_HEADER)
-            opened = self.key.open_request(enc, request.body)
+            opened = self.keyring.open_request(enc, request.body)
             if not self.replay.first_use(enc):
                 raise EhbpError("this encrypted request was already received (replay)")
         except KeyConfigError as other_key:
@@ -183,3 +184,19 @@ def load_server_key(path: Path) -> ServerKey:
             f"EHBP key file {path} must hold {2 * PUBLIC_KEY_BYTES} hex digits (an X25519 key)"
         )
     return ServerKey(raw)
+
+
+def load_retired_keys(current: ServerKey | None, paths: Sequence[Path]) -> tuple[ServerKey, ...]:
+    """The keys a rotation replaced (`[ehbp] retired_key_files`), opened but not offered.
+
+    They must exist (never made: a new key there would open nothing), and none may be the
+    current key again, the sign of a rotation written the wrong way round.
+    """
+    retired = tuple(load_server_key(path) for path in paths)
+    for path, key in zip(paths, retired, strict=True):
+        if current is not None and key.config == current.config:
+            raise ConfigError(
+                f"ehbp.retired_key_files: {path} holds the current key (ehbp.key_file); a "
+                "rotation lists the old key there and the new one as key_file"
+            )
+    return retired

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 
 from saltgate.config import ConfigError, GatewayConfig, load_master_key
-from saltgate.gateway.ehbp import load_server_key
+from saltgate.gateway.ehbp import load_retired_keys, load_server_key
 from saltgate.gateway.tracing import require_otel
 from saltgate.runtime import listen_error
 from saltgate.serving.admin_listener import (
@@ -33,13 +33,8 @@ def check_config(config: GatewayConfig) -> str:
     messages `serve` would stop with) if it could not start."""
     load_master_key(config.master_key_file)
     notes = [f"{len(config.replicas)} replicas", f"store {config.store_settings.describe()}"]
-    key_file = config.ehbp_key_file
-    if config.ehbp and key_file is not None:
-        if os.path.lexists(key_file):
-            load_server_key(key_file)
-        else:
-            _check_creatable(key_file, "ehbp.key_file")
-            notes.append(f"EHBP key file {key_file} will be created")
+    if config.ehbp and config.ehbp_key_file is not None:
+        notes.extend(_check_ehbp_keys(config.ehbp_key_file, config.ehbp_retired_key_files))
     if config.tracing is not None:
         require_otel()
     settings = config.store_settings
@@ -58,6 +53,21 @@ def check_config(config: GatewayConfig) -> str:
         notes.append(f"admin listener {admin_scheme(config)}://{config.admin_host}")
     check_ports(config)
     return ", ".join(notes)
+
+
+def _check_ehbp_keys(key_file: Path, retired_files: tuple[Path, ...]) -> list[str]:
+    """The offered key's fingerprint (what pinned clients must hold) and the retired keys
+    still opened; the key file's creatability when it does not exist yet."""
+    if os.path.lexists(key_file):
+        current = load_server_key(key_file)
+        notes = [f"EHBP key {current.config.fingerprint}"]
+    else:
+        _check_creatable(key_file, "ehbp.key_file")
+        current, notes = None, [f"EHBP key file {key_file} will be created"]
+    retired = load_retired_keys(current, retired_files)
+    if retired:
+        notes.append(f"{len(retired)} retired EHBP keys still opened")
+    return notes
 
 
 def check_ports(config: GatewayConfig) -> None:

@@ -42,11 +42,12 @@ LOG_REOPENED: Final = b"O"  # then b"1": the access log file was reopened, b"0":
 @dataclass(frozen=True, slots=True)
 class Start:
     """What a worker runs: the parent's configuration (no admin port, no KV relay: the
-    parent keeps those) and the EHBP private key every worker must share. (Its index and
-    the number of workers come on its command line, with its file descriptors.)"""
+    parent keeps those) and the EHBP private keys every worker must share, the offered one
+    first, then the retired ones. (Its index and the number of workers come on its command
+    line, with its file descriptors.)"""
 
     config: GatewayConfig
-    ehbp_private_key: bytes | None
+    ehbp_private_keys: tuple[bytes, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,10 +20,10 @@ from saltgate.admin.store import AdminStore
 from saltgate.config import ConfigError, GatewayConfig, load_config, load_master_key
 from saltgate.console.app import Console
 from saltgate.derivations.derive import derive_subkeys
-from saltgate.ehbp.frames import KEYS_PATH, ServerKey
+from saltgate.ehbp.frames import KEYS_PATH, Keyring, ServerKey
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.cluster import ClusterBus, start_cluster_bus
-from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key
+from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key, load_retired_keys
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet, tls_context
 from saltgate.gateway.server import Gateway, error_response
@@ -121,11 +121,11 @@ async def start_gateway(
     config: GatewayConfig,
     *,
     listener: SharedListener | None = None,
-    ehbp_key: ServerKey | None = None,
+    ehbp_keyring: Keyring | None = None,
     workers: int = 1,
 ) -> RunningGateway:
     """Open the store, probe the replicas and serve: on `config`'s host and port, or (a
-    worker, one of `workers`) on `listener` with the EHBP key its parent gave every worker."""
+    worker, one of `workers`) on `listener` with the EHBP keys its parent gave every worker."""
     # The admin listener's refusal (plain HTTP off loopback) and TLS files first: nothing
     # is opened or bound when they stop the start.
     admin_context = admin_tls(config) if config.admin_port is not None else None
@@ -161,7 +161,7 @@ async def start_gateway(
         else connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s),
         usage=open_usage_reader(config.store_settings),
     )
-    ehbp = _ehbp_edge(config, gateway, metrics, ehbp_key)
+    ehbp = _ehbp_edge(config, gateway, metrics, ehbp_keyring)
     handler: Handler = gateway.handle if ehbp is None else ehbp.handle
     # on_client_gone: "finish" lets an exchange run to its end when the client leaves,
     # so the replica's own usage is metered (gateway/exchange.py); "abort" cancels it.
@@ -215,21 +215,23 @@ async def start_gateway(
 
 
 def _ehbp_edge(
-    config: GatewayConfig, gateway: Gateway, metrics: Metrics, key: ServerKey | None
+    config: GatewayConfig, gateway: Gateway, metrics: Metrics, keyring: Keyring | None
 ) -> EhbpEdge | None:
     """The EHBP edge around the gateway's handler, serving EHBP beside plaintext with
-    `key` or `ehbp_key(config)`; None when EHBP is off."""
+    `keyring` or `ehbp_keyring(config)`; None when EHBP is off."""
     if not config.ehbp:
         return None
-    return EhbpEdge(gateway.handle, key or ehbp_key(config), metrics)
+    return EhbpEdge(gateway.handle, keyring or ehbp_keyring(config), metrics)
 
 
-def ehbp_key(config: GatewayConfig) -> ServerKey:
+def ehbp_keyring(config: GatewayConfig) -> Keyring:
     """The key file (made if absent), else a key made now, in memory only (a
-    configuration built in code without one)."""
+    configuration built in code without one); with the retired keys still opened."""
     if config.ehbp_key_file is None:
-        return ServerKey.generate()
-    return load_or_create_server_key(config.ehbp_key_file)
+        current = ServerKey.generate()
+    else:
+        current = load_or_create_server_key(config.ehbp_key_file)
+    return Keyring(current, load_retired_keys(current, config.ehbp_retired_key_files))
 
 
 def reread_config(path: Path) -> GatewayConfig | None:
@@ -301,7 +303,7 @@ async def _serve(config: GatewayConfig) -> None:
         config,
         running.url,
         admin_port=running.admin_port,
-        ehbp_fingerprint=running.ehbp.key.config.fingerprint if running.ehbp else None,
+        ehbp_fingerprint=running.ehbp.keyring.current.config.fingerprint if running.ehbp else None,
         parts=(
             running.kv_relay.describe() if running.kv_relay else None,
             running.cluster.describe() if running.cluster else None,

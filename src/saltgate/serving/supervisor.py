@@ -45,7 +45,7 @@ from saltgate.serving.balance import ConnectionBoard
 from saltgate.serving.run import (
     INFERENCE_OPTIONS,
     announce,
-    ehbp_key,
+    ehbp_keyring,
     kv_upstreams,
     reread_config,
     start_kv_relay,
@@ -159,7 +159,7 @@ class Supervisor:
         )
         # The admin listener's lines; the workers write the gateway's to the same target.
         self._access_log = AccessLog.open(config.access_log, config.log_format)
-        self._ehbp_private_key: bytes | None = None
+        self._ehbp_private_keys: tuple[bytes, ...] = ()
         self.ehbp_fingerprint: str | None = None
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._keepers: list[asyncio.Task[None]] = []
@@ -183,9 +183,10 @@ class Supervisor:
         config = self.config
         admin_context = admin_tls(config) if config.admin_port is not None else None
         if config.ehbp:
-            key = ehbp_key(config)
-            self._ehbp_private_key = key.private_bytes()
-            self.ehbp_fingerprint = key.config.fingerprint
+            keyring = ehbp_keyring(config)
+            keys = (keyring.current, *keyring.retired)
+            self._ehbp_private_keys = tuple(key.private_bytes() for key in keys)
+            self.ehbp_fingerprint = keyring.current.config.fingerprint
         try:
             self._sock = listen(config.host, config.port)
         except OSError as exc:
@@ -245,7 +246,7 @@ class Supervisor:
             child_end.close()
         self._procs[index] = proc
         reader, writer = await asyncio.open_unix_connection(sock=parent_end)
-        start = control.Start(self.worker_config(), self._ehbp_private_key)
+        start = control.Start(self.worker_config(), self._ehbp_private_keys)
         writer.write(control.order_frame(start))
         await writer.drain()
         first = await control.read_frame(reader)

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 
 from saltgate.config import ConfigError
-from saltgate.ehbp.frames import ServerKey
+from saltgate.ehbp.frames import Keyring, ServerKey
 from saltgate.runtime import install_uvloop
 from saltgate.serving import control, event_log
 from saltgate.serving.balance import ConnectionBoard
@@ -58,12 +58,12 @@ async def work(index: int, workers: int, listen_fd: int, control_fd: int, board_
         return 1  # the parent went away before giving an order
     event_log.configure(start.config.log_format, worker=index)
     board = ConnectionBoard(board_fd, workers)
-    key = start.ehbp_private_key
+    keys = [ServerKey(raw) for raw in start.ehbp_private_keys]
     try:
         running = await start_gateway(
             start.config,
             listener=SharedListener(socket.socket(fileno=listen_fd), board.gate(index)),
-            ehbp_key=ServerKey(key) if key is not None else None,
+            ehbp_keyring=Keyring(keys[0], tuple(keys[1:])) if keys else None,
             workers=workers,
         )
     except (ConfigError, StoreError, OSError) as exc:
