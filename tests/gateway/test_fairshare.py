@@ -326,6 +326,41 @@ def test_a_tenant_is_charged_its_metered_service(tmp_path: Path) -> None:
     run(main)
 
 
+def test_a_request_that_finds_a_place_does_not_join_the_queue(tmp_path: Path) -> None:
+    """The fast path: with nothing waiting and a replica below the gate, a request gets
+    its replica without a Waiter, a future or a timer (what halved the throughput of a
+    gateway whose replicas keep up), is still charged and counted as having waited 0."""
+
+    async def main() -> None:
+        async with (
+            stack(tmp_path, replicas=1, queue=QueueConfig(enabled=True)) as s,
+            s.client("alice") as c,
+        ):
+            share = fair(s)
+            pushed: list[str] = []
+            push = share.queue.push
+
+            def counting_push(*args: Any, **kwargs: Any) -> Any:
+                pushed.append(args[1])
+                return push(*args, **kwargs)
+
+            share.queue.push = counting_push  # type: ignore[method-assign]
+            for i in range(10):
+                resp = await c.post("/v1/completions", json=completion(f"one at a time {i}"))
+                assert resp.status_code == 200, resp.text
+            assert pushed == []
+            assert share._timer is None and len(share.queue._deadlines) == 0
+            tenant = next(iter(share.queue.counters))
+            assert share.queue.counters[tenant] > 0
+            scrape = await s.scrape()
+            assert f'saltgate_queue_wait_seconds_count{{tenant="{tenant}"}} 10' in scrape
+            assert (
+                f'saltgate_queue_wait_seconds_bucket{{tenant="{tenant}",le="0.005"}} 10' in scrape
+            )
+
+    run(main)
+
+
 class BatchKeys:
     """The gateway's keys, with one tenant's keys in the batch band (the priority a key
     carries once the store has it)."""

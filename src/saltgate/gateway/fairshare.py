@@ -5,7 +5,8 @@ queue and gate, reads the clock, and is driven by the exchange and the replica s
 
 - `acquire` (the exchange's first attempt): the request joins its tenant's queue in its
   key's priority band, and gets a replica once one of its replicas is below the gate and
-  it is next in fair order; with nothing queued and a replica free that is at once.
+  it is next in fair order; with nothing queued and a replica free that is at once,
+  without joining the queue (`FairQueue.serve_now`: charged as a release would).
 - `release` runs whenever a place may have freed: a request left a replica or its
   prompt is prefilled (its first output; `ReplicaSet.on_free`), a probe showed a
   replica's queue (`ReplicaSet.on_queue`, which also teaches the gate the replica's
@@ -37,7 +38,7 @@ from saltgate.governance.fairness import BATCH, INTERACTIVE, FairQueue, Saturati
 from saltgate.governance.limits import BYTES_PER_TOKEN, fair_weight
 from saltgate.http import Client
 from saltgate.policy.errors import AnthropicApiError, ApiError
-from saltgate.routing import Plan, ReplicaId, Router
+from saltgate.routing import Plan, ReplicaId, ReplicaState, Router
 from saltgate.store.tenants import Principal
 
 log = logging.getLogger(__name__)
@@ -113,17 +114,37 @@ class FairShare:
     ) -> Attempt | ApiError | None:
         """A replica for the request's first attempt, once it is its turn; None when no
         replica serves it at all; the ApiError to answer when it waited too long or its
-        client left."""
-        future: asyncio.Future[Attempt | int | None] = asyncio.get_running_loop().create_future()
+        client left.
+
+        The fast path: with nothing waiting and one of its replicas below the gate, the
+        request has its replica at once, charged as a release charges it, without a
+        future, a waiter or a timer; only a request that must wait queues."""
         now = time.monotonic()
+        band = BATCH if principal.priority == BATCH else INTERACTIVE
+        weight = fair_weight(principal.limits)
+        if not len(self.queue):
+            usable = self.replicas.router.usable(plan.model, now)
+            if not usable:
+                return None
+            full = self._full(usable, plan)
+            if len(full) < len(usable):
+                attempt = self.replicas.acquire(plan, full, usable)
+                if attempt is not None:
+                    self.queue.serve_now(
+                        principal.tenant_id, cost, band=band, locality=plan.key, weight=weight
+                    )
+                    self.metrics.observe(_WAIT, (("tenant", principal.tenant_id),), 0.0)
+                    self._charged()
+                return attempt
+        future: asyncio.Future[Attempt | int | None] = asyncio.get_running_loop().create_future()
         waiter = self.queue.push(
             _Entry(plan, future, now),
             principal.tenant_id,
             cost,
             deadline=now + self.max_queue_s,
-            band=BATCH if principal.priority == BATCH else INTERACTIVE,
+            band=band,
             locality=plan.key,
-            weight=fair_weight(principal.limits),
+            weight=weight,
         )
         self._release_safely()
         if not future.done():
@@ -202,7 +223,6 @@ class FairShare:
         """Release the first request, in fair order, that one of its replicas can take
         (one held back by the gate does not hold up the other tenants'); whether one
         left the queue (then look again: the order changed)."""
-        gate = self.gate
         for waiter in queue.candidates():
             entry = waiter.item
             if entry.future.done():  # its task was cancelled and has not run yet
@@ -210,19 +230,10 @@ class FairShare:
                 return True
             plan = entry.plan
             usable = router.usable(plan.model, now)
-            full = [
-                s.id
-                for s in usable
-                if gate.saturated(
-                    s.id,
-                    s.all_inflight,
-                    (s.prefill_at_most + s.remote_prefill) / BYTES_PER_TOKEN,
-                    plan.uncached_at_most(s.id) / BYTES_PER_TOKEN,
-                )
-            ]
+            full = self._full(usable, plan)
             if usable and len(full) == len(usable):
                 continue  # its turn waits for one of its replicas
-            attempt = self.replicas.acquire(plan, full) if usable else None
+            attempt = self.replicas.acquire(plan, full, usable) if usable else None
             queue.pop(waiter)
             if attempt is None:  # no replica serves it at all: 503, and nothing served
                 queue.correct(waiter.tenant, waiter.cost, 0.0)
@@ -231,6 +242,20 @@ class FairShare:
             self._charged()
             return True
         return False
+
+    def _full(self, usable: list[ReplicaState], plan: Plan) -> list[ReplicaId]:
+        """The replicas among ``usable`` that the gate holds back for ``plan``."""
+        gate = self.gate
+        return [
+            s.id
+            for s in usable
+            if gate.saturated(
+                s.id,
+                s.all_inflight,
+                (s.prefill_at_most + s.remote_prefill) / BYTES_PER_TOKEN,
+                plan.uncached_at_most(s.id) / BYTES_PER_TOKEN,
+            )
+        ]
 
     def _arm(self) -> None:
         if self._timer is None:

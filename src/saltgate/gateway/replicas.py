@@ -17,7 +17,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -244,12 +244,18 @@ class ReplicaSet:
             route, body, model, salt, time.monotonic(), remember=remember
         )
 
-    def acquire(self, plan: Plan, tried: Collection[ReplicaId]) -> Attempt | None:
+    def acquire(
+        self,
+        plan: Plan,
+        tried: Collection[ReplicaId],
+        usable: Sequence[ReplicaState] | None = None,
+    ) -> Attempt | None:
         """The replica to try next for ``plan`` (skipping ``tried``), counted as busy with
-        the request until the attempt is closed; None when no replica is available."""
+        the request until the attempt is closed; None when no replica is available.
+        ``usable``: the router's usable replicas for it, when the caller has them."""
         router = self.router
         now = time.monotonic()
-        replica_id = router.pick(plan, now, tried)
+        replica_id = router.pick(plan, now, tried, usable)
         if replica_id is None:
             return None
         prefill = float(plan.uncached_bytes(replica_id))

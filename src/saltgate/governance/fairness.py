@@ -190,6 +190,47 @@ class FairQueue(Generic[T]):
         heapq.heappush(self._deadlines, (deadline, seq, waiter))
         return waiter
 
+    def serve_now(
+        self,
+        tenant: str,
+        cost: float,
+        *,
+        band: str = INTERACTIVE,
+        locality: bytes | None = None,
+        weight: float = 1.0,
+    ) -> bool:
+        """A request released on arrival, when nothing waits: its tenant is lifted and
+        charged, and the turn moves, exactly as `push` then `pop` would (the gateway's fast
+        path: no Waiter, no deadline). False, and nothing changed, when a request waits:
+        then it must `push` and wait its turn behind them."""
+        if self._len:
+            return False
+        b = self._bands.get(band)
+        if b is None:
+            raise ValueError(f"unknown priority band {band!r}; expected one of {BANDS}")
+        weight = sane_weight(weight)
+        if weight == 1.0:
+            self.weights.pop(tenant, None)
+        else:
+            self.weights[tenant] = weight
+        counter = self.counters[tenant] = max(self.counters.get(tenant, 0.0), b.floor)
+        charge = cost / weight
+        turn = self._turn
+        if (
+            not self.fifo
+            and turn is not None
+            and turn.left > 0
+            and (turn.band, turn.tenant, turn.key) == (band, tenant, locality)
+        ):
+            turn.left -= charge  # the same prefix, within the quantum: the turn goes on
+        else:
+            b.floor = counter
+            self._turn = (
+                None if locality is None else _Turn(band, tenant, locality, self.quantum - charge)
+            )
+        self._charge(tenant, charge)
+        return True
+
     def remove(self, waiter: Waiter[T]) -> bool:
         """Take a waiting request out (its client left); False if it no longer waits."""
         if not waiter.waiting:
@@ -221,6 +262,8 @@ class FairQueue(Generic[T]):
         t = b.tenants[waiter.tenant]
         t.count -= 1
         self._len -= 1
+        if not self._len:
+            self._deadlines.clear()  # all of them released or gone: nothing left to expire
         if t.count == 0:
             del b.tenants[waiter.tenant]  # its heap entries go stale: skipped when seen
             if not b.tenants:
