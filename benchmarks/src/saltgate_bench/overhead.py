@@ -7,12 +7,16 @@ and the same load: a ~4.4 KB chat body POSTed with `Authorization: Bearer <key>`
 peers ignore it), at each concurrency, after a warm-up. A second scenario replaces nginx
 with simulated replicas (`saltgate sim`, no simulated compute) and streams the answers.
 
+`saltgate-noqueue` is saltgate with `[queue] enabled = false`: beside `saltgate` (the
+fair queue on, as it ships) it shows what the saturation gate and the queue cost a
+gateway whose replicas keep up.
+
 Reported per point: requests/s, latency p50/p99 from wrk's --latency, the latency each
 router adds over going direct (same scenario and concurrency), and saltgate's ratios to
 the peers. With --profile DIR, saltgate is sampled with py-spy at the highest concurrency
 and the top functions by own time are summarised.
 
-    saltgate-bench overhead [--targets direct,saltgate,smg,vllm-router]
+    saltgate-bench overhead [--targets direct,saltgate,saltgate-noqueue,smg,vllm-router]
         [--scenarios nginx,sim-stream] [--concurrency 1,32] [--duration 5] [--json OUT]
         [--store sqlite|postgres] [--build compiled|pure]
 
@@ -68,6 +72,7 @@ from saltgate_bench.gateway_setup import (
 )
 from saltgate_bench.overhead_report import (
     PEERS,
+    SALTGATES,
     SCENARIOS,
     TARGETS,
     Meta,
@@ -401,7 +406,7 @@ class Bench:
         self.api_key = self.gateway_state.api_keys[0]
 
     def router_argv(self, target: str, backends: Backends, port: int) -> list[str]:
-        if target == "saltgate":
+        if target in SALTGATES:
             assert self.gateway_state is not None, "prepare_saltgate() first"
             text = gateway_config(
                 self.gateway_state,
@@ -409,6 +414,7 @@ class Bench:
                 port=port,
                 admin_port=free_port(),
                 tls_ca_file=backends.ca,
+                sections=SALTGATES[target],
             )
             config = write_gateway_config(self.workdir / f"saltgate-{port}.toml", text)
             argv = with_build(self._build_path, serve_argv(config))
@@ -466,13 +472,14 @@ class Bench:
 
     # the run
     def run(self) -> OverheadResult:
-        if "saltgate" in self.o.targets:
+        if SALTGATES.keys() & set(self.o.targets):
             try:
                 self.prepare_saltgate()
             except (BenchError, ConfigError, StoreError, OSError) as exc:
                 self.notes.append(f"saltgate setup failed: {exc}")
                 for scenario in self.o.scenarios:
-                    self.support["saltgate"][scenario] = f"setup failed: {_one_line(exc)}"
+                    for target in SALTGATES.keys() & set(self.o.targets):
+                        self.support[target][scenario] = f"setup failed: {_one_line(exc)}"
         load_before = os.getloadavg()
         started = time.time()
         for scenario in self.o.scenarios:

@@ -15,7 +15,15 @@ from saltgate_bench.cpu import CpuUse
 from saltgate_bench.procs import Machine
 from saltgate_bench.wrk import WrkResult
 
-TARGETS = ("direct", "saltgate", "smg", "vllm-router")
+TARGETS = ("direct", "saltgate", "saltgate-noqueue", "smg", "vllm-router")
+# saltgate as it ships, and the same gateway with the fair queue off ([queue] enabled =
+# false): what the saturation gate and the queue cost when nothing saturates. The
+# isolation canary is off in both: nginx's fixed answers (cached tokens) would fail it.
+_NO_CANARY = "\n[canary]\nenabled = false\n"
+SALTGATES = {
+    "saltgate": _NO_CANARY,
+    "saltgate-noqueue": _NO_CANARY + "\n[queue]\nenabled = false\n",
+}
 PEERS = ("smg", "vllm-router")
 SCENARIOS = ("nginx", "sim-stream")
 SCENARIO_TITLES = {
