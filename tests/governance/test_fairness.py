@@ -20,11 +20,14 @@ from hypothesis import strategies as st
 
 from saltgate.governance.fairness import (
     BATCH,
+    FALLBACK_STEP_TOKENS,
     INTERACTIVE,
+    MIN_STEP_TOKENS,
     FairQueue,
     SaturationGate,
     Waiter,
     service,
+    step_tokens,
 )
 
 pytestmark = pytest.mark.unit
@@ -442,6 +445,46 @@ def test_a_prefill_budget_holds_long_prompts_and_lets_short_ones_by() -> None:
     assert gate.saturated("r", 5, prefill=0, request=10)
     with pytest.raises(ValueError):
         SaturationGate(max_waiting=0, max_prefill_tokens=-1)
+
+
+def test_a_derived_budget_is_the_replica_engine_step() -> None:
+    """Without max_prefill_tokens, each replica's budget is its own engine step as its
+    probes report it: a prompt that fits in one step is never held, a longer one waits
+    while the replica has anything to prefill (long prompts one at a time), and an idle
+    replica takes anything. Until a replica reports a step (or a step too small to
+    tell), it gets the fallback; another replica's step is not its own."""
+    gate = SaturationGate(max_waiting=2, max_prefill_tokens=None)
+    assert gate.stepped("r", 2048) == 2048
+    assert not gate.saturated("r", 1, prefill=0, request=12_000), "idle: a long prompt goes"
+    assert not gate.saturated("r", 1, prefill=12_000, request=2048), "one step: never held"
+    assert gate.saturated("r", 1, prefill=100, request=2049), "longer than a step: waits"
+    assert gate.prefill_budget("other") == (FALLBACK_STEP_TOKENS, FALLBACK_STEP_TOKENS)
+    assert not gate.saturated("other", 1, prefill=100, request=FALLBACK_STEP_TOKENS)
+    assert gate.saturated("other", 1, prefill=100, request=FALLBACK_STEP_TOKENS + 1)
+    assert gate.stepped("r", MIN_STEP_TOKENS // 2) is None, "too little to tell"
+    assert gate.prefill_budget("r") == (FALLBACK_STEP_TOKENS, FALLBACK_STEP_TOKENS)
+    assert gate.stepped("r", None) is None
+    gate.stepped("r", 4096)
+    gate.forget(["other"])
+    assert gate.prefill_budget("r")[0] == FALLBACK_STEP_TOKENS, "a removed replica's step"
+
+
+def test_a_budget_set_by_hand_wins_over_the_reported_step() -> None:
+    gate = SaturationGate(max_waiting=2, max_prefill_tokens=8192)
+    assert gate.stepped("r", 256) == 256
+    assert gate.prefill_budget("r") == (8192, 8192 / 16)
+    assert gate.saturated("r", 1, prefill=6_000, request=6_000)
+    assert not gate.saturated("r", 1, prefill=6_000, request=300)
+    off = SaturationGate(max_waiting=2, max_prefill_tokens=0)
+    off.stepped("r", 256)
+    assert not off.saturated("r", 1, prefill=6_000, request=6_000), "0: no budget"
+
+
+def test_step_tokens_falls_back_on_too_little() -> None:
+    assert step_tokens(None) is None
+    assert step_tokens(MIN_STEP_TOKENS - 1) is None
+    assert step_tokens(MIN_STEP_TOKENS) == MIN_STEP_TOKENS
+    assert step_tokens(16384) == 16384
 
 
 def test_a_request_held_back_does_not_hold_up_another_tenant() -> None:

@@ -33,8 +33,16 @@ from typing import Final
 
 from saltgate.config import QueueConfig
 from saltgate.gateway.metrics import Metrics, duration_buckets
-from saltgate.gateway.replicas import Attempt, ReplicaSet
-from saltgate.governance.fairness import BATCH, INTERACTIVE, FairQueue, SaturationGate, Waiter
+from saltgate.gateway.replicas import Attempt, ReplicaSet, replica_label
+from saltgate.governance.fairness import (
+    BATCH,
+    FALLBACK_STEP_TOKENS,
+    INTERACTIVE,
+    MIN_STEP_TOKENS,
+    FairQueue,
+    SaturationGate,
+    Waiter,
+)
 from saltgate.governance.limits import BYTES_PER_TOKEN, fair_weight
 from saltgate.http import Client
 from saltgate.policy.errors import AnthropicApiError, ApiError
@@ -89,6 +97,8 @@ class FairShare:
         self.replicas = replicas
         self.metrics = metrics
         self._timer: asyncio.TimerHandle | None = None
+        # The step size each replica's prefill budget was last said to be (None: fallback).
+        self._steps: dict[ReplicaId, int | None] = {}
         self.on_charge: Callable[[], None] | None = None  # the cluster bus's wake-up
         replicas.on_free = self.release
         replicas.on_queue = self.probed
@@ -194,11 +204,43 @@ class FairShare:
 
     # -- release ---------------------------------------------------------------------------
     def probed(
-        self, replica: ReplicaId, inflight: int, waiting: float | None, running: float | None
+        self,
+        replica: ReplicaId,
+        inflight: int,
+        waiting: float | None,
+        running: float | None,
+        step: int | None = None,
     ) -> None:
-        """A probe read a replica's queue with ``inflight`` requests on it (every gateway's)."""
+        """A probe read a replica's queue with ``inflight`` requests on it (every gateway's)
+        and ``step``, the largest engine step it has run (the derived prefill budget)."""
         self.gate.probed(replica, inflight, waiting, running)
+        self._stepped(replica, step)
         self.release()
+
+    def _stepped(self, replica: ReplicaId, step: int | None) -> None:
+        """Take the replica's engine step for its prefill budget, saying in one line when
+        it falls back (and again once it reports one)."""
+        if self.gate.max_prefill_tokens is not None:
+            return
+        taken = self.gate.stepped(replica, step)
+        if taken == self._steps.get(replica, -1):
+            return
+        self._steps[replica] = taken
+        if taken is None:
+            log.warning(
+                "replica %s reports no engine step size yet (vllm:iteration_tokens_total in "
+                "its /metrics, or no step of %d tokens or more): its prefill budget is %d "
+                "tokens until it does ([queue] max_prefill_tokens_per_replica sets one)",
+                replica_label(replica),
+                MIN_STEP_TOKENS,
+                FALLBACK_STEP_TOKENS,
+            )
+        else:
+            log.info(
+                "replica %s runs engine steps of up to %d tokens: its prefill budget",
+                replica_label(replica),
+                taken,
+            )
 
     def _release_safely(self) -> None:
         """`release`, its failure logged rather than thrown at the request just queued
@@ -276,4 +318,6 @@ class FairShare:
     def forget(self, replicas: list[ReplicaId]) -> None:
         """Only ``replicas`` remain (a reload): the gate forgets the others' capacity."""
         self.gate.forget(replicas)
+        kept = set(replicas)
+        self._steps = {r: step for r, step in self._steps.items() if r in kept}
         self.release()

@@ -432,6 +432,20 @@ class FairQueue(Generic[T]):
 
 
 SHORT: Final = 16  # a prompt within 1/SHORT of the prefill budget is not held by it
+# With the budget derived from the replica (no max_prefill_tokens set): a replica whose
+# largest engine step is smaller than MIN_STEP_TOKENS has not told its step size yet
+# (or runs none), and gets FALLBACK_STEP_TOKENS (vLLM's --max-num-batched-tokens of an
+# OpenAI server on an H100-class GPU: larger than most, so it holds less, not more).
+MIN_STEP_TOKENS: Final = 256
+FALLBACK_STEP_TOKENS: Final = 8192
+
+
+def step_tokens(largest_step: int | None) -> int | None:
+    """A replica's engine step size from the largest step it reports having run; None
+    when that is too little to tell (no report, or below `MIN_STEP_TOKENS`)."""
+    if largest_step is None or largest_step < MIN_STEP_TOKENS:
+        return None
+    return largest_step
 
 
 class SaturationGate:
@@ -458,14 +472,40 @@ class SaturationGate:
     by it, so, released first in fair order, it starts beside the long ones (as vLLM does
     when `--long-prefill-token-threshold` leaves it part of a step) instead of queueing
     behind them. 0: no budget.
+
+    ``max_prefill_tokens`` None (the default): each replica's budget is its own engine
+    step, as its probes report it (`stepped`; `FALLBACK_STEP_TOKENS` until they do), and a
+    prompt that fits in one step is never held by it: a prompt longer than a step waits
+    while the replica has any prompt to prefill, so long prompts are prefilled one at a
+    time per replica and a short one starts within the step under way.
     """
 
-    def __init__(self, max_waiting: int, max_prefill_tokens: int = 0) -> None:
-        if max_waiting < 0 or max_prefill_tokens < 0:
+    def __init__(self, max_waiting: int, max_prefill_tokens: int | None = 0) -> None:
+        if max_waiting < 0 or (max_prefill_tokens is not None and max_prefill_tokens < 0):
             raise ValueError("max_waiting and max_prefill_tokens must be >= 0")
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self._capacity: dict[str, int] = {}
+        self._step: dict[str, int] = {}  # replica -> its engine step, as reported
+
+    def stepped(self, replica: str, largest_step: int | None) -> int | None:
+        """A probe read the largest engine step the replica has run (None: not reported);
+        returns the step size now taken for it, None when it falls back
+        (`FALLBACK_STEP_TOKENS`). Without a derived budget it only records it."""
+        step = step_tokens(largest_step)
+        if step is None:
+            self._step.pop(replica, None)
+        else:
+            self._step[replica] = step
+        return step
+
+    def prefill_budget(self, replica: str) -> tuple[int, float]:
+        """(the replica's prefill budget, the longest prompt it never holds); (0, 0): none."""
+        budget = self.max_prefill_tokens
+        if budget is None:
+            step = self._step.get(replica, FALLBACK_STEP_TOKENS)
+            return step, float(step)
+        return budget, budget / SHORT
 
     def probed(
         self, replica: str, inflight: int, waiting: float | None, running: float | None = None
@@ -496,9 +536,10 @@ class SaturationGate:
         """Whether one more request would queue more than ``max_waiting`` there, or
         (``prefill``: the replica's prompt tokens not yet prefilled, ``request``: this
         request's) bring its prefill backlog over ``max_prefill_tokens``."""
-        budget = self.max_prefill_tokens
-        if budget and prefill > 0 and prefill + request > budget and request > budget / SHORT:
-            return True
+        if prefill > 0:
+            budget, short = self.prefill_budget(replica)
+            if budget and prefill + request > budget and request > short:
+                return True
         capacity = self._capacity.get(replica)
         return capacity is not None and inflight - capacity >= self.max_waiting
 
@@ -507,3 +548,5 @@ class SaturationGate:
         kept = set(keep)
         for replica in [r for r in self._capacity if r not in kept]:
             del self._capacity[replica]
+        for replica in [r for r in self._step if r not in kept]:
+            del self._step[replica]
