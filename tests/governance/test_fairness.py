@@ -23,6 +23,7 @@ from saltgate.governance.fairness import (
     FALLBACK_STEP_TOKENS,
     INTERACTIVE,
     MIN_STEP_TOKENS,
+    SHORT_STEPS,
     FairQueue,
     SaturationGate,
     Waiter,
@@ -449,20 +450,21 @@ def test_a_prefill_budget_holds_long_prompts_and_lets_short_ones_by() -> None:
 
 def test_a_derived_budget_is_the_replica_engine_step() -> None:
     """Without max_prefill_tokens, each replica's budget is its own engine step as its
-    probes report it: a prompt that fits in one step is never held, a longer one waits
+    probes report it: a prompt of at most two steps is never held, a longer one waits
     while the replica has anything to prefill (long prompts one at a time), and an idle
     replica takes anything. Until a replica reports a step (or a step too small to
     tell), it gets the fallback; another replica's step is not its own."""
     gate = SaturationGate(max_waiting=2, max_prefill_tokens=None)
     assert gate.stepped("r", 2048) == 2048
     assert not gate.saturated("r", 1, prefill=0, request=12_000), "idle: a long prompt goes"
-    assert not gate.saturated("r", 1, prefill=12_000, request=2048), "one step: never held"
-    assert gate.saturated("r", 1, prefill=100, request=2049), "longer than a step: waits"
-    assert gate.prefill_budget("other") == (FALLBACK_STEP_TOKENS, FALLBACK_STEP_TOKENS)
-    assert not gate.saturated("other", 1, prefill=100, request=FALLBACK_STEP_TOKENS)
-    assert gate.saturated("other", 1, prefill=100, request=FALLBACK_STEP_TOKENS + 1)
+    assert not gate.saturated("r", 1, prefill=12_000, request=4096), "two steps: never held"
+    assert gate.saturated("r", 1, prefill=100, request=4097), "longer: waits"
+    fallback = (FALLBACK_STEP_TOKENS, FALLBACK_STEP_TOKENS * SHORT_STEPS)
+    assert gate.prefill_budget("other") == fallback
+    assert not gate.saturated("other", 1, prefill=100, request=fallback[1])
+    assert gate.saturated("other", 1, prefill=100, request=fallback[1] + 1)
     assert gate.stepped("r", MIN_STEP_TOKENS // 2) is None, "too little to tell"
-    assert gate.prefill_budget("r") == (FALLBACK_STEP_TOKENS, FALLBACK_STEP_TOKENS)
+    assert gate.prefill_budget("r") == fallback
     assert gate.stepped("r", None) is None
     gate.stepped("r", 4096)
     gate.forget(["other"])

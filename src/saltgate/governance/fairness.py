@@ -438,6 +438,10 @@ SHORT: Final = 16  # a prompt within 1/SHORT of the prefill budget is not held b
 # OpenAI server on an H100-class GPU: larger than most, so it holds less, not more).
 MIN_STEP_TOKENS: Final = 256
 FALLBACK_STEP_TOKENS: Final = 8192
+# With the derived budget, a prompt of at most this many engine steps is never held: vLLM
+# starts it beside the running prefills, and the gateway's estimate (a token per 4 bytes)
+# may put a one-step prompt past one step.
+SHORT_STEPS: Final = 2
 
 
 def step_tokens(largest_step: int | None) -> int | None:
@@ -475,7 +479,7 @@ class SaturationGate:
 
     ``max_prefill_tokens`` None (the default): each replica's budget is its own engine
     step, as its probes report it (`stepped`; `FALLBACK_STEP_TOKENS` until they do), and a
-    prompt that fits in one step is never held by it: a prompt longer than a step waits
+    prompt of at most `SHORT_STEPS` steps is never held by it: a longer prompt waits
     while the replica has any prompt to prefill, so long prompts are prefilled one at a
     time per replica and a short one starts within the step under way.
     """
@@ -504,7 +508,7 @@ class SaturationGate:
         budget = self.max_prefill_tokens
         if budget is None:
             step = self._step.get(replica, FALLBACK_STEP_TOKENS)
-            return step, float(step)
+            return step, float(step * SHORT_STEPS)
         return budget, budget / SHORT
 
     def probed(
