@@ -3,7 +3,8 @@ fresh virtual environment holding only its lock and the wheel.
 
 Slow, one to three minutes, because it is the install itself: `make dist` (which reuses
 the compiled wheel `make install-compiled` built, and compiles it only if the sources
-changed since, a minute or more), then two virtual environments, each installing its
+changed since, a minute or more, in its own environment of the runtime and build locks),
+then two virtual environments, each installing its
 lock's packages by hash. The locks are installed with `--require-hashes` and the wheels
 with `--no-deps`, so nothing outside the locks can come in: a dependency missing from
 requirements-runtime.lock or requirements-client.lock fails here, not on a node.
@@ -98,6 +99,31 @@ def refused(bin_dir: Path, args: Sequence[str], install: str) -> None:
     assert done.returncode == 2, (args, done.stdout, done.stderr)
     assert f"pip install '{install}'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def installed(python: Path | str) -> set[str]:
+    """The distributions in python's environment, by normalised name (the locks' spelling)."""
+    code = "import importlib.metadata as m\nfor d in m.distributions(): print(d.metadata['Name'])"
+    return {re.sub(r"[-_.]+", "-", name).lower() for name in ok([python, "-c", code]).split()}
+
+
+def pinned(*locks: str) -> set[str]:
+    text = "".join((ROOT / lock).read_text() for lock in locks)
+    return set(re.findall(r"^([a-z0-9-]+)==", text, re.MULTILINE))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(1200)
+def test_the_wheels_are_built_from_the_runtime_and_build_locks_alone(dist: Path) -> None:
+    """make dist's environment holds requirements-runtime.lock's and
+    requirements-build.lock's packages and pip: none of the dev lock's 80 (it took 3.5
+    minutes to install them to build a wheel). The control: the same check on this
+    environment, the dev lock's, finds the test tools."""
+    allowed = pinned("requirements-runtime.lock", "requirements-build.lock") | {"pip"}
+    builder = installed(ROOT / "build/venv/bin/python")
+    assert builder - allowed == set(), "make dist's environment has more than its locks"
+    assert {"mypy", "setuptools", "build", "httpx", "orjson"} <= builder
+    assert {"pytest", "ruff", "scipy"} <= installed(sys.executable) - allowed  # the control
 
 
 @pytest.mark.dist
