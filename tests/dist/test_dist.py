@@ -27,6 +27,7 @@ from tests.support.up import saltgate_up
 
 from saltgate import __version__
 from saltgate.client.secret import ENV_VAR
+from saltgate.config import create_master_key
 from saltgate.sim.server import SimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +127,23 @@ def test_the_wheels_are_built_from_the_runtime_and_build_locks_alone(dist: Path)
     assert {"pytest", "ruff", "scipy"} <= installed(sys.executable) - allowed  # the control
 
 
+def audits_without_the_extra(server: Path, directory: Path) -> None:
+    """`audit deployment` runs on the gateway's install (it asked for numpy), against a
+    replica that is not there, and every finding in its table has a fix."""
+    directory.mkdir(mode=0o700)
+    create_master_key(directory / "master.key")
+    config = directory / "gateway.toml"
+    config.write_text(
+        f'[gateway]\nstate_dir = "{directory}"\nmaster_key_file = "{directory}/master.key"\n'
+        '[[replicas]]\nurl = "http://127.0.0.1:9"\n'
+    )
+    done = run([server / "saltgate", "audit", "deployment", "--config", config, "--timeout", "2"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    header, _rule, *rows = done.stdout.splitlines()
+    fix_at = header.index("fix")
+    assert len(rows) > 10 and all(row[fix_at:].strip() for row in rows), done.stdout
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(1200)  # a compile and two installs on a loaded machine (see above)
 def test_the_wheels_alone_serve_and_proxy_a_request(dist: Path, tmp_path: Path) -> None:
@@ -145,6 +163,7 @@ def test_the_wheels_alone_serve_and_proxy_a_request(dist: Path, tmp_path: Path) 
         **dict.fromkeys(TOOLS_ONLY + NOT_SHIPPED, False),
     }
     refused(server, ["audit", "timing", "--base-url", "http://127.0.0.1:9"], "saltgate[audit]")
+    audits_without_the_extra(server, tmp_path / "audit")
     assert "invalid choice: 'bench'" in run([server / "saltgate", "bench", "replay"]).stderr
     assert "--base-url" in ok([server / "saltgate", "audit", "timing", "--help"])
 
