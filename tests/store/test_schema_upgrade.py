@@ -32,6 +32,8 @@ from saltgate.store.schema import (
     SQLITE_MIGRATIONS,
     SQLITE_VERSION_TABLE,
     Migration,
+    migration_steps,
+    statement_words,
 )
 from saltgate.store.settings import StoreSettings
 from saltgate.store.sqlite import read_schema_version
@@ -219,6 +221,11 @@ def test_a_new_store_is_still_created_at_the_current_version(
         code, out, _ = run(capsys, "store", "status", "--json", *c)
         assert code == 3 and json.loads(out)["state"] == "new"
         assert len(json.loads(out)["steps"]) == len(POSTGRES_MIGRATIONS)
+    else:  # no file: status reads, and creates none
+        code, _, err = run(capsys, "store", "status", *c)
+        assert code == 1 and "no saltgate database at" in err
+        assert store_settings.sqlite_path is not None
+        assert not store_settings.sqlite_path.exists()
     assert run(capsys, "tenants", "create", "acme", *c)[0] == 0
     assert run(capsys, "store", "status", *c)[0] == 0
     assert schema_status(store_settings).version == SCHEMA_VERSION
@@ -240,3 +247,31 @@ def test_serve_check_refuses_an_older_sqlite_store(
     assert not settings.sqlite_path.with_name(f"saltgate.db.pre-v{SCHEMA_VERSION}").exists()
     code, out, _ = run(capsys, "serve", "--check", "--config", str(config))
     assert code == 0 and f"schema version {SCHEMA_VERSION}" in out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("migrations", [SQLITE_MIGRATIONS, POSTGRES_MIGRATIONS])
+def test_every_migration_is_described_in_words(migrations: tuple[Migration, ...]) -> None:
+    """`store status` derives each step's words from its statements, so they cannot drift
+    from what it does; every version says something, and a current store has no step."""
+    steps = migration_steps(migrations, 0)
+    assert [int(step.split(":")[0]) for step in steps] == [m.version for m in migrations]
+    assert all(step.endswith(")") and " (" in step for step in steps), steps
+    assert migration_steps(migrations, SCHEMA_VERSION) == ()
+    assert migration_steps(migrations, OLD) == (STEP_11,)
+
+
+@pytest.mark.unit
+def test_what_the_steps_say() -> None:
+    [v4] = [m for m in SQLITE_MIGRATIONS if m.version == 4]
+    words = [statement_words(stmt) for stmt in v4.statements]
+    assert words[0] == "rebuild table usage (rewrites every row)"
+    assert "add table prices" in words
+    assert statement_words("ALTER TABLE api_keys ADD COLUMN priority TEXT") == (
+        "add column api_keys.priority"
+    )
+    assert statement_words("DROP INDEX usage_ts") == "drop index usage_ts"
+    assert statement_words("CREATE TRIGGER t AFTER INSERT ON usage BEGIN END") == (
+        "add trigger t on usage"
+    )
+    assert statement_words("DROP TABLE usage") is None  # part of the rebuild above

@@ -118,8 +118,7 @@ def _store_migrate(args: argparse.Namespace) -> int:
         settings, _ = _store_settings(args)
         status = schema_status(settings)
         if status.state == "current":
-            print(f"{status.store}: schema version {status.version}, current; nothing to do")
-            return 0
+            return _nothing_to_do(status)
         if status.state == "pending" and settings.backend == "sqlite" and not args.no_backup:
             copy = backup_sqlite(settings)
             print(f"backed up {status.store} (schema version {status.version}) to {copy}")
@@ -128,14 +127,24 @@ def _store_migrate(args: argparse.Namespace) -> int:
                 "no backup is made of a PostgreSQL store: take one before (pg_dump, "
                 "docs/upgrading.md)"
             )
-        status = migrate_store(settings)
+        status = migrate_store(settings)  # as it was just before: another may have acted
     except (ConfigError, StoreError, ValueError) as exc:
         print(f"saltgate store migrate: {exc}", file=sys.stderr)
         return store_exit_status(exc)
+    if status.state == "current":
+        return _nothing_to_do(status)
     for step in status.steps:
         print(f"  {step}")
-    print(
-        f"migrated {status.store} from schema version {status.version} to {status.expected}; "
-        "a saltgate older than this one now refuses it"
-    )
+    if status.state == "new":
+        print(f"created the schema of {status.store} at version {status.expected}")
+    else:
+        print(
+            f"migrated {status.store} from schema version {status.version} to "
+            f"{status.expected}; a saltgate older than this one now refuses it"
+        )
+    return 0
+
+
+def _nothing_to_do(status: SchemaStatus) -> int:
+    print(f"{status.store}: schema version {status.version}, current; nothing to do")
     return 0
