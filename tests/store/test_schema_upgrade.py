@@ -103,8 +103,12 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
 def serve(config: Path) -> subprocess.CompletedProcess[str]:
     """`saltgate serve` as a process: refused, it exits at once (a timeout here means it
     started serving on the old store)."""
+    return saltgate_process("serve", "--config", str(config))
+
+
+def saltgate_process(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "saltgate.cli", "serve", "--config", str(config)],
+        [sys.executable, "-m", "saltgate.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -229,6 +233,15 @@ def test_a_new_store_is_still_created_at_the_current_version(
     assert run(capsys, "tenants", "create", "acme", *c)[0] == 0
     assert run(capsys, "store", "status", *c)[0] == 0
     assert schema_status(store_settings).version == SCHEMA_VERSION
+
+
+def test_saltgate_up_refuses_an_older_state_dir(tmp_path: Path) -> None:
+    settings = StoreSettings.in_state_dir(tmp_path / "state")
+    old_store(settings)
+    done = saltgate_process("up", "--port", "0", "--state-dir", str(tmp_path / "state"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("saltgate up: the store ") and MIGRATE_HINT in done.stderr
+    assert schema_status(settings).version == OLD
 
 
 @pytest.mark.unit
