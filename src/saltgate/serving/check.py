@@ -26,6 +26,7 @@ from saltgate.serving.admin_listener import (
     warn_plaintext_admin,
 )
 from saltgate.serving.run import INFERENCE_OPTIONS
+from saltgate.store.backends import require_usable, schema_status
 
 
 def check_config(config: GatewayConfig) -> str:
@@ -44,6 +45,10 @@ def check_config(config: GatewayConfig) -> str:
         conninfo(settings)  # reads the password from its file or variable, to be dropped
     elif settings.sqlite_path is not None and not settings.sqlite_path.exists():
         notes.append(f"{settings.sqlite_path} will be created, with no tenants")
+    else:  # a file: serve refuses one at another schema version, `saltgate store migrate`
+        status = schema_status(settings)
+        require_usable(status)
+        notes.append(f"schema version {status.version}")
     if config.access_log not in ("stderr", "off"):
         _check_writable(Path(config.access_log))
     notes.append(f"access log {config.access_log}")
