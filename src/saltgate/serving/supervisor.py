@@ -45,6 +45,7 @@ from saltgate.serving.balance import ConnectionBoard
 from saltgate.serving.run import (
     INFERENCE_OPTIONS,
     announce,
+    edge_scheme,
     ehbp_keyring,
     kv_upstreams,
     reread_config,
@@ -170,7 +171,7 @@ class Supervisor:
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        return f"{edge_scheme(self.config)}://{self.config.host}:{self.port}"
 
     def worker_config(self) -> GatewayConfig:
         """What a worker runs: the parent keeps the admin port and the relay."""
@@ -381,10 +382,16 @@ class Supervisor:
         config = reread_config(path)
         if config is None:
             return
+        order = control.Reload(config.replicas, config.tls_cert_file, config.tls_key_file)
         self.config = dataclasses.replace(self.config, replicas=config.replicas)
+        if self.config.tls_cert_file is not None and config.tls_cert_file is not None:
+            # Workers started from now on load the renewed files (turning TLS on or off
+            # takes a restart: the workers say so).
+            self.config = dataclasses.replace(
+                self.config, tls_cert_file=config.tls_cert_file, tls_key_file=config.tls_key_file
+            )
         if self.relay is not None:
             self.relay.set_upstreams(kv_upstreams(config))
-        order = control.Reload(config.replicas)
         answers = await asyncio.gather(
             *(w.ask(order, RELOAD_TIMEOUT_S) for w in list(self.alive.values()))
         )
