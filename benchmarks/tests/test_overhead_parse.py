@@ -14,6 +14,7 @@ import pytest
 
 from saltgate.config import load_config
 from saltgate.http.tls import client_context
+from saltgate.serving.listener_tls import edge_context
 from saltgate_bench.cpu import CpuUse, proc_ticks, process_tree, tree_ticks
 from saltgate_bench.gateway_setup import (
     gateway_config,
@@ -36,6 +37,7 @@ from saltgate_bench.overhead_report import (
     markdown,
     ratios,
     summarize_profile,
+    tls_cost,
 )
 from saltgate_bench.procs import Machine, Tools, pinned
 from saltgate_bench.wrk import WrkResult, chat_body, parse_time_ms, parse_wrk_output, wrk_script
@@ -159,6 +161,32 @@ def test_upstream_tls_serves_nginx_over_tls_and_saltgate_verifies_it(tmp_path: P
     replicas = load_config(path).replicas
     assert [(r.tls, r.tls_ca_file) for r in replicas] == [(True, cert), (True, cert)]
     client_context(cert)  # the certificate is one a client context can trust
+
+
+def test_saltgate_tls_serves_https_with_the_runs_certificate(tmp_path: Path) -> None:
+    """Target saltgate-tls: the same config with [gateway] tls_cert_file and tls_key_file
+    (the run's certificate and its key), which `saltgate serve` loads."""
+    cert = bench_certificate(tmp_path)
+    state = prepare_gateway_state(tmp_path / "state", ["bench"], None)
+    text = gateway_config(state, ["http://127.0.0.1:9"], port=1, admin_port=2, edge_cert=cert)
+    config = load_config(write_gateway_config(tmp_path / "gw.toml", text))
+    assert (config.tls_cert_file, config.tls_key_file) == (cert, cert.with_suffix(".key"))
+    assert edge_context(config) is not None  # readable, mode 0600, the key the certificate's
+
+
+@pytest.mark.unit
+def test_tls_cost_sets_saltgate_tls_against_saltgate_of_the_same_run() -> None:
+    samples = [
+        _sample("saltgate", 1, 2000, 0.35, 1.1),
+        _sample("saltgate-tls", 1, 1800, 0.40, 1.3),
+        _sample("saltgate", 32, 4000, 8.0, 12.0),
+        _sample("saltgate-tls", 32, 3000, 10.0, 15.0),
+        _sample("smg", 32, 3200, 10.0, 14.0),
+    ]
+    rows = tls_cost(aggregate(samples))
+    assert "| nginx | 1 | 2,000 | 1,800 | 0.90x | 50 us | 200 us |" in rows
+    assert "| nginx | 32 | 4,000 | 3,000 | 0.75x | 2.00 ms | 3.00 ms |" in rows
+    assert tls_cost(aggregate(samples[:1] + samples[2:3])) == []  # no saltgate-tls: no table
 
 
 def _sample(target: str, conc: int, rps: float, p50: float, p99: float) -> Sample:
