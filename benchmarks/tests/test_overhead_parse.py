@@ -179,19 +179,23 @@ def test_tls_cost_sets_saltgate_tls_against_saltgate_of_the_same_run() -> None:
     samples = [
         _sample("saltgate", 1, 2000, 0.35, 1.1),
         _sample("saltgate-tls", 1, 1800, 0.40, 1.3),
-        _sample("saltgate", 32, 4000, 8.0, 12.0),
-        _sample("saltgate-tls", 32, 3000, 10.0, 15.0),
+        _sample("saltgate", 32, 4000, 8.0, 12.0, router_cpu=100.0),
+        _sample("saltgate-tls", 32, 3000, 10.0, 15.0, router_cpu=100.0),
         _sample("smg", 32, 3200, 10.0, 14.0),
     ]
     rows = tls_cost(aggregate(samples))
-    assert "| nginx | 1 | 2,000 | 1,800 | 0.90x | 50 us | 200 us |" in rows
-    assert "| nginx | 32 | 4,000 | 3,000 | 0.75x | 2.00 ms | 3.00 ms |" in rows
+    assert "| nginx | 1 | 2,000 | 1,800 | 0.90x | 50 us | 200 us | - | - |" in rows
+    cpu = "| 250 us | 333 us |"  # 100% of a core over 4,000 and 3,000 req/s
+    assert f"| nginx | 32 | 4,000 | 3,000 | 0.75x | 2.00 ms | 3.00 ms {cpu}" in rows
     assert tls_cost(aggregate(samples[:1] + samples[2:3])) == []  # no saltgate-tls: no table
 
 
-def _sample(target: str, conc: int, rps: float, p50: float, p99: float) -> Sample:
+def _sample(
+    target: str, conc: int, rps: float, p50: float, p99: float, *, router_cpu: float | None = None
+) -> Sample:
     wrk = WrkResult(int(rps), 1.0, rps, p50, p50, p99, p99)
-    return Sample("nginx", target, 0, conc, wrk, CpuUse(wrk_cpu_pct=40.0, backend_cpu_pct=30.0))
+    cpu = CpuUse(wrk_cpu_pct=40.0, backend_cpu_pct=30.0, router_proc_cpu_pct=router_cpu)
+    return Sample("nginx", target, 0, conc, wrk, cpu)
 
 
 @pytest.mark.unit
