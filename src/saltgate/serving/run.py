@@ -256,7 +256,7 @@ def reread_config(path: Path) -> GatewayConfig | None:
             tls_context(replica, index)  # TLS files that do not load refuse the reload here
         edge_context(config)  # so do the edge's
     except ConfigError as exc:
-        log.error("reload refused, keeping the current replicas: %s", exc)
+        log.error("reload refused, keeping the running replicas and certificate: %s", exc)
         return None
     return config
 
