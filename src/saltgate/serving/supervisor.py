@@ -12,8 +12,8 @@ The parent serves no request. It starts each worker as a fresh interpreter
 (serving/control.py), restarts a worker that dies (with a backoff if it dies young),
 serves the one admin port (metrics merged from every worker), runs the KV-event relay
 if configured, and turns signals into orders: SIGHUP has every worker reopen its access
-log file (log rotation) and re-reads [[replicas]] for every worker, SIGTERM or SIGINT
-drains every worker and then exits.
+log file (log rotation) and re-reads [[replicas]] (and the edge's TLS files) for every
+worker, SIGTERM or SIGINT drains every worker and then exits.
 """
 
 from __future__ import annotations
