@@ -217,6 +217,8 @@ class GatewayConfig:
     store: StoreSettings | None = None  # [store]; None: SQLite in state_dir (store_settings)
     # PostgreSQL out of reach: authenticate from the keys known for this long, then 503.
     store_outage_grace_s: float = 60.0
+    # SIGTERM: what is in flight may finish this long; then streams end with an error event.
+    drain_grace_s: float = 30.0
     # The access log: one line per request ("stderr", "off" or a file), text or JSON.
     access_log: str = "stderr"
     log_format: str = "text"
@@ -523,6 +525,7 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
         ("max_body_bytes", int),
         ("upstream_timeout_s", (int, float)),
         ("store_outage_grace_s", (int, float)),
+        ("drain_grace_s", (int, float)),
         ("allow_plaintext_upstream", bool),
         ("allow_plaintext_admin", bool),
         ("replica_priority_scheduling", bool),
@@ -531,8 +534,7 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
             kwargs[key] = _expect(gw, key, kind, "gateway")
     kwargs.update(_admin_listener(gw, base))
     kwargs.update(_tls_pair(gw, base, ""))  # TLS at the edge: the inference listener's
-    if kwargs.get("store_outage_grace_s", 1) <= 0:
-        raise ConfigError("gateway.store_outage_grace_s: must be positive")
+    _check_graces(kwargs)
     for key, choices in (("on_client_gone", CLIENT_GONE_MODES), ("log_format", LOG_FORMATS)):
         if key in gw:
             value = _expect(gw, key, str, "gateway")
@@ -558,6 +560,15 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"gateway: unknown keys {sorted(unknown)}")
     return kwargs
+
+
+def _check_graces(kwargs: dict[str, Any]) -> None:
+    if kwargs.get("store_outage_grace_s", 1) <= 0:
+        raise ConfigError("gateway.store_outage_grace_s: must be positive")
+    if "drain_grace_s" in kwargs:
+        if not 0 < kwargs["drain_grace_s"] <= 3600:
+            raise ConfigError("gateway.drain_grace_s: expected seconds, more than 0, at most 3600")
+        kwargs["drain_grace_s"] = float(kwargs["drain_grace_s"])
 
 
 ADMIN_LISTENER_KEYS: Final = ("admin_allowed_hosts", "admin_tls_cert_file", "admin_tls_key_file")

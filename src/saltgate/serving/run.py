@@ -95,7 +95,13 @@ class RunningGateway:
         return probes
 
     async def close(self) -> None:
-        await self.server.close()
+        """Drain (SIGTERM): /ready says no at once, the listener closes, what is in flight
+        has `drain_grace_s` to finish; then every answer still open is ended with an error
+        event and its delivered tokens recorded (Gateway.cut_answers); then the rest."""
+        gateway = self.gateway
+        gateway.draining = True
+        grace = gateway.config.drain_grace_s
+        await self.server.close(grace, cut=gateway.cut_answers)
         if self.cluster is not None:
             await self.cluster.close()
         if self.admin is not None:
@@ -327,7 +333,10 @@ async def _serve(config: GatewayConfig) -> None:
         path = config.config_file
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_from, running, path)
     await until_stopped()
-    log.info("stopping: no new connections; requests in flight finish")
+    log.info(
+        "stopping: no new connections; requests in flight have %g s to finish",
+        config.drain_grace_s,
+    )
     await running.close()
     log.info("stopped")
 

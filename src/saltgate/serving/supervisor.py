@@ -61,9 +61,9 @@ RESTART_PAUSE_S: Final = 0.1
 BACKOFF_MAX_S: Final = 30.0
 METRICS_TIMEOUT_S: Final = 2.0  # a worker that does not answer counts with its last snapshot
 RELOAD_TIMEOUT_S: Final = 10.0
-# SIGTERM: workers drain (5 s of grace for responses in flight, then the store closes);
-# one still running after this is killed.
-STOP_TIMEOUT_S: Final = 30.0
+# SIGTERM: workers drain (drain_grace_s for responses in flight, then the cut answers'
+# last events, then the store closes); one still running this long after is killed.
+STOP_MARGIN_S: Final = 15.0
 LISTEN_BACKLOG: Final = 1024
 
 log = logging.getLogger(__name__)
@@ -333,7 +333,8 @@ class Supervisor:
                 proc.send_signal(signal.SIGTERM)
         waits = [asyncio.ensure_future(p.wait()) for p in self._procs.values()]
         if waits:
-            _, late = await asyncio.wait(waits, timeout=STOP_TIMEOUT_S)
+            timeout = self.config.drain_grace_s + STOP_MARGIN_S
+            _, late = await asyncio.wait(waits, timeout=timeout)
             for proc in self._procs.values():
                 if proc.returncode is None:
                     log.warning("worker pid %d did not stop; killing it", proc.pid)
