@@ -189,6 +189,10 @@ class GatewayConfig:
     admin_tls_cert_file: Path | None = None
     admin_tls_key_file: Path | None = None
     allow_plaintext_admin: bool = False
+    # TLS at the edge: the inference listener serves HTTPS with these PEM files (the key
+    # mode 0600), both or neither; SIGHUP loads them again for new connections.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0
     prices: dict[str, Price] = field(default_factory=dict)
@@ -529,6 +533,7 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
         if key in gw:
             kwargs[key] = _expect(gw, key, kind, "gateway")
     kwargs.update(_admin_listener(gw, base))
+    kwargs.update(_tls_pair(gw, base, ""))  # TLS at the edge: the inference listener's
     _check_graces(kwargs)
     for key, choices in (("on_client_gone", CLIENT_GONE_MODES), ("log_format", LOG_FORMATS)):
         if key in gw:
@@ -581,14 +586,18 @@ def _admin_listener(gw: dict[str, Any], base: Path) -> dict[str, Any]:
                 '["admin.internal", "10.0.0.4", "[fd00::4]"]'
             )
         out["admin_allowed_hosts"] = tuple(n.lower() for n in names)
-    files = [k for k in ("admin_tls_cert_file", "admin_tls_key_file") if k in gw]
-    if len(files) == 1:
-        raise ConfigError(
-            "gateway.admin_tls_cert_file and admin_tls_key_file: give both (PEM files)"
-        )
-    for key in files:
-        out[key] = _relative_to(base, _expect(gw, key, str, "gateway"))
+    out.update(_tls_pair(gw, base, "admin_"))
     return out
+
+
+def _tls_pair(gw: dict[str, Any], base: Path, prefix: str) -> dict[str, Path]:
+    """A listener's ``<prefix>tls_cert_file`` and ``<prefix>tls_key_file``: both or neither
+    (their content is loaded by the listener, serving/listener_tls.py)."""
+    cert, key = f"{prefix}tls_cert_file", f"{prefix}tls_key_file"
+    files = [k for k in (cert, key) if k in gw]
+    if len(files) == 1:
+        raise ConfigError(f"gateway.{cert} and {key}: give both (PEM files)")
+    return {k: _relative_to(base, _expect(gw, k, str, "gateway")) for k in files}
 
 
 def _ehbp(table: Any, base: Path, state_dir: Path) -> dict[str, Any]:

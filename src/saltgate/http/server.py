@@ -734,8 +734,9 @@ class HttpServer:
     async def start(
         self, host: str, port: int, *, backlog: int = 1024, tls: ssl.SSLContext | None = None
     ) -> int:
-        """Bind and start serving (over TLS with a server context: the simulator standing
-        in for an https replica); returns the bound port (useful with port 0)."""
+        """Bind and start serving (over TLS with a server context: the gateway's edge, or
+        the simulator standing in for an https replica); returns the bound port (useful
+        with port 0)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True, ssl=tls

@@ -6,7 +6,8 @@ master key, the EHBP key file when it exists (serve makes a missing one), the st
 password file or variable, and that the access log can be written. Nothing here touches
 the network: whether the store and the replicas answer is for the running gateway to
 say, on `/ready` (gateway/readiness.py); a check that connected would pass or fail with
-the network of the moment, not with the file.
+the network of the moment, not with the file. The TLS files of the listeners are loaded
+as `serve` loads them (readable, the key the certificate's).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from saltgate.serving.admin_listener import (
     admin_tls,
     warn_plaintext_admin,
 )
+from saltgate.serving.listener_tls import edge_context
 from saltgate.serving.run import INFERENCE_OPTIONS
 from saltgate.store.backends import require_usable, schema_status
 
@@ -56,6 +58,8 @@ def check_config(config: GatewayConfig) -> str:
         admin_tls(config)  # refuses plain HTTP off loopback; loads the TLS files
         warn_plaintext_admin(config)
         notes.append(f"admin listener {admin_scheme(config)}://{config.admin_host}")
+    if edge_context(config) is not None:  # readable, and the key is the certificate's
+        notes.append(f"TLS at the edge with {config.tls_cert_file}")
     check_ports(config)
     return ", ".join(notes)
 
