@@ -16,7 +16,8 @@ router adds over going direct (same scenario and concurrency), and saltgate's ra
 the peers. With --profile DIR, saltgate is sampled with py-spy at the highest concurrency
 and the top functions by own time are summarised.
 
-    saltgate-bench overhead [--targets direct,saltgate,saltgate-noqueue,smg,vllm-router]
+    saltgate-bench overhead
+        [--targets direct,saltgate,saltgate-tls,saltgate-noqueue,smg,vllm-router]
         [--scenarios nginx,sim-stream] [--concurrency 1,32] [--duration 5] [--json OUT]
         [--store sqlite|postgres] [--build compiled|pure]
 
@@ -25,6 +26,10 @@ install-compiled`, from which the pure-Python build of the same source runs too.
 `--store postgres` gives saltgate a PostgreSQL store (a cluster the benchmark starts on the
 load CPU, fsync on; scripts/services-setup.sh) instead of its SQLite file, so both stores'
 cost per request comes from the same command.
+
+Target `saltgate-tls` is saltgate serving HTTPS itself (TLS at the edge, `[gateway]
+tls_cert_file`, a certificate made for the run); wrk then speaks HTTPS over its kept-alive
+connections, so beside `saltgate` in the same run it gives what TLS costs per request.
 
 `--saltgate-workers N` runs `saltgate serve --workers N`. Then every router, saltgate and
 the peers alike, may use every CPU of the machine (smg sizes its threads to them), while
@@ -71,8 +76,8 @@ from saltgate_bench.gateway_setup import (
     write_gateway_config,
 )
 from saltgate_bench.overhead_report import (
+    DEFAULT_TARGETS,
     PEERS,
-    SALTGATES,
     SCENARIOS,
     TARGETS,
     Meta,
@@ -109,6 +114,15 @@ from saltgate_bench.wrk import (
 )
 from saltgate_devkit.procs import Proc, free_port
 from saltgate_devkit.services import PostgresServer, ServiceError
+
+# saltgate as itself, serving HTTPS, and with the fair queue off ([queue] enabled = false:
+# what the saturation gate and the queue cost while nothing saturates)
+SALTGATES = ("saltgate", "saltgate-tls", "saltgate-noqueue")
+NO_QUEUE = "\n[queue]\nenabled = false\n"
+# nginx's fixed answer reports 1,024 cached tokens under any cache_salt, which the
+# isolation canary (docs/canary.md) rightly takes for a shared cache: every replica out of
+# rotation. Its three requests a minute are not on the request path measured here.
+NO_CANARY = "\n[canary]\nenabled = false\n"
 
 
 def fixed_completion() -> bytes:
@@ -260,6 +274,7 @@ class Running:
     target: str
     port: int
     proc: Proc | None
+    ca: Path | None = None  # serves HTTPS with this (self-signed) certificate
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +327,7 @@ class Bench:
         self._backend_pids: tuple[int, ...] = ()
         self._postgres: PostgresServer | None = None
         self._build_path: Path | None = None
+        self._certificate: Path | None = None
 
     def log(self, message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
@@ -320,6 +336,12 @@ class Bench:
         proc = Proc(name, argv, self.workdir / f"{name}.log")
         self._procs.append(proc)
         return proc
+
+    def certificate(self) -> Path:
+        """The run's certificate for 127.0.0.1 (`bench_certificate`), made once."""
+        if self._certificate is None:
+            self._certificate = bench_certificate(self.workdir)
+        return self._certificate
 
     def stop(self, proc: Proc) -> None:
         proc.stop()
@@ -343,7 +365,7 @@ class Bench:
         cert = None
         if self.o.upstream_tls:
             tls_ports = [free_port(), free_port()]
-            cert = bench_certificate(self.workdir)
+            cert = self.certificate()
         conf = self.workdir / "nginx.conf"
         conf.write_text(nginx_conf(self.workdir, ports, tls_ports, cert))
         argv = [nginx, "-p", str(self.workdir), "-e", str(self.workdir / "nginx-error.log")]
@@ -414,7 +436,8 @@ class Bench:
                 port=port,
                 admin_port=free_port(),
                 tls_ca_file=backends.ca,
-                sections=SALTGATES[target],
+                edge_cert=self.certificate() if target == "saltgate-tls" else None,
+                sections=NO_CANARY + (NO_QUEUE if target == "saltgate-noqueue" else ""),
             )
             config = write_gateway_config(self.workdir / f"saltgate-{port}.toml", text)
             argv = with_build(self._build_path, serve_argv(config))
@@ -430,7 +453,8 @@ class Bench:
         else:
             port = free_port()
             argv = pinned(self.tools, self.o.router_cpus, self.router_argv(target, backends, port))
-            running = Running(target, port, self.spawn(target, argv))
+            ca = self.certificate() if target == "saltgate-tls" else None
+            running = Running(target, port, self.spawn(target, argv), ca)
         self._wait_ready(running, stream)
         return running
 
@@ -449,7 +473,7 @@ class Bench:
                 )
             try:
                 status, ctype, answer = http_request(
-                    running.port, "POST", CHAT_PATH, body, headers=headers, timeout=5.0
+                    running.port, "POST", CHAT_PATH, body, headers=headers, ca=running.ca
                 )
                 problem = check_answer(stream, status, ctype, answer)
                 if problem is None:
@@ -464,21 +488,26 @@ class Bench:
         )
 
     # load
-    def wrk(self, port: int, script: Path, concurrency: int, duration_s: int) -> WrkResult:
-        cpu = self.o.load_cpu
+    def wrk(self, running: Running, script: Path, concurrency: int, duration_s: int) -> WrkResult:
         return run_wrk(
-            self.tools, cpu, port, script, concurrency=concurrency, duration_s=duration_s
+            self.tools,
+            self.o.load_cpu,
+            running.port,
+            script,
+            concurrency=concurrency,
+            duration_s=duration_s,
+            tls=running.ca is not None,
         )
 
     # the run
     def run(self) -> OverheadResult:
-        if SALTGATES.keys() & set(self.o.targets):
+        if saltgates := [t for t in self.o.targets if t in SALTGATES]:
             try:
                 self.prepare_saltgate()
             except (BenchError, ConfigError, StoreError, OSError) as exc:
                 self.notes.append(f"saltgate setup failed: {exc}")
-                for scenario in self.o.scenarios:
-                    for target in SALTGATES.keys() & set(self.o.targets):
+                for target in saltgates:
+                    for scenario in self.o.scenarios:
                         self.support[target][scenario] = f"setup failed: {_one_line(exc)}"
         load_before = os.getloadavg()
         started = time.time()
@@ -527,7 +556,7 @@ class Bench:
         self.support[target][scenario] = "ok"
         try:
             if self.o.warmup_s > 0:
-                self.wrk(running.port, script, max(self.o.concurrency), self.o.warmup_s)
+                self.wrk(running, script, max(self.o.concurrency), self.o.warmup_s)
             for conc in self.o.concurrency:
                 window = CpuWindow(
                     running.proc.pid if running.proc else None,
@@ -535,7 +564,7 @@ class Bench:
                     tuple(p.pid for p in backends.procs),
                 )
                 window.start()
-                result = self.wrk(running.port, script, conc, self.o.duration_s)
+                result = self.wrk(running, script, conc, self.o.duration_s)
                 cpu = window.finish()
                 self.log(
                     f"  c={conc}: {result.rps:,.0f} rps p50 {result.p50_ms:.3f} ms "
@@ -604,7 +633,7 @@ class Bench:
                     running.proc.pid, (self.o.load_cpu, self.o.router_core), self._backend_pids
                 )
                 window.start()
-                result = self.wrk(running.port, script, conc, self.o.duration_s)
+                result = self.wrk(running, script, conc, self.o.duration_s)
                 cpu = window.finish()
                 spy_out, _ = spy.communicate(timeout=self.o.duration_s + WRK_SLACK_S)
             except (BenchError, subprocess.TimeoutExpired) as exc:
@@ -685,7 +714,7 @@ HELP = "per-request overhead of saltgate vs direct, smg and vllm-router"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--targets", type=_csv(TARGETS), default=TARGETS, help="comma-separated")
+    p.add_argument("--targets", type=_csv(TARGETS), default=DEFAULT_TARGETS, help="comma-separated")
     p.add_argument("--scenarios", type=_csv(SCENARIOS), default=SCENARIOS, help="comma-separated")
     p.add_argument("--concurrency", type=parse_counts, default=(1, 32), help="e.g. 1,32,64")
     p.add_argument("--duration", type=int, default=5, help="seconds per measured point")
@@ -804,7 +833,7 @@ def run(args: argparse.Namespace) -> int:
         upstream_tls=args.upstream_tls,
     )
     if options.upstream_tls and (
-        set(options.targets) - {"direct", "saltgate"} or options.scenarios != ("nginx",)
+        set(options.targets) - {"direct", *SALTGATES} or options.scenarios != ("nginx",)
     ):
         print(
             "overhead: --upstream-tls measures --targets direct,saltgate --scenarios nginx",

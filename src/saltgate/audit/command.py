@@ -20,6 +20,7 @@ from saltgate.audit.plan import (
     TimingAuditConfig,
     apply_preset,
 )
+from saltgate.audit.tables import render_table, write_json
 
 __all__ = ["add_audit_parser"]
 
@@ -149,11 +150,12 @@ def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per probe")
     p.add_argument("--json", metavar="OUT", help="write the findings as JSON")
-    p.set_defaults(func=_run_deployment)
+    # Neither numpy nor the plots: the runtime install runs it (docs/deployment.md).
+    p.set_defaults(func=_run_deployment, runtime_only=True)
 
 
 def _run_timing(args: argparse.Namespace) -> int:
-    from saltgate.audit.report import format_table, write_json, write_plot  # noqa: PLC0415 (heavy: only when run)
+    from saltgate.audit.report import format_table, write_plot  # noqa: PLC0415 (heavy: only when run)
     from saltgate.audit.timing import audit_criteria, run_timing_audit  # noqa: PLC0415 (heavy: only when run)
 
     victim = Identity(
@@ -208,7 +210,6 @@ def _run_timing(args: argparse.Namespace) -> int:
 
 def _run_deployment(args: argparse.Namespace) -> int:
     from saltgate.audit.deployment import Severity, run_deployment_audit  # noqa: PLC0415 (heavy: only when run)
-    from saltgate.audit.report import render_table, write_json  # noqa: PLC0415 (heavy: only when run)
     from saltgate.config import ConfigError, load_config  # noqa: PLC0415 (heavy: only when run)
 
     try:
