@@ -136,6 +136,29 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server(address[:2], family=family, backlog=LISTEN_BACKLOG)
 
 
+async def arbitrate(arbiter: Arbiter, channel: int, sock: socket.socket, who: str) -> None:
+    """Answer one worker's questions about limits until its channel closes; then settle
+    what it left at its reservations (its leases come back). `who` names it in the log."""
+    reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_LINE_BYTES)
+    clock = time.monotonic
+    try:
+        while line := await reader.readline():
+            try:
+                answer = arbiter.answer(channel, line, clock())
+            except ArbiterError as exc:
+                log.warning("%s: an unreadable limits message (%s)", who, exc)
+                continue
+            if answer is not None:
+                writer.write(answer + b"\n")
+    except (ConnectionError, ValueError) as exc:  # ValueError: a line over the limit
+        log.warning("%s: limits channel closed (%s)", who, exc)
+    finally:
+        left = arbiter.forget(channel, clock())
+        if left:
+            log.info("%s left %d admissions; their leases are freed", who, left)
+        writer.close()
+
+
 class Supervisor:
     def __init__(self, config: GatewayConfig, workers: int) -> None:
         if workers < 1:
@@ -336,30 +359,9 @@ class Supervisor:
             self.alive[index] = worker
 
     async def _arbitrate(self, index: int, sock: socket.socket) -> None:
-        """Answer one worker's questions about limits until its channel closes; then
-        settle what it left at its reservations (its leases come back)."""
         assert self.arbiter is not None
-        arbiter = self.arbiter
         self._channels += 1
-        channel = self._channels
-        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_LINE_BYTES)
-        clock = time.monotonic
-        try:
-            while line := await reader.readline():
-                try:
-                    answer = arbiter.answer(channel, line, clock())
-                except ArbiterError as exc:
-                    log.warning("worker %d: an unreadable limits message (%s)", index, exc)
-                    continue
-                if answer is not None:
-                    writer.write(answer + b"\n")
-        except (ConnectionError, ValueError) as exc:  # ValueError: a line over the limit
-            log.warning("worker %d: limits channel closed (%s)", index, exc)
-        finally:
-            left = arbiter.forget(channel, clock())
-            if left:
-                log.info("worker %d left %d admissions; their leases are freed", index, left)
-            writer.close()
+        await arbitrate(self.arbiter, self._channels, sock, f"worker {index}")
 
     def _retire(self, worker: WorkerProcess) -> None:
         """A worker is gone: keep what it had counted, take it out of the share."""
