@@ -12,7 +12,13 @@ from typing import Any
 
 import httpx
 from tests.gateway.stack import MODEL, Stack, new_state_dir, run, stack
-from tests.support.gateways import GatewayProcess, per_worker, series, write_gateway_config
+from tests.support.gateways import (
+    GatewayProcess,
+    cli,
+    per_worker,
+    series,
+    write_gateway_config,
+)
 from tests.support.http import async_client
 from tests.support.waiting import eventually
 
@@ -367,3 +373,30 @@ def test_a_lease_outliving_lease_ttl_frees_its_slot(tmp_path: Path) -> None:
                 await eventually(admitted, timeout_s=5.0, what="the lease expired")
 
     run(main)
+
+
+def test_serve_check_and_set_limits_say_how_limits_are_held(tmp_path: Path) -> None:
+    """The operator reads it where the limit is set and where the gateway is checked:
+    one host's workers count in one place (exact); two gateways without [cluster] each
+    enforce half, and a part of 0 is named as admitting nothing."""
+    state = tmp_path / "state"
+    new_state_dir(state, ("acme",))
+    config = write_gateway_config(
+        tmp_path / "gw.toml",
+        state_dir=state,
+        replicas=["http://127.0.0.1:9"],
+        admin_port=None,
+        sections="[limits]\nshare = 2\n",
+    )
+    checked = cli("serve", "--check", "--config", str(config), "--workers", "2")
+    assert "each of the 2 gateways ([limits] share) enforces floor(L / 2)" in checked
+    assert "its 2 workers count in one place, the supervisor" in checked
+    assert "floor(L / 4) on its own counts meanwhile" in checked
+    said = cli("tenants", "set-limits", "acme", "--rpm", "1", "--config", str(config))
+    assert said.splitlines()[0] == "tenant acme limits rpm=1"
+    assert "each of the 2 gateways ([limits] share) enforces rpm=0" in said
+    assert "rpm = 0 admits nothing there" in said
+    alone = cli("tenants", "set-limits", "acme", "--rpm", "3", "--state-dir", str(state))
+    assert "enforced: exactly, for each host, the workers of `serve --workers N` together" in (
+        alone
+    )
