@@ -48,6 +48,11 @@ class HostTicket:
     local: Ticket | None = None
 
 
+def _expire(future: asyncio.Future[list[object]], timeout_s: float) -> None:
+    if not future.done():
+        future.set_exception(HostUnreachable(f"no answer within {timeout_s:g} s"))
+
+
 class HostLimits:
     """This worker's end of the channel to the supervisor's arbiter."""
 
@@ -114,14 +119,16 @@ class HostLimits:
     async def _ask(self, ident: int, line: bytes) -> list[object]:
         if self._closed or self._writer.is_closing():
             raise HostUnreachable("the supervisor's channel is closed")
-        future: asyncio.Future[list[object]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[object]] = loop.create_future()
         self._waiting[ident] = future
+        # A timer on the future itself: asyncio.wait_for costs a wrapper per question.
+        timer = loop.call_later(self._timeout_s, _expire, future, self._timeout_s)
         try:
             self._writer.write(line)
-            return await asyncio.wait_for(future, self._timeout_s)
-        except TimeoutError:
-            raise HostUnreachable(f"no answer within {self._timeout_s:g} s") from None
+            return await future
         finally:
+            timer.cancel()
             self._waiting.pop(ident, None)
 
     async def _read(self) -> None:
