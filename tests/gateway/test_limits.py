@@ -346,6 +346,9 @@ def test_serve_with_two_workers_holds_one_limit_for_both(tmp_path: Path) -> None
         assert "limits shared by this host's workers through the supervisor" in (
             gateway.log.read_text()
         )
+        assert gateway.proc.stdout is not None  # what `serve` told the operator at start
+        said = (await gateway.proc.stdout.read()).decode()
+        assert "saltgate: limits exact on this host; its 2 workers count in one place" in said
 
     run(main)
 
