@@ -24,11 +24,13 @@ from saltgate.ehbp.frames import KEYS_PATH, Keyring, ServerKey
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.cluster import ClusterBus, start_cluster_bus
 from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key, load_retired_keys
+from saltgate.gateway.host_limits import HostLimits
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet, tls_context
 from saltgate.gateway.server import Gateway, error_response
 from saltgate.gateway.shared_limits import connect_shared_limits
 from saltgate.gateway.tracing import start_tracer
+from saltgate.governance.limits import enforcement
 from saltgate.http import Handler, HttpServer
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
@@ -140,9 +142,12 @@ async def start_gateway(
     listener: SharedListener | None = None,
     ehbp_keyring: Keyring | None = None,
     workers: int = 1,
+    host_limits: socket.socket | None = None,
 ) -> RunningGateway:
     """Open the store, probe the replicas and serve: on `config`'s host and port, or (a
-    worker, one of `workers`) on `listener` with the EHBP keys its parent gave every worker."""
+    worker, one of `workers`) on `listener` with the EHBP keys its parent gave every worker
+    and (without [cluster]) `host_limits`, its channel to the supervisor's one count of the
+    host's limits (gateway/host_limits.py)."""
     # The admin listener's refusal (plain HTTP off loopback) and TLS files first: nothing
     # is opened or bound when they stop the start.
     admin_context = admin_tls(config) if config.admin_port is not None else None
@@ -174,9 +179,11 @@ async def start_gateway(
         store_down_for=store.unreachable_for,
         tracer=tracer,
         limit_share=config.limits_share * workers,
-        shared_limits=None
-        if config.cluster is None
-        else connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s),
+        shared_limits=connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s)
+        if config.cluster is not None
+        else None
+        if host_limits is None
+        else await HostLimits.open(host_limits),
         usage=open_usage_reader(config.store_settings),
     )
     ehbp = _ehbp_edge(config, gateway, metrics, ehbp_keyring)
@@ -302,7 +309,8 @@ def announce(
     workers: int | None = None,
 ) -> None:
     """The lines an operator reads at start: where it serves, where metrics are, the EHBP
-    key clients pin, and a line per running part (relay, cluster bus)."""
+    key clients pin, how the tenants' limits are held (and where not exactly), and a line
+    per running part (relay, cluster bus)."""
     served = f"{len(config.replicas)} replicas" + (f", {workers} workers" if workers else "")
     print(f"saltgate: serving on {url} ({served})", flush=True)
     if admin_port is not None:
@@ -311,6 +319,10 @@ def announce(
         print(f"saltgate: admin API on {admin}/admin/v1/")
     if ehbp_fingerprint is not None:
         print(f"saltgate: EHBP key {ehbp_fingerprint} at {KEYS_PATH}")
+    held = enforcement(
+        workers=workers or 1, gateways=config.limits_share, cluster=config.cluster is not None
+    )
+    print(f"saltgate: {held} (docs/limits.md)")
     for part in parts:
         if part is not None:
             print(f"saltgate: {part}", flush=True)
