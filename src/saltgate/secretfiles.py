@@ -77,7 +77,14 @@ def create_secret_file(path: Path, what: str, text: str) -> bool:
 
 
 def load_master_key(path: Path) -> bytes:
-    """Read the cluster secret (raw or hex); refuse short keys and files others can read."""
+    """Read the cluster secret (raw or hex); refuse short keys and files others can read.
+    A missing file gets the recipe for one (docs/install.md, "First run")."""
+    if not os.path.lexists(path):
+        raise ConfigError(
+            f"no master key file at {path}: make one with (umask 077; python3 -c "
+            f'"import secrets; print(secrets.token_hex(32))" > {path}), the same on every '
+            "gateway of a fleet (docs/install.md)"
+        )
     key = read_secret_file(path, "master key file").strip()
     with contextlib.suppress(ValueError, UnicodeDecodeError):
         key = bytes.fromhex(key.decode())

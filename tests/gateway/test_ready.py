@@ -127,6 +127,11 @@ def test_serve_check_validates_without_serving(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "readable by others" in done.stderr and done.stdout == ""
 
+    master.unlink()  # a missing key gets the recipe for one, not only the errno
+    done = _serve_check(config)
+    assert done.returncode == 2
+    assert f"no master key file at {master}" in done.stderr and "token_hex(32)" in done.stderr
+
 
 @pytest.mark.parametrize(
     ("extra", "needle"),

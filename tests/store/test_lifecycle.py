@@ -231,12 +231,14 @@ def test_copy_refuses_bad_urls_without_showing_a_password(
     cases = {
         ("--from", url, "--to", "postgresql://u:hunter2@127.0.0.1/x"): "do not put the password",
         ("--from", url, "--to", url): "the same store",
-        ("--from", f"sqlite:///{tmp_path / 'none.db'}", "--to", url): "no saltgate database",
+        # the store's path after the option that named it, and no option copy lacks
+        ("--from", f"sqlite:///{tmp_path / 'none.db'}", "--to", url): "--from: no saltgate",
         ("--from", url, "--to", "mysql://h/x"): "--to: url: unsupported scheme",
     }
     for args, message in cases.items():
         code, out, err = _saltgate(capsys, "store", "copy", *args)
         assert code == 1 and message in err and "hunter2" not in out + err, err
+        assert "--state-dir" not in err and "--config" not in err, err
 
 
 def test_every_table_of_the_schema_is_copied_or_the_stores_own(

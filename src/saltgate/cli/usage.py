@@ -206,6 +206,8 @@ def _store_copy(args: argparse.Namespace) -> int:
         if _same_store(source, destination):
             raise ValueError("--from and --to name the same store")
         since = parse_time(args.since, time.time(), "--since") if args.since else None
+        if source.sqlite_path is not None and not source.sqlite_path.exists():
+            raise StoreError(f"--from: no saltgate database at {source.sqlite_path}")
         src = open_database(source, create=False)
         try:
             dst = open_database(destination)
@@ -220,9 +222,10 @@ def _store_copy(args: argparse.Namespace) -> int:
         return store_exit_status(exc)
     print(f"copied {source.describe()} -> {destination.describe()}")
     scope = "" if since is None else f" (usage: ts >= {iso(since)})"
-    print(f"{'table':<10} {'source':>12} {'destination':>12}{scope}")
+    width = max(len("table"), *(len(c.table) for c in result.counts))
+    print(f"{'table':<{width}} {'source':>12} {'destination':>12}{scope}")
     for c in result.counts:
-        print(f"{c.table:<10} {c.source:>12} {c.destination:>12}")
+        print(f"{c.table:<{width}} {c.source:>12} {c.destination:>12}")
     print("verified: the destination holds every row copied")
     if result.source_gained:
         print(
