@@ -397,20 +397,7 @@ class Exchange:
                 if held:
                     return held
                 break
-            context = self._context
-            if not context.first_byte:
-                context.first_byte = time.monotonic()
-            if self._prefilling and _prefilled(context.route, chunk):
-                self._prefilling = False
-                attempt = self._attempt
-                if attempt is not None:
-                    attempt.first_output()
-                meter = self._meter
-                meter.ttft(
-                    context.route,
-                    meter.model_label(context.model, attempt),
-                    time.monotonic() - context.started,
-                )
+            self.output(chunk)
             out = scrub_events(scanner.feed(chunk))
             if self._keep is not None:
                 await self._kept(out)
@@ -419,6 +406,42 @@ class Exchange:
             if out:
                 return out
         raise StopAsyncIteration
+
+    def output(self, chunk: bytes) -> None:
+        """A chunk of the replica's stream arrived: its first byte and, once the prompt
+        is prefilled, its first output are timed and told to the router."""
+        context = self._context
+        if not context.first_byte:
+            context.first_byte = time.monotonic()
+        if self._prefilling and _prefilled(context.route, chunk):
+            self._prefilling = False
+            attempt = self._attempt
+            if attempt is not None:
+                attempt.first_output()
+            meter = self._meter
+            meter.ttft(
+                context.route,
+                meter.model_label(context.model, attempt),
+                time.monotonic() - context.started,
+            )
+
+    # -- an exchange another proxy carries (saltgate/epp: Envoy moves the bytes) --------
+    def relay(self, attempt: Attempt) -> None:
+        """The replica the request was sent to, by the proxy that carries it."""
+        self._attempt = attempt
+
+    def unserved(self) -> None:
+        """No replica could take the request: its reservations freed, nothing recorded
+        (as `forward` does when the first attempt finds none)."""
+        self._settle(None, None)
+
+    def failed(self) -> None:
+        """The replica broke the exchange: told to the router, counted."""
+        self._failed()
+
+    async def end(self, status: int, usage: Usage | None = None) -> None:
+        """The relayed exchange is over: the same one ending as the gateway's own."""
+        await self._end(status, usage)
 
     async def aclose(self) -> None:
         """The HTTP server is done with the body. Before its end that means the client
