@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import os
 import sys
+from typing import Any
 
 from saltgate.audit.plan import (
     DEFAULT_PREFIX_TOKENS,
@@ -149,6 +150,14 @@ def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per probe")
     p.add_argument("--json", metavar="OUT", help="write the findings as JSON")
+    p.add_argument(
+        "--envoy-config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an Envoy configuration (YAML or JSON) in front of `saltgate epp`: a finding "
+        "when it lets requests past the EPP (repeatable)",
+    )
     p.set_defaults(func=_run_deployment)
 
 
@@ -207,12 +216,15 @@ def _run_timing(args: argparse.Namespace) -> int:
 
 
 def _run_deployment(args: argparse.Namespace) -> int:
+    import yaml  # noqa: PLC0415 (heavy: only when run)
+
     from saltgate.audit.deployment import Severity, run_deployment_audit  # noqa: PLC0415 (heavy: only when run)
     from saltgate.audit.report import render_table, write_json  # noqa: PLC0415 (heavy: only when run)
     from saltgate.config import ConfigError, load_config  # noqa: PLC0415 (heavy: only when run)
 
     try:
         config = load_config(args.config)
+        envoy_configs = [(name, _envoy_document(name, yaml)) for name in args.envoy_config]
     except ConfigError as exc:
         print(f"saltgate audit deployment: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -223,6 +235,7 @@ def _run_deployment(args: argparse.Namespace) -> int:
             api_key=_from_env(args.api_key, "SALTGATE_AUDIT_API_KEY"),
             kv_endpoints=args.kv_events,
             timeout=args.timeout,
+            envoy_configs=envoy_configs,
         )
     )
     rows = [[f.severity.value, f.check, f.target, f.summary, f.fix] for f in report.findings]
@@ -230,3 +243,14 @@ def _run_deployment(args: argparse.Namespace) -> int:
     if args.json:
         write_json(report.to_json(), args.json)
     return 1 if report.worst is Severity.HIGH else 0
+
+
+def _envoy_document(name: str, yaml: Any) -> Any:
+    """An Envoy configuration file parsed (YAML, JSON being YAML); ConfigError if not."""
+    from saltgate.config import ConfigError  # noqa: PLC0415 (heavy: only when run)
+
+    try:
+        with open(name, encoding="utf-8") as file:
+            return yaml.safe_load(file)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--envoy-config {name}: {exc}") from None

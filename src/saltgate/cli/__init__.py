@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 # extra, or else the server's dependencies, which saltgate-client leaves out.
 SERVER_INSTALL = "saltgate"
 TOOL_EXTRAS = {
-    "audit": ("numpy", "scipy", "matplotlib", "tqdm"),
+    "audit": ("numpy", "scipy", "matplotlib", "tqdm", "yaml"),
     "epp": ("grpc", "grpc_health", "xds"),
 }
 
