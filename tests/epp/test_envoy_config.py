@@ -4,6 +4,9 @@ messages the EPP answers with: pure, no Envoy (tests/epp/test_through_envoy.py r
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +15,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from google.protobuf import json_format
 
 from saltgate.audit.deployment import Severity, judge_envoy_config
+from saltgate.config import (
+    ConfigError,
+    EppConfig,
+    GatewayConfig,
+    QueueConfig,
+    ReplicaConfig,
+    parse_config,
+)
 from saltgate.epp.envoy import (
     DESTINATION,
     EXT_PROC,
@@ -20,7 +31,7 @@ from saltgate.epp.envoy import (
     bootstrap,
     fail_open_findings,
 )
-from saltgate.epp.server import destination, immediate
+from saltgate.epp.server import destination, immediate, refuse_unsupported
 from saltgate.http import Response
 
 pytestmark = pytest.mark.unit
@@ -172,3 +183,33 @@ def test_an_answer_of_the_gateway_is_an_immediate_response() -> None:
     assert [(h.header.key, h.header.raw_value) for h in message.headers.set_headers] == [
         ("content-type", b"application/json")
     ]
+
+
+def test_settings_the_epp_cannot_honour_stop_it_at_start(tmp_path: Path) -> None:
+    base = GatewayConfig(
+        replicas=(ReplicaConfig("http://127.0.0.1:1"),),
+        state_dir=tmp_path,
+        master_key_file=tmp_path / "master.key",
+    )
+    refuse_unsupported(base)  # the defaults run
+    for changed, said in (
+        ({"queue": QueueConfig(enabled=True)}, "[queue]"),
+        ({"responses_store": True}, "[responses] store"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            refuse_unsupported(dataclasses.replace(base, **changed))
+
+
+def test_the_epp_section_is_parsed_and_checked(tmp_path: Path) -> None:
+    doc: dict[str, Any] = {"replicas": [{"url": "http://127.0.0.1:1"}]}
+    assert parse_config(doc, tmp_path).epp == EppConfig(grpc_port=9002, envoy_port=8081)
+    doc["epp"] = {"grpc_port": 7000, "envoy_port": 7001}
+    assert parse_config(doc, tmp_path).epp == EppConfig(grpc_port=7000, envoy_port=7001)
+    for bad, said in (
+        ({"grpc_port": 70000}, "epp.grpc_port: expected a port"),
+        ({"envoy_port": "80"}, "epp.envoy_port: expected"),
+        ({"port": 1}, "epp: unknown keys ['port']"),
+    ):
+        doc["epp"] = bad
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            parse_config(doc, tmp_path)

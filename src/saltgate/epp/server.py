@@ -27,7 +27,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from saltgate.config import GatewayConfig
+from saltgate.config import ConfigError, GatewayConfig
 from saltgate.epp.envoy import DESTINATION, LB_NAMESPACE
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.context import RequestContext
@@ -316,6 +316,21 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):  # type: ignore[mis
             await asyncio.shield(conversation.close())
 
 
+def refuse_unsupported(config: GatewayConfig) -> None:
+    """ConfigError for settings the EPP cannot honour (docs/epp.md): refused at start
+    rather than silently not applied."""
+    unsupported = [
+        name
+        for name, on in (
+            ("[queue] (Envoy holds the connection, not saltgate)", config.queue.enabled),
+            ("[responses] store (continuations must reach their replica)", config.responses_store),
+        )
+        if on
+    ]
+    if unsupported:
+        raise ConfigError(f"saltgate epp does not support {', '.join(unsupported)}: turn it off")
+
+
 @dataclass
 class RunningEpp:
     gateway: Gateway
@@ -338,7 +353,8 @@ class RunningEpp:
 async def start_epp(config: GatewayConfig) -> RunningEpp:
     """The gateway's parts behind an ext_proc server on [gateway] host, [epp] grpc_port
     (0: a free port), with the standard gRPC health service: SERVING once the replicas
-    had their first probe."""
+    had their first probe and the isolation canary its first round ([canary])."""
+    refuse_unsupported(config)
     gateway = await open_gateway(config, AccessLog.open(config.access_log, config.log_format))
     server = grpc.aio.server()
     ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway), server)
@@ -349,6 +365,9 @@ async def start_epp(config: GatewayConfig) -> RunningEpp:
         await server.start()
         await gateway.replicas.probe_all()
         gateway.replicas.start_probing()
+        if gateway.canary is not None:  # its first round before serving, as the gateway's
+            await gateway.canary.run_all()
+            gateway.canary.start()
     except BaseException:
         await server.stop(None)
         await gateway.aclose()
