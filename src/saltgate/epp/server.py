@@ -38,7 +38,7 @@ from saltgate.gateway.exchange import (
     Exchange,
     no_replica,
 )
-from saltgate.gateway.replicas import Replica
+from saltgate.gateway.replicas import Attempt, Replica
 from saltgate.gateway.server import Admitted, Gateway, api_error_response
 from saltgate.gateway.usage import SseUsageScanner, usage_from_body
 from saltgate.http import Client, Headers, Request, Response
@@ -148,6 +148,7 @@ class _Conversation:
         self.headers: Headers = []
         self.context: RequestContext | None = None
         self.exchange: Exchange | None = None
+        self.attempt: Attempt | None = None
         self.client_wants_usage = False
         self.status = 0  # the replica's, once its headers came
         self.scanner: SseUsageScanner | None = None
@@ -201,7 +202,7 @@ class _Conversation:
             exchange.unserved()
             raise no_replica()
         exchange.relay(attempt)
-        self.exchange = exchange
+        self.exchange, self.attempt = exchange, attempt
         self.client_wants_usage = admitted.inspected.client_wants_usage
         forwarded = forward_request_headers(request.headers, context.request_id)
         return destination(
@@ -234,6 +235,8 @@ class _Conversation:
         self.status = int(status) if status.isdigit() else 0
         plain = [(k, v) for k, v in incoming if not k.startswith(b":")]
         exchange = self.exchange
+        if self.attempt is not None:
+            self.attempt.responded()
         if exchange is not None:
             content_type = dict(plain).get(b"content-type", b"")
             if self.status == 200 and content_type.startswith(_SSE):
