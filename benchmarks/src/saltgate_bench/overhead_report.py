@@ -15,7 +15,7 @@ from saltgate_bench.cpu import CpuUse
 from saltgate_bench.procs import Machine
 from saltgate_bench.wrk import WrkResult
 
-TARGETS = ("direct", "saltgate", "smg", "vllm-router")
+TARGETS = ("direct", "saltgate", "envoy-epp", "smg", "vllm-router")
 PEERS = ("smg", "vllm-router")
 SCENARIOS = ("nginx", "sim-stream")
 SCENARIO_TITLES = {
