@@ -111,6 +111,11 @@ from saltgate_bench.wrk import (
 from saltgate_devkit.procs import Proc, free_port
 from saltgate_devkit.services import PostgresServer, ServiceError
 
+# The isolation canary (docs/canary.md) off: nginx's fixed answer reports cached tokens
+# for every prompt, which the canary rightly reads as a cache shared across salts and
+# takes every replica out; the hop's per-request cost is what is measured here.
+NO_CANARY = "\n[canary]\nenabled = false\n"
+
 
 def fixed_completion() -> bytes:
     """The nginx backend's answer: an OpenAI chat completion with cached-token usage."""
@@ -429,6 +434,7 @@ class Bench:
                 port=port,
                 admin_port=free_port(),
                 tls_ca_file=backends.ca,
+                sections=NO_CANARY,
             )
             config = write_gateway_config(self.workdir / f"saltgate-{port}.toml", text)
             argv = with_build(self._build_path, serve_argv(config))
@@ -449,7 +455,7 @@ class Bench:
             port=free_port(),
             admin_port=free_port(),
             tls_ca_file=backends.ca,
-            sections=f"\n[epp]\ngrpc_port = {free_port()}\nenvoy_port = {port}\n",
+            sections=f"{NO_CANARY}\n[epp]\ngrpc_port = {free_port()}\nenvoy_port = {port}\n",
         )
         config = write_gateway_config(self.workdir / f"epp-{port}.toml", text)
         epp_argv = [sys.executable, "-m", "saltgate.cli", "epp", "--config", str(config)]
