@@ -18,6 +18,13 @@ from pathlib import Path
 import httpx
 import orjson
 from tests.gateway.stack import Tap, long_prompt, new_state_dir, run
+from tests.gateway.test_fields import _with_extras
+from tests.support.adversarial_fields import (
+    _leaked,
+    raw_duplicates,
+    refused_cases,
+    stripped_cases,
+)
 from tests.support.gateways import cli, write_gateway_config
 from tests.support.http import async_client
 from tests.support.waiting import eventually
@@ -25,6 +32,7 @@ from tests.support.waiting import eventually
 from saltgate.config import load_config, load_master_key
 from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.epp.server import RunningEpp, start_epp
+from saltgate.policy.fields import ANSWER_FIELDS
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
 from saltgate_devkit.procs import Proc, free_port
@@ -144,6 +152,10 @@ def test_tenants_get_their_own_salt_and_client_salts_never_reach_a_replica(
                         "/v1/completions", json=completion(prompt, cache_salt="attacker")
                     )
                     assert answer.status_code == 200, answer.text
+                    # the gateway's request id, the one the replica was sent
+                    sent = s.taps[0].seen + s.taps[1].seen
+                    ids = {r.header(b"x-request-id") for r in sent if r.method == b"POST"}
+                    assert answer.headers["x-request-id"].encode() in ids
             seen = s.bodies()
             salts = sorted(str(b.get("cache_salt")) for b in seen)  # the taps' order, not time's
             assert salts == sorted([s.salt("alice"), s.salt("bob")])
@@ -231,8 +243,9 @@ def test_a_replica_down_sends_requests_to_the_next_ranked(tmp_path: Path) -> Non
             request = completion(long_prompt("failover"))
             async with s.client("alice") as http:
                 assert (await http.post("/v1/completions", json=request)).status_code == 200
-            first = next(i for i, tap in enumerate(s.taps) if tap.seen)
+            [first] = [i for i, t in enumerate(s.taps) if any(r.method == b"POST" for r in t.seen)]
             other = s.taps[1 - first]
+            assert not [r for r in other.seen if r.method == b"POST"]
             await s.taps[first].close()  # the replica the router ranks first goes away
             replicas = s.epp.gateway.replicas
 
@@ -261,5 +274,46 @@ def test_with_the_epp_down_envoy_refuses_instead_of_forwarding(tmp_path: Path) -
                 )
             assert answer.status_code >= 500, answer.text
             assert s.bodies() == []  # nothing reached a replica
+
+    run(body)
+
+
+def test_the_adversarial_field_cases_hold_through_envoy(tmp_path: Path) -> None:
+    """tests/support/adversarial_fields.py, as tests/gateway/test_fields.py runs it against
+    the gateway: no stripped field reaches a replica, every refused one is a 400 naming it,
+    and a replica's engine extras never reach the client, whole or streamed."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path) as s, s.client("bob") as bob:
+            for case in stripped_cases():
+                answer = await bob.post(case.route, json={**case.body, "model": MODEL})
+                assert answer.status_code < 500, (case.name, answer.text)
+            seen = s.bodies()
+            assert len(seen) >= len(list(stripped_cases()))  # they were forwarded
+            assert not any(_leaked(b) for b in seen)
+            for case in refused_cases():
+                answer = await bob.post(case.route, json={**case.body, "model": MODEL})
+                assert answer.status_code == 400, (case.name, answer.text)
+                assert case.param in answer.text, (case.name, answer.text)
+            for name, raw in raw_duplicates():
+                answer = await bob.post(
+                    "/v1/completions", content=raw, headers={"content-type": "application/json"}
+                )
+                assert answer.status_code == 400, (name, answer.text)
+            assert len(s.bodies()) == len(seen)  # no refused request was forwarded
+            for tap in s.taps:
+                tap.answer = _with_extras
+            for stream in (False, True):
+                answer = await bob.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": MODEL,
+                        "stream": stream,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    },
+                )
+                assert answer.status_code == 200, answer.text
+                for field in ANSWER_FIELDS:
+                    assert f'"{field}"'.encode() not in answer.content, (stream, field)
 
     run(body)

@@ -150,6 +150,7 @@ class _Conversation:
         self.exchange: Exchange | None = None
         self.attempt: Attempt | None = None
         self.client_wants_usage = False
+        self.added: Headers = []  # for the client: the gateway's request id, limit headers
         self.status = 0  # the replica's, once its headers came
         self.scanner: SseUsageScanner | None = None
         self.held = b""  # a stream's closing [DONE], until its record is committed
@@ -203,6 +204,10 @@ class _Conversation:
             raise no_replica()
         exchange.relay(attempt)
         self.exchange, self.attempt = exchange, attempt
+        self.added = [
+            *(admitted.limit_headers or ()),
+            (b"x-request-id", context.request_id.encode()),
+        ]
         self.client_wants_usage = admitted.inspected.client_wants_usage
         forwarded = forward_request_headers(request.headers, context.request_id)
         return destination(
@@ -244,7 +249,7 @@ class _Conversation:
             if message.end_of_stream:
                 await self._end(self.status, None)
         # The body may change (salts, answer fields): Envoy frames what it sends.
-        mutation = _mutation(plain, scrub_response_headers(plain))
+        mutation = _mutation(plain, scrub_response_headers(plain) + self.added)
         if b"content-length" in dict(plain):
             mutation.remove_headers.append("content-length")
         return ext.ProcessingResponse(
