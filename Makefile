@@ -3,11 +3,12 @@
 #
 # Two builds of the same source go into .venv, one at a time: `make install`, the pure
 # Python one, editable (what development runs), and `make install-compiled`, the request
-# path compiled with mypyc (setup.py), as a wheel: never editable, since compiled modules
-# in src/ would shadow later edits of the .py files. Each replaces the other;
-# `.venv/bin/saltgate --version` says which is in. Beside either go, editable, the two
-# development projects: devkit/ (the servers and processes the tests and benchmarks
-# start) and benchmarks/ (the `saltgate-bench` command), neither part of the product.
+# path compiled with mypyc (setup.py), as a wheel (dist's, built in build/venv): never
+# editable, since compiled modules in src/ would shadow later edits of the .py files.
+# Each replaces the other; `.venv/bin/saltgate --version` says which is in. Beside either
+# go, editable, the two development projects: devkit/ (the servers and processes the
+# tests and benchmarks start) and benchmarks/ (the `saltgate-bench` command), neither
+# part of the product.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,6 +17,11 @@ DEPS := $(VENV)/.deps
 PURE := $(VENV)/.installed
 COMPILED := $(VENV)/.installed-compiled
 DEV_PROJECTS := $(VENV)/.installed-dev-projects
+# The wheels' own environment (make dist): requirements-runtime.lock and
+# requirements-build.lock by hash, never the dev lock (tests/dist/test_dist.py checks it).
+BUILD_VENV := build/venv
+BUILD_DEPS := $(BUILD_VENV)/.deps
+BUILD_PIP := $(BUILD_VENV)/bin/python -m pip install --quiet --disable-pip-version-check
 WHEEL_DIR := build/wheel
 WHEEL := $(WHEEL_DIR)/.built
 SOURCES := $(shell find src -name '*.py') setup.py pyproject.toml
@@ -42,11 +48,20 @@ $(PURE): $(DEPS) $(DEV_PROJECTS)
 	rm -f $(COMPILED)
 	touch $@
 
-# Rebuilt when any source changes (~1 minute); the wheel says itself whether it compiled.
-$(WHEEL): $(DEPS) $(SOURCES)
+# What the wheels are built with: the runtime's libraries (mypyc type-checks the compiled
+# modules against them) and requirements-build.lock's setuptools, build and mypy; ~15 s.
+$(BUILD_DEPS): requirements-runtime.lock requirements-build.lock
+	rm -rf $(BUILD_VENV)
+	$(PYTHON) -m venv $(BUILD_VENV)
+	$(BUILD_PIP) --require-hashes -r requirements-runtime.lock
+	$(BUILD_PIP) --require-hashes -r requirements-build.lock
+	touch $@
+
+# Rebuilt when any source changes (~2 minutes); the wheel says itself whether it compiled.
+$(WHEEL): $(BUILD_DEPS) $(SOURCES)
 	rm -rf $(WHEEL_DIR)
-	SALTGATE_BUILD=compiled $(BIN)/python -m pip wheel --quiet --disable-pip-version-check \
-		--no-deps --no-build-isolation --wheel-dir $(WHEEL_DIR) .
+	SALTGATE_BUILD=compiled $(BUILD_VENV)/bin/python -m pip wheel --quiet \
+		--disable-pip-version-check --no-deps --no-build-isolation --wheel-dir $(WHEEL_DIR) .
 	touch $@
 
 $(COMPILED): $(WHEEL) $(DEV_PROJECTS)
@@ -58,18 +73,19 @@ $(COMPILED): $(WHEEL) $(DEV_PROJECTS)
 # What a node installs (docs/install.md): saltgate's compiled wheel (the one
 # install-compiled installs) and its sdist, and saltgate-client's pure wheel and sdist,
 # built from a copy of src/ beside packaging/client/pyproject.toml (setuptools builds one
-# project per directory). The wheels install with `--require-hashes -r
-# requirements-runtime.lock` (or requirements-client.lock) and `--no-deps`.
+# project per directory), all in $(BUILD_VENV): no dev lock. The wheels install with
+# `--require-hashes -r requirements-runtime.lock` (or requirements-client.lock) and
+# `--no-deps`.
 CLIENT_STAGE := build/client
 dist: $(WHEEL)
 	rm -rf dist $(CLIENT_STAGE)
 	mkdir -p dist $(CLIENT_STAGE)/src
 	cp $(WHEEL_DIR)/saltgate-*.whl dist/
-	$(BIN)/python -m build --sdist --no-isolation --outdir dist . > /dev/null
+	$(BUILD_VENV)/bin/python -m build --sdist --no-isolation --outdir dist . > /dev/null
 	cp packaging/client/pyproject.toml packaging/client/README.md LICENSE $(CLIENT_STAGE)/
 	tar -C src --exclude=__pycache__ --exclude='*.egg-info' -cf - saltgate \
 		| tar -C $(CLIENT_STAGE)/src -xf -
-	$(BIN)/python -m build --no-isolation --outdir dist $(CLIENT_STAGE) > /dev/null
+	$(BUILD_VENV)/bin/python -m build --no-isolation --outdir dist $(CLIENT_STAGE) > /dev/null
 	ls dist
 
 up: install
@@ -152,13 +168,17 @@ flakes:
 # Regenerate the locks after changing dependencies in pyproject.toml or
 # packaging/client/pyproject.toml (needs `uv`: pip install uv). requirements.lock: all
 # extras, what `make install` and the tests use; requirements-runtime.lock: the gateway's
-# runtime alone (the wheel's dependencies); requirements-client.lock: saltgate-client's.
-# uv keeps the versions a lock already pins unless a specifier moved.
+# runtime alone (the wheel's dependencies); requirements-client.lock: saltgate-client's;
+# requirements-build.lock: what `make dist` builds with besides the runtime, at the dev
+# lock's versions (so mypyc is the mypy `make typecheck` runs, and the two locks the build
+# environment installs agree). uv keeps the versions a lock already pins unless a
+# specifier moved.
 LOCK := uv pip compile --generate-hashes --python-version 3.11 --quiet
 lock:
 	$(LOCK) pyproject.toml --extra dev -o requirements.lock
 	$(LOCK) pyproject.toml -o requirements-runtime.lock
 	$(LOCK) packaging/client/pyproject.toml -o requirements-client.lock
+	$(LOCK) packaging/requirements-build.in -c requirements.lock -o requirements-build.lock
 
 clean:
 	rm -rf $(VENV) build dist .mypy_cache .pytest_cache .ruff_cache

@@ -27,6 +27,9 @@ have_haproxy() { command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ];
 have_systemd_analyze() { command -v systemd-analyze >/dev/null 2>&1; }
 have_promtool() { command -v promtool >/dev/null 2>&1; }
 have_chromium() { [ -x /usr/bin/chromium ]; }
+# kubectl renders packaging/kubernetes/base (tests/dist/test_kubernetes.py): any kubectl
+# with `kustomize`, else Debian's kubernetes-client.
+have_kubectl() { command -v kubectl >/dev/null 2>&1; }
 
 need_apt=()
 have_postgres || need_apt+=("postgresql-$PG_MAJOR")
@@ -35,6 +38,7 @@ have_haproxy || need_apt+=(haproxy)
 have_systemd_analyze || need_apt+=(systemd)
 have_promtool || need_apt+=(prometheus)
 have_chromium || need_apt+=(chromium)
+have_kubectl || need_apt+=(kubernetes-client)
 
 if [ "${#need_apt[@]}" -gt 0 ]; then
     if ! command -v apt-get >/dev/null 2>&1; then

@@ -14,6 +14,7 @@ import pytest
 
 from saltgate.config import load_config
 from saltgate.http.tls import client_context
+from saltgate.serving.listener_tls import edge_context
 from saltgate_bench.cpu import CpuUse, proc_ticks, process_tree, tree_ticks
 from saltgate_bench.gateway_setup import (
     gateway_config,
@@ -36,6 +37,7 @@ from saltgate_bench.overhead_report import (
     markdown,
     ratios,
     summarize_profile,
+    tls_cost,
 )
 from saltgate_bench.procs import Machine, Tools, pinned
 from saltgate_bench.wrk import WrkResult, chat_body, parse_time_ms, parse_wrk_output, wrk_script
@@ -161,9 +163,39 @@ def test_upstream_tls_serves_nginx_over_tls_and_saltgate_verifies_it(tmp_path: P
     client_context(cert)  # the certificate is one a client context can trust
 
 
-def _sample(target: str, conc: int, rps: float, p50: float, p99: float) -> Sample:
+def test_saltgate_tls_serves_https_with_the_runs_certificate(tmp_path: Path) -> None:
+    """Target saltgate-tls: the same config with [gateway] tls_cert_file and tls_key_file
+    (the run's certificate and its key), which `saltgate serve` loads."""
+    cert = bench_certificate(tmp_path)
+    state = prepare_gateway_state(tmp_path / "state", ["bench"], None)
+    text = gateway_config(state, ["http://127.0.0.1:9"], port=1, admin_port=2, edge_cert=cert)
+    config = load_config(write_gateway_config(tmp_path / "gw.toml", text))
+    assert (config.tls_cert_file, config.tls_key_file) == (cert, cert.with_suffix(".key"))
+    assert edge_context(config) is not None  # readable, mode 0600, the key the certificate's
+
+
+@pytest.mark.unit
+def test_tls_cost_sets_saltgate_tls_against_saltgate_of_the_same_run() -> None:
+    samples = [
+        _sample("saltgate", 1, 2000, 0.35, 1.1),
+        _sample("saltgate-tls", 1, 1800, 0.40, 1.3),
+        _sample("saltgate", 32, 4000, 8.0, 12.0, router_cpu=100.0),
+        _sample("saltgate-tls", 32, 3000, 10.0, 15.0, router_cpu=100.0),
+        _sample("smg", 32, 3200, 10.0, 14.0),
+    ]
+    rows = tls_cost(aggregate(samples))
+    assert "| nginx | 1 | 2,000 | 1,800 | 0.90x | 50 us | 200 us | - | - |" in rows
+    cpu = "| 250 us | 333 us |"  # 100% of a core over 4,000 and 3,000 req/s
+    assert f"| nginx | 32 | 4,000 | 3,000 | 0.75x | 2.00 ms | 3.00 ms {cpu}" in rows
+    assert tls_cost(aggregate(samples[:1] + samples[2:3])) == []  # no saltgate-tls: no table
+
+
+def _sample(
+    target: str, conc: int, rps: float, p50: float, p99: float, *, router_cpu: float | None = None
+) -> Sample:
     wrk = WrkResult(int(rps), 1.0, rps, p50, p50, p99, p99)
-    return Sample("nginx", target, 0, conc, wrk, CpuUse(wrk_cpu_pct=40.0, backend_cpu_pct=30.0))
+    cpu = CpuUse(wrk_cpu_pct=40.0, backend_cpu_pct=30.0, router_proc_cpu_pct=router_cpu)
+    return Sample("nginx", target, 0, conc, wrk, cpu)
 
 
 @pytest.mark.unit

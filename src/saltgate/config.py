@@ -197,6 +197,10 @@ class GatewayConfig:
     admin_tls_cert_file: Path | None = None
     admin_tls_key_file: Path | None = None
     allow_plaintext_admin: bool = False
+    # TLS at the edge: the inference listener serves HTTPS with these PEM files (the key
+    # mode 0600), both or neither; SIGHUP loads them again for new connections.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0
     prices: dict[str, Price] = field(default_factory=dict)
@@ -221,6 +225,8 @@ class GatewayConfig:
     store: StoreSettings | None = None  # [store]; None: SQLite in state_dir (store_settings)
     # PostgreSQL out of reach: authenticate from the keys known for this long, then 503.
     store_outage_grace_s: float = 60.0
+    # SIGTERM: what is in flight may finish this long; then streams end with an error event.
+    drain_grace_s: float = 30.0
     # The access log: one line per request ("stderr", "off" or a file), text or JSON.
     access_log: str = "stderr"
     log_format: str = "text"
@@ -530,6 +536,7 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
         ("max_body_bytes", int),
         ("upstream_timeout_s", (int, float)),
         ("store_outage_grace_s", (int, float)),
+        ("drain_grace_s", (int, float)),
         ("allow_plaintext_upstream", bool),
         ("allow_plaintext_admin", bool),
         ("replica_priority_scheduling", bool),
@@ -537,8 +544,8 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
         if key in gw:
             kwargs[key] = _expect(gw, key, kind, "gateway")
     kwargs.update(_admin_listener(gw, base))
-    if kwargs.get("store_outage_grace_s", 1) <= 0:
-        raise ConfigError("gateway.store_outage_grace_s: must be positive")
+    kwargs.update(_tls_pair(gw, base, ""))  # TLS at the edge: the inference listener's
+    _check_graces(kwargs)
     for key, choices in (("on_client_gone", CLIENT_GONE_MODES), ("log_format", LOG_FORMATS)):
         if key in gw:
             value = _expect(gw, key, str, "gateway")
@@ -566,6 +573,15 @@ def _gateway_options(gw: dict[str, Any], base: Path) -> dict[str, Any]:
     return kwargs
 
 
+def _check_graces(kwargs: dict[str, Any]) -> None:
+    if kwargs.get("store_outage_grace_s", 1) <= 0:
+        raise ConfigError("gateway.store_outage_grace_s: must be positive")
+    if "drain_grace_s" in kwargs:
+        if not 0 < kwargs["drain_grace_s"] <= 3600:
+            raise ConfigError("gateway.drain_grace_s: expected seconds, more than 0, at most 3600")
+        kwargs["drain_grace_s"] = float(kwargs["drain_grace_s"])
+
+
 ADMIN_LISTENER_KEYS: Final = ("admin_allowed_hosts", "admin_tls_cert_file", "admin_tls_key_file")
 _HOST_NAME: Final = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253})")
 
@@ -581,14 +597,18 @@ def _admin_listener(gw: dict[str, Any], base: Path) -> dict[str, Any]:
                 '["admin.internal", "10.0.0.4", "[fd00::4]"]'
             )
         out["admin_allowed_hosts"] = tuple(n.lower() for n in names)
-    files = [k for k in ("admin_tls_cert_file", "admin_tls_key_file") if k in gw]
-    if len(files) == 1:
-        raise ConfigError(
-            "gateway.admin_tls_cert_file and admin_tls_key_file: give both (PEM files)"
-        )
-    for key in files:
-        out[key] = _relative_to(base, _expect(gw, key, str, "gateway"))
+    out.update(_tls_pair(gw, base, "admin_"))
     return out
+
+
+def _tls_pair(gw: dict[str, Any], base: Path, prefix: str) -> dict[str, Path]:
+    """A listener's ``<prefix>tls_cert_file`` and ``<prefix>tls_key_file``: both or neither
+    (their content is loaded by the listener, serving/listener_tls.py)."""
+    cert, key = f"{prefix}tls_cert_file", f"{prefix}tls_key_file"
+    files = [k for k in (cert, key) if k in gw]
+    if len(files) == 1:
+        raise ConfigError(f"gateway.{cert} and {key}: give both (PEM files)")
+    return {k: _relative_to(base, _expect(gw, k, str, "gateway")) for k in files}
 
 
 def _ehbp(table: Any, base: Path, state_dir: Path) -> dict[str, Any]:

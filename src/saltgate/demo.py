@@ -15,7 +15,7 @@ from saltgate.serving.run import start_gateway
 from saltgate.sim.run import RunningSim, start_sim
 from saltgate.sim.server import SimConfig
 from saltgate.store.admin_tokens import AdminTokens
-from saltgate.store.errors import TokenNotFoundError
+from saltgate.store.errors import StoreError, TokenNotFoundError
 from saltgate.store.tenants import TenantStore
 
 DEMO_TENANTS = ("demo-alice", "demo-bob")
@@ -113,5 +113,5 @@ def up(port: int, replicas: int, state_dir: Path, sim_base_port: int = 0) -> int
         lambda: _up(port, replicas, state_dir, sim_base_port),
         "saltgate up",
         cannot_run=f"cannot serve on port {port}",
-        usage_errors=(ConfigError,),
+        usage_errors=(ConfigError, StoreError),  # a state dir of an older schema: exit 2
     )

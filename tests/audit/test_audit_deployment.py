@@ -195,9 +195,17 @@ def zmq_pub(curve: bool) -> tuple[zmq.Socket[bytes], str]:
     return sock, f"tcp://127.0.0.1:{port}"
 
 
+# `saltgate` with the audit extra's libraries hidden, as the runtime install has them.
+WITHOUT_AUDIT_EXTRA = (
+    "import sys; sys.modules.update(dict.fromkeys(('numpy', 'scipy', 'matplotlib', 'tqdm')));"
+    "from saltgate.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
 def test_careless_deployment_is_flagged_by_the_cli(tmp_path: Path) -> None:
     """Replicas without a key, salting off, an open KV-event socket: `saltgate audit
-    deployment` as a process reports each and exits 1."""
+    deployment` as a process, without the audit extra (the runtime install: it refused
+    wanting numpy), reports each and exits 1, every finding with its fix."""
 
     async def body() -> None:
         pub, endpoint = zmq_pub(curve=False)
@@ -208,7 +216,7 @@ def test_careless_deployment_is_flagged_by_the_cli(tmp_path: Path) -> None:
                 path = write_config(tmp_path / "gw.toml", config, s.gateway.port, None)
                 out = tmp_path / "findings.json"
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "saltgate.cli", "audit", "deployment",
+                    sys.executable, "-c", WITHOUT_AUDIT_EXTRA, "audit", "deployment",
                     "--config", str(path), "--api-key", s.keys["alice"],
                     "--kv-events", endpoint, "--json", str(out),
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -230,6 +238,13 @@ def test_careless_deployment_is_flagged_by_the_cli(tmp_path: Path) -> None:
         assert found[("response-reveals-replica", s.url)] == "ok"
         assert report["worst"] == "high"
         assert s.keys["alice"] not in out.read_text() + stdout.decode()
+        # The table's fix column, as the JSON's, is never empty (it was for most findings).
+        fixes = {f["fix"] for f in report["findings"]}
+        assert all(fix.strip() for fix in fixes), report["findings"]
+        table = stdout.decode().splitlines()[2:]
+        assert len(table) == len(report["findings"])
+        for line, finding in zip(table, report["findings"], strict=True):
+            assert line.rstrip().endswith(finding["fix"]), line
 
     run(body)
 
@@ -313,6 +328,6 @@ def test_without_an_api_key_the_canary_says_it_did_not_run(tmp_path: Path) -> No
         checks = by_check(report)
         for check in ("client-salt-stripped", "requests-salted", "response-reveals-replica"):
             assert checks[check] == [Severity.INFO]
-        assert any("--api-key" in f.summary for f in report.findings)
+        assert any("--api-key" in f.fix for f in report.findings)
 
     run(body)

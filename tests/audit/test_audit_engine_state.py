@@ -27,7 +27,7 @@ from saltgate.audit.engine_state import (
     judge_prompt_embeds,
     judge_responses_store,
 )
-from saltgate.audit.findings import Finding, Severity
+from saltgate.audit.findings import NOTHING_TO_CHANGE, Finding, Severity
 from saltgate.audit.kv_tiers import (
     KV_TIER_CHECKS,
     judge_kv_tiers,
@@ -101,7 +101,7 @@ UNREACHABLE = ProbeAnswer(None)
 
 
 def clean(finding: Finding) -> bool:
-    return finding.severity in (Severity.OK, Severity.INFO) and not finding.fix
+    return finding.severity in (Severity.OK, Severity.INFO)
 
 
 def test_responses_store_is_read_from_the_get_after_the_create() -> None:
@@ -110,7 +110,7 @@ def test_responses_store_is_read_from_the_get_after_the_create() -> None:
     assert kept.severity is Severity.INFO and "[responses] store" in kept.summary
     assert on.severity is Severity.HIGH and RESPONSES_STORE_ENV in on.fix
     off = judge_responses_store("r", CREATED, STORE_OFF)
-    assert off.severity is Severity.OK and not off.fix
+    assert off.severity is Severity.OK and off.fix == NOTHING_TO_CHANGE
     assert judge_responses_store("r", NOT_FOUND, None).severity is Severity.OK  # no route
     for unprobed in (UNAUTHORIZED, UNREACHABLE, ProbeAnswer(500, b"boom")):
         assert judge_responses_store("r", unprobed, None).severity is Severity.INFO
@@ -148,7 +148,7 @@ def test_media_fetch_the_listener_decides_then_the_answers_words() -> None:
 
 def test_embeds_refused_only_with_vllms_flag_off_message() -> None:
     off = judge_prompt_embeds("r", EMBEDS_OFF)
-    assert off.severity is Severity.OK and not off.fix
+    assert off.severity is Severity.OK and off.fix == NOTHING_TO_CHANGE
     on = judge_prompt_embeds("r", EMBEDS_ON)  # vLLM handed the bytes to torch.load
     assert on.severity is Severity.HIGH and PROMPT_EMBEDS in on.fix
     accepted = judge_prompt_embeds("r", ProbeAnswer(200, COMPLETION % b'"metrics":null'))
@@ -171,7 +171,7 @@ def test_embeds_refused_only_with_vllms_flag_off_message() -> None:
 
 def test_lora_routes_exist_unless_both_are_fastapis_bare_404() -> None:
     absent = judge_lora_routes("r", NOT_FOUND, NOT_FOUND)
-    assert absent.severity is Severity.OK and not absent.fix
+    assert absent.severity is Severity.OK and absent.fix == NOTHING_TO_CHANGE
     on = judge_lora_routes("r", LORA_LOAD_ON, LORA_UNLOAD_ON)
     assert on.severity is Severity.HIGH and LORA_ENV in on.fix
     # an unload's 404 in vLLM's error shape is the route answering, not a missing route

@@ -51,6 +51,11 @@ async def audit_sim(options: UnsafeOptions) -> DeploymentReport:
         await sim.close()
 
 
+def needs_change(finding: Finding) -> bool:
+    """A setting to change, not a tier to keep private or a check to run elsewhere."""
+    return finding.severity in (Severity.HIGH, Severity.MEDIUM)
+
+
 def engine_findings(report: DeploymentReport) -> dict[str, list[Finding]]:
     found: dict[str, list[Finding]] = {}
     for finding in report.findings:
@@ -63,7 +68,6 @@ def engine_findings(report: DeploymentReport) -> dict[str, list[Finding]]:
 def test_the_default_simulator_is_clean_on_every_engine_state_check() -> None:
     found = engine_findings(asyncio.run(audit_sim(UnsafeOptions())))
     for finding in (f for fs in found.values() for f in fs):
-        assert not finding.fix, finding
         assert finding.severity in (Severity.OK, Severity.INFO), finding
     # The simulator fetches nothing (media from data: URLs only, saltgate.sim.multimodal):
     # no fetch, and no vLLM words to read, so inconclusive, said so; the rest a positive OK.
@@ -122,10 +126,10 @@ def test_each_unsafe_setting_turns_its_own_check(case: str) -> None:
     options, expected = CASES[case]
     report = asyncio.run(audit_sim(options))
     found = engine_findings(report)
-    turned = {c for c, fs in found.items() if any(f.fix for f in fs)}
+    turned = {c for c, fs in found.items() if any(map(needs_change, fs))}
     assert turned == set(expected), (case, report.to_json())
     for check, (severity, names) in expected.items():
-        finding = next(f for f in found[check] if f.fix)
+        finding = next(filter(needs_change, found[check]))
         assert finding.severity is severity, finding
         assert all(name in finding.fix for name in names), finding
     assert REPLICA_KEY not in json.dumps(report.to_json())
@@ -139,7 +143,8 @@ def test_a_safe_kv_tier_is_reported_but_not_as_a_leak() -> None:
     assert [f.severity for f in found["kv-connectors"]] == [Severity.LOW]
     assert found["external-kv-hits"][0].severity is Severity.LOW  # the audit's repeat hit
     assert found["volatile-cache"][0].severity is Severity.OK
-    assert not any(f.fix for fs in found.values() for f in fs)
+    tiers = [f for check in KV_TIER_CHECKS for f in found[check]]
+    assert not any("start vLLM" in f.fix for f in tiers)
 
 
 def test_the_media_probe_sees_the_fetch_and_the_redirect_on_its_listener() -> None:

@@ -3,7 +3,8 @@ fresh virtual environment holding only its lock and the wheel.
 
 Slow, one to three minutes, because it is the install itself: `make dist` (which reuses
 the compiled wheel `make install-compiled` built, and compiles it only if the sources
-changed since, a minute or more), then two virtual environments, each installing its
+changed since, a minute or more, in its own environment of the runtime and build locks),
+then two virtual environments, each installing its
 lock's packages by hash. The locks are installed with `--require-hashes` and the wheels
 with `--no-deps`, so nothing outside the locks can come in: a dependency missing from
 requirements-runtime.lock or requirements-client.lock fails here, not on a node.
@@ -26,6 +27,7 @@ from tests.support.up import saltgate_up
 
 from saltgate import __version__
 from saltgate.client.secret import ENV_VAR
+from saltgate.config import create_master_key
 from saltgate.sim.server import SimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,6 +102,48 @@ def refused(bin_dir: Path, args: Sequence[str], install: str) -> None:
     assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
 
+def installed(python: Path | str) -> set[str]:
+    """The distributions in python's environment, by normalised name (the locks' spelling)."""
+    code = "import importlib.metadata as m\nfor d in m.distributions(): print(d.metadata['Name'])"
+    return {re.sub(r"[-_.]+", "-", name).lower() for name in ok([python, "-c", code]).split()}
+
+
+def pinned(*locks: str) -> set[str]:
+    text = "".join((ROOT / lock).read_text() for lock in locks)
+    return set(re.findall(r"^([a-z0-9-]+)==", text, re.MULTILINE))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(1200)
+def test_the_wheels_are_built_from_the_runtime_and_build_locks_alone(dist: Path) -> None:
+    """make dist's environment holds requirements-runtime.lock's and
+    requirements-build.lock's packages and pip: none of the dev lock's 80 (it took 3.5
+    minutes to install them to build a wheel). The control: the same check on this
+    environment, the dev lock's, finds the test tools."""
+    allowed = pinned("requirements-runtime.lock", "requirements-build.lock") | {"pip"}
+    builder = installed(ROOT / "build/venv/bin/python")
+    assert builder - allowed == set(), "make dist's environment has more than its locks"
+    assert {"mypy", "setuptools", "build", "httpx", "orjson"} <= builder
+    assert {"pytest", "ruff", "scipy"} <= installed(sys.executable) - allowed  # the control
+
+
+def audits_without_the_extra(server: Path, directory: Path) -> None:
+    """`audit deployment` runs on the gateway's install (it asked for numpy), against a
+    replica that is not there, and every finding in its table has a fix."""
+    directory.mkdir(mode=0o700)
+    create_master_key(directory / "master.key")
+    config = directory / "gateway.toml"
+    config.write_text(
+        f'[gateway]\nstate_dir = "{directory}"\nmaster_key_file = "{directory}/master.key"\n'
+        '[[replicas]]\nurl = "http://127.0.0.1:9"\n'
+    )
+    done = run([server / "saltgate", "audit", "deployment", "--config", config, "--timeout", "2"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    header, _rule, *rows = done.stdout.splitlines()
+    fix_at = header.index("fix")
+    assert len(rows) > 10 and all(row[fix_at:].strip() for row in rows), done.stdout
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(1200)  # a compile and two installs on a loaded machine (see above)
 def test_the_wheels_alone_serve_and_proxy_a_request(dist: Path, tmp_path: Path) -> None:
@@ -119,6 +163,7 @@ def test_the_wheels_alone_serve_and_proxy_a_request(dist: Path, tmp_path: Path) 
         **dict.fromkeys(TOOLS_ONLY + NOT_SHIPPED, False),
     }
     refused(server, ["audit", "timing", "--base-url", "http://127.0.0.1:9"], "saltgate[audit]")
+    audits_without_the_extra(server, tmp_path / "audit")
     assert "invalid choice: 'bench'" in run([server / "saltgate", "bench", "replay"]).stderr
     assert "--base-url" in ok([server / "saltgate", "audit", "timing", "--help"])
 

@@ -36,8 +36,13 @@ def names(requirements: list[str]) -> set[str]:
 
 
 def pinned(lock: str) -> set[str]:
+    return set(versions(lock))
+
+
+def versions(lock: str) -> dict[str, str]:
+    """The lock's pins: name to version."""
     text = (ROOT / lock).read_text()
-    return {m.group(1) for m in re.finditer(r"^([A-Za-z0-9_.-]+)==", text, re.MULTILINE)}
+    return dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", text, re.MULTILINE))
 
 
 @pytest.mark.unit
@@ -123,6 +128,29 @@ def test_the_locks_pin_what_their_installs_need() -> None:
     assert names(CLIENT["dependencies"]) <= client
     assert runtime.isdisjoint({"numpy", "scipy", "matplotlib", "tqdm", "pytest", "mypy", "ruff"})
     assert {"numpy", "scipy", "matplotlib", "tqdm", "pytest", "mypy", "ruff", "build"} <= dev
+
+
+@pytest.mark.unit
+def test_the_build_lock_pins_the_dev_extras_build_tools_at_the_dev_locks_versions() -> None:
+    """`make dist` builds in an environment of requirements-runtime.lock and
+    requirements-build.lock alone (tests/dist/test_dist.py checks it): the build lock's
+    input asks for the dev extra's own specifiers, and every pin is the dev lock's, so
+    mypyc is the mypy `make typecheck` runs and the two locks agree where they overlap."""
+    wanted = [
+        line.split("#")[0].strip()
+        for line in (ROOT / "packaging/requirements-build.in").read_text().splitlines()
+    ]
+    wanted = [w for w in wanted if w]
+    assert set(wanted) <= set(PYPROJECT["optional-dependencies"]["dev"])
+    assert names(wanted) == {"setuptools", "build", "mypy"}
+    build, runtime, dev = (
+        versions(lock)
+        for lock in ("requirements-build.lock", "requirements-runtime.lock", "requirements.lock")
+    )
+    assert names(wanted) <= set(build)
+    assert build.items() <= dev.items()
+    assert runtime.items() <= dev.items()
+    assert build.keys().isdisjoint({"numpy", "scipy", "pytest", "ruff", "playwright", "openai"})
 
 
 @pytest.mark.unit

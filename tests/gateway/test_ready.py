@@ -49,6 +49,10 @@ def test_readiness_rules() -> None:
     assert readiness(59.0, 60.0, [up])[0]
     ready, body = readiness(61.0, 60.0, [up])
     assert not ready and body["store"] == "unreachable" and body["store_down_s"] == 61.0
+    # Draining (SIGTERM): not ready whatever else holds, so balancers stop sending.
+    assert readiness(0.0, 60.0, [up])[1]["draining"] is False
+    ready, body = readiness(0.0, 60.0, [up], draining=True)
+    assert not ready and body["draining"] is True and body["replicas"]["healthy"] == 1
 
 
 def test_ready_follows_replica_health_while_health_stays_200(tmp_path: Path) -> None:

@@ -7,7 +7,13 @@ import random
 import orjson
 import pytest
 
-from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body, usage_from_object
+from saltgate.gateway.usage import (
+    SseUsageScanner,
+    Usage,
+    delivered_usage,
+    usage_from_body,
+    usage_from_object,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -123,3 +129,26 @@ def test_unreported_cached_tokens_are_unknown_never_0() -> None:
         {"type": "message_start", "message": {"usage": {"input_tokens": 18, "output_tokens": 0}}}
     ) + _event({"type": "message_delta", "usage": split})
     assert _scan([stream], drop=True)[1] == Usage(18, 0, 9)
+
+
+def test_a_cut_stream_is_billed_for_what_it_delivered() -> None:
+    """The drain's record of a stream it ended: the output counted from the events relayed
+    (the opening events aside), the prompt as the replica reported it or else estimated."""
+    chat = SseUsageScanner(drop_usage_event=True)
+    role = _event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+    token = _event({"choices": [{"index": 0, "delta": {"content": "x"}}]})
+    chat.feed(role + token * 5 + token[:7])  # an event not yet complete is not delivered
+    assert delivered_usage("/v1/chat/completions", chat, 120) == Usage(120, None, 5)
+    completions = SseUsageScanner(drop_usage_event=True)
+    completions.feed(STREAM[:40])
+    assert delivered_usage("/v1/completions", completions, 9) == Usage(9, None, 0)
+    messages = SseUsageScanner(drop_usage_event=False)
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 42}}}
+    messages.feed(
+        _event(start)
+        + _event({"type": "content_block_start"})
+        + _event({"type": "ping"})
+        + _event({"type": "content_block_delta", "delta": {"text": "y"}}) * 3
+    )
+    used = delivered_usage("/v1/messages", messages, 500)
+    assert (used.prompt_tokens, used.completion_tokens) == (42, 3)  # the replica's prompt

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import orjson
 import pytest
+from anthropic._streaming import SSEDecoder as AnthropicDecoder
+from openai._streaming import SSEDecoder as OpenAIDecoder
 
 from saltgate.policy.errors import (
     ApiError,
     body_too_large,
+    gateway_stopping,
     invalid_type,
     method_not_allowed,
     missing_parameter,
     not_found,
+    stream_error_event,
     unauthorized,
 )
 from saltgate.policy.headers import credential, forward_request_headers, scrub_response_headers
@@ -175,3 +182,37 @@ def test_constructors() -> None:
     assert t.param == "stream" and "stream" in t.message and "boolean" in t.message
     m = missing_parameter("model", "a string")
     assert m.code == "missing_required_parameter" and "model" in m.message
+
+
+@pytest.mark.parametrize(
+    ("route", "event", "message_of"),
+    [
+        ("/v1/chat/completions", None, lambda doc: doc["error"]["message"]),
+        ("/v1/completions", None, lambda doc: doc["error"]["message"]),
+        ("/v1/messages", "error", lambda doc: doc["error"]["message"]),
+        ("/v1/responses", "error", lambda doc: doc["message"]),
+    ],
+)
+def test_a_stream_error_event_has_its_routes_shape(
+    route: str, event: str | None, message_of: Callable[[dict[str, Any]], str]
+) -> None:
+    """As each route's SDK decodes it (the openai and anthropic SSE decoders): OpenAI's
+    completions routes a data-only `{"error": ...}` (the SDK raises it), Anthropic's and
+    the Responses API's an `error` event."""
+    error = gateway_stopping()
+    raw = stream_error_event(route, error)
+    if route == "/v1/messages":
+        [(name, data)] = [(e.event, e.data) for e in AnthropicDecoder().iter_bytes(iter([raw]))]
+    else:
+        [(name, data)] = [(e.event, e.data) for e in OpenAIDecoder().iter_bytes(iter([raw]))]
+    assert name == event
+    doc = orjson.loads(data)
+    assert message_of(doc) == error.message
+    if route == "/v1/responses":
+        assert doc["type"] == "error" and doc["code"] == "gateway_stopping"
+    elif route == "/v1/messages":
+        assert doc["type"] == "error" and doc["error"]["type"] == "api_error"
+    else:
+        assert doc["error"]["code"] == "gateway_stopping" and doc["error"]["type"] == (
+            "service_unavailable"
+        )

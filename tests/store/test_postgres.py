@@ -254,7 +254,7 @@ def test_a_version_3_database_migrates_keeping_its_usage_rows(pg_store: StoreSet
             conn.execute(stmt)
         conn.execute("INSERT INTO schema_version VALUES (3, 'baseline', 0)")
         conn.execute("INSERT INTO usage VALUES ('r1', 1.0, 't', 'k', 'm', 10, 4, 2, 200)")
-    db = PostgresDatabase(pg_store)
+    db = PostgresDatabase(pg_store, upgrade=True)  # as `saltgate store migrate` opens it
     try:
         db.execute(
             "INSERT INTO usage (request_id, ts, tenant_id, key_id, model, prompt_tokens, "

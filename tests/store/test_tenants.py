@@ -25,7 +25,7 @@ from tests.support.leaks import leaks
 from tests.support.waiting import eventually_blocking
 
 from saltgate.governance.limits import Limits
-from saltgate.store.backends import open_database
+from saltgate.store.backends import migrate_store, open_database
 from saltgate.store.errors import (
     ConflictError,
     KeyNotFoundError,
@@ -121,7 +121,7 @@ def test_an_older_schema_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
     conn.execute("PRAGMA user_version = 1")
     conn.execute("INSERT INTO usage VALUES (1, 1.0, 't', 'k', 'm', 10, 4, 2, 200)")
     conn.close()
-    TenantStore(path).close()
+    migrate_store(StoreSettings.sqlite(path))
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION > 2
     assert conn.execute("SELECT prompt_tokens, cached_tokens FROM usage").fetchall() == [(10, 4)]
@@ -369,6 +369,7 @@ def test_a_key_from_before_bands_is_interactive(tmp_path: Path) -> None:
         ("key_000000000001", "tn_0", hashlib.sha256(b"k").digest()),
     )
     conn.close()
+    migrate_store(StoreSettings.sqlite(path))
     with TenantStore(path) as store:
         [key] = store.list_keys()
     assert (key.id, key.priority) == ("key_000000000001", "interactive")

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.support.postgres import new_database
 
-from saltgate.store.backends import open_database
+from saltgate.store.backends import migrate_store, open_database
 from saltgate.store.ledger import USAGE_INSERT, Ledger, UsageRecord
 from saltgate.store.lifecycle import prune_usage
 from saltgate.store.pg_ledger import PgLedger
@@ -246,7 +246,7 @@ def test_the_migration_backfills_rollups_from_the_ledger(
         _old_sqlite(store_settings.sqlite_path)
     else:
         _old_postgres(store_settings)
-    open_database(store_settings).close()  # migrates to the current version
+    migrate_store(store_settings)  # `saltgate store migrate`: to the current version
     asyncio.run(check_equal(store_settings, OLD_ROWS))
     assert len(ROLLUPS) == 3
 

@@ -183,11 +183,18 @@ class AdminGateway(NamedTuple):
 
 @asynccontextmanager
 async def admin_supervisor(
-    tmp_path: Path, store: StoreSettings, *, replica: str = "http://127.0.0.1:9", sections: str = ""
+    tmp_path: Path,
+    store: StoreSettings,
+    *,
+    replica: str = "http://127.0.0.1:9",
+    sections: str = "",
+    gateway_extra: str = "",
+    workers: int = 2,
 ) -> AsyncIterator[AdminGateway]:
-    """`saltgate serve --workers 2` on `store` holding the tenant "acme" with a key, and an
-    admin token. Its one replica (by default nothing listens there) and ``sections`` (more
-    TOML tables) are the caller's."""
+    """`saltgate serve --workers 2` (or `workers`) on `store` holding the tenant "acme" with
+    a key, and an admin token. Its one replica (by default nothing listens there),
+    ``sections`` (more TOML tables) and ``gateway_extra`` ([gateway] lines) are the
+    caller's."""
     master = tmp_path / "master.key"
     create_master_key(master)
     with TenantStore(open_database(store)) as tenants:
@@ -201,8 +208,9 @@ async def admin_supervisor(
         replicas=[replica],
         store=store,
         sections=sections,
+        gateway_extra=gateway_extra,
     )
-    gateway = await GatewayProcess.start(config, tmp_path / "gw.log", workers=2)
+    gateway = await GatewayProcess.start(config, tmp_path / "gw.log", workers=workers)
     try:
         yield AdminGateway(gateway, gateway.metrics_url.removesuffix("/metrics"), token, api_key)
     finally:

@@ -74,17 +74,25 @@ def gateway_config(
     cluster: ClusterSettings | None = None,
     tls_ca_file: Path | None = None,
     sections: str = "",
+    edge_cert: Path | None = None,
 ) -> str:
     """`saltgate serve` TOML: the replicas, and a [router] section with ``policy`` plus
     ``router_settings`` (KEY = VALUE lines) when either is given; ``cluster``: the
     [cluster] section of a gateway that shares routing state; ``tls_ca_file``: the CA
     that https:// replicas are verified against; ``sections``: more TOML tables, as
-    they are (the fairness benchmark's [queue], say)."""
+    they are (the fairness benchmark's [queue], say); ``edge_cert``: serve HTTPS with this
+    certificate (its key beside it, .key: TLS at the edge)."""
     router = ""
     if policy is not None or router_settings:
         lines = [*([f"policy = {toml_string(policy)}"] if policy else []), *router_settings]
         router = "\n[router]\n" + "".join(f"{line}\n" for line in lines)
     ca = f"tls_ca_file = {toml_string(str(tls_ca_file))}\n" if tls_ca_file else ""
+    edge = (
+        f"tls_cert_file = {toml_string(str(edge_cert))}\n"
+        f"tls_key_file = {toml_string(str(edge_cert.with_suffix('.key')))}\n"
+        if edge_cert
+        else ""
+    )
     replicas = "".join(f"\n[[replicas]]\nurl = {toml_string(u)}\n{ca}" for u in replica_urls)
     return (
         "[gateway]\n"
@@ -92,6 +100,7 @@ def gateway_config(
         f"port = {port}\n"
         'admin_host = "127.0.0.1"\n'
         f"admin_port = {admin_port}\n"
+        f"{edge}"
         f"state_dir = {toml_string(str(state.state_dir))}\n"
         f"master_key_file = {toml_string(str(state.state_dir / 'master.key'))}\n"
         f"{state.store.toml() if state.store is not None else ''}"

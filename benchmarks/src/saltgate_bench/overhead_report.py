@@ -15,7 +15,10 @@ from saltgate_bench.cpu import CpuUse
 from saltgate_bench.procs import Machine
 from saltgate_bench.wrk import WrkResult
 
-TARGETS = ("direct", "saltgate", "envoy-epp", "smg", "vllm-router")
+TARGETS = ("direct", "saltgate", "saltgate-tls", "envoy-epp", "smg", "vllm-router")
+# saltgate-tls (saltgate serving HTTPS: TLS at the edge) runs when asked for; envoy-epp
+# (saltgate as Envoy's endpoint picker, docs/epp.md) beside saltgate's own edge by default.
+DEFAULT_TARGETS = ("direct", "saltgate", "envoy-epp", "smg", "vllm-router")
 PEERS = ("smg", "vllm-router")
 SCENARIOS = ("nginx", "sim-stream")
 SCENARIO_TITLES = {
@@ -327,6 +330,7 @@ def markdown(result: OverheadResult) -> str:
                 f"{_pct(p.load_cpu_busy_pct)} ({_pct(p.wrk_cpu_pct)}/"
                 f"{_pct(p.backend_cpu_pct)}/{_pct(p.other_on_load_cpu_pct)}) |"
             )
+    lines += tls_cost(result.points)
     if result.ratios:
         lines += [
             "",
@@ -346,6 +350,38 @@ def markdown(result: OverheadResult) -> str:
     if result.notes:
         lines += ["", "Notes:", *(f"- {n}" for n in result.notes)]
     return "\n".join(lines) + "\n"
+
+
+def tls_cost(points: Sequence[Point]) -> list[str]:
+    """What TLS at the edge costs: saltgate-tls against saltgate of the same run, per
+    scenario and concurrency (latency added, req/s kept, the router's CPU per request:
+    the steadiest of the three on a shared machine)."""
+    by_key = {(p.scenario, p.target, p.concurrency): p for p in points}
+    rows = [
+        f"| {scenario} | {conc} | {plain.rps:,.0f} | {tls.rps:,.0f} | "
+        f"{_x(_ratio(tls.rps, plain.rps))} | {_ms(tls.p50_ms - plain.p50_ms)} | "
+        f"{_ms(tls.p99_ms - plain.p99_ms)} | {_ms(_cpu_ms(plain))} | {_ms(_cpu_ms(tls))} |"
+        for (scenario, target, conc), tls in sorted(by_key.items())
+        if target == "saltgate-tls" and (plain := by_key.get((scenario, "saltgate", conc)))
+    ]
+    if not rows:
+        return []
+    return [
+        "",
+        "### TLS at the edge: saltgate-tls against saltgate (HTTPS vs HTTP to the gateway)",
+        "",
+        "| scenario | conc | req/s HTTP | req/s HTTPS | HTTPS/HTTP | added p50 | added p99 "
+        "| CPU/request HTTP | CPU/request HTTPS |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def _cpu_ms(p: Point) -> float | None:
+    """The router's CPU time per request, in ms (its CPU share over its req/s)."""
+    if p.router_proc_cpu_pct is None or p.rps <= 0:
+        return None
+    return p.router_proc_cpu_pct * 10 / p.rps
 
 
 def target_checks(rows: Sequence[Ratio]) -> list[str]:

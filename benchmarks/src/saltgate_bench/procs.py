@@ -16,6 +16,7 @@ import os
 import platform
 import shlex
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -140,8 +141,16 @@ def http_request(
     *,
     headers: dict[str, str] | None = None,
     timeout: float = 5.0,
+    ca: Path | None = None,
 ) -> tuple[int, str, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    """One request to 127.0.0.1:port; over HTTPS verified against ``ca`` when given."""
+    conn = (
+        http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        if ca is None
+        else http.client.HTTPSConnection(
+            "127.0.0.1", port, timeout=timeout, context=ssl.create_default_context(cafile=ca)
+        )
+    )
     try:
         conn.request(method, path, body=body, headers=headers or {})
         resp = conn.getresponse()

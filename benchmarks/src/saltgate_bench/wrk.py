@@ -122,9 +122,17 @@ def _lua_string(text: str) -> str:
 
 
 def run_wrk(
-    tools: Tools, cpu: int | None, port: int, script: Path, *, concurrency: int, duration_s: int
+    tools: Tools,
+    cpu: int | None,
+    port: int,
+    script: Path,
+    *,
+    concurrency: int,
+    duration_s: int,
+    tls: bool = False,
 ) -> WrkResult:
-    """One wrk run (one thread, `--latency`) against 127.0.0.1:port, pinned to ``cpu``."""
+    """One wrk run (one thread, `--latency`) against 127.0.0.1:port, pinned to ``cpu``;
+    over HTTPS with ``tls`` (wrk keeps its connections: one handshake each)."""
     argv = [
         tools.need("wrk"),
         "-t1",
@@ -135,7 +143,7 @@ def run_wrk(
         "--latency",
         "-s",
         str(script),
-        f"http://127.0.0.1:{port}{CHAT_PATH}",
+        f"{'https' if tls else 'http'}://127.0.0.1:{port}{CHAT_PATH}",
     ]
     try:
         done = subprocess.run(  # noqa: S603 - argv built here

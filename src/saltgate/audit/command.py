@@ -21,6 +21,7 @@ from saltgate.audit.plan import (
     TimingAuditConfig,
     apply_preset,
 )
+from saltgate.audit.tables import render_table, write_json
 
 __all__ = ["add_audit_parser"]
 
@@ -155,14 +156,15 @@ def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="append",
         default=[],
         metavar="FILE",
-        help="an Envoy configuration (YAML or JSON) in front of `saltgate epp`: a finding "
-        "when it lets requests past the EPP (repeatable)",
+        help="an Envoy configuration (JSON; YAML with pyyaml, in saltgate[audit]) in front "
+        "of `saltgate epp`: a finding when it lets requests past the EPP (repeatable)",
     )
-    p.set_defaults(func=_run_deployment)
+    # Neither numpy nor the plots: the runtime install runs it (docs/deployment.md).
+    p.set_defaults(func=_run_deployment, runtime_only=True)
 
 
 def _run_timing(args: argparse.Namespace) -> int:
-    from saltgate.audit.report import format_table, write_json, write_plot  # noqa: PLC0415 (heavy: only when run)
+    from saltgate.audit.report import format_table, write_plot  # noqa: PLC0415 (heavy: only when run)
     from saltgate.audit.timing import audit_criteria, run_timing_audit  # noqa: PLC0415 (heavy: only when run)
 
     victim = Identity(
@@ -216,15 +218,12 @@ def _run_timing(args: argparse.Namespace) -> int:
 
 
 def _run_deployment(args: argparse.Namespace) -> int:
-    import yaml  # noqa: PLC0415 (heavy: only when run)
-
     from saltgate.audit.deployment import Severity, run_deployment_audit  # noqa: PLC0415 (heavy: only when run)
-    from saltgate.audit.report import render_table, write_json  # noqa: PLC0415 (heavy: only when run)
     from saltgate.config import ConfigError, load_config  # noqa: PLC0415 (heavy: only when run)
 
     try:
         config = load_config(args.config)
-        envoy_configs = [(name, _envoy_document(name, yaml)) for name in args.envoy_config]
+        envoy_configs = [(name, _envoy_document(name)) for name in args.envoy_config]
     except ConfigError as exc:
         print(f"saltgate audit deployment: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -245,12 +244,31 @@ def _run_deployment(args: argparse.Namespace) -> int:
     return 1 if report.worst is Severity.HIGH else 0
 
 
-def _envoy_document(name: str, yaml: Any) -> Any:
-    """An Envoy configuration file parsed (YAML, JSON being YAML); ConfigError if not."""
+def _envoy_document(name: str) -> Any:
+    """An Envoy configuration file parsed: JSON (what `saltgate epp --envoy-config`
+    prints) with the runtime install, YAML too with pyyaml (saltgate[audit]); ConfigError
+    if it cannot be read."""
+    import json  # noqa: PLC0415 (only when run)
+
     from saltgate.config import ConfigError  # noqa: PLC0415 (heavy: only when run)
 
     try:
         with open(name, encoding="utf-8") as file:
-            return yaml.safe_load(file)
-    except (OSError, yaml.YAMLError) as exc:
+            text = file.read()
+    except OSError as exc:
+        raise ConfigError(f"--envoy-config {name}: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        import yaml  # noqa: PLC0415 (only for a YAML file)
+    except ModuleNotFoundError:
+        raise ConfigError(
+            f"--envoy-config {name}: not JSON, and reading YAML needs pyyaml: "
+            "pip install 'saltgate[audit]'"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
         raise ConfigError(f"--envoy-config {name}: {exc}") from None

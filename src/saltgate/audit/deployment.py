@@ -30,7 +30,14 @@ import httpx
 import orjson
 
 from saltgate.audit.engine_probes import MediaListener, probe_engine_state
-from saltgate.audit.findings import DeploymentReport, Finding, Severity
+from saltgate.audit.findings import (
+    NOTHING_TO_CHANGE,
+    REFUSED,
+    UNREACHED,
+    DeploymentReport,
+    Finding,
+    Severity,
+)
 from saltgate.audit.kv_tiers import parse_cache_config_info
 from saltgate.audit.vllm_line import (
     API_KEY,
@@ -85,6 +92,7 @@ def judge_salting_config(config: GatewayConfig) -> Finding:
             Severity.HIGH,
             "[testing] disable_salting = true: requests reach replicas unsalted, so every "
             "tenant shares one cache namespace",
+            "remove [testing] disable_salting from the config",
         )
     return Finding("salting", "config", Severity.OK, "the gateway derives every cache salt")
 
@@ -128,8 +136,9 @@ def judge_plaintext_upstream(config: GatewayConfig) -> list[Finding]:
                     replica.url,
                     Severity.HIGH,
                     "plain http:// across the network (allow_plaintext_upstream): prompts, "
-                    "derived cache salts and the replica's API key cross in clear. Use "
-                    "https:// with tls_ca_file (docs/deployment.md)",
+                    "derived cache salts and the replica's API key cross in clear",
+                    "use https:// with tls_ca_file (docs/deployment.md), then drop "
+                    "allow_plaintext_upstream",
                 )
             )
         else:
@@ -142,8 +151,8 @@ def judge_plaintext_upstream(config: GatewayConfig) -> list[Finding]:
                     str(replica.kv_events_endpoint),
                     Severity.HIGH,
                     "KV events over tcp:// across the network without CURVE "
-                    "(allow_plaintext_upstream): cache salts and token ids in clear. Set "
-                    "kv_events_curve_server_key_file (docs/kv-relay.md)",
+                    "(allow_plaintext_upstream): cache salts and token ids in clear",
+                    "set kv_events_curve_server_key_file (docs/kv-relay.md)",
                 )
             )
     return findings
@@ -160,7 +169,8 @@ def judge_replica_access(url: str, status: int | None, error: str | None) -> Fin
             url,
             Severity.LOW,
             f"reachable from this host; refuses requests without its API key ({status}). "
-            "Whoever holds that key bypasses the gateway: keep replicas on a private network",
+            "Whoever holds that key bypasses the gateway",
+            "keep replicas on a private network only the gateways reach",
         )
     if status == 200:
         return Finding(
@@ -171,7 +181,13 @@ def judge_replica_access(url: str, status: int | None, error: str | None) -> Fin
             "chooses its own cache_salt (or none). Set the replica's --api-key and firewall it",
             f"start vLLM with {API_KEY} (the key in [[replicas]] api_key_file)",
         )
-    return Finding(check, url, Severity.INFO, f"reachable; /v1/models answered {status}")
+    return Finding(
+        check,
+        url,
+        Severity.INFO,
+        f"reachable; /v1/models answered {status}",
+        "check what answers at this URL: the replica's /v1/models should need its key",
+    )
 
 
 def judge_metrics_exposure(url: str, status: int | None, body: bytes) -> Finding:
@@ -183,7 +199,9 @@ def judge_metrics_exposure(url: str, status: int | None, body: bytes) -> Finding
             url,
             Severity.MEDIUM,
             "/metrics is readable without credentials: prefix-cache hit counters and queue "
-            "lengths let an observer see other tenants' cache hits. Firewall the metrics port",
+            "lengths let an observer see other tenants' cache hits",
+            "let only the gateways and Prometheus reach the replica's port (vLLM serves "
+            "/metrics on its API port, without the API key)",
         )
     if status is None:
         return Finding(check, url, Severity.OK, "/metrics not reachable from this host")
@@ -231,17 +249,35 @@ def judge_hash_algo(url: str, labels: dict[str, str] | None) -> Finding:
     check = "prefix-caching-hash"
     if labels is None:
         return Finding(
-            check, url, Severity.INFO, "unknown: no vllm:cache_config_info in /metrics here"
+            check,
+            url,
+            Severity.INFO,
+            "unknown: no vllm:cache_config_info in /metrics here",
+            f"start vLLM with {HASH_ALGO} sha256 (this audit cannot see the algorithm)",
         )
     if labels.get("enable_prefix_caching", "True").lower() != "true":
-        return Finding(check, url, Severity.INFO, "prefix caching is off on this replica")
+        return Finding(
+            check,
+            url,
+            Severity.INFO,
+            "prefix caching is off on this replica",
+            f"when prefix caching is turned on, add {HASH_ALGO} sha256",
+        )
     algo = labels.get("prefix_caching_hash_algo")
     if algo is None:
-        return Finding(check, url, Severity.INFO, "cache_config_info names no hash algorithm")
+        return Finding(
+            check,
+            url,
+            Severity.INFO,
+            "cache_config_info names no hash algorithm",
+            f"start vLLM with {HASH_ALGO} sha256",
+        )
     severity, why = _HASH_ALGO_VERDICTS.get(
         algo, (Severity.INFO, "an algorithm this audit does not know")
     )
-    fix = "" if algo in EXPECTED_HASH_ALGOS else f"start vLLM with {HASH_ALGO} sha256"
+    fix = (
+        NOTHING_TO_CHANGE if algo in EXPECTED_HASH_ALGOS else f"start vLLM with {HASH_ALGO} sha256"
+    )
     return Finding(check, url, severity, f"{algo}: {why}", fix)
 
 
@@ -261,7 +297,7 @@ def judge_prompt_tokens_details(url: str, probe: RepeatProbe) -> Finding:
     """vLLM leaves usage.prompt_tokens_details null without --enable-prompt-tokens-details."""
     check = "prompt-tokens-details"
     if probe.status != 200:
-        return Finding(check, url, Severity.INFO, _not_probed(probe.status))
+        return Finding(check, url, Severity.INFO, *_not_probed(probe.status))
     if probe.cached is None:
         return Finding(
             check,
@@ -291,18 +327,30 @@ def judge_prefix_caching(url: str, labels: dict[str, str] | None, probe: RepeatP
     elif labels is not None:
         return Finding(check, url, Severity.OK, "cache_config_info: enable_prefix_caching=True")
     else:
-        why = "answers carry no cached tokens" if probe.status == 200 else _not_probed(probe.status)
-        return Finding(check, url, Severity.INFO, f"{why}; /metrics had no cache_config_info")
+        if probe.status != 200:
+            return Finding(check, url, Severity.INFO, *_not_probed(probe.status))
+        return Finding(
+            check,
+            url,
+            Severity.INFO,
+            "answers carry no cached tokens; /metrics had no cache_config_info",
+            f"start vLLM with {PROMPT_TOKENS_DETAILS}, so the audit can see cache hits",
+        )
     if hit:
         return Finding(check, url, Severity.OK, f"a repeated prompt hits the cache ({how})")
     return Finding(check, url, Severity.MEDIUM, f"{off} ({how} on the repeat)", fix)
 
 
-def _not_probed(status: int | None) -> str:
+def _not_probed(status: int | None) -> tuple[str, str]:
+    """A probe that did not run: the summary and the fix."""
     if status in (401, 403):
-        return f"not checked: the replica refused the probe ({status}); give the audit its key"
-    answer = "could not be reached" if status is None else f"answered {status}"
-    return f"not checked: a completion straight to the replica {answer}"
+        return (f"not checked: the replica refused the probe ({status})", REFUSED)
+    if status is None:
+        return ("not checked: a completion straight to the replica could not be reached", UNREACHED)
+    return (
+        f"not checked: a completion straight to the replica answered {status}",
+        "make the replica answer a completion for its first model, then audit again",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,7 +368,13 @@ def judge_bind_address(url: str, obs: BindObservation) -> Finding:
     """A replica should listen on loopback or a private network, never on a public one."""
     check = "replica-bind-address"
     if obs.error is not None or not obs.addresses:
-        return Finding(check, url, Severity.INFO, f"not checked: {obs.host} ({obs.error})")
+        return Finding(
+            check,
+            url,
+            Severity.INFO,
+            f"not checked: {obs.host} ({obs.error})",
+            "give the replica a URL whose host resolves here",
+        )
     ips = [ipaddress.ip_address(a) for a in obs.addresses]
     public = [str(ip) for ip in ips if ip.is_global]
     if public:
@@ -379,7 +433,11 @@ def judge_kv_endpoint(endpoint: str, mechanism: str | None, error: str | None) -
         return Finding(check, endpoint, Severity.OK, f"not reachable from this host ({error})")
     if mechanism is None:
         return Finding(
-            check, endpoint, Severity.INFO, "something listens here, but it does not speak ZMQ"
+            check,
+            endpoint,
+            Severity.INFO,
+            "something listens here, but it does not speak ZMQ",
+            "check what listens on this port, and that it is meant to be reachable",
         )
     if mechanism == "NULL":
         return Finding(
@@ -387,16 +445,17 @@ def judge_kv_endpoint(endpoint: str, mechanism: str | None, error: str | None) -
             endpoint,
             Severity.HIGH,
             "a ZMQ endpoint that accepts anyone (NULL mechanism): vLLM's KV events carry "
-            "cache salts in clear, raw prompt token ids and block placement; bind it to a "
-            "private address or consume events only through an authenticated relay",
+            "cache salts in clear, raw prompt token ids and block placement",
+            "bind it to a private address, or consume events only through an authenticated "
+            "relay (saltgate kv-relay, docs/kv-relay.md)",
         )
     if mechanism == "PLAIN":
         return Finding(
             check,
             endpoint,
             Severity.MEDIUM,
-            "a ZMQ endpoint with PLAIN authentication: the password crosses the network in "
-            "clear; use CURVE",
+            "a ZMQ endpoint with PLAIN authentication: the password crosses the network in clear",
+            "use CURVE (saltgate kv-relay, docs/kv-relay.md)",
         )
     return Finding(
         check, endpoint, Severity.OK, f"a ZMQ endpoint requiring {mechanism} authentication"
@@ -428,6 +487,7 @@ def judge_response_headers(
             Severity.MEDIUM,
             "responses carry headers that identify or fingerprint the replica: "
             + ", ".join(sorted(set(found))),
+            "drop these headers in whatever sits between the gateway and its clients",
         )
     return Finding(check, target, Severity.OK, "no replica-identifying headers in responses")
 
@@ -451,6 +511,7 @@ def judge_canary(target: str, obs: CanaryObservation) -> Finding:
             Severity.INFO,
             "not checked: a repeated request straight to the replicas showed no cache hit "
             "(prefix caching off, cached_tokens not reported, or replicas unreachable)",
+            "fix the replicas' prefix-caching findings above, then audit again",
         )
     leaked = (obs.gateway_cached or 0) > 0
     if obs.gateway_cached is None and obs.hits_delta is not None:
@@ -468,6 +529,8 @@ def judge_canary(target: str, obs: CanaryObservation) -> Finding:
                 Severity.HIGH,
                 "a client-chosen cache_salt reached the replica: a client can join any "
                 f"namespace whose salt it knows ({evidence})",
+                "make every client reach the replicas through saltgate only, and report "
+                "this (SECURITY.md)",
             )
         return Finding(
             check, target, Severity.OK, f"the client's cache_salt was replaced ({evidence})"
@@ -479,6 +542,8 @@ def judge_canary(target: str, obs: CanaryObservation) -> Finding:
             Severity.HIGH,
             "a request through the gateway hit a prefix cached WITHOUT a salt: requests "
             f"reach replicas unsalted, in one namespace shared by all ({evidence})",
+            "remove [testing] disable_salting, and make every client reach the replicas "
+            "through saltgate only",
         )
     return Finding(
         check,
@@ -658,6 +723,7 @@ class _Checks:
                     endpoint,
                     Severity.INFO,
                     "not checked: only tcp://host:port endpoints can be probed from here",
+                    "give --kv-events as tcp://HOST:PORT",
                 )
             )
             return
@@ -755,6 +821,7 @@ class _Checks:
                     self.gateway,
                     Severity.INFO,
                     f"not checked: the gateway {answer} for the canary",
+                    "start the gateway and give --gateway-url and a tenant's --api-key",
                 )
             )
             return
@@ -791,9 +858,15 @@ async def run_deployment_audit(
             await checks.kv_endpoint(endpoint)
         model = await checks.model() if api_key else None
         if model is None:
-            why = "pass --api-key (a tenant's key)" if not api_key else "GET /v1/models failed"
+            why, fix = (
+                ("no tenant's key", "pass --api-key (a tenant's key)")
+                if not api_key
+                else ("GET /v1/models failed", "start the gateway, or give --gateway-url")
+            )
             for check in ("client-salt-stripped", "requests-salted", "response-reveals-replica"):
-                checks.add(Finding(check, checks.gateway, Severity.INFO, f"not checked: {why}"))
+                checks.add(
+                    Finding(check, checks.gateway, Severity.INFO, f"not checked: {why}", fix)
+                )
         else:
             await checks.canary("client-salt", model)
             await checks.canary("unsalted", model)

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from saltgate.audit.findings import Finding, Severity
+from saltgate.audit.findings import REFUSED, UNREACHED, Finding, Severity
 
 __all__ = [
     "LORA_ENV",
@@ -87,12 +87,12 @@ class ProbeAnswer:
 def _unprobed(check: str, url: str, answer: ProbeAnswer, what: str) -> Finding | None:
     """The INFO finding of a probe that never reached the code under test, else None."""
     if answer.status is None:
-        why = "the replica could not be reached"
+        why, fix = "the replica could not be reached", UNREACHED
     elif answer.status in (401, 403):
-        why = f"the replica refused the probe ({answer.status}); give the audit its key"
+        why, fix = f"the replica refused the probe ({answer.status})", REFUSED
     else:
         return None
-    return Finding(check, url, Severity.INFO, f"not checked ({what}): {why}")
+    return Finding(check, url, Severity.INFO, f"not checked ({what}): {why}", fix)
 
 
 # -- the Responses store ------------------------------------------------------------------
@@ -108,7 +108,8 @@ def _store_on(check: str, url: str, *, kept: bool) -> Finding:
             Severity.INFO,
             "the Responses store is on, as [responses] store = true needs: through the "
             "gateway each response is its owner's only; straight to the replica it is "
-            "anyone's, so nothing but the gateway may reach it (replica-direct-access)",
+            "anyone's",
+            "let nothing but the gateways reach the replica (replica-direct-access)",
         )
     return Finding(
         check,
@@ -143,6 +144,7 @@ def judge_responses_store(
             url,
             Severity.INFO,
             f"not checked: POST /v1/responses answered {create.quoted()}",
+            "make the replica answer POST /v1/responses for its first model, then audit again",
         )
     if read.status == 200:
         return _store_on(check, url, kept=kept)
@@ -154,7 +156,11 @@ def judge_responses_store(
             "store off: GET /v1/responses/{id} of a response just created with store=true is a 404",
         )
     return Finding(
-        check, url, Severity.INFO, f"unclear: GET /v1/responses/{{id}} answered {read.quoted()}"
+        check,
+        url,
+        Severity.INFO,
+        f"unclear: GET /v1/responses/{{id}} answered {read.quoted()}",
+        f"make sure {RESPONSES_STORE_ENV} is unset on the replica unless [responses] store = true",
     )
 
 
@@ -218,8 +224,8 @@ def judge_media_fetch(url: str, probe: MediaProbe) -> Finding:
             Severity.INFO,
             "inconclusive: a text-only model, which refuses image parts before fetching "
             f"anything ({answer.quoted()}). Nothing is fetched while it serves this model; "
-            f"the flags cannot be seen from here: set {MEDIA_DOMAINS} and "
-            f"{MEDIA_REDIRECTS}=0 anyway",
+            "the flags cannot be seen from here",
+            fix,
         )
     tried = "fetch" in message or (probe.authority and probe.authority in message)
     if answer.status != 200 and tried:
@@ -237,6 +243,7 @@ def judge_media_fetch(url: str, probe: MediaProbe) -> Finding:
         Severity.INFO,
         f"inconclusive: no fetch reached the audit's listener, and the replica answered "
         f"{answer.quoted()}",
+        fix,
     )
 
 
@@ -269,6 +276,7 @@ def _judge_embeds(
             Severity.INFO,
             f"inconclusive: a text-only model refuses {what} whatever {flag} says "
             f"({answer.quoted()})",
+            f"make sure vLLM starts without {flag}",
         )
     return Finding(
         check,
@@ -349,7 +357,11 @@ def judge_per_request_metrics(url: str, answer: ProbeAnswer) -> Finding:
         return unprobed
     if answer.status != 200:
         return Finding(
-            check, url, Severity.INFO, f"not checked: the completion answered {answer.quoted()}"
+            check,
+            url,
+            Severity.INFO,
+            f"not checked: the completion answered {answer.quoted()}",
+            "make the replica answer a completion for its first model, then audit again",
         )
     data = answer.json()
     metrics = data.get("metrics") if isinstance(data, dict) else None

@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["DeploymentReport", "Finding", "Severity"]
+__all__ = ["NOTHING_TO_CHANGE", "REFUSED", "UNREACHED", "DeploymentReport", "Finding", "Severity"]
+
+NOTHING_TO_CHANGE = "nothing to change"  # the fix of an `ok` finding, and of it alone
+# The fixes of a probe that did not reach what it checks.
+UNREACHED = "run the audit where the gateway runs (a host that reaches the replica)"
+REFUSED = "give the audit the replica's key ([[replicas]] api_key_file in --config)"
 
 
 class Severity(StrEnum):
@@ -31,7 +36,15 @@ class Finding:
     target: str
     severity: Severity
     summary: str
-    fix: str = ""  # what to change, e.g. the vLLM flag to add; empty when nothing to do
+    fix: str = NOTHING_TO_CHANGE  # what to change, e.g. the vLLM flag to add
+
+    def __post_init__(self) -> None:
+        """Every finding but an `ok` one says what to do (operators read the fix column
+        alone), and none says it with an empty cell."""
+        if not self.fix.strip() or (
+            self.fix == NOTHING_TO_CHANGE and self.severity is not Severity.OK
+        ):
+            raise ValueError(f"a {self.severity} {self.check} finding needs its fix")
 
     def to_json(self) -> dict[str, str]:
         return {

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from saltgate.audit.findings import Finding, Severity
+from saltgate.audit.findings import UNREACHED, Finding, Severity
 
 __all__ = [
     "CONNECTOR_FAMILIES",
@@ -167,14 +167,25 @@ def judge_kv_offloading(url: str, tiers: KvTiers) -> Finding:
     connector (the `lmcache` backend) key on salted hashes; another backend is unknown."""
     check = "kv-offloading"
     if tiers.info is None:
-        return Finding(check, url, Severity.INFO, "unknown: no vllm:cache_config_info here")
+        return Finding(
+            check,
+            url,
+            Severity.INFO,
+            "unknown: no vllm:cache_config_info here",
+            "run a vLLM that exports cache_config_info (0.32 or later), or check its "
+            f"{KV_OFFLOADING_SIZE} by hand",
+        )
     if tiers.offloading is None:
         return Finding(check, url, Severity.OK, "no KV offloading (kv_offloading_size=None)")
     size, backend = tiers.offloading
     where = f"KV offloaded to host memory (kv_offloading_size={size}, backend {backend})"
     if backend == "native":
         return Finding(
-            check, url, Severity.LOW, f"{where}: {_SALTED}; tenants' KV rests in host RAM"
+            check,
+            url,
+            Severity.LOW,
+            f"{where}: {_SALTED}; tenants' KV rests in host RAM",
+            "keep the replica's host memory as private as its accelerator (no swap to disk)",
         )
     if backend == "lmcache":
         return Finding(
@@ -182,7 +193,8 @@ def judge_kv_offloading(url: str, tiers: KvTiers) -> Finding:
             url,
             Severity.LOW,
             f"{where}: LMCache's MP connector passes the request's cache_salt; tenants' KV "
-            "rests in LMCache's tiers (check its configuration keeps none on disk)",
+            "rests in LMCache's tiers",
+            "check LMCache's configuration keeps no tier on disk",
         )
     return Finding(
         check,
@@ -205,7 +217,7 @@ def judge_kv_connectors(url: str, tiers: KvTiers) -> list[Finding]:
             url,
             connector.severity,
             f"{connector.name} connector: {connector.why}",
-            ""
+            f"keep the {connector.name} connector's storage as private as the accelerator"
             if connector.severity is Severity.LOW
             else f"start vLLM without the {connector.name} connector in {KV_TRANSFER_CONFIG}",
         )
@@ -240,7 +252,13 @@ def judge_external_hits(url: str, tiers: KvTiers) -> Finding:
         + ", ".join(f"{s} {tiers.cached_by_source.get(s, 0.0):g}" for s in _EXTERNAL_SOURCES)
     )
     if _salted_tier(tiers) or any(c.severity is Severity.HIGH for c in tiers.connectors()):
-        return Finding(check, url, Severity.LOW, f"KV served from the tiers found above ({counts})")
+        return Finding(
+            check,
+            url,
+            Severity.LOW,
+            f"KV served from the tiers found above ({counts})",
+            "see the kv-offloading and kv-connectors findings above",
+        )
     return Finding(
         check,
         url,
@@ -274,6 +292,7 @@ def judge_volatile_cache(url: str, tiers: KvTiers) -> Finding:
             Severity.INFO,
             "unknown: a connector without metrics serves KV, and where it keeps it (memory "
             "or disk) does not show",
+            f"check the connector in {KV_TRANSFER_CONFIG} keeps nothing on disk",
         )
     return Finding(check, url, Severity.OK, "no disk tier: KV lives in accelerator or host memory")
 
@@ -285,7 +304,7 @@ def judge_kv_tiers(url: str, metrics: str | None) -> list[Finding]:
     """Every KV-tier check of one replica's /metrics text (None: it could not be read)."""
     if metrics is None:
         return [
-            Finding(check, url, Severity.INFO, "not checked: /metrics could not be read")
+            Finding(check, url, Severity.INFO, "not checked: /metrics could not be read", UNREACHED)
             for check in KV_TIER_CHECKS
         ]
     tiers = read_kv_tiers(metrics)

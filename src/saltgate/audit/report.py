@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
 
 from saltgate.audit.plan import Role
 from saltgate.audit.stats import ArmComparison, roc_curve
+from saltgate.audit.tables import render_table
 from saltgate.audit.timing import TimingReport
 
-__all__ = ["format_table", "render_table", "write_json", "write_plot"]
-
-
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns, a rule under the header."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+__all__ = ["format_table", "write_plot"]
 
 
 def _p(value: float) -> str:
@@ -71,10 +59,6 @@ def format_table(report: TimingReport) -> str:
         f"control must reach p < {crit.control_alpha:g}; Bonferroni x{crit.family_size})"
     )
     return render_table(headers, rows) + "\n" + footer
-
-
-def write_json(data: dict[str, Any], path: str | Path) -> None:
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def write_plot(report: TimingReport, path: str | Path) -> None:

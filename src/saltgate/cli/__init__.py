@@ -112,8 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown and not getattr(args, "any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args does
     func: Command = args.func
-    # Checked before the tool starts: it would otherwise fail after minutes of work.
-    for module in TOOL_EXTRAS.get(args.command, ()):
+    # Checked before the tool starts: it would otherwise fail after minutes of work. An
+    # action that runs on the runtime install alone (`audit deployment`) says so.
+    extra = () if getattr(args, "runtime_only", False) else TOOL_EXTRAS.get(args.command, ())
+    for module in extra:
         if importlib.util.find_spec(module) is None:
             return _missing_module(args.command, module)
     try:

@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from saltgate.admin.service import AdminService, Caller
 
-from saltgate.cli.common import _PAGE, _every, _state_dir_arg, _store_settings, _with_service
+from saltgate.cli.common import (
+    _PAGE,
+    _every,
+    _state_dir_arg,
+    _store_settings,
+    _with_service,
+    store_exit_status,
+)
 
 
 def _add_admin_plane(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -111,7 +118,7 @@ def _audit_log_verify(args: argparse.Namespace) -> int:
             db.close()
     except (ConfigError, StoreError, ValueError) as exc:
         print(f"saltgate audit-log verify: {exc}", file=sys.stderr)
-        return 1
+        return store_exit_status(exc)
     if not check.ok:
         print(
             f"saltgate audit-log verify: entry {check.broken_seq} is broken: {check.reason} "

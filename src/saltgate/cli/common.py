@@ -127,10 +127,19 @@ def _with_service(
         out = asyncio.run(run(*_store_settings(args)))
     except (StoreError, ConfigError, ValueError, ApiError) as exc:
         print(f"saltgate {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return store_exit_status(exc)
     if out:
         print(printable(out))
     return 0
+
+
+def store_exit_status(error: Exception) -> int:
+    """A command's exit status on an error: 2 for a store at another schema version (as
+    for a configuration error: a restart will not fix it; `saltgate store migrate` or
+    another saltgate will), else 1."""
+    from saltgate.store.errors import SchemaVersionError
+
+    return 2 if isinstance(error, SchemaVersionError) else 1
 
 
 def printable(text: str) -> str:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from saltgate.store.settings import StoreSettings
 
-from saltgate.cli.common import _state_dir_arg, _store_settings
+from saltgate.cli.common import _state_dir_arg, _store_settings, store_exit_status
+from saltgate.cli.store_schema import _add_schema_actions
 
 
 def _add_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -64,8 +65,11 @@ def _add_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _add_store(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    store = sub.add_parser("store", help="copy a store to another (SQLite, PostgreSQL)")
+    store = sub.add_parser(
+        "store", help="a store's schema version and its migration; copy a store to another"
+    )
     ssub = store.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _add_schema_actions(ssub)
     p = ssub.add_parser(
         "copy",
         help="copy tenants, hashed keys, prices and usage into a new store",
@@ -119,7 +123,7 @@ def _usage(args: argparse.Namespace) -> int:
             db.close()
     except (ConfigError, StoreError, ValueError) as exc:
         print(f"saltgate usage: {exc}", file=sys.stderr)
-        return 1
+        return store_exit_status(exc)
     print(format_usage(rows, args.fmt, group_by))
     return 0
 
@@ -164,7 +168,7 @@ def _usage_prune(args: argparse.Namespace) -> int:
             db.close()
     except (ConfigError, StoreError, ValueError) as exc:
         print(f"saltgate usage prune: {exc}", file=sys.stderr)
-        return 1
+        return store_exit_status(exc)
     longest_ms = result.longest_transaction_s * 1e3
     print(
         f"deleted {result.deleted} usage records before {when} in {result.seconds:.1f} s "
@@ -213,7 +217,7 @@ def _store_copy(args: argparse.Namespace) -> int:
             src.close()
     except (StoreError, ValueError) as exc:
         print(f"saltgate store copy: {exc}", file=sys.stderr)
-        return 1
+        return store_exit_status(exc)
     print(f"copied {source.describe()} -> {destination.describe()}")
     scope = "" if since is None else f" (usage: ts >= {iso(since)})"
     print(f"{'table':<10} {'source':>12} {'destination':>12}{scope}")

@@ -9,6 +9,7 @@ record. It ends exactly once (`_end`), and every way a request can end goes thro
     the client left, before or during it      499 (*)           the replica's (see below)
     the replica broke before answering        next replica; with none left: 503, none
     the replica broke while answering         502               what the stream showed
+    cut when the gateway stops (drain grace)  503               what the stream delivered
     cancelled (the gateway stops)             499 / 503         what the stream showed
 
 A replica reports usage once, at the end of its answer, so when the client leaves the
@@ -41,11 +42,11 @@ from saltgate.gateway.metrics import TTFT_BUCKETS, Labels, Metrics, duration_buc
 from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt, ReplicaSet
 from saltgate.gateway.responses import response_id_in
 from saltgate.gateway.shared_limits import SharedTicket
-from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
+from saltgate.gateway.usage import SseUsageScanner, Usage, delivered_usage, usage_from_body
 from saltgate.governance.fairness import service
 from saltgate.governance.limits import Ticket, prompt_estimate
 from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
-from saltgate.policy.errors import ApiError
+from saltgate.policy.errors import ApiError, gateway_stopping, stream_error_event
 from saltgate.policy.fields import scrub_answer, scrub_events
 from saltgate.policy.headers import scrub_response_headers
 from saltgate.policy.request import ANTHROPIC_ROUTES, GENERATION_ROUTES
@@ -72,11 +73,8 @@ _LABEL_CACHE: Final = 65_536  # (tenant, model, status) label sets remembered; c
 _UNREPORTED: Final = "saltgate_replica_cached_tokens_unreported_total"
 # Records a response id with its tenant and replica ([responses] store).
 KeepResponse = Callable[[str, str, ReplicaId], Awaitable[None]]
-_STREAM_FAILED: Final = (
-    b"data: "
-    + ApiError(502, "The replica failed during the stream; retry the request.").body()
-    + b"\n\n"
-)
+_STREAM_FAILED: Final = ApiError(502, "The replica failed during the stream; retry the request.")
+_STOPPING: Final = "the gateway is stopping"
 
 
 def no_replica() -> ApiError:
@@ -107,7 +105,7 @@ class Meter:
     """Where exchanges report: the usage ledger, the token, request and latency metrics;
     and the prices each record is billed at when it is recorded (docs/billing.md)."""
 
-    __slots__ = ("_labels", "_unreported", "ledger", "metrics", "prices")
+    __slots__ = ("_labels", "_unreported", "answering", "ledger", "metrics", "prices")
 
     def __init__(
         self,
@@ -120,6 +118,8 @@ class Meter:
         self.ledger = ledger
         self.metrics = metrics
         self.prices: Mapping[str, PriceVersion] = prices or {}
+        # Exchanges a replica is answering now: the drain cuts those still open at its end.
+        self.answering: set[Exchange] = set()
         self._unreported: dict[str, Labels] = {}  # replica label -> its labels, once warned
         # (tenant id, model label, status) -> the labels of its request and token series
         self._labels: dict[tuple[str, str, int], tuple[Labels, Labels, Labels, Labels]] = {}
@@ -230,9 +230,11 @@ class Exchange:
     __slots__ = (
         "_admission",
         "_attempt",
+        "_body_bytes",
         "_charged",
         "_client",
         "_context",
+        "_cut",
         "_ended",
         "_fair",
         "_finished",
@@ -279,6 +281,8 @@ class Exchange:
         self._prefilling = True  # no output of the replica's yet: the prompt may be in prefill
         self._finished = False  # the stream has nothing more to give
         self._ended = False
+        self._cut = False  # ended by the gateway's drain (`cut`)
+        self._body_bytes = 0
 
     async def forward(
         self,
@@ -295,6 +299,7 @@ class Exchange:
         before any response moves on to the next replica. `avoid`: replicas not to try
         (all but the one holding the response a request continues)."""
         tried = list(avoid)
+        self._body_bytes = len(payload)
         trace = self._context.span
         fair = self._fair
         # Every ending awaits its record outside the handler that caught it: compiled code
@@ -332,21 +337,14 @@ class Exchange:
                 tried.append(replica.id)
             attempt.responded()
             self._upstream = upstream
+            self._meter.answering.add(self)
             response_headers = scrub_response_headers(upstream.headers)
             if upstream.status == 200 and (upstream.header(b"content-type") or b"").startswith(
                 _SSE
             ):
                 self._scanner = SseUsageScanner(drop_usage_event=not client_wants_usage)
                 return Response(200, response_headers, stream=self)
-            try:
-                body = await upstream.read()
-            except UpstreamError:
-                body = None
-            if body is None:
-                self._failed()
-                await self._end(REPLICA_FAILED)
-                raise replica_failed() from None
-            return await self._whole(upstream.status, response_headers, body)
+            return await self._whole(upstream, response_headers)
         except asyncio.CancelledError as cancel:
             cancelled = cancel
         await self._end(NOT_SERVED)
@@ -384,12 +382,7 @@ class Exchange:
                 failure = exc  # ended below, outside the handler (buildinfo.py)
             if failure is not None:
                 self._finished = True
-                if isinstance(failure, UpstreamError):
-                    self._failed()
-                    await self._end(REPLICA_FAILED, scanner.usage)
-                    return _STREAM_FAILED
-                await self._end(NOT_SERVED, scanner.usage)
-                raise failure
+                return await self._broken(failure, scanner)
             if chunk is None:
                 self._finished = True
                 held = self._held + scrub_events(scanner.flush())
@@ -406,6 +399,31 @@ class Exchange:
             if out:
                 return out
         raise StopAsyncIteration
+
+    async def _broken(self, failure: BaseException, scanner: SseUsageScanner) -> bytes:
+        """The stream's last event when reading it failed: cut by the drain, or the
+        replica broke; a cancellation is recorded and goes on."""
+        route = self._context.route
+        if self._cut:
+            delivered = delivered_usage(route, scanner, prompt_estimate(self._body_bytes))
+            await self._end(NOT_SERVED, delivered)
+            return stream_error_event(route, gateway_stopping())
+        if isinstance(failure, UpstreamError):
+            self._failed()
+            await self._end(REPLICA_FAILED, scanner.usage)
+            return stream_error_event(route, _STREAM_FAILED)
+        await self._end(NOT_SERVED, scanner.usage)
+        raise failure
+
+    def cut(self) -> None:
+        """The gateway is stopping and its drain grace ran out: end the answer now. The
+        replica's connection is closed under it, so the reader wakes at once and ends the
+        stream with an error event in its route's shape, recording what was delivered
+        (a whole answer not yet read gets the 503 instead)."""
+        if self._ended or self._upstream is None:
+            return
+        self._cut = True
+        self._upstream.interrupt(_STOPPING)
 
     def output(self, chunk: bytes) -> None:
         """A chunk of the replica's stream arrived: its first byte and, once the prompt
@@ -466,8 +484,22 @@ class Exchange:
         if failure is not None:
             raise failure
 
-    async def _whole(self, status: int, headers: Headers, body: bytes) -> Response:
-        """A whole answer: its response id kept, metered, then handed to the client."""
+    async def _whole(self, upstream: UpstreamResponse, headers: Headers) -> Response:
+        """A whole answer: read, its response id kept, metered, then handed to the
+        client; the 502 when the replica broke while sending it, the 503 when the drain
+        cut it."""
+        try:
+            body: bytes | None = await upstream.read()
+        except UpstreamError:
+            body = None
+        if body is None and self._cut:
+            await self._end(NOT_SERVED)
+            raise gateway_stopping() from None
+        if body is None:
+            self._failed()
+            await self._end(REPLICA_FAILED)
+            raise replica_failed() from None
+        status = upstream.status
         usage = usage_from_body(body) if status == 200 else None
         if status == 200:
             await self._kept(body)
@@ -509,6 +541,7 @@ class Exchange:
         if self._ended:
             return
         self._ended = True
+        self._meter.answering.discard(self)
         if self._attempt is not None:
             self._attempt.close()
         if self._upstream is not None:

@@ -46,8 +46,11 @@ def readiness(
     grace_s: float,
     replicas: Sequence[ReplicaView],
     model: str | None = None,
+    *,
+    draining: bool = False,
 ) -> tuple[bool, dict[str, Any]]:
-    """(ready, the JSON body): ready unless the store is past its grace, no replica is
+    """(ready, the JSON body): ready unless the process is draining (SIGTERM: it finishes
+    what it has and takes nothing new), the store is past its grace, no replica is
     healthy, or `model` is asked for and no healthy replica lists it."""
     store = store_state(store_down_s, grace_s)
     healthy = sum(r.healthy for r in replicas)
@@ -55,12 +58,13 @@ def readiness(
     for replica in replicas:
         for name in replica.models:
             models[name] = models.get(name, False) or replica.healthy
-    ready = store != STORE_UNREACHABLE and healthy > 0
+    ready = not draining and store != STORE_UNREACHABLE and healthy > 0
     if model is not None:
         models.setdefault(model, False)
         ready = ready and models[model]
     body = {
         "ready": ready,
+        "draining": draining,
         "store": store,
         "store_down_s": round(store_down_s, 3),
         "replicas": {

@@ -170,6 +170,7 @@ class Gateway:
         # [responses] store: who owns each response the replicas keep (gateway/responses.py)
         self.owners = ResponseOwners(config.store_settings) if config.responses_store else None
         self._tenant_salts: dict[tuple[str, int], str] = {}
+        self.draining = False  # SIGTERM: /ready says no while what is in flight finishes
         self._routes: dict[tuple[bytes, bytes], str] = {}
         self._request_labels: dict[tuple[bytes, int], tuple[tuple[str, str], ...]] = {}
         self._describe_metrics()
@@ -244,6 +245,21 @@ class Gateway:
         self.config = dataclasses.replace(self.config, replicas=config.replicas)
         return probes
 
+    def cut_answers(self) -> int:
+        """The drain grace ran out: end every answer a replica is still giving (each
+        stream with an error event in its route's shape, its delivered tokens recorded);
+        how many there were."""
+        answering = list(self.meter.answering)
+        for exchange in answering:
+            exchange.cut()
+        if answering:
+            log.warning(
+                "drain grace of %g s over: %d answers still open end with an error event",
+                self.config.drain_grace_s,
+                len(answering),
+            )
+        return len(answering)
+
     async def aclose(self) -> None:
         """Close what the gateway holds, once its server hands it no more requests."""
         if self.canary is not None:
@@ -282,7 +298,13 @@ class Gateway:
             ReplicaView(ok, tuple(sorted(r.served or ())), self.replicas.down_reason(r))
             for _, r, ok in self.replicas.available()
         ]
-        return readiness(self._store_down_for(), self.config.store_outage_grace_s, views, model)
+        return readiness(
+            self._store_down_for(),
+            self.config.store_outage_grace_s,
+            views,
+            model,
+            draining=self.draining,
+        )
 
     # -- the request path ----------------------------------------------------------------
     async def handle(self, request: Request, body_encrypted: bool = False) -> Response:

@@ -9,9 +9,11 @@ costs a substring search per event, not a JSON parse.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import orjson
+
+from saltgate.derivations.derive import ROUTE_CHAT, ROUTE_MESSAGES, ROUTE_RESPONSES
 
 
 class Usage(NamedTuple):
@@ -95,13 +97,15 @@ class SseUsageScanner:
 
     Events are forwarded whole as soon as they are complete. With `drop_usage_event`, the
     usage-only event the gateway asked for (no choices, a usage object) is removed.
+    `events` counts the events passed (what a stream cut short delivered).
     """
 
-    __slots__ = ("_buffer", "drop_usage_event", "usage")
+    __slots__ = ("_buffer", "drop_usage_event", "events", "usage")
 
     def __init__(self, *, drop_usage_event: bool) -> None:
         self.drop_usage_event = drop_usage_event
         self.usage: Usage | None = None
+        self.events = 0
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -111,6 +115,7 @@ class SseUsageScanner:
             self._buffer = data
             return b""
         complete, self._buffer = data[: end + 2], data[end + 2 :]
+        self.events += complete.count(b"\n\n")
         if b'"usage"' not in complete:
             return complete
         kept = [event for event in complete.split(b"\n\n")[:-1] if self._keep(event)]
@@ -144,3 +149,22 @@ class SseUsageScanner:
             if self.drop_usage_event and doc.get("choices") == []:
                 return False
         return True
+
+
+# Events of a stream that open it rather than carry output: chat's role delta; Anthropic's
+# message_start, content_block_start and ping; the Responses API's created, in_progress,
+# output_item.added and content_part.added.
+_OPENING_EVENTS: Final = {ROUTE_CHAT: 1, ROUTE_MESSAGES: 3, ROUTE_RESPONSES: 4}
+
+
+def delivered_usage(route: str, scanner: SseUsageScanner, prompt_estimate: int) -> Usage:
+    """What a stream cut short (the gateway stopping) delivered, for its record: the usage
+    the replica reported so far, else its output counted one token per output event
+    relayed (vLLM sends an event per engine step, each with at least one token) and its
+    prompt estimated (a token per 4 bytes of the body); cached tokens unknown."""
+    output = max(scanner.events - _OPENING_EVENTS.get(route, 0), 0)
+    reported = scanner.usage
+    if reported is None:
+        return Usage(prompt_estimate, None, output)
+    prompt = reported.prompt_tokens or prompt_estimate
+    return Usage(prompt, reported.cached_tokens, max(reported.completion_tokens, output))

@@ -152,7 +152,7 @@ class _UpstreamConnection(asyncio.Protocol):
             if self._deadline is None:
                 return
             if now >= self._deadline:
-                self._expire("upstream response timed out")
+                self.expire("upstream response timed out")
             else:  # armed for an earlier exchange: this one is due later
                 self._arm(self._deadline)
             return
@@ -160,11 +160,11 @@ class _UpstreamConnection(asyncio.Protocol):
             return  # idle, or the response ended: disarm
         idle_until = self._last_data + self._read_timeout
         if now >= idle_until:
-            self._expire("upstream read timed out")
+            self.expire("upstream read timed out")
         else:
             self._arm(idle_until)
 
-    def _expire(self, message: str) -> None:
+    def expire(self, message: str) -> None:
         self.broken = True
         self._fail(message)
         if self.transport is not None:
@@ -281,6 +281,12 @@ class UpstreamResponse:
 
     async def aclose(self) -> None:
         self.release()
+
+    def interrupt(self, message: str) -> None:
+        """End the body from this side: the connection is closed (never reused) and the
+        pending and every later `next_chunk`, once what arrived is read, raise
+        UpstreamError(`message`)."""
+        self._conn.expire(message)
 
     def release(self) -> None:
         """Return the connection to the pool if its response ended cleanly, else close it."""

@@ -69,6 +69,8 @@ _MAX_QUEUED: Final = 32
 # client still sends for this long, so that data in flight does not turn the close into a
 # reset that destroys the response before the client reads it.
 _LINGER_S: Final = 2.0
+# Closing: after the grace, the time answers cut short have to write their last event.
+CUT_GRACE_S: Final = 2.0
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _HEAD: Final = b"HEAD"
 _VERSIONS: Final = ("1.1", "1.0")
@@ -732,8 +734,9 @@ class HttpServer:
     async def start(
         self, host: str, port: int, *, backlog: int = 1024, tls: ssl.SSLContext | None = None
     ) -> int:
-        """Bind and start serving (over TLS with a server context: the simulator standing
-        in for an https replica); returns the bound port (useful with port 0)."""
+        """Bind and start serving (over TLS with a server context: the gateway's edge, or
+        the simulator standing in for an https replica); returns the bound port (useful
+        with port 0)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True, ssl=tls
@@ -751,9 +754,17 @@ class HttpServer:
         """The protocol for one connection a `Listener` accepted."""
         return _Connection(self)
 
-    async def close(self, grace: float = 5.0) -> None:
-        """Stop accepting; let responses in progress finish for up to `grace` seconds,
-        then cancel what is left and wait for it to unwind."""
+    async def close(
+        self,
+        grace: float = 5.0,
+        *,
+        cut: Callable[[], object] | None = None,
+        cut_grace: float = CUT_GRACE_S,
+    ) -> None:
+        """Stop accepting; let responses in progress finish for up to `grace` seconds;
+        then `cut` (the handler ends its answers itself, each with its last words) and
+        up to `cut_grace` seconds more for them to be written; then cancel what is left
+        and wait for it to unwind."""
         if self._listener is not None:
             self._listener.close()
             await self._listener.wait_closed()
@@ -766,6 +777,9 @@ class HttpServer:
         tasks = {t for c in self.connections if (t := c.task) is not None} | self.orphans
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=grace)
+            if late and cut is not None:
+                cut()
+                _, late = await asyncio.wait(late, timeout=cut_grace)
             if late:
                 for conn in list(self.connections):
                     conn.abort()

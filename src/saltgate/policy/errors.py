@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import orjson
 
+from saltgate.derivations.derive import ROUTE_MESSAGES, ROUTE_RESPONSES
+
 _DEFAULT_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -175,3 +177,26 @@ def model_not_found(model: str, *, anthropic: bool = False) -> ApiError:
 
 
 _MAX_MODEL_ECHO = 120
+
+
+def gateway_stopping() -> ApiError:
+    """A stream cut short because the gateway is shutting down (its drain grace ran out)."""
+    return ApiError(
+        503,
+        "The gateway is shutting down and ended this answer early; retry the request.",
+        code="gateway_stopping",
+    )
+
+
+def stream_error_event(route: str, error: ApiError) -> bytes:
+    """``error`` as the last event of a stream on ``route``, in the shape that route's
+    clients parse: Anthropic's ``event: error``, the Responses API's ``error`` event, and
+    on the OpenAI completions routes the ``data: {"error": ...}`` that vLLM sends when a
+    stream fails (the openai SDK raises it as an APIError)."""
+    if route == ROUTE_MESSAGES:
+        inner = {"type": "api_error", "message": error.message}
+        return b"event: error\ndata: " + orjson.dumps({"type": "error", "error": inner}) + b"\n\n"
+    if route == ROUTE_RESPONSES:
+        event = {"type": "error", "code": error.code or error.type, "message": error.message}
+        return b"event: error\ndata: " + orjson.dumps({**event, "param": error.param}) + b"\n\n"
+    return b"data: " + error.body() + b"\n\n"

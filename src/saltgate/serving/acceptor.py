@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from typing import Final, Protocol, cast
 
 from saltgate.http import HttpServer
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 # accept() itself failed (no file descriptors left, say).
 _DEFER_S: Final = 0.002
 _ACCEPT_RETRY_S: Final = 0.1
+# A TLS client that does not finish its handshake within this is dropped (a drain waits
+# for the handshakes under way).
+_HANDSHAKE_S: Final = 10.0
 
 
 class AcceptGate(Protocol):
@@ -48,9 +52,17 @@ class Acceptor:
     per readiness event, and leaves a connection for `_DEFER_S` to a process that holds
     fewer (the gate's call) before taking it itself."""
 
-    def __init__(self, server: HttpServer, sock: socket.socket, gate: AcceptGate) -> None:
-        """Start accepting for ``server``, which serves what this hands it and closes it."""
+    def __init__(
+        self,
+        server: HttpServer,
+        sock: socket.socket,
+        gate: AcceptGate,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        """Start accepting for ``server``, which serves what this hands it (over TLS with
+        ``tls``: the TLS handshake before it) and closes it."""
         self._server = server
+        self._tls = tls
         self._sock = sock
         self._gate = gate
         self._loop = asyncio.get_running_loop()
@@ -104,8 +116,15 @@ class Acceptor:
         try:
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await self._loop.connect_accepted_socket(lambda: cast(asyncio.Protocol, protocol), conn)
-        except (OSError, RuntimeError) as exc:  # the client left at once, the loop is closing
+            await self._loop.connect_accepted_socket(
+                lambda: cast(asyncio.Protocol, protocol),
+                conn,
+                ssl=self._tls,
+                ssl_handshake_timeout=_HANDSHAKE_S if self._tls is not None else None,
+            )
+        # The client left at once or failed the TLS handshake (an ssl.SSLError, plain HTTP
+        # included); the loop is closing.
+        except (OSError, RuntimeError) as exc:
             log.debug("accepted connection not served: %s", exc)
             if not protocol.made:  # connection_lost will not count its close
                 self._gate.closed()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
-import os
 import ssl
 import sys
 import time
@@ -30,19 +29,17 @@ from saltgate.admin.api import JSON, AdminApi
 from saltgate.admin.tokens import AUTHENTICATED, AdminPrincipal, authenticate_admin
 from saltgate.config import (
     LOOPBACK_NAMES,
-    ConfigError,
     GatewayConfig,
     admin_plaintext_warning,
-    open_secret_file,
     refuse_plaintext_admin,
 )
 from saltgate.console.app import Console
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.server import error_response
 from saltgate.http import HttpServer, Request, Response
-from saltgate.http.tls import server_context, tls_failure
 from saltgate.policy.errors import ApiError
 from saltgate.runtime import listen_error
+from saltgate.serving.listener_tls import listener_context
 from saltgate.store.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -209,17 +206,7 @@ def admin_tls(config: GatewayConfig) -> ssl.SSLContext | None:
     cert, key = config.admin_tls_cert_file, config.admin_tls_key_file
     if cert is None or key is None:
         return None
-    fd = open_secret_file(key, "gateway.admin_tls_key_file")  # mode 0600, no symlink
-    try:
-        return server_context(cert, key)
-    except OSError as exc:  # ssl.SSLError included
-        reason = tls_failure(exc) if isinstance(exc, ssl.SSLError) else exc.strerror
-        raise ConfigError(
-            f"gateway.admin_tls_cert_file, admin_tls_key_file: cannot use them ({reason}): "
-            "a PEM certificate (chain) and its unencrypted key"
-        ) from None
-    finally:
-        os.close(fd)
+    return listener_context(cert, key, "admin_")
 
 
 def warn_plaintext_admin(config: GatewayConfig) -> None:

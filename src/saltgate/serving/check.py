@@ -6,7 +6,8 @@ master key, the EHBP key file when it exists (serve makes a missing one), the st
 password file or variable, and that the access log can be written. Nothing here touches
 the network: whether the store and the replicas answer is for the running gateway to
 say, on `/ready` (gateway/readiness.py); a check that connected would pass or fail with
-the network of the moment, not with the file.
+the network of the moment, not with the file. The TLS files of the listeners are loaded
+as `serve` loads them (readable, the key the certificate's).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from saltgate.serving.admin_listener import (
     admin_tls,
     warn_plaintext_admin,
 )
+from saltgate.serving.listener_tls import edge_context
 from saltgate.serving.run import INFERENCE_OPTIONS
+from saltgate.store.backends import require_usable, schema_status
 
 
 def check_config(config: GatewayConfig) -> str:
@@ -44,6 +47,10 @@ def check_config(config: GatewayConfig) -> str:
         conninfo(settings)  # reads the password from its file or variable, to be dropped
     elif settings.sqlite_path is not None and not settings.sqlite_path.exists():
         notes.append(f"{settings.sqlite_path} will be created, with no tenants")
+    else:  # a file: serve refuses one at another schema version, `saltgate store migrate`
+        status = schema_status(settings)
+        require_usable(status)
+        notes.append(f"schema version {status.version}")
     if config.access_log not in ("stderr", "off"):
         _check_writable(Path(config.access_log))
     notes.append(f"access log {config.access_log}")
@@ -51,6 +58,8 @@ def check_config(config: GatewayConfig) -> str:
         admin_tls(config)  # refuses plain HTTP off loopback; loads the TLS files
         warn_plaintext_admin(config)
         notes.append(f"admin listener {admin_scheme(config)}://{config.admin_host}")
+    if edge_context(config) is not None:  # readable, and the key is the certificate's
+        notes.append(f"TLS at the edge with {config.tls_cert_file}")
     check_ports(config)
     return ", ".join(notes)
 

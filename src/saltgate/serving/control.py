@@ -24,6 +24,7 @@ import io
 import pickle
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 from saltgate.config import GatewayConfig, ReplicaConfig
@@ -57,7 +58,11 @@ class SendMetrics:
 
 @dataclass(frozen=True, slots=True)
 class Reload:
+    """SIGHUP: the file's [[replicas]], and its edge TLS files for new connections."""
+
     replicas: tuple[ReplicaConfig, ...]
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)

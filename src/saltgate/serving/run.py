@@ -43,6 +43,7 @@ from saltgate.serving.admin_listener import (
     admin_tls,
     start_admin_listener,
 )
+from saltgate.serving.listener_tls import EdgeTls, edge_context
 from saltgate.store.backends import open_gateway_store
 from saltgate.store.errors import StoreError
 from saltgate.store.usage_rollups import open_usage_reader
@@ -73,22 +74,34 @@ class RunningGateway:
     cluster: ClusterBus | None = None  # [cluster]: routing state shared over the bus
     admin_api: AdminApi | None = None  # /admin/v1/ on the admin listener
     console: Console | None = None  # /console/ on the admin listener
+    edge_tls: EdgeTls | None = None  # TLS at the edge: the inference listener's certificate
 
     @property
     def url(self) -> str:
-        return f"http://{self.gateway.config.host}:{self.port}"
+        return f"{edge_scheme(self.gateway.config)}://{self.gateway.config.host}:{self.port}"
 
     def reload(self, config: GatewayConfig) -> list[asyncio.Task[Any]]:
         """Apply a new [[replicas]] list without a restart (SIGHUP), to the router and to
-        the KV-event relay's upstreams; other settings wait for the next start. Returns
-        the added replicas' first probes, to await before saying the reload is done."""
+        the KV-event relay's upstreams, and the edge's TLS files to new connections; other
+        settings wait for the next start. Returns the added replicas' first probes, to
+        await before saying the reload is done."""
         probes = self.gateway.reload(config)
+        if self.edge_tls is not None:
+            self.edge_tls.reload(config)
+        elif config.tls_cert_file is not None:
+            log.error("serving plain HTTP: turning TLS on (gateway.tls_cert_file) takes a restart")
         if self.kv_relay is not None:
             self.kv_relay.set_upstreams(kv_upstreams(config))
         return probes
 
     async def close(self) -> None:
-        await self.server.close()
+        """Drain (SIGTERM): /ready says no at once, the listener closes, what is in flight
+        has `drain_grace_s` to finish; then every answer still open is ended with an error
+        event and its delivered tokens recorded (Gateway.cut_answers); then the rest."""
+        gateway = self.gateway
+        gateway.draining = True
+        grace = gateway.config.drain_grace_s
+        await self.server.close(grace, cut=gateway.cut_answers)
         if self.cluster is not None:
             await self.cluster.close()
         if self.admin is not None:
@@ -98,6 +111,10 @@ class RunningGateway:
         await self.gateway.aclose()
         if self.kv_relay is not None:
             await asyncio.to_thread(self.kv_relay.close)
+
+
+def edge_scheme(config: GatewayConfig) -> str:
+    return "https" if config.tls_cert_file is not None else "http"
 
 
 def kv_upstreams(config: GatewayConfig) -> list[KvUpstream]:
@@ -168,6 +185,7 @@ async def start_gateway(
     # The admin listener's refusal (plain HTTP off loopback) and TLS files first: nothing
     # is opened or bound when they stop the start.
     admin_context = admin_tls(config) if config.admin_port is not None else None
+    edge = None if (context := edge_context(config)) is None else EdgeTls(context)
     access_log = AccessLog.open(config.access_log, config.log_format)
     gateway = await open_gateway(config, access_log, workers=workers)
     metrics, replicas, subkeys = gateway.metrics, gateway.replicas, gateway.subkeys
@@ -188,11 +206,11 @@ async def start_gateway(
         gateway.canary.start()
     if listener is None:
         try:
-            port = await server.start(config.host, config.port)
+            port = await server.start(config.host, config.port, tls=edge.context if edge else None)
         except OSError as exc:
             raise listen_error(INFERENCE_OPTIONS, config.host, config.port, exc) from None
     else:
-        port = Acceptor(server, listener.sock, listener.gate).port
+        port = Acceptor(server, listener.sock, listener.gate, edge.context if edge else None).port
     admin = None
     admin_port = None
     admin_api = console = None
@@ -213,6 +231,7 @@ async def start_gateway(
         gateway, server, port, metrics, admin, admin_port, ehbp, admin_api=admin_api
     )
     running.console = console
+    running.edge_tls = edge
     try:
         running.cluster = start_cluster_bus(
             config.cluster, replicas, subkeys.route, metrics, gateway.fair
@@ -251,8 +270,9 @@ def reread_config(path: Path) -> GatewayConfig | None:
         config = load_config(path)
         for index, replica in enumerate(config.replicas):
             tls_context(replica, index)  # TLS files that do not load refuse the reload here
+        edge_context(config)  # so do the edge's
     except ConfigError as exc:
-        log.error("reload refused, keeping the current replicas: %s", exc)
+        log.error("reload refused, keeping the running replicas and certificate: %s", exc)
         return None
     return config
 
@@ -323,7 +343,10 @@ async def _serve(config: GatewayConfig) -> None:
         path = config.config_file
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_from, running, path)
     await until_stopped()
-    log.info("stopping: no new connections; requests in flight finish")
+    log.info(
+        "stopping: no new connections; requests in flight have %g s to finish",
+        config.drain_grace_s,
+    )
     await running.close()
     log.info("stopped")
 

@@ -12,8 +12,8 @@ The parent serves no request. It starts each worker as a fresh interpreter
 (serving/control.py), restarts a worker that dies (with a backoff if it dies young),
 serves the one admin port (metrics merged from every worker), runs the KV-event relay
 if configured, and turns signals into orders: SIGHUP has every worker reopen its access
-log file (log rotation) and re-reads [[replicas]] for every worker, SIGTERM or SIGINT
-drains every worker and then exits.
+log file (log rotation) and re-reads [[replicas]] (and the edge's TLS files) for every
+worker, SIGTERM or SIGINT drains every worker and then exits.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from saltgate.serving.balance import ConnectionBoard
 from saltgate.serving.run import (
     INFERENCE_OPTIONS,
     announce,
+    edge_scheme,
     ehbp_keyring,
     kv_upstreams,
     reread_config,
@@ -60,9 +61,9 @@ RESTART_PAUSE_S: Final = 0.1
 BACKOFF_MAX_S: Final = 30.0
 METRICS_TIMEOUT_S: Final = 2.0  # a worker that does not answer counts with its last snapshot
 RELOAD_TIMEOUT_S: Final = 10.0
-# SIGTERM: workers drain (5 s of grace for responses in flight, then the store closes);
-# one still running after this is killed.
-STOP_TIMEOUT_S: Final = 30.0
+# SIGTERM: workers drain (drain_grace_s for responses in flight, then the cut answers'
+# last events, then the store closes); one still running this long after is killed.
+STOP_MARGIN_S: Final = 15.0
 LISTEN_BACKLOG: Final = 1024
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class Supervisor:
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        return f"{edge_scheme(self.config)}://{self.config.host}:{self.port}"
 
     def worker_config(self) -> GatewayConfig:
         """What a worker runs: the parent keeps the admin port and the relay."""
@@ -332,7 +333,8 @@ class Supervisor:
                 proc.send_signal(signal.SIGTERM)
         waits = [asyncio.ensure_future(p.wait()) for p in self._procs.values()]
         if waits:
-            _, late = await asyncio.wait(waits, timeout=STOP_TIMEOUT_S)
+            timeout = self.config.drain_grace_s + STOP_MARGIN_S
+            _, late = await asyncio.wait(waits, timeout=timeout)
             for proc in self._procs.values():
                 if proc.returncode is None:
                     log.warning("worker pid %d did not stop; killing it", proc.pid)
@@ -381,10 +383,16 @@ class Supervisor:
         config = reread_config(path)
         if config is None:
             return
+        order = control.Reload(config.replicas, config.tls_cert_file, config.tls_key_file)
         self.config = dataclasses.replace(self.config, replicas=config.replicas)
+        if self.config.tls_cert_file is not None and config.tls_cert_file is not None:
+            # Workers started from now on load the renewed files (turning TLS on or off
+            # takes a restart: the workers say so).
+            self.config = dataclasses.replace(
+                self.config, tls_cert_file=config.tls_cert_file, tls_key_file=config.tls_key_file
+            )
         if self.relay is not None:
             self.relay.set_upstreams(kv_upstreams(config))
-        order = control.Reload(config.replicas)
         answers = await asyncio.gather(
             *(w.ask(order, RELOAD_TIMEOUT_S) for w in list(self.alive.values()))
         )

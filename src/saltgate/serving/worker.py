@@ -41,8 +41,13 @@ async def _serve_orders(
         if isinstance(order, control.SendMetrics):
             writer.write(control.frame(control.METRICS + running.metrics.snapshot().to_json()))
         elif isinstance(order, control.Reload):
-            gateway = running.gateway
-            probes = running.reload(dataclasses.replace(gateway.config, replicas=order.replicas))
+            config = dataclasses.replace(
+                running.gateway.config,
+                replicas=order.replicas,
+                tls_cert_file=order.tls_cert_file,
+                tls_key_file=order.tls_key_file,
+            )
+            probes = running.reload(config)
             await asyncio.gather(*probes, return_exceptions=True)  # serving before "done"
             writer.write(control.frame(control.RELOADED))
         elif isinstance(order, control.ReopenLog):

@@ -53,3 +53,9 @@ class ConflictError(StoreError):
 
 class StoreUnavailableError(StoreError):
     """The store has been unreachable for longer than the gateway may serve without it."""
+
+
+class SchemaVersionError(StoreError):
+    """The store's schema is not the version this saltgate uses: older (`saltgate store
+    migrate` brings it up, explicitly) or newer (a newer saltgate migrated it). Nothing was
+    changed. The CLI exits 2 on it, as on a configuration error."""

@@ -5,8 +5,9 @@ versions billed and those set through the store, the usage ledger, hashed admin 
 the audit log with its hash chain) as it is: a key is stored as its SHA-256
 (saltgate.store.tenants), so the hashes move and every key keeps working, and tenant ids
 and epochs move, so every tenant keeps its cache namespace. What each store
-keeps for itself (`meta`, `schema_version`) is not copied: the destination is migrated to
-the current schema when it is opened, and its own triggers count its auth generation.
+keeps for itself (`meta`, `schema_version`) is not copied: a new destination is created at
+the current schema when it is opened (an existing one must be at it, as the source must:
+`saltgate store migrate`), and its own triggers count its auth generation.
 docs/upgrading.md says how to switch a fleet.
 
 Pruning deletes old usage rows. On SQLite a writer holds the one write lock, and a

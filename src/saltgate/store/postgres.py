@@ -28,7 +28,12 @@ from psycopg import IsolationLevel
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from saltgate.prices import PriceVersion
-from saltgate.store.errors import ConflictError, StoreError, StoreUnavailableError
+from saltgate.store.errors import (
+    ConflictError,
+    SchemaVersionError,
+    StoreError,
+    StoreUnavailableError,
+)
 from saltgate.store.model_prices import MODEL_PRICES_SQL, store_versions
 from saltgate.store.schema import (
     LISTEN_AUTH_SQL,
@@ -37,6 +42,7 @@ from saltgate.store.schema import (
     POSTGRES_VERSION_TABLE,
     SCHEMA_VERSION,
     newer_schema_message,
+    older_schema_message,
     pending,
 )
 from saltgate.store.settings import Backend, StoreSettings
@@ -95,14 +101,23 @@ def unreachable(settings: StoreSettings, exc: BaseException) -> StoreError:
     return StoreError(f"cannot reach the store {settings.describe()}: {describe_error(exc)}")
 
 
-def connect(settings: StoreSettings) -> psycopg.Connection[tuple[Any, ...]]:
-    """A migrated, autocommit connection (for the CLI and for startup)."""
+def connect_unmigrated(settings: StoreSettings) -> psycopg.Connection[tuple[Any, ...]]:
+    """An autocommit connection, the schema as it is (`saltgate store status`)."""
     try:
-        conn = psycopg.connect(conninfo(settings), autocommit=True)
+        return psycopg.connect(conninfo(settings), autocommit=True)
     except psycopg.Error as exc:
         raise unreachable(settings, exc) from None
+
+
+def connect(
+    settings: StoreSettings, *, upgrade: bool = False
+) -> psycopg.Connection[tuple[Any, ...]]:
+    """An autocommit connection to a store at the current version (for the CLI and for
+    startup): a new database is given the schema; an older one is migrated only with
+    `upgrade` (`saltgate store migrate`), else refused, as a newer one always is."""
+    conn = connect_unmigrated(settings)
     try:
-        migrate(conn)
+        migrate(conn, upgrade=upgrade, where=settings.describe())
     except psycopg.Error as exc:
         conn.close()
         raise StoreError(f"store {settings.describe()}: {describe_error(exc)}") from None
@@ -112,19 +127,43 @@ def connect(settings: StoreSettings) -> psycopg.Connection[tuple[Any, ...]]:
     return conn
 
 
-def migrate(conn: psycopg.Connection[tuple[Any, ...]]) -> None:
-    """Bring the schema to SCHEMA_VERSION in one transaction.
+def schema_version(conn: psycopg.Connection[tuple[Any, ...]]) -> int:
+    """The database's version, 0 if it has no saltgate schema yet; changes nothing."""
+    row = conn.execute("SELECT to_regclass('schema_version') IS NOT NULL").fetchone()
+    if row is None or not row[0]:
+        return 0
+    row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+    return int(row[0]) if row is not None and row[0] is not None else 0
+
+
+def read_schema_version(settings: StoreSettings) -> int:
+    """The store's schema version (0: none yet), read without changing anything."""
+    conn = connect_unmigrated(settings)
+    try:
+        return schema_version(conn)
+    except psycopg.Error as exc:
+        raise StoreError(f"store {settings.describe()}: {describe_error(exc)}") from None
+    finally:
+        conn.close()
+
+
+def migrate(
+    conn: psycopg.Connection[tuple[Any, ...]], *, upgrade: bool = False, where: str = ""
+) -> None:
+    """Bring the schema to SCHEMA_VERSION in one transaction: a new database always, an
+    older one only with `upgrade` (else SchemaVersionError, nothing changed).
 
     An advisory lock serialises gateways and CLIs that start together; the second one
     finds the work done.
     """
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_ID,))
-        conn.execute(POSTGRES_VERSION_TABLE)
-        row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
-        version = int(row[0]) if row is not None and row[0] is not None else 0
+        version = schema_version(conn)
         if version > SCHEMA_VERSION:
-            raise StoreError(newer_schema_message(version))
+            raise SchemaVersionError(newer_schema_message(version))
+        if 0 < version < SCHEMA_VERSION and not upgrade:
+            raise SchemaVersionError(older_schema_message(where, version))
+        conn.execute(POSTGRES_VERSION_TABLE)
         for m in pending(POSTGRES_MIGRATIONS, version):
             for stmt in m.statements:
                 conn.execute(stmt)
@@ -139,9 +178,11 @@ class PostgresDatabase:
 
     backend: Backend = "postgresql"
 
-    def __init__(self, settings: StoreSettings, audit_key: bytes | None = None) -> None:
+    def __init__(
+        self, settings: StoreSettings, audit_key: bytes | None = None, *, upgrade: bool = False
+    ) -> None:
         self.settings = settings
-        self.conn = connect(settings)
+        self.conn = connect(settings, upgrade=upgrade)
         self.audit_key = audit_key
 
     def describe(self) -> str:

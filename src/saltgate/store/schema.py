@@ -14,6 +14,7 @@ saltgate releases before the table read, and how they refuse a newer database.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # PostgreSQL NOTIFY channel on which the trigger below says "tenants, keys or prices changed".
@@ -584,5 +585,53 @@ def pending(migrations: tuple[Migration, ...], current: int) -> tuple[Migration,
 def newer_schema_message(found: int) -> str:
     return (
         f"database schema version {found} is newer than this saltgate supports "
-        f"({SCHEMA_VERSION}); upgrade saltgate"
+        f"({SCHEMA_VERSION}); upgrade saltgate (or restore the backup taken before the "
+        "store was migrated: docs/upgrading.md)"
     )
+
+
+def older_schema_message(where: str, found: int) -> str:
+    """Why a command refuses an existing store at an older version (nothing was changed)."""
+    return (
+        f"the store {where} is at schema version {found}; this saltgate uses "
+        f"{SCHEMA_VERSION}. Nothing was changed: a store is migrated only on request. Back "
+        "it up, then run `saltgate store migrate` with this command's --config or "
+        "--state-dir (`saltgate store status` lists the steps; docs/upgrading.md)"
+    )
+
+
+# What a statement does, in words, for `saltgate store status`: (pattern, template); the
+# first that matches names it. A statement none matches is not described (a trigger's body,
+# a data statement): the migration's name says what it is for.
+_STATEMENT_WORDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE | re.DOTALL), words)
+    for pattern, words in (
+        (r"CREATE TABLE (\w+)_v\d+ \(", "rebuild table {0} (rewrites every row)"),
+        (r"CREATE TABLE (?:IF NOT EXISTS )?(\w+)", "add table {0}"),
+        (r"ALTER TABLE (\w+) ADD COLUMN (\w+)", "add column {0}.{1}"),
+        (r"ALTER TABLE (\w+) ALTER COLUMN (\w+) DROP NOT NULL", "allow NULL in {0}.{1}"),
+        (r"CREATE (?:UNIQUE )?INDEX (\w+) ON (\w+)", "add index {0} on {1}"),
+        (r"DROP INDEX (\w+)", "drop index {0}"),
+        (r"CREATE TRIGGER (\w+) \w+ (?:\w+ )*ON (\w+)", "add trigger {0} on {1}"),
+        (r"INSERT INTO (usage_rollup\w+)", "fill {0} from the usage ledger"),
+    )
+)
+
+
+def statement_words(sql: str) -> str | None:
+    """One statement in words ("add table responses"), or None if it is not described."""
+    for pattern, words in _STATEMENT_WORDS:
+        if found := pattern.match(sql.strip()):
+            return words.format(*found.groups())
+    return None
+
+
+def migration_steps(migrations: tuple[Migration, ...], current: int) -> tuple[str, ...]:
+    """What migrating a store at version `current` does, one line per version in words:
+    "11: responses kept on replicas: their owners (add table responses)"."""
+    steps = []
+    for m in pending(migrations, current):
+        words = [w for w in map(statement_words, m.statements) if w is not None]
+        detail = f" ({'; '.join(dict.fromkeys(words))})" if words else ""
+        steps.append(f"{m.version}: {m.name}{detail}")
+    return tuple(steps)

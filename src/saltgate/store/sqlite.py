@@ -14,12 +14,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from saltgate.store.errors import ConflictError, StoreError
+from saltgate.store.errors import ConflictError, SchemaVersionError, StoreError
 from saltgate.store.schema import (
     SCHEMA_VERSION,
     SQLITE_MIGRATIONS,
     SQLITE_VERSION_TABLE,
     newer_schema_message,
+    older_schema_message,
     pending,
 )
 from saltgate.store.settings import Backend
@@ -27,8 +28,12 @@ from saltgate.store.settings import Backend
 BUSY_TIMEOUT_S = 10.0
 
 
-def open_db(path: str | os.PathLike[str], *, check_same_thread: bool = True) -> sqlite3.Connection:
-    """Open (creating if needed, mode 0600) and migrate the database; autocommit mode.
+def open_db(
+    path: str | os.PathLike[str], *, check_same_thread: bool = True, upgrade: bool = False
+) -> sqlite3.Connection:
+    """Open the database (creating a new one at the current version, mode 0600);
+    autocommit mode. An existing database at an older version is refused
+    (SchemaVersionError) unless `upgrade` (`saltgate store migrate`), a newer one always.
 
     synchronous=NORMAL is durable against process crashes (see ledger.py).
     """
@@ -49,7 +54,7 @@ def open_db(path: str | os.PathLike[str], *, check_same_thread: bool = True) -> 
         _use_wal(conn)
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
-        migrate(conn)
+        migrate(conn, upgrade=upgrade, where=str(p))
     except BaseException:
         conn.close()
         raise
@@ -79,18 +84,43 @@ def _use_wal(conn: sqlite3.Connection) -> None:
         pause = min(2 * pause, 0.05)
 
 
-def migrate(conn: sqlite3.Connection) -> None:
-    """Apply missing migrations atomically; BEGIN IMMEDIATE serialises racing processes.
+def schema_version(conn: sqlite3.Connection) -> int:
+    """The database's version (0: a new, empty one); ``user_version`` always equals it."""
+    (version,) = conn.execute("PRAGMA user_version").fetchone()
+    return int(version)
+
+
+def read_schema_version(path: Path) -> int:
+    """The version of the existing database at `path`, read without changing anything."""
+    try:
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            return schema_version(conn)
+    except sqlite3.Error as exc:
+        raise StoreError(f"store {path}: {exc}") from None
+
+
+def _refuse_other_version(version: int, *, upgrade: bool, where: str) -> None:
+    """A new database (0) is created; an older one is migrated only when asked to."""
+    if version > SCHEMA_VERSION:
+        raise SchemaVersionError(newer_schema_message(version))
+    if 0 < version < SCHEMA_VERSION and not upgrade:
+        raise SchemaVersionError(older_schema_message(where, version))
+
+
+def migrate(conn: sqlite3.Connection, *, upgrade: bool = False, where: str = "") -> None:
+    """Create a new database, or with `upgrade` apply an older one's missing migrations;
+    atomically, BEGIN IMMEDIATE serialising racing processes. An older database without
+    `upgrade`, and a newer one, are refused before any write (SchemaVersionError).
 
     The fast path is one pragma read: ``user_version`` always equals the version.
     """
-    (version,) = conn.execute("PRAGMA user_version").fetchone()
+    version = schema_version(conn)
     if version == SCHEMA_VERSION:
         return
+    _refuse_other_version(version, upgrade=upgrade, where=where)
     with transaction(conn):
-        (version,) = conn.execute("PRAGMA user_version").fetchone()
-        if version > SCHEMA_VERSION:
-            raise StoreError(newer_schema_message(version))
+        version = schema_version(conn)  # another process may have created it meanwhile
+        _refuse_other_version(version, upgrade=upgrade, where=where)
         conn.execute(SQLITE_VERSION_TABLE)
         recorded = {v for (v,) in conn.execute("SELECT version FROM schema_version")}
         # Databases from before the version table: record what user_version says was done.
@@ -127,9 +157,15 @@ class SqliteDatabase:
 
     backend: Backend = "sqlite"
 
-    def __init__(self, path: str | os.PathLike[str], audit_key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        audit_key: bytes | None = None,
+        *,
+        upgrade: bool = False,
+    ) -> None:
         self.path = Path(path)
-        self.conn = open_db(self.path)
+        self.conn = open_db(self.path, upgrade=upgrade)
         self.audit_key = audit_key
 
     def describe(self) -> str:
