@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from google.protobuf import json_format
 
+from saltgate.audit.command import _envoy_document
 from saltgate.audit.deployment import Severity, judge_envoy_config
 from saltgate.config import (
     ConfigError,
@@ -213,3 +215,17 @@ def test_the_epp_section_is_parsed_and_checked(tmp_path: Path) -> None:
         doc["epp"] = bad
         with pytest.raises(ConfigError, match=re.escape(said)):
             parse_config(doc, tmp_path)
+
+
+def test_audit_reads_the_printed_json_and_yaml_and_names_a_bad_file(tmp_path: Path) -> None:
+    printed = tmp_path / "envoy.json"
+    printed.write_text(json.dumps(shipped(), indent=2))  # what --envoy-config prints
+    assert _envoy_document(str(printed)) == shipped()
+    as_yaml = tmp_path / "envoy.yaml"
+    as_yaml.write_text(yaml.safe_dump(fail_open()))
+    assert _envoy_document(str(as_yaml)) == fail_open()
+    for bad in (tmp_path / "absent.yaml", tmp_path / "broken.yaml"):
+        if bad.name == "broken.yaml":
+            bad.write_text("a: [unclosed\n")
+        with pytest.raises(ConfigError, match=re.escape(f"--envoy-config {bad}")):
+            _envoy_document(str(bad))
