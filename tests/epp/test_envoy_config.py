@@ -41,7 +41,12 @@ pytestmark = pytest.mark.unit
 
 def shipped() -> dict[str, Any]:
     return bootstrap(
-        listen_host="127.0.0.1", envoy_port=8081, epp_host="127.0.0.1", grpc_port=9002, timeout_s=60
+        listen_host="127.0.0.1",
+        envoy_port=8081,
+        epp_host="127.0.0.1",
+        grpc_port=9002,
+        timeout_s=60,
+        max_body_bytes=8 << 20,
     )
 
 

@@ -184,6 +184,26 @@ def test_positive_control_without_salting_both_tenants_share_the_cache(tmp_path:
     run(body)
 
 
+def test_a_body_the_gateway_takes_passes_envoy_and_a_larger_one_gets_413(
+    tmp_path: Path,
+) -> None:
+    """Envoy buffers bodies up to the gateway's max_body_bytes (8 MiB by default), not
+    its own default of 1 MiB, which refused what the gateway takes."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path) as s, s.client("alice") as http:
+            big = completion("word " * 400_000, max_tokens=1)  # about 2 MB
+            answer = await http.post("/v1/completions", json=big)
+            # it reached the replica, which answers for its context length, not Envoy 413
+            assert "maximum context length" in answer.json()["error"]["message"]
+            huge = completion("word " * 1_800_000, max_tokens=1)  # about 9 MB
+            answer = await http.post("/v1/completions", json=huge)
+            assert answer.status_code == 413, answer.text[:300]
+            assert len(s.bodies()) == 1
+
+    run(body)
+
+
 def test_policy_refusals_are_envoy_immediate_responses_in_openai_shape(tmp_path: Path) -> None:
     async def body() -> None:
         async with envoy_stack(tmp_path) as s:

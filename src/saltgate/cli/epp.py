@@ -41,6 +41,7 @@ def _run_epp(args: argparse.Namespace) -> int:
             epp_host=config.host,
             grpc_port=config.epp.grpc_port,
             timeout_s=config.upstream_timeout_s,
+            max_body_bytes=config.max_body_bytes,
         )
         print(json.dumps(document, indent=2))  # JSON is YAML: `envoy -c` reads it as such
         return 0

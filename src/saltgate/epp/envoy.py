@@ -36,11 +36,19 @@ def _address(host: str, port: int) -> dict[str, Any]:
 
 
 def bootstrap(
-    *, listen_host: str, envoy_port: int, epp_host: str, grpc_port: int, timeout_s: float
+    *,
+    listen_host: str,
+    envoy_port: int,
+    epp_host: str,
+    grpc_port: int,
+    timeout_s: float,
+    max_body_bytes: int,
 ) -> dict[str, Any]:
     """The Envoy bootstrap: a listener on ``envoy_port`` whose every request goes through
     the EPP at ``epp_host:grpc_port`` (request body buffered, response body streamed),
-    then to the replica it names; ``timeout_s``: a request's upstream time limit."""
+    then to the replica it names; ``timeout_s``: a request's upstream time limit;
+    ``max_body_bytes``: the largest body Envoy buffers for the EPP (the gateway's own
+    limit: Envoy's default, 1 MiB, would refuse bodies the gateway takes)."""
     ext_proc = {
         "name": EXT_PROC,
         "typed_config": {
@@ -90,6 +98,7 @@ def bootstrap(
                 {
                     "name": "inference",
                     "address": _address(listen_host, envoy_port),
+                    "per_connection_buffer_limit_bytes": max_body_bytes,
                     "filter_chains": [
                         {
                             "filters": [
