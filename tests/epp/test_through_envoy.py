@@ -32,6 +32,7 @@ from tests.support.waiting import eventually
 from saltgate.config import load_config, load_master_key
 from saltgate.derivations.derive import cache_salt, derive_subkeys
 from saltgate.epp.server import RunningEpp, start_epp
+from saltgate.http import HttpServer, Request, Response, UpstreamPool
 from saltgate.policy.fields import ANSWER_FIELDS
 from saltgate.sim.run import RunningSim, SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
@@ -85,7 +86,10 @@ class EnvoyStack:
 
 
 @asynccontextmanager
-async def envoy_stack(tmp: Path, *, salting: bool = True) -> AsyncIterator[EnvoyStack]:
+async def envoy_stack(
+    tmp: Path, *, salting: bool = True, replicas: list[str] | None = None
+) -> AsyncIterator[EnvoyStack]:
+    """``replicas``: the replica URLs, instead of the two taps in front of simulators."""
     binary = envoy_binary()
     sims = [await start_sim(SimConfig(port=0, model=MODEL)) for _ in range(2)]
     taps = [Tap(s) for s in sims]
@@ -101,7 +105,7 @@ async def envoy_stack(tmp: Path, *, salting: bool = True) -> AsyncIterator[Envoy
     path = write_gateway_config(
         tmp / "gateway.toml",
         state_dir=state,
-        replicas=[f"http://127.0.0.1:{t.port}" for t in taps],
+        replicas=replicas or [f"http://127.0.0.1:{t.port}" for t in taps],
         admin_port=None,
         gateway_extra='host = "127.0.0.1"\n',
         sections=sections,
@@ -335,5 +339,42 @@ def test_the_adversarial_field_cases_hold_through_envoy(tmp_path: Path) -> None:
                 assert answer.status_code == 200, answer.text
                 for field in ANSWER_FIELDS:
                     assert f'"{field}"'.encode() not in answer.content, (stream, field)
+
+    run(body)
+
+
+def test_a_replica_refusing_the_gateways_key_is_never_relayed(tmp_path: Path) -> None:
+    """A replica answering 401 refuses the gateway's own key, not the tenant's (as
+    tests/gateway/test_replica_key.py shows for the gateway): the tenant gets the
+    gateway's 503, never the replica's 401 and its body, and the replica is down."""
+
+    async def body() -> None:
+        replica = await start_sim(SimConfig(port=0, model=MODEL))
+        pool = UpstreamPool("127.0.0.1", replica.port)
+        posts: list[bytes] = []
+
+        async def refusing(request: Request) -> Response:
+            if request.method == b"POST":  # its probes pass, its answers refuse
+                posts.append(request.body)
+                return Response(401, [(b"content-type", b"text/plain")], b"replica key wrong")
+            upstream = await pool.request(request.method, request.path, [])
+            return Response(upstream.status, [], await upstream.read())
+
+        front = HttpServer(refusing)
+        port = await front.start("127.0.0.1", 0)
+        try:
+            async with envoy_stack(tmp_path, replicas=[f"http://127.0.0.1:{port}"]) as s:
+                async with s.client("alice") as http:
+                    answer = await http.post("/v1/completions", json=completion("hi"))
+                assert answer.status_code == 503, answer.text
+                assert answer.json()["error"]["code"] == "no_replica"
+                assert "replica key wrong" not in answer.text
+                assert len(posts) == 1  # the request did reach the replica
+                [(_, _, ok)] = s.epp.gateway.replicas.available()
+                assert not ok  # down at once, as the gateway takes it down
+        finally:
+            await front.close()
+            await pool.close()
+            await replica.close()
 
     run(body)

@@ -38,7 +38,7 @@ from saltgate.gateway.exchange import (
     Exchange,
     no_replica,
 )
-from saltgate.gateway.replicas import Attempt, Replica
+from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt, Replica
 from saltgate.gateway.server import Admitted, Gateway, api_error_response
 from saltgate.gateway.usage import SseUsageScanner, usage_from_body
 from saltgate.http import Client, Headers, Request, Response
@@ -240,8 +240,18 @@ class _Conversation:
         self.status = int(status) if status.isdigit() else 0
         plain = [(k, v) for k, v in incoming if not k.startswith(b":")]
         exchange = self.exchange
-        if self.attempt is not None:
-            self.attempt.responded()
+        attempt = self.attempt
+        if attempt is not None and exchange is not None and self.status in CREDENTIALS_REFUSED:
+            # The replica refuses the gateway's key, not the tenant's: never relayed; the
+            # replica is down, and the tenant gets the gateway's answer for no replica.
+            self.gateway.replicas.refused(attempt.replica, self.status)
+            exchange.failed()
+            await self._end(NOT_SERVED, None)
+            refusal = api_error_response(no_replica())
+            refusal.headers += self.added
+            return immediate(refusal)
+        if attempt is not None:
+            attempt.responded()
         if exchange is not None:
             content_type = dict(plain).get(b"content-type", b"")
             if self.status == 200 and content_type.startswith(_SSE):
