@@ -357,14 +357,17 @@ class RunningEpp:
     health: health.aio.HealthServicer
     closed: bool = False
 
-    async def close(self, grace_s: float = 5.0) -> None:
-        """Health NOT_SERVING, streams under way given ``grace_s``, then the gateway's
-        parts closed; once."""
+    async def close(self, grace_s: float | None = None) -> None:
+        """Drain: health NOT_SERVING and /ready draining at once, streams under way given
+        ``grace_s`` (default `[gateway] drain_grace_s`), then the gateway's parts closed;
+        once."""
         if self.closed:
             return
         self.closed = True
+        self.gateway.draining = True
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        grace = self.gateway.config.drain_grace_s if grace_s is None else grace_s
+        await self.server.stop(grace)
         await self.gateway.aclose()
 
 
