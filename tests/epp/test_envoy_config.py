@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from google.protobuf import json_format
 
 from saltgate.audit.command import _envoy_document
 from saltgate.audit.deployment import Severity, judge_envoy_config
+from saltgate.cli import main
 from saltgate.config import (
     ConfigError,
     EppConfig,
@@ -234,3 +236,13 @@ def test_audit_reads_the_printed_json_and_yaml_and_names_a_bad_file(tmp_path: Pa
             bad.write_text("a: [unclosed\n")
         with pytest.raises(ConfigError, match=re.escape(f"--envoy-config {bad}")):
             _envoy_document(str(bad))
+
+
+def test_the_command_without_its_extra_says_which_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In this process, with grpc hidden (an install without saltgate[epp])."""
+    monkeypatch.setitem(sys.modules, "grpc", None)
+    assert main(["epp", "--config", "gateway.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err == "saltgate epp: needs grpc, not installed: pip install 'saltgate[epp]'\n"
