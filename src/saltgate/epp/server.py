@@ -40,7 +40,7 @@ from saltgate.gateway.exchange import (
 )
 from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt, Replica
 from saltgate.gateway.server import Admitted, Gateway, api_error_response
-from saltgate.gateway.usage import SseUsageScanner, usage_from_body
+from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
 from saltgate.http import Client, Headers, Request, Response
 from saltgate.policy.errors import ApiError
 from saltgate.policy.fields import scrub_answer, scrub_events
@@ -292,7 +292,7 @@ class _Conversation:
             out, self.held = out[: -len(DONE)], DONE
         return _body(out)
 
-    async def _end(self, status: int, usage: Any) -> None:
+    async def _end(self, status: int, usage: Usage | None) -> None:
         exchange = self.exchange
         if exchange is not None and not self.ended:
             self.ended = True
