@@ -227,9 +227,12 @@ def test_only_the_governed_arm_gets_the_fair_queue_and_limits() -> None:
     governed = fairness.replay_options(o, "saltgate")
     assert "[queue]\nenabled = true" in governed.gateway_sections
     assert governed.tenant_limits is not None and governed.tenant_limits.input_tpm == 300_000
+    assert "max_prefill_tokens" not in governed.gateway_sections, "derived, as it ships"
+    ungoverned = fairness.replay_options(o, "saltgate-ungoverned")
+    assert "[queue]\nenabled = false" in ungoverned.gateway_sections, "on by default"
     for router in ("saltgate-ungoverned", "smg", "vllm-router"):
         other = fairness.replay_options(o, router)
-        assert other.gateway_sections == "" and other.tenant_limits is None
+        assert "enabled = true" not in other.gateway_sections and other.tenant_limits is None
     assert fairness.replay_options(o, "smg").peer_args == ("--max-concurrent-requests", "4")
     assert options(tenant_input_tpm=0).tenant_limits is None
 

@@ -154,13 +154,14 @@ class TracingConfig:
 class QueueConfig:
     """[queue]: the saturation gate and the fair queue behind it (docs/fairness.md)."""
 
-    enabled: bool = False
+    enabled: bool = True
     max_queue_s: float = 30.0  # a request waiting longer is answered 503 / 529
     max_waiting_per_replica: int = 2  # a replica's estimated queue at which it is saturated
     quantum_tokens: int = 4096  # service a tenant's same-prefix run may take in one turn
     # Prompt tokens sent to a replica and not yet prefilled past which it takes no more
-    # (a replica with none takes any prompt); 0: no such budget.
-    max_prefill_tokens_per_replica: int = 0
+    # (a replica with none takes any prompt); 0: no such budget; None (unset): each
+    # replica's own engine step, as its /metrics reports it (docs/fairness.md).
+    max_prefill_tokens_per_replica: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +246,7 @@ class GatewayConfig:
     # at start, counted in a metric, reported by `saltgate audit deployment`.
     allow_plaintext_upstream: bool = False
     tracing: TracingConfig | None = None  # [tracing]; None: no spans, OpenTelemetry not loaded
-    queue: QueueConfig = field(default_factory=QueueConfig)  # [queue]: off unless enabled
+    queue: QueueConfig = field(default_factory=QueueConfig)  # [queue]: on unless disabled
     # [media]: remote media URLs refused (the default) or fetched under its egress policy.
     media: MediaSettings = field(default_factory=MediaSettings)
     canary: CanaryConfig = field(default_factory=CanaryConfig)  # [canary]: on by default

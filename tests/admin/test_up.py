@@ -31,3 +31,25 @@ def test_up_prints_a_working_admin_token_and_revokes_the_last_runs(tmp_path: Pat
                 assert (await c.get("/admin/v1/me", headers=fresh)).status_code == 200
 
     run(go)
+
+
+def test_up_serves_through_the_fair_queue(tmp_path: Path) -> None:
+    """Fair by default: the gateway `saltgate up` starts runs the saturation gate and the
+    fair queue (issue 42: a newcomer's gateway let a noisy tenant take the replicas); a
+    request that found a place is counted as having waited 0 s, by tenant."""
+
+    async def go() -> None:
+        async with saltgate_up(tmp_path / "state") as up:
+            async with async_client(base_url=up.url, timeout=30) as c:
+                r = await c.post(
+                    "/v1/completions",
+                    headers={"authorization": f"Bearer {up.api_key()}"},
+                    json={"model": "sim-model", "prompt": "Hello", "max_tokens": 4},
+                )
+                assert r.status_code == 200, r.text
+            auth = {"authorization": f"Bearer {up.admin_token()}"}
+            async with async_client(base_url=up.admin_url, timeout=30) as c:
+                scrape = (await c.get("/metrics", headers=auth)).text
+            assert "saltgate_queue_wait_seconds_count{tenant=" in scrape, scrape[:500]
+
+    run(go)

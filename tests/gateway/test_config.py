@@ -72,7 +72,10 @@ def test_a_good_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert config.limits_lease_ttl_s == 600.0
     path.write_text(GOOD + "[limits]\nshare = 4\nlease_ttl_s = 120\n")
     assert (load_config(path).limits_share, load_config(path).limits_lease_ttl_s) == (4, 120.0)
-    assert config.queue == QueueConfig(False, 30.0, 2, 4096, 0)  # off unless enabled
+    # On unless disabled, its prefill budget each replica's own engine step (None)
+    assert config.queue == QueueConfig(True, 30.0, 2, 4096, None)
+    path.write_text(GOOD + "[queue]\nenabled = false\n")
+    assert load_config(path).queue == QueueConfig(False, 30.0, 2, 4096, None)
     path.write_text(
         GOOD + "[queue]\nenabled = true\nmax_queue_s = 5\nmax_waiting_per_replica = 0\n"
         "quantum_tokens = 0\nmax_prefill_tokens_per_replica = 8192\n"

@@ -2,24 +2,27 @@
 simulated replicas (docs/fairness.md): replicas' own queues stay within the gate, a quiet
 tenant goes ahead of a noisy one's backlog (and not when the queue is FIFO), a request
 that waits too long is answered in its API's shape, a client that leaves is out of the
-queue at once, and with [queue] off nothing changes."""
+queue at once, and with [queue] enabled = false nothing changes."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from tests.gateway.stack import MODEL, Stack, run, stack
 from tests.support.waiting import eventually
 
 from saltgate.config import QueueConfig
 from saltgate.gateway.fairshare import FairShare
+from saltgate.governance.fairness import FALLBACK_STEP_TOKENS
 from saltgate.governance.limits import Limits
 from saltgate.prices import PriceVersion
 from saltgate.routing import RouterConfig
@@ -111,11 +114,14 @@ async def _sample(read: Callable[[], int], into: list[int]) -> None:
 
 
 def test_without_the_queue_nothing_changes(tmp_path: Path) -> None:
-    """[queue] off (the default): no queue, no hooks on the replicas, and the same
+    """[queue] enabled = false: no queue, no hooks on the replicas, and the same
     overload piles up inside the replicas (which is what the gate prevents)."""
 
     async def main() -> None:
-        async with stack(tmp_path, sim=SIM, router=FAST_PROBES) as s, s.client("alice") as c:
+        async with (
+            stack(tmp_path, sim=SIM, router=FAST_PROBES, queue=QueueConfig(enabled=False)) as s,
+            s.client("alice") as c,
+        ):
             gateway = s.gateway.gateway
             assert gateway.fair is None
             assert gateway.replicas.on_free is None and gateway.replicas.on_queue is None
@@ -324,6 +330,89 @@ def test_a_tenant_is_charged_its_metered_service(tmp_path: Path) -> None:
                 assert share.queue.counters[principal.tenant_id] == expected
 
     run(main)
+
+
+def test_a_request_that_finds_a_place_does_not_join_the_queue(tmp_path: Path) -> None:
+    """The fast path: with nothing waiting and a replica below the gate, a request gets
+    its replica without a Waiter, a future or a timer (what halved the throughput of a
+    gateway whose replicas keep up), is still charged and counted as having waited 0."""
+
+    async def main() -> None:
+        async with (
+            stack(tmp_path, replicas=1, queue=QueueConfig(enabled=True)) as s,
+            s.client("alice") as c,
+        ):
+            share = fair(s)
+            pushed: list[str] = []
+            push = share.queue.push
+
+            def counting_push(*args: Any, **kwargs: Any) -> Any:
+                pushed.append(args[1])
+                return push(*args, **kwargs)
+
+            share.queue.push = counting_push  # type: ignore[method-assign]
+            for i in range(10):
+                resp = await c.post("/v1/completions", json=completion(f"one at a time {i}"))
+                assert resp.status_code == 200, resp.text
+            assert pushed == []
+            assert share._timer is None and len(share.queue._deadlines) == 0
+            tenant = next(iter(share.queue.counters))
+            assert share.queue.counters[tenant] > 0
+            scrape = await s.scrape()
+            assert f'saltgate_queue_wait_seconds_count{{tenant="{tenant}"}} 10' in scrape
+            assert (
+                f'saltgate_queue_wait_seconds_bucket{{tenant="{tenant}",le="0.005"}} 10' in scrape
+            )
+
+    run(main)
+
+
+def test_the_prefill_budget_is_learnt_from_the_replica_with_a_fallback_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """[queue] as it ships (no budget set): until a replica's /metrics shows an engine
+    step, its budget is the fallback, said in one line naming it; once its probes show
+    the steps it runs (the simulator's --max-num-batched-tokens 256, written as vLLM's
+    vllm:iteration_tokens_total), that step is its budget, said once too."""
+    sim = dataclasses.replace(SIM, max_num_batched_tokens=256, prefill_ms_per_1k_tokens=1.0)
+
+    async def main() -> None:
+        async with (
+            stack(tmp_path, replicas=1, sim=sim, router=FAST_PROBES) as s,
+            s.client("alice") as c,
+        ):
+            share = fair(s)
+            replica = s.gateway.gateway.replicas.replicas[0]
+            assert share.gate.max_prefill_tokens is None
+            await eventually(
+                lambda: replica.id in share._steps, what="a probe told the gate its step"
+            )
+            assert share.gate.prefill_budget(replica.id)[0] == FALLBACK_STEP_TOKENS
+            resp = await c.post("/v1/completions", json=completion("word " * 1500))
+            assert resp.status_code == 200, resp.text
+            await eventually(
+                lambda: share.gate.prefill_budget(replica.id) == (256, 512),
+                what="the gate takes the replica's engine step",
+            )
+            probes: list[int] = []
+            replicas = s.gateway.gateway.replicas
+            told = replicas.on_queue
+            assert told is not None
+
+            def counting(*args: Any) -> None:
+                probes.append(1)
+                told(*args)
+
+            replicas.on_queue = counting
+            await eventually(lambda: len(probes) >= 3, what="three more probes")
+
+    with caplog.at_level(logging.INFO, logger="saltgate.gateway.fairshare"):
+        run(main)
+    said = [r.getMessage() for r in caplog.records if r.name == "saltgate.gateway.fairshare"]
+    assert len(said) == 2, said
+    assert "reports no engine step size yet" in said[0] and "127.0.0.1:" in said[0]
+    assert f"its prefill budget is {FALLBACK_STEP_TOKENS} tokens" in said[0]
+    assert "runs engine steps of up to 256 tokens" in said[1]
 
 
 class BatchKeys:

@@ -20,11 +20,15 @@ from hypothesis import strategies as st
 
 from saltgate.governance.fairness import (
     BATCH,
+    FALLBACK_STEP_TOKENS,
     INTERACTIVE,
+    MIN_STEP_TOKENS,
+    SHORT_STEPS,
     FairQueue,
     SaturationGate,
     Waiter,
     service,
+    step_tokens,
 )
 
 pytestmark = pytest.mark.unit
@@ -444,6 +448,47 @@ def test_a_prefill_budget_holds_long_prompts_and_lets_short_ones_by() -> None:
         SaturationGate(max_waiting=0, max_prefill_tokens=-1)
 
 
+def test_a_derived_budget_is_the_replica_engine_step() -> None:
+    """Without max_prefill_tokens, each replica's budget is its own engine step as its
+    probes report it: a prompt of at most two steps is never held, a longer one waits
+    while the replica has anything to prefill (long prompts one at a time), and an idle
+    replica takes anything. Until a replica reports a step (or a step too small to
+    tell), it gets the fallback; another replica's step is not its own."""
+    gate = SaturationGate(max_waiting=2, max_prefill_tokens=None)
+    assert gate.stepped("r", 2048) == 2048
+    assert not gate.saturated("r", 1, prefill=0, request=12_000), "idle: a long prompt goes"
+    assert not gate.saturated("r", 1, prefill=12_000, request=4096), "two steps: never held"
+    assert gate.saturated("r", 1, prefill=100, request=4097), "longer: waits"
+    fallback = (FALLBACK_STEP_TOKENS, FALLBACK_STEP_TOKENS * SHORT_STEPS)
+    assert gate.prefill_budget("other") == fallback
+    assert not gate.saturated("other", 1, prefill=100, request=fallback[1])
+    assert gate.saturated("other", 1, prefill=100, request=fallback[1] + 1)
+    assert gate.stepped("r", MIN_STEP_TOKENS // 2) is None, "too little to tell"
+    assert gate.prefill_budget("r") == fallback
+    assert gate.stepped("r", None) is None
+    gate.stepped("r", 4096)
+    gate.forget(["other"])
+    assert gate.prefill_budget("r")[0] == FALLBACK_STEP_TOKENS, "a removed replica's step"
+
+
+def test_a_budget_set_by_hand_wins_over_the_reported_step() -> None:
+    gate = SaturationGate(max_waiting=2, max_prefill_tokens=8192)
+    assert gate.stepped("r", 256) == 256
+    assert gate.prefill_budget("r") == (8192, 8192 / 16)
+    assert gate.saturated("r", 1, prefill=6_000, request=6_000)
+    assert not gate.saturated("r", 1, prefill=6_000, request=300)
+    off = SaturationGate(max_waiting=2, max_prefill_tokens=0)
+    off.stepped("r", 256)
+    assert not off.saturated("r", 1, prefill=6_000, request=6_000), "0: no budget"
+
+
+def test_step_tokens_falls_back_on_too_little() -> None:
+    assert step_tokens(None) is None
+    assert step_tokens(MIN_STEP_TOKENS - 1) is None
+    assert step_tokens(MIN_STEP_TOKENS) == MIN_STEP_TOKENS
+    assert step_tokens(16384) == 16384
+
+
 def test_a_request_held_back_does_not_hold_up_another_tenant() -> None:
     """`candidates` offers the next in fair order first, then the other tenants' oldest:
     the shell releases the first its replicas can take. Bands stay strict, and a
@@ -461,3 +506,103 @@ def test_a_request_held_back_does_not_hold_up_another_tenant() -> None:
     assert [w.item for w in q.candidates()] == ["noisy-next"]
     q.pop()
     assert [w.item for w in q.candidates()] == ["batch"]  # interactive gone: batch's turn
+
+
+def _state(q: FairQueue[Any]) -> tuple[Any, ...]:
+    """What the next releases depend on: counters, weights, each band's floor, the turn."""
+    turn = q._turn
+    floors = tuple(q._bands[b].floor for b in (INTERACTIVE, BATCH))
+    return (
+        dict(q.counters),
+        dict(q.weights),
+        floors,
+        None if turn is None else (turn.band, turn.tenant, turn.key, turn.left),
+        len(q),
+    )
+
+
+_ARRIVAL = st.tuples(
+    st.just("arrive"),
+    st.sampled_from(TENANTS),
+    st.sampled_from((INTERACTIVE, BATCH)),
+    st.integers(0, 3000),
+    st.sampled_from((None, b"k1", b"k2")),
+    st.sampled_from((1.0, 2.0, 0.5)),
+)
+_STEP = st.one_of(
+    _ARRIVAL,
+    st.tuples(st.just("pop")),
+    st.tuples(st.just("correct"), st.sampled_from(TENANTS), st.integers(0, 3000)),
+    st.tuples(st.just("elsewhere"), st.sampled_from(TENANTS), st.integers(-500, 3000)),
+)
+
+
+@given(
+    script=st.lists(st.tuples(st.booleans(), _STEP), max_size=60),
+    quantum=st.sampled_from((0, 1000, 4096)),
+    fifo=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_serve_now_is_push_then_pop_on_an_empty_queue(
+    script: list[tuple[bool, tuple[Any, ...]]], quantum: int, fifo: bool
+) -> None:
+    """The gateway's fast path (a request served on arrival, without a Waiter) leaves the
+    queue exactly as the request queued and released at once would: same counters, lift,
+    floors, turn and weights, same service handed to the bus, so every later release is
+    the same; with a request waiting it changes nothing and the request must queue."""
+    fast: FairQueue[int] = FairQueue(quantum_tokens=quantum, fifo=fifo)
+    slow: FairQueue[int] = FairQueue(quantum_tokens=quantum, fifo=fifo)
+    fast.keep_charged()
+    slow.keep_charged()
+    charged: dict[str, float] = {}  # the estimate each tenant's last release charged
+    for i, (served_now, step) in enumerate(script):
+        if step[0] == "arrive":
+            _, tenant, band, cost, key, weight = step
+            opts: dict[str, Any] = {"band": band, "locality": key, "weight": weight}
+            waited = len(slow) > 0
+            if served_now:
+                assert fast.serve_now(tenant, cost, **opts) is not waited
+                if waited:
+                    fast.push(i, tenant, cost, deadline=FAR, **opts)
+                    slow.push(i, tenant, cost, deadline=FAR, **opts)
+                else:
+                    slow.push(i, tenant, cost, deadline=FAR, **opts)
+                    released = slow.pop()
+                    assert released is not None and released.item == i
+                    charged[tenant] = cost
+            else:
+                fast.push(i, tenant, cost, deadline=FAR, **opts)
+                slow.push(i, tenant, cost, deadline=FAR, **opts)
+        elif step[0] == "pop":
+            a, b = fast.pop(), slow.pop()
+            assert (a and a.item) == (b and b.item)
+            if a is not None:
+                charged[a.tenant] = a.cost
+        elif step[0] == "correct":
+            _, tenant, used = step
+            fast.correct(tenant, charged.get(tenant, 0.0), used)
+            slow.correct(tenant, charged.get(tenant, 0.0), used)
+        else:
+            _, tenant, amount = step
+            fast.charge_elsewhere(tenant, amount)
+            slow.charge_elsewhere(tenant, amount)
+        assert _state(fast) == _state(slow)
+        assert fast.take_charged() == slow.take_charged()
+    while (a := fast.pop()) is not None:  # and the same releases after it
+        b = slow.pop()
+        assert b is not None and a.item == b.item
+    assert slow.pop() is None
+
+
+def test_a_queue_that_empties_keeps_no_deadlines() -> None:
+    """Released requests do not stay in the deadline heap once nothing waits (the queue's
+    memory grew with every request served while the gateway was not saturated)."""
+    q: FairQueue[int] = FairQueue()
+    for i in range(100):
+        q.push(i, "a", 1.0, deadline=FAR)
+        assert q.pop() is not None
+    assert len(q._deadlines) == 0
+    q.push(100, "a", 1.0, deadline=1.0)
+    q.push(101, "b", 1.0, deadline=2.0)
+    assert q.pop() is not None
+    assert [w.item for w in q.expire(5.0)] == [101]

@@ -13,6 +13,7 @@ from openai._streaming import SSEDecoder as OpenAIDecoder
 from saltgate.policy.errors import (
     ApiError,
     body_too_large,
+    gateway_draining,
     gateway_stopping,
     invalid_type,
     method_not_allowed,
@@ -216,3 +217,21 @@ def test_a_stream_error_event_has_its_routes_shape(
         assert doc["error"]["code"] == "gateway_stopping" and doc["error"]["type"] == (
             "service_unavailable"
         )
+
+
+def test_a_request_during_the_drain_gets_a_retryable_503_in_its_apis_shape() -> None:
+    openai = gateway_draining(anthropic=False)
+    assert (openai.status, openai.code, openai.type) == (
+        503,
+        "gateway_stopping",
+        "service_unavailable",
+    )
+    anthropic = orjson.loads(gateway_draining(anthropic=True).body())
+    assert gateway_draining(anthropic=True).status == 503
+    assert anthropic == {
+        "type": "error",
+        "error": {
+            "type": "api_error",
+            "message": "The gateway is shutting down; retry the request.",
+        },
+    }

@@ -10,6 +10,7 @@ from saltgate.routing import (
     BreakerState,
     Overload,
     parse_gauge,
+    parse_largest_step,
     parse_waiting,
 )
 from saltgate.routing.health import Probe, ReplicaHealth
@@ -99,3 +100,36 @@ def test_waiting_is_read_from_vllm_metrics() -> None:
     assert parse_waiting(b"vllm:num_requests_waiting NaN\n") is None
     assert parse_gauge(two_engines, RUNNING_METRIC) == 50.0  # what the saturation gate reads
     assert parse_gauge(page, RUNNING_METRIC) == 0.0
+
+
+def test_the_largest_engine_step_is_read_from_vllm_metrics() -> None:
+    """vLLM's vllm:iteration_tokens_total histogram (buckets of tokens per engine step):
+    the smallest bound holding every step, summed over engines; the largest finite bound
+    when a step went past it; None without the histogram or before any step. The
+    simulator writes it as vLLM does."""
+    sim = SimServer(SimConfig())
+    assert parse_largest_step(sim.metrics()) is None, "no step yet"
+    sim.engine.metrics.step(200)
+    sim.engine.metrics.step(2048)
+    assert parse_largest_step(sim.metrics()) == 2048
+    sim.engine.metrics.step(2049)
+    assert parse_largest_step(sim.metrics()) == 4096
+
+    def page(*engines: tuple[int, ...]) -> bytes:
+        bounds = ["1.0", "256.0", "2048.0", "8192.0", "+Inf"]
+        return (
+            b"".join(
+                f'vllm:iteration_tokens_total_bucket{{engine="{e}",le="{le}",model_name="m"}} '
+                f"{float(n)}\n".encode()
+                for e, counts in enumerate(engines)
+                for le, n in zip(bounds, counts, strict=True)
+            )
+            + b"vllm:iteration_tokens_total_count 7.0\nvllm:iteration_tokens_total_sum 9e3\n"
+        )
+
+    assert parse_largest_step(page((0, 3, 5, 5, 5))) == 2048
+    assert parse_largest_step(page((0, 3, 5, 5, 5), (0, 0, 1, 2, 2))) == 8192, "two engines"
+    assert parse_largest_step(page((0, 3, 5, 5, 6))) == 8192, "past the last bound"
+    assert parse_largest_step(page((0, 0, 0, 0, 0))) is None
+    assert parse_largest_step(b"up 1\n") is None
+    assert parse_largest_step(b'vllm:iteration_tokens_total_bucket{le="x"} 1\n') is None

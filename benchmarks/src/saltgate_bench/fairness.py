@@ -94,16 +94,19 @@ SIM = SimSettings(
     max_num_batched_tokens=256,
     long_prefill_token_threshold=64,
 )
-# The governed arm's prefill budget per replica: about one noisy prompt's estimate, so
-# the replicas prefill one long prompt at a time each, short ones beside it.
-PREFILL_BUDGET_TOKENS = 8192
 
 
 def governed_sections() -> str:
     """The governed arm's extra gateway tables, and the one place that writes them: the
-    fair queue ([queue], docs/config.md). A gateway that does not know [queue] refuses
-    the config, and the arm reports that instead of running ungoverned."""
-    return f"\n[queue]\nenabled = true\nmax_prefill_tokens_per_replica = {PREFILL_BUDGET_TOKENS}\n"
+    fair queue ([queue], docs/config.md) at its defaults, its prefill budget each
+    replica's engine step as the replica reports it. A gateway that does not know [queue]
+    refuses the config, and the arm reports that instead of running ungoverned."""
+    return "\n[queue]\nenabled = true\n"
+
+
+def ungoverned_sections() -> str:
+    """The ungoverned arm's: the fair queue off (it is on by default)."""
+    return "\n[queue]\nenabled = false\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +154,13 @@ def replay_options(o: FairnessOptions, router: str) -> Options:
         startup_timeout_s=o.startup_timeout_s,
         progress=o.progress,
         fleet=fleet,
-        gateway_sections=governed_sections() if router == GOVERNED else "",
+        gateway_sections=(
+            governed_sections()
+            if router == GOVERNED
+            else ungoverned_sections()
+            if router in GATEWAY_ROUTERS
+            else ""
+        ),
         tenant_limits=o.tenant_limits if router == GOVERNED else None,
         peer_args=o.peer_args.get(router, ()),
         # an 8k-token prompt takes ~60 ms to make on a busy machine: made while

@@ -7,6 +7,10 @@ and the same load: a ~4.4 KB chat body POSTed with `Authorization: Bearer <key>`
 peers ignore it), at each concurrency, after a warm-up. A second scenario replaces nginx
 with simulated replicas (`saltgate sim`, no simulated compute) and streams the answers.
 
+`saltgate-noqueue` is saltgate with `[queue] enabled = false`: beside `saltgate` (the
+fair queue on, as it ships) it shows what the saturation gate and the queue cost a
+gateway whose replicas keep up.
+
 Reported per point: requests/s, latency p50/p99 from wrk's --latency, the latency each
 router adds over going direct (same scenario and concurrency), and saltgate's ratios to
 the peers. With --profile DIR, saltgate is sampled with py-spy at the highest concurrency
@@ -17,7 +21,8 @@ The target envoy-epp is saltgate as Envoy's endpoint picker (docs/epp.md): a rea
 prints, and `saltgate epp` behind it, both on the router CPUs; the router CPU measured is
 Envoy's alone (the EPP's is not in it).
 
-    saltgate-bench overhead [--targets direct,saltgate,saltgate-tls,envoy-epp,smg,vllm-router]
+    saltgate-bench overhead
+        [--targets direct,saltgate,saltgate-tls,saltgate-noqueue,envoy-epp,smg,vllm-router]
         [--scenarios nginx,sim-stream] [--concurrency 1,32] [--duration 5] [--json OUT]
         [--store sqlite|postgres] [--build compiled|pure]
 
@@ -117,7 +122,10 @@ from saltgate_bench.wrk import (
 from saltgate_devkit.procs import Proc, free_port
 from saltgate_devkit.services import PostgresServer, ServiceError
 
-SALTGATES = ("saltgate", "saltgate-tls")  # saltgate as itself and serving HTTPS
+# saltgate as itself, serving HTTPS, and with the fair queue off ([queue] enabled = false:
+# what the saturation gate and the queue cost while nothing saturates)
+SALTGATES = ("saltgate", "saltgate-tls", "saltgate-noqueue")
+NO_QUEUE = "\n[queue]\nenabled = false\n"
 EPP = "envoy-epp"  # saltgate as Envoy's endpoint picker, Envoy in front (docs/epp.md)
 # nginx's fixed answer reports 1,024 cached tokens under any cache_salt, which the
 # isolation canary (docs/canary.md) rightly takes for a shared cache: every replica out of
@@ -438,7 +446,7 @@ class Bench:
                 admin_port=free_port(),
                 tls_ca_file=backends.ca,
                 edge_cert=self.certificate() if target == "saltgate-tls" else None,
-                sections=NO_CANARY,
+                sections=NO_CANARY + (NO_QUEUE if target == "saltgate-noqueue" else ""),
             )
             config = write_gateway_config(self.workdir / f"saltgate-{port}.toml", text)
             argv = with_build(self._build_path, serve_argv(config))

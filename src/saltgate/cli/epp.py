@@ -42,6 +42,8 @@ def _run_epp(args: argparse.Namespace) -> int:
             grpc_port=config.epp.grpc_port,
             timeout_s=config.upstream_timeout_s,
             max_body_bytes=config.max_body_bytes,
+            # a request may wait its turn in the fair queue ([queue]) before the answer
+            message_timeout_s=max(30.0, config.queue.max_queue_s + 10),
         )
         print(json.dumps(document, indent=2))  # JSON is YAML: `envoy -c` reads it as such
         return 0

@@ -43,17 +43,20 @@ def bootstrap(
     grpc_port: int,
     timeout_s: float,
     max_body_bytes: int,
+    message_timeout_s: float = 30.0,
 ) -> dict[str, Any]:
     """The Envoy bootstrap: a listener on ``envoy_port`` whose every request goes through
     the EPP at ``epp_host:grpc_port`` (request body buffered, response body streamed),
     then to the replica it names; ``timeout_s``: a request's upstream time limit;
     ``max_body_bytes``: the largest body Envoy buffers for the EPP (the gateway's own
-    limit: Envoy's default, 1 MiB, would refuse bodies the gateway takes)."""
+    limit: Envoy's default, 1 MiB, would refuse bodies the gateway takes);
+    ``message_timeout_s``: how long Envoy waits for each EPP answer (past a request's
+    wait in the fair queue)."""
     ext_proc = {
         "name": EXT_PROC,
         "typed_config": {
             "@type": _EXT_PROC_TYPE,
-            "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}, "timeout": "30s"},
+            "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
             "failure_mode_allow": False,
             "processing_mode": {
                 "request_header_mode": "SEND",
@@ -63,7 +66,7 @@ def bootstrap(
                 "response_body_mode": "STREAMED",
                 "response_trailer_mode": "SKIP",
             },
-            "message_timeout": "30s",
+            "message_timeout": f"{message_timeout_s:g}s",
             "metadata_options": {"receiving_namespaces": {"untyped": [LB_NAMESPACE]}},
         },
     }

@@ -183,7 +183,7 @@ class _Conversation:
             admitted = await gateway.admit(request, context)
             if isinstance(admitted, Response):
                 return self._answered(context, admitted)
-            return self._send(request, context, admitted, headers_phase)
+            return await self._send(request, context, admitted, headers_phase)
         except ApiError as error:
             return self._answered(context, api_error_response(error))
 
@@ -193,16 +193,16 @@ class _Conversation:
         self.ended = True
         return immediate(response)
 
-    def _send(
+    async def _send(
         self, request: Request, context: RequestContext, admitted: Admitted, headers_phase: bool
     ) -> ext.ProcessingResponse:
         gateway = self.gateway
         exchange = gateway.exchange(admitted, context, request.client)
-        attempt = gateway.replicas.acquire(admitted.plan, admitted.avoid)
+        replicas, plan = gateway.replicas, admitted.plan
+        attempt = await exchange.relay(replicas, plan, admitted.avoid, len(admitted.payload))
         if attempt is None:
             exchange.unserved()
             raise no_replica()
-        exchange.relay(attempt)
         self.exchange, self.attempt = exchange, attempt
         self.added = [
             *(admitted.limit_headers or ()),
@@ -337,16 +337,11 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):  # type: ignore[mis
 def refuse_unsupported(config: GatewayConfig) -> None:
     """ConfigError for settings the EPP cannot honour (docs/epp.md): refused at start
     rather than silently not applied."""
-    unsupported = [
-        name
-        for name, on in (
-            ("[queue] (Envoy holds the connection, not saltgate)", config.queue.enabled),
-            ("[responses] store (continuations must reach their replica)", config.responses_store),
+    if config.responses_store:
+        raise ConfigError(
+            "saltgate epp does not support [responses] store (a continuation must reach "
+            "the replica holding it): turn it off"
         )
-        if on
-    ]
-    if unsupported:
-        raise ConfigError(f"saltgate epp does not support {', '.join(unsupported)}: turn it off")
 
 
 @dataclass

@@ -444,9 +444,19 @@ class Exchange:
             )
 
     # -- an exchange another proxy carries (saltgate/epp: Envoy moves the bytes) --------
-    def relay(self, attempt: Attempt) -> None:
-        """The replica the request was sent to, by the proxy that carries it."""
+    async def relay(
+        self, replicas: ReplicaSet, plan: Plan, avoid: Sequence[ReplicaId], body_bytes: int
+    ) -> Attempt | None:
+        """The replica for a request another proxy carries: its turn in the fair queue
+        ([queue]; the 503 / 529 when it waited too long), else the router's pick, as
+        `forward`'s first attempt; None: no replica."""
+        fair = self._fair
+        if fair is not None and not avoid:
+            attempt = await self._queued(fair, plan, body_bytes)
+        else:
+            attempt = replicas.acquire(plan, avoid)
         self._attempt = attempt
+        return attempt
 
     def unserved(self) -> None:
         """No replica could take the request: its reservations freed, nothing recorded

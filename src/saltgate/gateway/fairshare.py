@@ -5,7 +5,8 @@ queue and gate, reads the clock, and is driven by the exchange and the replica s
 
 - `acquire` (the exchange's first attempt): the request joins its tenant's queue in its
   key's priority band, and gets a replica once one of its replicas is below the gate and
-  it is next in fair order; with nothing queued and a replica free that is at once.
+  it is next in fair order; with nothing queued and a replica free that is at once,
+  without joining the queue (`FairQueue.serve_now`: charged as a release would).
 - `release` runs whenever a place may have freed: a request left a replica or its
   prompt is prefilled (its first output; `ReplicaSet.on_free`), a probe showed a
   replica's queue (`ReplicaSet.on_queue`, which also teaches the gate the replica's
@@ -32,12 +33,20 @@ from typing import Final
 
 from saltgate.config import QueueConfig
 from saltgate.gateway.metrics import Metrics, duration_buckets
-from saltgate.gateway.replicas import Attempt, ReplicaSet
-from saltgate.governance.fairness import BATCH, INTERACTIVE, FairQueue, SaturationGate, Waiter
+from saltgate.gateway.replicas import Attempt, ReplicaSet, replica_label
+from saltgate.governance.fairness import (
+    BATCH,
+    FALLBACK_STEP_TOKENS,
+    INTERACTIVE,
+    MIN_STEP_TOKENS,
+    FairQueue,
+    SaturationGate,
+    Waiter,
+)
 from saltgate.governance.limits import BYTES_PER_TOKEN, fair_weight
 from saltgate.http import Client
 from saltgate.policy.errors import AnthropicApiError, ApiError
-from saltgate.routing import Plan, ReplicaId, Router
+from saltgate.routing import Plan, ReplicaId, ReplicaState, Router
 from saltgate.store.tenants import Principal
 
 log = logging.getLogger(__name__)
@@ -88,6 +97,8 @@ class FairShare:
         self.replicas = replicas
         self.metrics = metrics
         self._timer: asyncio.TimerHandle | None = None
+        # The step size each replica's prefill budget was last said to be (None: fallback).
+        self._steps: dict[ReplicaId, int | None] = {}
         self.on_charge: Callable[[], None] | None = None  # the cluster bus's wake-up
         replicas.on_free = self.release
         replicas.on_queue = self.probed
@@ -113,17 +124,37 @@ class FairShare:
     ) -> Attempt | ApiError | None:
         """A replica for the request's first attempt, once it is its turn; None when no
         replica serves it at all; the ApiError to answer when it waited too long or its
-        client left."""
-        future: asyncio.Future[Attempt | int | None] = asyncio.get_running_loop().create_future()
+        client left.
+
+        The fast path: with nothing waiting and one of its replicas below the gate, the
+        request has its replica at once, charged as a release charges it, without a
+        future, a waiter or a timer; only a request that must wait queues."""
         now = time.monotonic()
+        band = BATCH if principal.priority == BATCH else INTERACTIVE
+        weight = fair_weight(principal.limits)
+        if not len(self.queue):
+            usable = self.replicas.router.usable(plan.model, now)
+            if not usable:
+                return None
+            full = self._full(usable, plan)
+            if len(full) < len(usable):
+                attempt = self.replicas.acquire(plan, full, usable)
+                if attempt is not None:
+                    self.queue.serve_now(
+                        principal.tenant_id, cost, band=band, locality=plan.key, weight=weight
+                    )
+                    self.metrics.observe(_WAIT, (("tenant", principal.tenant_id),), 0.0)
+                    self._charged()
+                return attempt
+        future: asyncio.Future[Attempt | int | None] = asyncio.get_running_loop().create_future()
         waiter = self.queue.push(
             _Entry(plan, future, now),
             principal.tenant_id,
             cost,
             deadline=now + self.max_queue_s,
-            band=BATCH if principal.priority == BATCH else INTERACTIVE,
+            band=band,
             locality=plan.key,
-            weight=fair_weight(principal.limits),
+            weight=weight,
         )
         self._release_safely()
         if not future.done():
@@ -173,11 +204,43 @@ class FairShare:
 
     # -- release ---------------------------------------------------------------------------
     def probed(
-        self, replica: ReplicaId, inflight: int, waiting: float | None, running: float | None
+        self,
+        replica: ReplicaId,
+        inflight: int,
+        waiting: float | None,
+        running: float | None,
+        step: int | None = None,
     ) -> None:
-        """A probe read a replica's queue with ``inflight`` requests on it (every gateway's)."""
+        """A probe read a replica's queue with ``inflight`` requests on it (every gateway's)
+        and ``step``, the largest engine step it has run (the derived prefill budget)."""
         self.gate.probed(replica, inflight, waiting, running)
+        self._stepped(replica, step)
         self.release()
+
+    def _stepped(self, replica: ReplicaId, step: int | None) -> None:
+        """Take the replica's engine step for its prefill budget, saying in one line when
+        it falls back (and again once it reports one)."""
+        if self.gate.max_prefill_tokens is not None:
+            return
+        taken = self.gate.stepped(replica, step)
+        if taken == self._steps.get(replica, -1):
+            return
+        self._steps[replica] = taken
+        if taken is None:
+            log.warning(
+                "replica %s reports no engine step size yet (vllm:iteration_tokens_total in "
+                "its /metrics, or no step of %d tokens or more): its prefill budget is %d "
+                "tokens until it does ([queue] max_prefill_tokens_per_replica sets one)",
+                replica_label(replica),
+                MIN_STEP_TOKENS,
+                FALLBACK_STEP_TOKENS,
+            )
+        else:
+            log.info(
+                "replica %s runs engine steps of up to %d tokens: its prefill budget",
+                replica_label(replica),
+                taken,
+            )
 
     def _release_safely(self) -> None:
         """`release`, its failure logged rather than thrown at the request just queued
@@ -202,7 +265,6 @@ class FairShare:
         """Release the first request, in fair order, that one of its replicas can take
         (one held back by the gate does not hold up the other tenants'); whether one
         left the queue (then look again: the order changed)."""
-        gate = self.gate
         for waiter in queue.candidates():
             entry = waiter.item
             if entry.future.done():  # its task was cancelled and has not run yet
@@ -210,19 +272,10 @@ class FairShare:
                 return True
             plan = entry.plan
             usable = router.usable(plan.model, now)
-            full = [
-                s.id
-                for s in usable
-                if gate.saturated(
-                    s.id,
-                    s.all_inflight,
-                    (s.prefill_at_most + s.remote_prefill) / BYTES_PER_TOKEN,
-                    plan.uncached_at_most(s.id) / BYTES_PER_TOKEN,
-                )
-            ]
+            full = self._full(usable, plan)
             if usable and len(full) == len(usable):
                 continue  # its turn waits for one of its replicas
-            attempt = self.replicas.acquire(plan, full) if usable else None
+            attempt = self.replicas.acquire(plan, full, usable) if usable else None
             queue.pop(waiter)
             if attempt is None:  # no replica serves it at all: 503, and nothing served
                 queue.correct(waiter.tenant, waiter.cost, 0.0)
@@ -231,6 +284,20 @@ class FairShare:
             self._charged()
             return True
         return False
+
+    def _full(self, usable: list[ReplicaState], plan: Plan) -> list[ReplicaId]:
+        """The replicas among ``usable`` that the gate holds back for ``plan``."""
+        gate = self.gate
+        return [
+            s.id
+            for s in usable
+            if gate.saturated(
+                s.id,
+                s.all_inflight,
+                (s.prefill_at_most + s.remote_prefill) / BYTES_PER_TOKEN,
+                plan.uncached_at_most(s.id) / BYTES_PER_TOKEN,
+            )
+        ]
 
     def _arm(self) -> None:
         if self._timer is None:
@@ -251,4 +318,6 @@ class FairShare:
     def forget(self, replicas: list[ReplicaId]) -> None:
         """Only ``replicas`` remain (a reload): the gate forgets the others' capacity."""
         self.gate.forget(replicas)
+        kept = set(replicas)
+        self._steps = {r: step for r, step in self._steps.items() if r in kept}
         self.release()

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -35,6 +35,7 @@ from saltgate.routing import (
     ReplicaState,
     Router,
     parse_gauge,
+    parse_largest_step,
     parse_waiting,
 )
 
@@ -166,9 +167,11 @@ class ReplicaSet:
         # The fair queue's (gateway/fairshare.py), None without [queue]: told when a
         # request leaves a replica or its prompt is prefilled, and of each probe's queue
         # (replica, every gateway's requests in flight there, its waiting and running
-        # counts; None: not reported).
+        # counts, the largest engine step it ran; None: not reported).
         self.on_free: Callable[[], None] | None = None
-        self.on_queue: Callable[[ReplicaId, int, float | None, float | None], None] | None = None
+        self.on_queue: (
+            Callable[[ReplicaId, int, float | None, float | None, int | None], None] | None
+        ) = None
         self._replicas: dict[str, Replica] = {}
         self._probe_task: asyncio.Task[None] | None = None
         # What reload starts (retirements, first probes), cancelled by close.
@@ -244,12 +247,18 @@ class ReplicaSet:
             route, body, model, salt, time.monotonic(), remember=remember
         )
 
-    def acquire(self, plan: Plan, tried: Collection[ReplicaId]) -> Attempt | None:
+    def acquire(
+        self,
+        plan: Plan,
+        tried: Collection[ReplicaId],
+        usable: Sequence[ReplicaState] | None = None,
+    ) -> Attempt | None:
         """The replica to try next for ``plan`` (skipping ``tried``), counted as busy with
-        the request until the attempt is closed; None when no replica is available."""
+        the request until the attempt is closed; None when no replica is available.
+        ``usable``: the router's usable replicas for it, when the caller has them."""
         router = self.router
         now = time.monotonic()
-        replica_id = router.pick(plan, now, tried)
+        replica_id = router.pick(plan, now, tried, usable)
         if replica_id is None:
             return None
         prefill = float(plan.uncached_bytes(replica_id))
@@ -345,24 +354,30 @@ class ReplicaSet:
         body = await resp.read()
         waiting = parse_waiting(body) if resp.status == 200 else None
         self.router.observed_queue(replica.id, waiting)
+        step = parse_largest_step(body) if resp.status == 200 and self.on_queue else None
         if waiting is not None:
             running = parse_gauge(body, RUNNING_METRIC)
             state = self.router.state(replica.id)
             if state is not None:
-                self._tell_queue(replica.id, state.all_inflight, waiting, running)
+                self._tell_queue(replica.id, state.all_inflight, waiting, running, step)
         else:
-            self._tell_queue(replica.id, 0, None, None)
+            self._tell_queue(replica.id, 0, None, None, step)
         return None
 
     def _tell_queue(
-        self, replica: ReplicaId, inflight: int, waiting: float | None, running: float | None
+        self,
+        replica: ReplicaId,
+        inflight: int,
+        waiting: float | None,
+        running: float | None,
+        step: int | None,
     ) -> None:
         """Give the fair queue what a probe read. Its failure is the queue's, not the
         replica's: logged, and the probe (and the probe loop) goes on."""
         if self.on_queue is None:
             return
         try:
-            self.on_queue(replica, inflight, waiting, running)
+            self.on_queue(replica, inflight, waiting, running, step)
         except Exception:
             log.exception("the fair queue failed on a probe of %s; probing goes on", replica)
 

@@ -40,7 +40,12 @@ from saltgate.gateway.responses import BY_ID, ResponseOwners, by_id, unknown_res
 from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
 from saltgate.governance.limits import Ticket
 from saltgate.http import Client, Headers, Request, Response
-from saltgate.policy.errors import ApiError, missing_parameter, model_not_found
+from saltgate.policy.errors import (
+    ApiError,
+    gateway_draining,
+    missing_parameter,
+    model_not_found,
+)
 from saltgate.policy.fields import band_priority
 from saltgate.policy.forwarded import client_address
 from saltgate.policy.headers import credential, forward_request_headers, scrub_response_headers
@@ -378,6 +383,8 @@ class Gateway:
             models = parse_qs(request.query.decode("utf-8", "replace")).get("model")
             ready, answer = self.readiness(models[-1] if models else None)
             return Response(200 if ready else 503, list(JSON), orjson.dumps(answer))
+        if self.draining:  # on a connection open at SIGTERM (serving/run.py)
+            raise gateway_draining(anthropic=route in ANTHROPIC_ROUTES)
         principal = self._authenticate(request)
         context.tenant_id = principal.tenant_id
         if route == "/v1/models":

@@ -190,6 +190,47 @@ class FairQueue(Generic[T]):
         heapq.heappush(self._deadlines, (deadline, seq, waiter))
         return waiter
 
+    def serve_now(
+        self,
+        tenant: str,
+        cost: float,
+        *,
+        band: str = INTERACTIVE,
+        locality: bytes | None = None,
+        weight: float = 1.0,
+    ) -> bool:
+        """A request released on arrival, when nothing waits: its tenant is lifted and
+        charged, and the turn moves, exactly as `push` then `pop` would (the gateway's fast
+        path: no Waiter, no deadline). False, and nothing changed, when a request waits:
+        then it must `push` and wait its turn behind them."""
+        if self._len:
+            return False
+        b = self._bands.get(band)
+        if b is None:
+            raise ValueError(f"unknown priority band {band!r}; expected one of {BANDS}")
+        weight = sane_weight(weight)
+        if weight == 1.0:
+            self.weights.pop(tenant, None)
+        else:
+            self.weights[tenant] = weight
+        counter = self.counters[tenant] = max(self.counters.get(tenant, 0.0), b.floor)
+        charge = cost / weight
+        turn = self._turn
+        if (
+            not self.fifo
+            and turn is not None
+            and turn.left > 0
+            and (turn.band, turn.tenant, turn.key) == (band, tenant, locality)
+        ):
+            turn.left -= charge  # the same prefix, within the quantum: the turn goes on
+        else:
+            b.floor = counter
+            self._turn = (
+                None if locality is None else _Turn(band, tenant, locality, self.quantum - charge)
+            )
+        self._charge(tenant, charge)
+        return True
+
     def remove(self, waiter: Waiter[T]) -> bool:
         """Take a waiting request out (its client left); False if it no longer waits."""
         if not waiter.waiting:
@@ -221,6 +262,8 @@ class FairQueue(Generic[T]):
         t = b.tenants[waiter.tenant]
         t.count -= 1
         self._len -= 1
+        if not self._len:
+            self._deadlines.clear()  # all of them released or gone: nothing left to expire
         if t.count == 0:
             del b.tenants[waiter.tenant]  # its heap entries go stale: skipped when seen
             if not b.tenants:
@@ -389,6 +432,24 @@ class FairQueue(Generic[T]):
 
 
 SHORT: Final = 16  # a prompt within 1/SHORT of the prefill budget is not held by it
+# With the budget derived from the replica (no max_prefill_tokens set): a replica whose
+# largest engine step is smaller than MIN_STEP_TOKENS has not told its step size yet
+# (or runs none), and gets FALLBACK_STEP_TOKENS (vLLM's --max-num-batched-tokens of an
+# OpenAI server on an H100-class GPU: larger than most, so it holds less, not more).
+MIN_STEP_TOKENS: Final = 256
+FALLBACK_STEP_TOKENS: Final = 8192
+# With the derived budget, a prompt of at most this many engine steps is never held: vLLM
+# starts it beside the running prefills, and the gateway's estimate (a token per 4 bytes)
+# may put a one-step prompt past one step.
+SHORT_STEPS: Final = 2
+
+
+def step_tokens(largest_step: int | None) -> int | None:
+    """A replica's engine step size from the largest step it reports having run; None
+    when that is too little to tell (no report, or below `MIN_STEP_TOKENS`)."""
+    if largest_step is None or largest_step < MIN_STEP_TOKENS:
+        return None
+    return largest_step
 
 
 class SaturationGate:
@@ -415,14 +476,40 @@ class SaturationGate:
     by it, so, released first in fair order, it starts beside the long ones (as vLLM does
     when `--long-prefill-token-threshold` leaves it part of a step) instead of queueing
     behind them. 0: no budget.
+
+    ``max_prefill_tokens`` None (the default): each replica's budget is its own engine
+    step, as its probes report it (`stepped`; `FALLBACK_STEP_TOKENS` until they do), and a
+    prompt of at most `SHORT_STEPS` steps is never held by it: a longer prompt waits
+    while the replica has any prompt to prefill, so long prompts are prefilled one at a
+    time per replica and a short one starts within the step under way.
     """
 
-    def __init__(self, max_waiting: int, max_prefill_tokens: int = 0) -> None:
-        if max_waiting < 0 or max_prefill_tokens < 0:
+    def __init__(self, max_waiting: int, max_prefill_tokens: int | None = 0) -> None:
+        if max_waiting < 0 or (max_prefill_tokens is not None and max_prefill_tokens < 0):
             raise ValueError("max_waiting and max_prefill_tokens must be >= 0")
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self._capacity: dict[str, int] = {}
+        self._step: dict[str, int] = {}  # replica -> its engine step, as reported
+
+    def stepped(self, replica: str, largest_step: int | None) -> int | None:
+        """A probe read the largest engine step the replica has run (None: not reported);
+        returns the step size now taken for it, None when it falls back
+        (`FALLBACK_STEP_TOKENS`). Without a derived budget it only records it."""
+        step = step_tokens(largest_step)
+        if step is None:
+            self._step.pop(replica, None)
+        else:
+            self._step[replica] = step
+        return step
+
+    def prefill_budget(self, replica: str) -> tuple[int, float]:
+        """(the replica's prefill budget, the longest prompt it never holds); (0, 0): none."""
+        budget = self.max_prefill_tokens
+        if budget is None:
+            step = self._step.get(replica, FALLBACK_STEP_TOKENS)
+            return step, float(step * SHORT_STEPS)
+        return budget, budget / SHORT
 
     def probed(
         self, replica: str, inflight: int, waiting: float | None, running: float | None = None
@@ -453,9 +540,10 @@ class SaturationGate:
         """Whether one more request would queue more than ``max_waiting`` there, or
         (``prefill``: the replica's prompt tokens not yet prefilled, ``request``: this
         request's) bring its prefill backlog over ``max_prefill_tokens``."""
-        budget = self.max_prefill_tokens
-        if budget and prefill > 0 and prefill + request > budget and request > budget / SHORT:
-            return True
+        if prefill > 0:
+            budget, short = self.prefill_budget(replica)
+            if budget and prefill + request > budget and request > short:
+                return True
         capacity = self._capacity.get(replica)
         return capacity is not None and inflight - capacity >= self.max_waiting
 
@@ -464,3 +552,5 @@ class SaturationGate:
         kept = set(keep)
         for replica in [r for r in self._capacity if r not in kept]:
             del self._capacity[replica]
+        for replica in [r for r in self._step if r not in kept]:
+            del self._step[replica]

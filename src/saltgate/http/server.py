@@ -750,6 +750,17 @@ class HttpServer:
         `close` closes it."""
         self._listener = listener
 
+    async def _settle(self, timeout: float) -> None:
+        """Until no response is in progress (new ones may start on the connections open
+        meanwhile), for up to `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while tasks := {t for c in self.connections if (t := c.task) is not None} | self.orphans:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            await asyncio.wait(tasks, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+
     def connection(self) -> Accepted:
         """The protocol for one connection a `Listener` accepted."""
         return _Connection(self)
@@ -764,7 +775,13 @@ class HttpServer:
         """Stop accepting; let responses in progress finish for up to `grace` seconds;
         then `cut` (the handler ends its answers itself, each with its last words) and
         up to `cut_grace` seconds more for them to be written; then cancel what is left
-        and wait for it to unwind."""
+        and wait for it to unwind.
+
+        With `cut` (the gateway's drain), the connections open go on being answered
+        during the grace, so a balancer's probe on one reads that the handler is not
+        ready (and new requests on them get the handler's refusal); they close as soon
+        as no response is in progress, or when the grace ends. Without it, each closes
+        once its response in progress is complete."""
         if self._listener is not None:
             self._listener.close()
             await self._listener.wait_closed()
@@ -772,6 +789,9 @@ class HttpServer:
             self._server.close()
         else:
             return
+        if cut is not None:
+            await self._settle(grace)
+            grace = 0.0
         for conn in list(self.connections):
             conn.shutdown()
         tasks = {t for c in self.connections if (t := c.task) is not None} | self.orphans

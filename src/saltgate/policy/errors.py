@@ -188,6 +188,16 @@ def gateway_stopping() -> ApiError:
     )
 
 
+def gateway_draining(*, anthropic: bool) -> ApiError:
+    """503 for a request that reaches a gateway after SIGTERM, on a connection already open
+    (its listener is closed): it finishes what it has and takes nothing new; another
+    gateway serves the retry (the SDKs retry a 503)."""
+    message = "The gateway is shutting down; retry the request."
+    if anthropic:
+        return AnthropicApiError(503, message, type="api_error")
+    return ApiError(503, message, code="gateway_stopping")
+
+
 def stream_error_event(route: str, error: ApiError) -> bytes:
     """``error`` as the last event of a stream on ``route``, in the shape that route's
     clients parse: Anthropic's ``event: error``, the Responses API's ``error`` event, and

@@ -12,6 +12,7 @@ from saltgate.routing.health import (
     Overload,
     Probe,
     parse_gauge,
+    parse_largest_step,
     parse_waiting,
 )
 from saltgate.routing.hotkeys import HotKeys, warm_set_size
@@ -42,6 +43,7 @@ __all__ = [
     "judge",
     "new_run",
     "parse_gauge",
+    "parse_largest_step",
     "parse_waiting",
     "rank",
     "warm_set_size",

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from saltgate.routing.canary import Verdict
@@ -138,6 +139,37 @@ class ReplicaHealth:
 def parse_waiting(metrics: bytes) -> float | None:
     """Sum of ``vllm:num_requests_waiting`` samples in a Prometheus text page, or None."""
     return parse_gauge(metrics, WAITING_METRIC)
+
+
+STEP_METRIC = b"vllm:iteration_tokens_total_bucket"
+
+
+def parse_largest_step(metrics: bytes) -> int | None:
+    """The most tokens one engine step has computed, as far as vLLM's
+    ``vllm:iteration_tokens_total`` histogram tells: the smallest bucket bound that holds
+    every step (every label set summed); the largest finite bound when some step was past
+    it. None without the histogram or before any step."""
+    buckets: dict[float, float] = {}
+    for line in metrics.splitlines():
+        if not line.startswith(STEP_METRIC) or b'le="' not in line:
+            continue
+        start = line.index(b'le="') + 4
+        fields = line[line.rfind(b"}") + 1 :].split()
+        try:
+            bound = float(line[start : line.index(b'"', start)])
+            count = float(fields[0]) if fields else math.nan
+        except ValueError:
+            continue
+        if count >= 0 and not math.isnan(bound):
+            buckets[bound] = buckets.get(bound, 0.0) + count
+    total = buckets.pop(math.inf, None)
+    if not total or not buckets:
+        return None
+    bounds = sorted(buckets)
+    for bound in bounds:
+        if buckets[bound] >= total:
+            return int(bound)
+    return int(bounds[-1])
 
 
 def parse_gauge(metrics: bytes, name: bytes) -> float | None:

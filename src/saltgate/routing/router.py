@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Final, NamedTuple
@@ -432,14 +432,25 @@ class Router:
                 owners[rid] = (_shared_estimate(depth, length, prefixes.prompt_bytes), depth)
         return Plan(key, rate, prefixes.digests, prefixes.prompt_bytes, owners, model)
 
-    def pick(self, plan: Plan, now: float, exclude: Collection[ReplicaId] = ()) -> ReplicaId | None:
+    def pick(
+        self,
+        plan: Plan,
+        now: float,
+        exclude: Collection[ReplicaId] = (),
+        given: Sequence[ReplicaState] | None = None,
+    ) -> ReplicaId | None:
         """The replica for a request not yet tried on ``exclude``, among those serving its
-        model; None if none is left.
+        model; None if none is left. ``given``: what `usable` gave for the request's model
+        a moment ago (the fair queue's gate looked at them), not worked out again.
 
         Under ``saltgate`` the choice is remembered for the request's prefixes, so the next
         turn of the conversation follows it (`affinity.PrefixAffinity`).
         """
-        usable = self._usable(now, exclude, plan.model)
+        usable = (
+            self._usable(now, exclude, plan.model)
+            if given is None
+            else {state.id: state for state in given if state.id not in exclude}
+        )
         if not usable:
             return None
         policy = self.config.policy

@@ -211,6 +211,7 @@ class ReplicaEngine:
                     await self._wake.wait()
                     continue
                 tokens = sum(n for _, n in step)
+                self.metrics.step(tokens)
                 await sleep_until(time.monotonic() + self.time_model.prefill_seconds(tokens))
                 for item, n in step:
                     item.left -= n

@@ -44,6 +44,8 @@ _CACHED_BY_SOURCE_HELP = (
 )
 _CACHE_TIERS = ("device", "host", "p2p", "disk", "external_unspecified")
 _TOKEN_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
+# vLLM's buckets of tokens per engine step (powers of two up to 16384)
+_STEP_BUCKETS = tuple(float(2**i) for i in (0, *range(3, 15)))
 
 
 @dataclass(slots=True)
@@ -82,6 +84,7 @@ class RequestTimes:
 _HISTOGRAMS: tuple[tuple[str, str, tuple[float, ...]], ...] = (
     ("request_prompt_tokens", "Number of prefill tokens processed.", _TOKEN_BUCKETS),
     ("request_generation_tokens", "Number of generation tokens processed.", _TOKEN_BUCKETS),
+    ("iteration_tokens_total", "Histogram of number of tokens per engine_step.", _STEP_BUCKETS),
     (
         "time_to_first_token_seconds",
         "Histogram of time to first token in seconds.",
@@ -138,6 +141,10 @@ class SimMetrics:
         self.generation_tokens += 1
         if since_previous is not None:
             self._itl.observe(since_previous)
+
+    def step(self, tokens: int) -> None:
+        """One engine step that computed ``tokens`` prompt tokens."""
+        self.histograms["iteration_tokens_total"].observe(tokens)
 
     def finished(self, t: RequestTimes) -> None:
         h = self.histograms
