@@ -236,8 +236,9 @@ class GatewayConfig:
     # [cluster]: share routing state with the other gateways over a bus (docs/deployment.md);
     # None: this gateway routes on what it sees alone.
     cluster: ClusterSettings | None = None
-    # [limits] share: how many gateways (without a shared limits engine) serve the same
-    # tenants; each enforces L / (share x --workers), never a silent N x L (docs/limits.md).
+    # [limits] share: how many gateways (without [cluster]) serve the same tenants; each
+    # host holds L / share for its workers together (the supervisor counts), and a process
+    # cut off from that count L / (share x --workers), never a silent N x L (docs/limits.md).
     limits_share: int = 1
     # [limits] lease_ttl_s: a concurrency slot whose request never ended (a gateway killed)
     # is free again after this; longer than the longest request.

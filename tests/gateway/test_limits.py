@@ -12,7 +12,13 @@ from typing import Any
 
 import httpx
 from tests.gateway.stack import MODEL, Stack, new_state_dir, run, stack
-from tests.support.gateways import GatewayProcess, per_worker, series, write_gateway_config
+from tests.support.gateways import (
+    GatewayProcess,
+    cli,
+    per_worker,
+    series,
+    write_gateway_config,
+)
 from tests.support.http import async_client
 from tests.support.waiting import eventually
 
@@ -270,41 +276,79 @@ def test_processes_without_a_shared_engine_each_enforce_an_explicit_share(
     assert "each enforces 1/4 of every tenant's and key's limit" in caplog.text
 
 
-def test_serve_with_two_workers_enforces_half_in_each(tmp_path: Path) -> None:
-    """`saltgate serve --workers 2` without [cluster]: each worker enforces rpm 6 / 2, says
-    so in its log and its metric; 20 requests on several connections admit at most 6."""
+WORKERS = 2
+ROUND = 6  # connections held open at once: least-connections spreads them over both workers
+
+
+async def _connections_on_both_workers(
+    gateway: GatewayProcess, headers: dict[str, str]
+) -> list[httpx.AsyncClient]:
+    """ROUND clients, each holding one open connection, and both workers holding some:
+    each client's first request (unlimited: the model list) is counted by the worker that
+    accepted its connection, which answers every later request on it."""
+    for _ in range(5):
+        clients = [
+            async_client(base_url=gateway.url, headers=headers, timeout=30) for _ in range(ROUND)
+        ]
+        before = await gateway.served_per_worker()
+        for c in clients:
+            assert (await c.get("/v1/models")).status_code == 200
+        after = await gateway.served_per_worker()
+        served = {i: after.get(i, 0.0) - before.get(i, 0.0) for i in range(WORKERS)}
+        assert sum(served.values()) == ROUND, served
+        if all(served.values()):
+            return clients
+        for c in clients:
+            await c.aclose()
+    raise AssertionError(f"the connections never reached both workers: {served}")
+
+
+def test_serve_with_two_workers_holds_one_limit_for_both(tmp_path: Path) -> None:
+    """`saltgate serve --workers 2` without [cluster]: at rpm 3, six requests at once on
+    six connections spread over both workers admit exactly 3 (the workers count in one
+    place, the supervisor); the others get OpenAI's 429 naming the limit 3. Dividing the
+    limit between the workers (1 each) admits 2; each worker counting alone, 4 or more."""
 
     async def main() -> None:
         sim = await start_sim(SimConfig(port=0))
         state = tmp_path / "state"
         key = new_state_dir(state, ("acme",))["acme"]
         with TenantStore.from_state_dir(state) as store:
-            store.set_limits("acme", Limits(rpm=6))
+            store.set_limits("acme", Limits(rpm=3))
         config = write_gateway_config(tmp_path / "gw.toml", state_dir=state, replicas=[sim.url])
-        gateway = await GatewayProcess.start(config, tmp_path / "gw.log", workers=2)
-        headers = {"authorization": f"Bearer {key}"}
-        clients = [async_client(timeout=30, headers=headers) for _ in range(4)]
+        gateway = await GatewayProcess.start(config, tmp_path / "gw.log", workers=WORKERS)
+        clients: list[httpx.AsyncClient] = []
         try:
-
-            async def post(i: int) -> httpx.Response:
-                url = f"{gateway.url}/v1/completions"
-                return await clients[i % 4].post(url, json=completion())
-
-            answers = await asyncio.gather(*map(post, range(20)))
-            assert sum(r.status_code == 200 for r in answers) <= 6
-            refused = [r for r in answers if r.status_code == 429]
-            assert refused and all("Limit 3, Used 3" in r.text for r in refused)
+            headers = {"authorization": f"Bearer {key}"}
+            clients = await _connections_on_both_workers(gateway, headers)
+            answers = await asyncio.gather(
+                *(c.post("/v1/completions", json=completion()) for c in clients)
+            )
+            statuses = sorted(r.status_code for r in answers)
+            assert statuses == [200] * 3 + [429] * 3, [r.text for r in answers]
+            for refused in (r for r in answers if r.status_code == 429):
+                error = refused.json()["error"]
+                assert error["code"] == "rate_limit_exceeded", error
+                assert "Limit 3, Used 3, Requested 1." in error["message"], error
+                assert refused.headers["x-ratelimit-limit-requests"] == "3"
+                assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+                assert int(refused.headers["retry-after"]) >= 1
             metrics = (
                 await clients[0].get(gateway.metrics_url, headers=gateway.metrics_headers)
             ).text
-            assert per_worker(series(metrics), "saltgate_limits_share") == {0: 2.0, 1: 2.0}
+            # Counted in one place: no worker fell back to its share of the limit.
+            assert per_worker(series(metrics), "saltgate_limits_shared_up") == {0: 1.0, 1: 1.0}
         finally:
             for c in clients:
                 await c.aclose()
             await gateway.stop()
             await sim.close()
-        said = gateway.log.read_text().count("each enforces 1/2 of every tenant's and key's limit")
-        assert said == 2  # once by each worker
+        assert "limits shared by this host's workers through the supervisor" in (
+            gateway.log.read_text()
+        )
+        assert gateway.proc.stdout is not None  # what `serve` told the operator at start
+        said = (await gateway.proc.stdout.read()).decode()
+        assert "saltgate: limits exact on this host; its 2 workers count in one place" in said
 
     run(main)
 
@@ -332,3 +376,30 @@ def test_a_lease_outliving_lease_ttl_frees_its_slot(tmp_path: Path) -> None:
                 await eventually(admitted, timeout_s=5.0, what="the lease expired")
 
     run(main)
+
+
+def test_serve_check_and_set_limits_say_how_limits_are_held(tmp_path: Path) -> None:
+    """The operator reads it where the limit is set and where the gateway is checked:
+    one host's workers count in one place (exact); two gateways without [cluster] each
+    enforce half, and a part of 0 is named as admitting nothing."""
+    state = tmp_path / "state"
+    new_state_dir(state, ("acme",))
+    config = write_gateway_config(
+        tmp_path / "gw.toml",
+        state_dir=state,
+        replicas=["http://127.0.0.1:9"],
+        admin_port=None,
+        sections="[limits]\nshare = 2\n",
+    )
+    checked = cli("serve", "--check", "--config", str(config), "--workers", "2")
+    assert "each of the 2 gateways ([limits] share) enforces floor(L / 2)" in checked
+    assert "its 2 workers count in one place, the supervisor" in checked
+    assert "floor(L / 4) on its own counts meanwhile" in checked
+    said = cli("tenants", "set-limits", "acme", "--rpm", "1", "--config", str(config))
+    assert said.splitlines()[0] == "tenant acme limits rpm=1"
+    assert "each of the 2 gateways ([limits] share) enforces rpm=0" in said
+    assert "rpm = 0 admits nothing there" in said
+    alone = cli("tenants", "set-limits", "acme", "--rpm", "3", "--state-dir", str(state))
+    assert "enforced: exactly, for each host, the workers of `serve --workers N` together" in (
+        alone
+    )

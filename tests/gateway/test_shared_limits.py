@@ -108,9 +108,10 @@ def test_a_budget_is_seeded_from_the_ledger_once_for_the_fleet(
     async def main() -> None:
         async with engines(redis_server, 2) as (a, b):
             spent = [(4000.0, 1000), (20.0, 5), (10.0, 7)]  # (age s, micro-dollars)
-            assert await a.seed_budget(subject, 3600, spent) is True
-            assert await b.seed_budget(subject, 3600, spent) is False
-            over = [(subject, Limits(budget_micro_usd=12, budget_period_s=3600))]
+            limits = Limits(budget_micro_usd=12, budget_period_s=3600)
+            assert await a.seed_budget(subject, limits, spent) is True
+            assert await b.seed_budget(subject, limits, spent) is False
+            over = [(subject, limits)]
             _, denial, _ = await a.admit(over, Demand(1, 1, 1))
             assert denial is not None and (denial.kind, denial.used) == ("budget", 12)
             under = [(subject, Limits(budget_micro_usd=13, budget_period_s=3600))]

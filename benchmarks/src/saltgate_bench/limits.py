@@ -25,6 +25,14 @@ gateways' own counters:
 - latency: one admission through SharedLimits into the fleet's Redis (every limit kind
   set, thousands of entries in the window), and through the in-process Governor.
 
+With `--workers N` (N > 1) it measures one host instead (issue 42): one `saltgate serve
+--workers N` without [cluster] or [limits] share, the workers counting in one place (the
+supervisor: governance/arbiter.py). No Redis; the window phase only (the tenant's requests
+on 8 connections, which the workers share by least connections; each worker's requests
+are read from /metrics), and the latency of one admission through the supervisor (a real
+second process serving the arbiter over a socket pair, as a worker asks it), one at a time
+and 32 at once, against the in-process Governor.
+
 Table on stdout, --json FILE, a progress bar per phase; exit 1 when a target is missed.
 """
 
@@ -37,6 +45,7 @@ import json
 import os
 import random
 import shlex
+import socket
 import string
 import sys
 import time
@@ -48,7 +57,9 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
+from saltgate.admin.scopes import USAGE_READ
 from saltgate.gateway.admission import reservation
+from saltgate.gateway.host_limits import HostLimits
 from saltgate.gateway.shared_limits import SharedLimits
 from saltgate.governance.limits import (
     DEFAULT_LEASE_TTL_S,
@@ -62,6 +73,7 @@ from saltgate.governance.limits import (
 )
 from saltgate.http import UpstreamError, UpstreamPool
 from saltgate.prices import Price, PriceVersion
+from saltgate.store.admin_tokens import AdminTokens
 from saltgate.store.backends import open_database
 from saltgate.store.settings import StoreSettings
 from saltgate.store.tenants import TenantStore
@@ -100,6 +112,18 @@ OUTPUT_PER_REQUEST = 16
 UNBOUNDED = Limits(rpm=10**9, input_tpm=10**12, output_tpm=10**12)
 BUDGET_CLIENTS = 16
 FALLBACK = "limits: Redis unreachable"  # what a gateway logs as it falls back to its share
+HOST_FALLBACK = "limits: the supervisor unreachable"  # the same, a worker of --workers N
+HOST_CONNECTIONS = 8  # the window's connections to a --workers gateway
+HOST_CONCURRENCY = 32  # admissions at once in the host's throughput measure
+# A second process serving the arbiter as the supervisor does (serving/supervisor.py).
+ARBITER_CHILD = """
+import asyncio, socket, sys
+from saltgate.governance.arbiter import Arbiter
+from saltgate.runtime import install_uvloop
+from saltgate.serving.supervisor import arbitrate
+install_uvloop()
+asyncio.run(arbitrate(Arbiter(), 1, socket.socket(fileno=int(sys.argv[1])), "bench"))
+"""
 
 
 def fallbacks_in(logs: Iterable[str]) -> int:
@@ -113,6 +137,7 @@ STREAM_MAX_TOKENS = 64  # cut after the first: midway
 @dataclass(frozen=True, slots=True)
 class Options:
     gateways: int
+    workers: int
     replicas: int
     rpm: int
     overload: float
@@ -209,6 +234,8 @@ class Bench:
         self.tenant_ids: dict[str, str] = {}
         self.gateways: list[Proc] = []
         self.ports: list[int] = []
+        self.admin_ports: list[int] = []
+        self.metrics_token = ""
         self.price = PriceVersion.of(MODEL, PRICE)
 
     def log(self, message: str) -> None:
@@ -218,8 +245,9 @@ class Bench:
 
     async def start(self) -> None:
         try:
-            self.redis = RedisServer()
-            self.redis.start()
+            if self.o.workers == 1:  # one host needs no Redis
+                self.redis = RedisServer()
+                self.redis.start()
         except ServiceError as exc:
             raise BenchError(str(exc)) from None
         sim = SimSettings(
@@ -234,6 +262,7 @@ class Bench:
         store = StoreSettings.sqlite(self.work / "store.db")
         self.state = prepare_gateway_state(self.work / "state", TENANTS, store)
         with TenantStore(open_database(store)) as db:
+            self.metrics_token = AdminTokens(db.db).create([USAGE_READ])[1]
             self.tenant_ids = {t.name: t.id for t in db.list_tenants()}
             db.set_limits("window-shared", self.window_limits)
             db.set_limits("window-alone", self.window_limits)
@@ -286,10 +315,54 @@ class Bench:
         for proc, port in zip(self.gateways, self.ports, strict=True):
             await wait_ready(proc, port, shape, self.o.startup_timeout_s)
 
+    async def up_host(self) -> None:
+        """One gateway, `serve --workers N`, without [cluster] or [limits] share."""
+        assert self.state is not None and self.sims is not None
+        prices = (
+            f"\n[prices.{MODEL}]\ninput = {PRICE.input_per_mtok}\n"
+            f"cached_input = {PRICE.cached_input_per_mtok}\noutput = {PRICE.output_per_mtok}\n"
+        )
+        port, admin_port = free_port(), free_port()
+        text = gateway_config(self.state, self.sims.urls, port=port, admin_port=admin_port)
+        config = write_gateway_config(self.work / "host.toml", text + prices)
+        argv = [*serve_argv(config), "--workers", str(self.o.workers)]
+        self.gateways = [Proc("host", argv, self.work / "host.log")]
+        self.ports, self.admin_ports = [port], [admin_port]
+        shape = RequestShape(MODEL, 16, tenant_keys=(self.key("probe"),))
+        await wait_ready(self.gateways[0], port, shape, self.o.startup_timeout_s)
+        # The supervisor opens its admin port once every worker is up: wait for it too.
+        deadline = time.monotonic() + self.o.startup_timeout_s
+        while len(await self.served_per_worker(missing_ok=True)) < self.o.workers:
+            if time.monotonic() > deadline:
+                raise BenchError(f"the workers' /metrics never showed {self.o.workers} workers")
+            await asyncio.sleep(0.2)
+
+    async def served_per_worker(self, *, missing_ok: bool = False) -> dict[str, float]:
+        """Requests each worker of the host has answered (its /metrics); with `missing_ok`,
+        none while the admin port does not answer yet."""
+        pool = UpstreamPool("127.0.0.1", self.admin_ports[0], connect_timeout=5.0)
+        try:
+            auth = [(b"authorization", b"Bearer " + self.metrics_token.encode())]
+            resp = await pool.request(b"GET", b"/metrics", auth, b"")
+            text = (await resp.read()).decode()
+        except UpstreamError:
+            if missing_ok:
+                return {}
+            raise
+        finally:
+            await pool.close()
+        prefix = 'saltgate_worker_requests_total{worker="'
+        return {
+            line[len(prefix) :].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(prefix)
+        }
+
     def fallbacks(self) -> int:
         """How often a gateway found Redis unanswering (0.5 s) and fell back to its share,
         from their logs: each such second, the fleet can admit past a limit."""
-        return fallbacks_in(p.log_path.read_text(errors="replace") for p in self.gateways)
+        logs = [p.log_path.read_text(errors="replace") for p in self.gateways]
+        return fallbacks_in(logs) + sum(log.count(HOST_FALLBACK) for log in logs)
 
     def down(self) -> None:
         for proc in self.gateways:
@@ -359,9 +432,11 @@ class Bench:
         rate = self.o.overload * self.o.rpm / WINDOW_S
         count = max(1, int(rate * duration_s))
         key = self.key(tenant)
+        per_port = HOST_CONNECTIONS if self.o.workers > 1 else 1
         pools = [
             UpstreamPool("127.0.0.1", p, connect_timeout=5.0, response_timeout=60.0)
             for p in self.ports
+            for _ in range(per_port)
         ]
         sent: list[Sent] = []
         tasks = []
@@ -568,6 +643,104 @@ class Bench:
             "ok": p99 <= LATENCY_P99_MS,
         }
 
+    async def host_latency(self) -> dict[str, Any]:
+        """One admission (and its settlement) at a time through a second process serving
+        the arbiter, as a worker asks its supervisor; then HOST_CONCURRENCY at once (the
+        admissions a second); each against the in-process Governor."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", ARBITER_CHILD, str(theirs.fileno()), pass_fds=(theirs.fileno(),)
+        )
+        theirs.close()
+        engine = await HostLimits.open(ours, timeout_s=5.0)
+        every = replace(UNBOUNDED, concurrency=10**6)
+        limited = [
+            (("tenant", "bench-latency"), every),
+            (("key", "bench-latency"), Limits(rpm=10**9)),
+        ]
+        one: list[float] = []
+        try:
+            for _ in range(self.o.latency_samples):
+                start = time.perf_counter()
+                ticket, _, _ = await engine.admit(limited, Demand(100, 100))
+                one.append(time.perf_counter() - start)
+                assert ticket is not None
+                engine.settle(ticket, Demand(50, 50))
+            per_client = max(1, self.o.latency_samples * 4 // HOST_CONCURRENCY)
+
+            async def client() -> None:
+                for _ in range(per_client):
+                    ticket, _, _ = await engine.admit(limited, Demand(100, 100))
+                    assert ticket is not None
+                    engine.settle(ticket, Demand(50, 50))
+
+            start = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(HOST_CONCURRENCY)))
+            host_rate = per_client * HOST_CONCURRENCY / (time.perf_counter() - start)
+        finally:
+            await engine.aclose()
+            await child.wait()
+        governor = Governor()
+        subjects = [("tenant", "t"), ("key", "k")]
+        governor.set_limits(subjects[0], every)
+        governor.set_limits(subjects[1], Limits(rpm=10**9))
+        local: list[float] = []
+        for i in range(self.o.latency_samples * 5):
+            start = time.perf_counter()
+            decision = governor.admit(subjects, Demand(100, 100), i * 0.001)
+            local.append(time.perf_counter() - start)
+            assert decision.ticket is not None
+            governor.settle(decision.ticket, Demand(50, 50), i * 0.001)
+        one.sort()
+        local.sort()
+        p99 = percentile(one, 99) * 1000
+        return {
+            "engine": "supervisor",
+            "samples": len(one),
+            "shared_p50_ms": round(percentile(one, 50) * 1000, 3),
+            "shared_p99_ms": round(p99, 3),
+            "shared_per_s_at_32": round(host_rate),
+            "local_p50_us": round(percentile(local, 50) * 1e6, 1),
+            "local_p99_us": round(percentile(local, 99) * 1e6, 1),
+            "local_per_s": round(len(local) / sum(local)),
+            "ok": p99 <= LATENCY_P99_MS,
+        }
+
+    async def run_host(self) -> dict[str, Any]:
+        """--workers N: one host's window and the cost of its shared decision."""
+        o = self.o
+        report: dict[str, Any] = {"load_before": list(os.getloadavg())}
+        try:
+            await self.start()
+            self.log(f"one gateway, --workers {o.workers}, no [cluster]: one count per host")
+            await self.up_host()
+            before = await self.served_per_worker()
+            host = window_figures(
+                await self.window("window-shared", o.duration_s), self.window_limits, 1
+            )
+            after = await self.served_per_worker()
+            served = {w: after[w] - before.get(w, 0.0) for w in sorted(after)}
+            report["window"] = [
+                {
+                    "arm": f"workers x{o.workers}",
+                    "control": False,
+                    **host,
+                    "workers": o.workers,
+                    "served_per_worker": served,
+                    "redis_fallbacks": self.fallbacks(),
+                    "ok": host["worst_ratio"] <= WINDOW_SLACK
+                    and host["errors"] == 0
+                    and len(served) == o.workers
+                    and all(served.values()),
+                }
+            ]
+            self.down()
+            report["latency"] = await self.host_latency()
+        finally:
+            self.stop()
+        report["load_after"] = list(os.getloadavg())
+        return report
+
     async def races(self) -> list[dict[str, Any]]:
         assert self.redis is not None
         password = self.redis.password_file.read_text().strip()
@@ -599,6 +772,8 @@ class Bench:
         return out
 
     async def run(self) -> dict[str, Any]:
+        if self.o.workers > 1:
+            return await self.run_host()
         o = self.o
         report: dict[str, Any] = {"load_before": list(os.getloadavg())}
         try:
@@ -689,7 +864,17 @@ def checks(report: dict[str, Any]) -> list[str]:
             f"60 s window {arm['worst_ratio']:.3f} x L ({what}); admitted {arm['admitted']} "
             f"of {arm['sent']}"
             + ("" if arm["redis_fallbacks"] is None else f"; {arm['redis_fallbacks']} fallbacks")
+            + (f"; per worker {arm['served_per_worker']}" if "served_per_worker" in arm else "")
         )
+    lat = report["latency"]
+    if lat.get("engine") == "supervisor":
+        lines.append(
+            f"{'PASS' if lat['ok'] else 'FAIL'} latency: admission through the supervisor p50 "
+            f"{lat['shared_p50_ms']} ms, p99 {lat['shared_p99_ms']} ms (<= {LATENCY_P99_MS} ms); "
+            f"{lat['shared_per_s_at_32']}/s at {HOST_CONCURRENCY} at once; in-process p99 "
+            f"{lat['local_p99_us']} us, {lat['local_per_s']}/s"
+        )
+        return lines
     for race_ in report["concurrency"]:
         what = "control, must over-admit" if race_["control"] else "0 over-admissions"
         lines.append(
@@ -710,7 +895,6 @@ def checks(report: dict[str, Any]) -> list[str]:
         f"{c['leases_left_expire_in_s']} s (TTL {c['lease_ttl_s']:.0f} s); windowed counters "
         f"gone after {c['counters_gone_after_s']} s (window {c['window_s']:.0f} s)"
     )
-    lat = report["latency"]
     lines.append(
         f"{'PASS' if lat['ok'] else 'FAIL'} latency: admission through Redis p50 "
         f"{lat['shared_p50_ms']} ms, p99 {lat['shared_p99_ms']} ms (<= {LATENCY_P99_MS} ms); "
@@ -739,6 +923,13 @@ def table(report: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateways", type=positive(int), default=4, help="gateways sharing Redis")
+    parser.add_argument(
+        "--workers",
+        type=positive(int),
+        default=1,
+        help="above 1: one host instead, `serve --workers N` without [cluster] (the window "
+        "and the supervisor's admission cost only)",
+    )
     parser.add_argument("--replicas", type=positive(int), default=2, help="simulated replicas")
     parser.add_argument(
         "--rpm", type=positive(int), default=600, help="the tenant's limit L (requests per minute)"
@@ -804,7 +995,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The `saltgate-bench limits` command: 0 when every target is met."""
     options = Options(
-        gateways=args.gateways,
+        gateways=1 if args.workers > 1 else args.gateways,
+        workers=args.workers,
         replicas=args.replicas,
         rpm=args.rpm,
         overload=args.overload,

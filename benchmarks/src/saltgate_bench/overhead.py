@@ -68,6 +68,7 @@ import psycopg
 
 from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import ConfigError
+from saltgate.governance.limits import Limits
 from saltgate.sim.run import sim_command
 from saltgate.store.errors import StoreError
 from saltgate_bench.builds import BUILDS, build_path, with_build
@@ -262,6 +263,9 @@ def bench_certificate(workdir: Path) -> Path:
     return cert
 
 
+NEVER_REFUSED = Limits(rpm=10**9, input_tpm=10**12, output_tpm=10**12, concurrency=10**6)
+
+
 @dataclass(slots=True)
 class Backends:
     ports: list[int]
@@ -304,6 +308,7 @@ class Options:
     saltgate_workers: int = 1
     build: str = "compiled"  # or "pure" (builds.py)
     upstream_tls: bool = False  # the routers reach nginx over TLS (--upstream-tls)
+    limited: bool = False  # --limited: the tenant's limits never refuse, every request admitted
 
     @property
     def router_cpus(self) -> tuple[int, ...] | None:
@@ -433,7 +438,10 @@ class Bench:
                 raise BenchError(f"PostgreSQL store: {exc}") from None
             store = self._postgres.settings("saltgate", state_dir / "spool")
         self._build_path = build_path(self.o.build, self.workdir)
-        self.gateway_state = prepare_gateway_state(state_dir, ["bench"], store)
+        # --limited: limits of every kind, too large to refuse, so every request is admitted
+        # through them (with workers, through the supervisor: docs/limits.md).
+        limits = NEVER_REFUSED if self.o.limited else None
+        self.gateway_state = prepare_gateway_state(state_dir, ["bench"], store, limits)
         self.api_key = self.gateway_state.api_keys[0]
 
     def router_argv(self, target: str, backends: Backends, port: int) -> list[str]:
@@ -709,6 +717,7 @@ class Bench:
                 self.o.load_cpu, list(cpus) if (cpus := self.o.router_cpus) is not None else None
             ),
             saltgate_workers=self.o.saltgate_workers,
+            limited=self.o.limited,
             duration_s=self.o.duration_s,
             warmup_s=self.o.warmup_s,
             rounds=self.o.rounds,
@@ -778,6 +787,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="run `saltgate serve --workers N`; with N > 1 every router may use every CPU "
         "(wrk and the backend stay on --load-cpu)",
+    )
+    p.add_argument(
+        "--limited",
+        action="store_true",
+        help="give saltgate's tenant limits of every kind too large to refuse, so every "
+        "request pays for its admission (with --saltgate-workers N, through the supervisor)",
     )
     p.add_argument(
         "--build",
@@ -866,6 +881,7 @@ def run(args: argparse.Namespace) -> int:
         keep_tmp=args.keep_tmp,
         store=args.store,
         saltgate_workers=args.saltgate_workers,
+        limited=args.limited,
         build=args.build,
         upstream_tls=args.upstream_tls,
     )

@@ -171,6 +171,7 @@ class Meta:
     versions: dict[str, str]
     saltgate_source: str
     upstream: str = "http"  # how the routers reach the backends: http, or https (TLS)
+    limited: bool = False  # the tenant has limits that never refuse (--limited)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +306,7 @@ def markdown(result: OverheadResult) -> str:
         f"backend on CPU {meta.pinning.load_and_backend_cpu}, routers on CPU "
         f"{_cpus(meta.pinning.router_cpus)}; saltgate's store: {meta.store}; "
         f"saltgate workers: {meta.saltgate_workers}; "
+        f"tenant limited: {'yes' if meta.limited else 'no'}; "
         f"routers to backends: {meta.upstream}; "
         f"saltgate source {meta.saltgate_source}.",
         "",

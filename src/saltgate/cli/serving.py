@@ -150,9 +150,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         if args.check:  # like `nginx -t`: the files only, never the network
+            from saltgate.governance.limits import enforcement
             from saltgate.serving.check import check_config
 
             print(f"saltgate: config {args.config} is valid ({check_config(config)})")
+            cluster = config.cluster is not None
+            held = enforcement(workers=args.workers, gateways=config.limits_share, cluster=cluster)
+            print(f"saltgate: {held} (docs/limits.md)")
             return 0
     except (ConfigError, StoreError) as exc:
         print(f"saltgate serve: {exc}", file=sys.stderr)

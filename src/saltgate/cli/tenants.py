@@ -153,7 +153,7 @@ def _tenants_set_models(args: argparse.Namespace) -> int:
 def _tenants_set_limits(args: argparse.Namespace) -> int:
     async def apply(service: AdminService, caller: Caller) -> str:
         t = await service.tenants_limits(caller, args.name, _limits_from_args(args))
-        return f"tenant {t.name} limits {_limits_label(t.limits)}"
+        return f"tenant {t.name} limits {_limits_label(t.limits)}\n{_enforced(args, t.limits)}"
 
     return _with_service(args, apply)
 
@@ -161,9 +161,21 @@ def _tenants_set_limits(args: argparse.Namespace) -> int:
 def _keys_set_limits(args: argparse.Namespace) -> int:
     async def apply(service: AdminService, caller: Caller) -> str:
         k = await service.keys_limits(caller, args.key_id, _limits_from_args(args))
-        return f"key {k.id} limits {_limits_label(k.limits)}"
+        return f"key {k.id} limits {_limits_label(k.limits)}\n{_enforced(args, k.limits)}"
 
     return _with_service(args, apply)
+
+
+def _enforced(args: argparse.Namespace, limits: Limits | None) -> str:
+    """What the gateways enforce of these limits, in words: by the config given (its
+    [limits] share and [cluster]), else a gateway alone on the state directory's host."""
+    from saltgate.config import load_config
+    from saltgate.governance.limits import enforced_note
+
+    config = load_config(args.config) if args.config else None
+    if config is None:
+        return enforced_note(limits, gateways=1, cluster=False)
+    return enforced_note(limits, gateways=config.limits_share, cluster=config.cluster is not None)
 
 
 def _limits_from_args(args: argparse.Namespace) -> LimitsChange:

@@ -10,6 +10,7 @@ it (gateway/server.py tests two attributes of the principal).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import math
@@ -19,6 +20,7 @@ from typing import Final
 
 from redis.exceptions import RedisError
 
+from saltgate.gateway.host_limits import HostLimits, HostTicket
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
 from saltgate.governance.limits import (
@@ -58,7 +60,13 @@ _NAMES: Final = {
     OUTPUT_TOKENS: "output tokens per min (TPM)",
     CONCURRENCY: "concurrent requests",
 }
-# After Redis failed, the local shares hold this long before Redis is tried again, so a
+# What a request admitted here holds: a ticket of this process's governor, of Redis's
+# script (SharedTicket) or of the supervisor's (HostTicket).
+AnyTicket = Ticket | SharedTicket | HostTicket
+# The engine that counts for more than this process: [cluster]'s Redis for the fleet, or
+# the supervisor of `serve --workers N` for the host.
+Engine = SharedLimits | HostLimits
+# After the engine failed, the local shares hold this long before it is tried again, so a
 # request does not wait for a dead server's timeout each time.
 SHARED_RETRY_S: Final = 1.0
 # A concurrency lease frees when a request ends, which the log cannot foresee: the caller
@@ -91,8 +99,10 @@ class Admission:
     """The limits of the tenants and keys this process serves.
 
     With `shared` ([cluster]'s Redis) every gateway admits through one atomic script, so a
-    limit holds for the fleet; without it, or while Redis cannot be reached, this process
-    enforces its `share` of every limit (L / share) on its own counts.
+    limit holds for the fleet; with the supervisor's arbiter (a worker of `serve --workers
+    N` without [cluster]) every worker of the host admits through its one count. Without
+    either, or while it cannot be reached, this process enforces its `share` of every
+    limit (L / share) on its own counts.
     """
 
     def __init__(
@@ -100,7 +110,7 @@ class Admission:
         prices: dict[str, PriceVersion],
         *,
         share: int = 1,
-        shared: SharedLimits | None = None,
+        shared: Engine | None = None,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         metrics: Metrics | None = None,
         spend: UsageReader | None = None,
@@ -132,14 +142,14 @@ class Admission:
 
     async def admit(
         self, principal: Principal, route: str, model: str, body_bytes: int, max_tokens: int | None
-    ) -> tuple[Ticket | SharedTicket, Headers]:
+    ) -> tuple[AnyTicket, Headers]:
         """Reserve the request in every limit, or raise the 429 that says which refused.
         Returns the ticket to settle and the headers for the answer."""
         if self.spend is not None:
             await self._start_budgets(principal)
         demand = reservation(self.prices.get(model), route, body_bytes, max_tokens)
         anthropic = route.startswith("/v1/messages")
-        ticket: Ticket | SharedTicket | None = None
+        ticket: AnyTicket | None = None
         denial: Denial | None = None
         quotas: tuple[Quota, ...] = ()
         shared_answered = False
@@ -153,7 +163,7 @@ class Admission:
                 if limits is not None
             ]
             failure: Exception | None = None
-            granted: SharedTicket | None = None
+            granted: SharedTicket | HostTicket | None = None
             try:
                 granted, denial, quotas = await self.shared.admit(limited, demand)
             except (RedisError, OSError) as exc:
@@ -163,9 +173,9 @@ class Admission:
                 if granted is not None:
                     # Counted here too, so a fallback to the share sees it (docs/limits.md).
                     local = self.governor.record(self._subjects(principal), demand, self._clock())
-                    ticket = SharedTicket(granted.id, granted.specs, local)
+                    ticket = dataclasses.replace(granted, local=local)
                 if not self.shared_up:
-                    log.warning("limits shared through Redis again")
+                    log.warning("limits shared through %s again", self.shared.what)
                     self.shared_up = True
             else:
                 self._lost(failure)
@@ -226,7 +236,7 @@ class Admission:
             failure = exc
         if failure is None and self.shared is not None and self.shared_up:
             try:
-                await self.shared.seed_budget(subject, period, spent)
+                await self.shared.seed_budget(subject, limits, spent)
             except (RedisError, OSError) as exc:
                 failure = exc
         del self._seeding[mark]
@@ -249,9 +259,11 @@ class Admission:
 
     def _lost(self, exc: Exception) -> None:
         if self.shared_up:
+            assert self.shared is not None
             log.warning(
-                "limits: Redis unreachable (%s); each process enforces 1/%d of "
+                "limits: %s unreachable (%s); each process enforces 1/%d of "
                 "every limit on its own counts until it returns (docs/limits.md)",
+                self.shared.what,
                 type(exc).__name__,
                 self.share,
             )
@@ -266,17 +278,20 @@ class Admission:
         self.governor.set_limits(key, _shared(principal.key_limits, self.share))
         return [tenant, key]
 
-    def settle(self, ticket: Ticket | SharedTicket, uncached: int, output: int, cost: int) -> None:
+    def settle(self, ticket: AnyTicket, uncached: int, output: int, cost: int) -> None:
         """The request ended: correct its reservations to what it used, free its lease.
-        In Redis this runs beside the request's end; if it fails, the lease's TTL and
-        the window free what it held."""
+        In Redis this runs beside the request's end, to the supervisor as one line
+        unanswered; if it fails, the lease's TTL and the window free what it held."""
         used = Demand(uncached, output, cost)
         if isinstance(ticket, Ticket):
             self.governor.settle(ticket, used, self._clock())
             return
         if ticket.local is not None:
             self.governor.settle(ticket.local, used, self._clock())
-        if self.shared is not None:
+        if isinstance(ticket, HostTicket):
+            if isinstance(self.shared, HostLimits):
+                self.shared.settle(ticket, used)
+        elif isinstance(self.shared, SharedLimits):
             task = asyncio.create_task(self._settle_shared(self.shared, ticket, used))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)

@@ -35,16 +35,15 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Final
 
 from saltgate.derivations.derive import ROUTE_RESPONSES
-from saltgate.gateway.admission import Admission
+from saltgate.gateway.admission import Admission, AnyTicket
 from saltgate.gateway.context import AttemptTrace, RequestContext
 from saltgate.gateway.fairshare import FairShare
 from saltgate.gateway.metrics import TTFT_BUCKETS, Labels, Metrics, duration_buckets
 from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt, ReplicaSet
 from saltgate.gateway.responses import response_id_in
-from saltgate.gateway.shared_limits import SharedTicket
 from saltgate.gateway.usage import SseUsageScanner, Usage, delivered_usage, usage_from_body
 from saltgate.governance.fairness import service
-from saltgate.governance.limits import Ticket, prompt_estimate
+from saltgate.governance.limits import prompt_estimate
 from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
 from saltgate.policy.errors import ApiError, gateway_stopping, stream_error_event
 from saltgate.policy.fields import scrub_answer, scrub_events
@@ -257,7 +256,7 @@ class Exchange:
         client: Client,
         *,
         admission: Admission | None = None,
-        ticket: Ticket | SharedTicket | None = None,
+        ticket: AnyTicket | None = None,
         fair: FairShare | None = None,
         keep: KeepResponse | None = None,
     ) -> None:

@@ -26,19 +26,18 @@ from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog
-from saltgate.gateway.admission import Admission
+from saltgate.gateway.admission import Admission, AnyTicket, Engine
 from saltgate.gateway.canary import IsolationCanary
 from saltgate.gateway.context import RequestContext, Tracer
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
 from saltgate.gateway.fairshare import FairShare
+from saltgate.gateway.host_limits import HostLimits
 from saltgate.gateway.media import MediaFetcher
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.gateway.responses import BY_ID, ResponseOwners, by_id, unknown_response
-from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
-from saltgate.governance.limits import Ticket
 from saltgate.http import Client, Headers, Request, Response
 from saltgate.policy.errors import (
     ApiError,
@@ -86,7 +85,7 @@ class Admitted:
     payload: bytes
     avoid: list[ReplicaId]
     admission: Admission | None
-    ticket: Ticket | SharedTicket | None
+    ticket: AnyTicket | None
     limit_headers: Headers | None
 
 
@@ -113,7 +112,7 @@ class Gateway:
         store_down_for: Callable[[], float] | None = None,
         tracer: Tracer | None = None,
         limit_share: int = 1,
-        shared_limits: SharedLimits | None = None,
+        shared_limits: Engine | None = None,
         usage: UsageReader | None = None,
     ) -> None:
         self.config = config
@@ -141,7 +140,13 @@ class Gateway:
             metrics=self.metrics,
             spend=usage,
         )
-        if shared_limits is not None:
+        if isinstance(shared_limits, HostLimits):
+            log.info(
+                "limits shared by this host's workers through the supervisor; while it "
+                "does not answer this worker enforces 1/%d of every limit (docs/limits.md)",
+                limit_share,
+            )
+        elif shared_limits is not None:
             log.info(
                 "limits shared by the fleet through [cluster]'s Redis; while it is "
                 "unreachable each process enforces 1/%d of every limit (docs/limits.md)",
@@ -205,15 +210,17 @@ class Gateway:
         )
         m.gauge(
             "saltgate_limits_share",
-            "The processes every tenant's and key's limits are split between, each "
-            "enforcing limit / share ([limits] share x --workers; 1: the whole limit here).",
+            "The processes every tenant's and key's limits are split between when they "
+            "cannot be counted in one place (no [cluster] Redis or supervisor, or it does "
+            "not answer), each enforcing limit / share ([limits] share x --workers).",
             lambda: [((), float(self.admission.share))],
         )
         if self.admission.shared is not None:
             m.gauge(
                 "saltgate_limits_shared_up",
-                "1 while limits are checked in [cluster]'s Redis for the whole fleet; 0 while "
-                "it is unreachable and this process enforces limit / saltgate_limits_share.",
+                "1 while limits are checked in one count: [cluster]'s Redis for the whole "
+                "fleet, or the supervisor for the workers of one host; 0 while it is "
+                "unreachable and this process enforces limit / saltgate_limits_share.",
                 lambda: [((), float(self.admission.shared_up))],
             )
         m.gauge(
@@ -282,7 +289,7 @@ class Gateway:
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # exports the last spans
         if self.admission.shared is not None:
-            await self.admission.shared.client.aclose()
+            await self.admission.shared.aclose()
 
     def reopen_log(self) -> bool:
         """Reopen the access log file (SIGHUP, log rotation); False when it is no file or
@@ -480,7 +487,7 @@ class Gateway:
         body: Body,
         principal: Principal,
         admission: Admission | None,
-        ticket: Ticket | SharedTicket | None,
+        ticket: AnyTicket | None,
     ) -> Body:
         """``body`` with its remote media fetched and inlined; a refusal frees what the
         admission reserved (no replica will be asked)."""

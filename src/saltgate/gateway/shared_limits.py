@@ -243,6 +243,8 @@ def _specs(
 class SharedLimits:
     """The admission and settlement scripts on one Redis connection."""
 
+    what: Final = "Redis"  # what the log lines call it (gateway/admission.py)
+
     def __init__(self, client: Redis, *, lease_ttl_s: float, window_s: float = WINDOW_S) -> None:
         self.client = client
         self._window_s = window_s
@@ -279,13 +281,14 @@ class SharedLimits:
         )
 
     async def seed_budget(
-        self, subject: tuple[str, str], period_s: int, spent: Sequence[tuple[float, int]]
+        self, subject: tuple[str, str], limits: Limits, spent: Sequence[tuple[float, int]]
     ) -> bool:
-        """Start the subject's budget log in Redis from (age in seconds, amount) pairs,
-        unless Redis holds it already; True if this call seeded it. RedisError when Redis
-        cannot answer."""
+        """Start the subject's budget log (of `limits`' period) in Redis from (age in
+        seconds, amount) pairs, unless Redis holds it already; True if this call seeded it.
+        RedisError when Redis cannot answer."""
         scope, ident = subject
-        args: list[str | int] = [period_s * _US]
+        assert limits.budget_period_s is not None
+        args: list[str | int] = [limits.budget_period_s * _US]
         for age, amount in spent:
             args += [max(int(age * _US), 0), amount]
         keys = [f"sg:lim:{scope}:{ident}:{BUDGET}"]
@@ -295,6 +298,9 @@ class SharedLimits:
         """Correct the reservations to what was used and free the lease."""
         keys, args = settle_call(ticket, used)
         await self._settle(keys=keys, args=args)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
     def ticket(
         self, limited: Sequence[tuple[tuple[str, str], Limits]], demand: Demand

@@ -23,7 +23,7 @@ import math
 import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Final
 
 WINDOW_S: Final = 60.0
@@ -370,6 +370,57 @@ def limits_label(limits: Limits | None) -> str:
     return " ".join(parts) or "none"
 
 
+def enforcement(*, workers: int, gateways: int, cluster: bool) -> str:
+    """How `saltgate serve` holds every limit L, in words, and where it cannot hold it
+    exactly: what `serve`, `serve --check` and `set-limits` say (docs/limits.md).
+    `gateways`: [limits] share; `cluster`: [cluster] set (its Redis counts)."""
+    processes = gateways * workers
+    fallback = f"floor(L / {processes}) on its own counts meanwhile"
+    if cluster:
+        return (
+            "limits exact for the fleet, counted in [cluster]'s Redis; a process Redis does "
+            f"not answer within 0.5 s enforces {fallback}"
+        )
+    if gateways > 1:
+        said = (
+            f"limits not exact between gateways (no [cluster]): each of the {gateways} "
+            f"gateways ([limits] share) enforces floor(L / {gateways}), so together at most "
+            f"L, and a limit below {gateways} admits nothing"
+        )
+    else:
+        said = "limits exact on this host"
+    if workers > 1:
+        said += (
+            f"; its {workers} workers count in one place, the supervisor; a worker it "
+            f"does not answer within 0.5 s enforces {fallback}"
+        )
+    return said
+
+
+def enforced_note(limits: Limits | None, *, gateways: int, cluster: bool) -> str:
+    """What gateways configured so ([limits] share, [cluster]) enforce of these limits,
+    in words (`set-limits` prints it): exact, or each gateway's part, naming a part of 0."""
+    if limits is None or not limits.limiting:
+        return "enforced: nothing limited"
+    lost = " (if a worker cannot reach its supervisor, floor(L / (share x workers)) meanwhile)"
+    if cluster or gateways <= 1:
+        where = "the fleet, through [cluster]'s Redis" if cluster else "each host"
+        return f"enforced: exactly, for {where}, the workers of `serve --workers N` together{lost}"
+    part = limits.share(gateways)
+    nothing = [
+        f.name
+        for f in fields(Limits)
+        if f.name not in ("weight", "budget_period_s") and getattr(part, f.name) == 0
+    ]
+    said = (
+        f"enforced: not exactly: without [cluster], each of the {gateways} gateways "
+        f"([limits] share) enforces {limits_label(replace(part, weight=None))}"
+    )
+    if nothing:
+        said += f"; {', '.join(nothing)} = 0 admits nothing there: raise it or set [cluster]"
+    return said + lost
+
+
 def dollars_label(micro_usd: int) -> str:
     """Micro-dollars as exact dollars: 12500000 -> "12.5" (what budget_usd takes back)."""
     whole, fraction = divmod(micro_usd, MICRO_PER_USD)
@@ -616,6 +667,11 @@ class Governor:
             if amount > 0:
                 log.add(at, amount)
         log.prune(now)
+
+    def limits_of(self, subject: tuple[str, str]) -> Limits | None:
+        """The limits a subject is held to here (None: none)."""
+        state = self._subjects.get(subject)
+        return None if state is None else state.limits
 
     def governs(self, subjects: Iterable[tuple[str, str]]) -> bool:
         """Whether any of these subjects has limits (if not, the caller skips admission)."""

@@ -24,11 +24,13 @@ from saltgate.ehbp.frames import KEYS_PATH, Keyring, ServerKey
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.cluster import ClusterBus, start_cluster_bus
 from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key, load_retired_keys
+from saltgate.gateway.host_limits import HostLimits
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet, tls_context
 from saltgate.gateway.server import Gateway, error_response
 from saltgate.gateway.shared_limits import connect_shared_limits
 from saltgate.gateway.tracing import start_tracer
+from saltgate.governance.limits import enforcement
 from saltgate.http import Handler, HttpServer
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
@@ -135,11 +137,15 @@ def start_kv_relay(config: GatewayConfig, k_kv: bytes) -> KvRelay | None:
 
 
 async def open_gateway(
-    config: GatewayConfig, access_log: AccessLog, *, workers: int = 1
+    config: GatewayConfig,
+    access_log: AccessLog,
+    *,
+    workers: int = 1,
+    host_limits: socket.socket | None = None,
 ) -> Gateway:
     """The gateway from its parts (store, router, replicas, metrics, access log), not
     yet serving: `start_gateway` puts its HTTP server around it, `saltgate epp` its
-    ext_proc server (saltgate/epp)."""
+    ext_proc server (saltgate/epp). ``host_limits``: see `start_gateway`."""
     tracer = start_tracer(config.tracing) if config.tracing is not None else None
     master_key = load_master_key(config.master_key_file)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -166,9 +172,11 @@ async def open_gateway(
         store_down_for=store.unreachable_for,
         tracer=tracer,
         limit_share=config.limits_share * workers,
-        shared_limits=None
-        if config.cluster is None
-        else connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s),
+        shared_limits=connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s)
+        if config.cluster is not None
+        else None
+        if host_limits is None
+        else await HostLimits.open(host_limits),
         usage=open_usage_reader(config.store_settings),
     )
 
@@ -179,15 +187,18 @@ async def start_gateway(
     listener: SharedListener | None = None,
     ehbp_keyring: Keyring | None = None,
     workers: int = 1,
+    host_limits: socket.socket | None = None,
 ) -> RunningGateway:
     """Open the store, probe the replicas and serve: on `config`'s host and port, or (a
-    worker, one of `workers`) on `listener` with the EHBP keys its parent gave every worker."""
+    worker, one of `workers`) on `listener` with the EHBP keys its parent gave every worker
+    and (without [cluster]) `host_limits`, its channel to the supervisor's one count of the
+    host's limits (gateway/host_limits.py)."""
     # The admin listener's refusal (plain HTTP off loopback) and TLS files first: nothing
     # is opened or bound when they stop the start.
     admin_context = admin_tls(config) if config.admin_port is not None else None
     edge = None if (context := edge_context(config)) is None else EdgeTls(context)
     access_log = AccessLog.open(config.access_log, config.log_format)
-    gateway = await open_gateway(config, access_log, workers=workers)
+    gateway = await open_gateway(config, access_log, workers=workers, host_limits=host_limits)
     metrics, replicas, subkeys = gateway.metrics, gateway.replicas, gateway.subkeys
     ehbp = _ehbp_edge(config, gateway, metrics, ehbp_keyring)
     handler: Handler = gateway.handle if ehbp is None else ehbp.handle
@@ -312,7 +323,8 @@ def announce(
     workers: int | None = None,
 ) -> None:
     """The lines an operator reads at start: where it serves, where metrics are, the EHBP
-    key clients pin, and a line per running part (relay, cluster bus)."""
+    key clients pin, how the tenants' limits are held (and where not exactly), and a line
+    per running part (relay, cluster bus)."""
     served = f"{len(config.replicas)} replicas" + (f", {workers} workers" if workers else "")
     print(f"saltgate: serving on {url} ({served})", flush=True)
     if admin_port is not None:
@@ -321,6 +333,10 @@ def announce(
         print(f"saltgate: admin API on {admin}/admin/v1/")
     if ehbp_fingerprint is not None:
         print(f"saltgate: EHBP key {ehbp_fingerprint} at {KEYS_PATH}")
+    held = enforcement(
+        workers=workers or 1, gateways=config.limits_share, cluster=config.cluster is not None
+    )
+    print(f"saltgate: {held} (docs/limits.md)")
     for part in parts:
         if part is not None:
             print(f"saltgate: {part}", flush=True)

@@ -10,6 +10,8 @@ docs/workers.md measures both choices.
 The parent serves no request. It starts each worker as a fresh interpreter
 (serving/worker.py), hands it its configuration over a control channel
 (serving/control.py), restarts a worker that dies (with a backoff if it dies young),
+holds the one count of the tenants' limits every worker admits through when there is no
+[cluster] (governance/arbiter.py, over a socket pair per worker: gateway/host_limits.py),
 serves the one admin port (metrics merged from every worker), runs the KV-event relay
 if configured, and turns signals into orders: SIGHUP has every worker reopen its access
 log file (log rotation) and re-reads [[replicas]] (and the edge's TLS files) for every
@@ -36,6 +38,7 @@ from saltgate.console.app import Console
 from saltgate.derivations.derive import derive_subkeys
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.metrics import Counter, Gauge, Snapshot, merge_workers, render
+from saltgate.governance.arbiter import MAX_LINE_BYTES, Arbiter, ArbiterError
 from saltgate.http import HttpServer
 from saltgate.kvevents.relay import KvRelay
 from saltgate.runtime import StartError, listen_error, run_service, until_stopped
@@ -134,6 +137,29 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server(address[:2], family=family, backlog=LISTEN_BACKLOG)
 
 
+async def arbitrate(arbiter: Arbiter, channel: int, sock: socket.socket, who: str) -> None:
+    """Answer one worker's questions about limits until its channel closes; then settle
+    what it left at its reservations (its leases come back). `who` names it in the log."""
+    reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_LINE_BYTES)
+    clock = time.monotonic
+    try:
+        while line := await reader.readline():
+            try:
+                answer = arbiter.answer(channel, line, clock())
+            except ArbiterError as exc:
+                log.warning("%s: an unreadable limits message (%s)", who, exc)
+                continue
+            if answer is not None:
+                writer.write(answer + b"\n")
+    except (ConnectionError, ValueError) as exc:  # ValueError: a line over the limit
+        log.warning("%s: limits channel closed (%s)", who, exc)
+    finally:
+        left = arbiter.forget(channel, clock())
+        if left:
+            log.info("%s left %d admissions; their leases are freed", who, left)
+        writer.close()
+
+
 class Supervisor:
     def __init__(self, config: GatewayConfig, workers: int) -> None:
         if workers < 1:
@@ -168,6 +194,14 @@ class Supervisor:
         self._retired = Snapshot()  # what workers that died had counted
         self._retired_requests = [0.0] * workers
         self._tasks: set[asyncio.Task[None]] = set()
+        # Without [cluster], the one count of the host's limits (with it, Redis counts).
+        self.arbiter = (
+            Arbiter(share=config.limits_share, lease_ttl_s=config.limits_lease_ttl_s)
+            if config.cluster is None
+            else None
+        )
+        self._channels = 0
+        self._arbitrating: set[asyncio.Task[None]] = set()
 
     @property
     def url(self) -> str:
@@ -221,7 +255,13 @@ class Supervisor:
     async def _spawn(self, index: int) -> WorkerProcess:
         assert self._sock is not None and self._board is not None
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = (self._sock.fileno(), child_end.fileno(), self._board.fd)
+        fds: tuple[int, ...] = (self._sock.fileno(), child_end.fileno(), self._board.fd)
+        limits_argv: list[str] = []
+        limits_end = limits_child = None
+        if self.arbiter is not None:
+            limits_end, limits_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            fds = (*fds, limits_child.fileno())
+            limits_argv = ["--limits-fd", str(limits_child.fileno())]
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -237,15 +277,24 @@ class Supervisor:
                 str(fds[1]),
                 "--board-fd",
                 str(fds[2]),
+                *limits_argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 pass_fds=fds,
             )
         except BaseException:
             parent_end.close()
+            if limits_end is not None:
+                limits_end.close()
             raise
         finally:
             child_end.close()
+            if limits_child is not None:
+                limits_child.close()
         self._procs[index] = proc
+        if limits_end is not None:
+            task = asyncio.get_running_loop().create_task(self._arbitrate(index, limits_end))
+            self._arbitrating.add(task)
+            task.add_done_callback(self._arbitrating.discard)
         reader, writer = await asyncio.open_unix_connection(sock=parent_end)
         start = control.Start(self.worker_config(), self._ehbp_private_keys)
         writer.write(control.order_frame(start))
@@ -310,6 +359,11 @@ class Supervisor:
                 break
             self.alive[index] = worker
 
+    async def _arbitrate(self, index: int, sock: socket.socket) -> None:
+        assert self.arbiter is not None
+        self._channels += 1
+        await arbitrate(self.arbiter, self._channels, sock, f"worker {index}")
+
     def _retire(self, worker: WorkerProcess) -> None:
         """A worker is gone: keep what it had counted, take it out of the share."""
         if self.alive.get(worker.index) is worker:
@@ -340,9 +394,9 @@ class Supervisor:
                     log.warning("worker pid %d did not stop; killing it", proc.pid)
                     proc.kill()
             await asyncio.gather(*late)
-        for keeper in self._keepers:
-            keeper.cancel()
-        await asyncio.gather(*self._keepers, return_exceptions=True)
+        for task in [*self._keepers, *self._arbitrating]:
+            task.cancel()
+        await asyncio.gather(*self._keepers, *self._arbitrating, return_exceptions=True)
         for worker in list(self.alive.values()):
             self._retire(worker)
         if self._admin is not None:

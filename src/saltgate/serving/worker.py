@@ -1,11 +1,12 @@
 """One worker process of `saltgate serve --workers N` (serving/supervisor.py starts it).
 
-A fresh interpreter, not a fork: it inherits three file descriptors (the shared
-listening socket, its end of the control channel, the connection board) and nothing
-else, so no thread, lock, event loop or database connection of the parent can be copied
-into it half-way. It opens its own store (its own SQLite connections, or its own
-PostgreSQL listening connection, ledger pool and spool segment), probes the replicas
-itself, and serves until the parent tells it to stop.
+A fresh interpreter, not a fork: it inherits three or four file descriptors (the shared
+listening socket, its end of the control channel, the connection board and, without
+[cluster], its end of the channel to the supervisor's count of the host's limits:
+gateway/host_limits.py) and nothing else, so no thread, lock, event loop or database
+connection of the parent can be copied into it half-way. It opens its own store (its own
+SQLite connections, or its own PostgreSQL listening connection, ledger pool and spool
+segment), probes the replicas itself, and serves until the parent tells it to stop.
 
 Signals: SIGTERM drains (requests in flight finish, within the HTTP server's grace),
 like a single `saltgate serve`; SIGINT and SIGHUP are ignored, because a terminal sends
@@ -56,7 +57,15 @@ async def _serve_orders(
         await writer.drain()
 
 
-async def work(index: int, workers: int, listen_fd: int, control_fd: int, board_fd: int) -> int:
+async def work(
+    index: int,
+    workers: int,
+    listen_fd: int,
+    control_fd: int,
+    board_fd: int,
+    *,
+    limits_fd: int | None = None,
+) -> int:
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=control_fd))
     start = await control.read_order(reader)
     if not isinstance(start, control.Start):
@@ -70,6 +79,7 @@ async def work(index: int, workers: int, listen_fd: int, control_fd: int, board_
             listener=SharedListener(socket.socket(fileno=listen_fd), board.gate(index)),
             ehbp_keyring=Keyring(keys[0], tuple(keys[1:])) if keys else None,
             workers=workers,
+            host_limits=None if limits_fd is None else socket.socket(fileno=limits_fd),
         )
     except (ConfigError, StoreError, OSError) as exc:
         tag = control.FAILED if isinstance(exc, OSError) else control.USAGE_FAILED
@@ -94,12 +104,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="saltgate-worker", description=__doc__)
     for name in ("--index", "--workers", "--listen-fd", "--control-fd", "--board-fd"):
         parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--limits-fd", type=int)
     args = parser.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     install_uvloop()
     return asyncio.run(
-        work(args.index, args.workers, args.listen_fd, args.control_fd, args.board_fd)
+        work(
+            args.index,
+            args.workers,
+            args.listen_fd,
+            args.control_fd,
+            args.board_fd,
+            limits_fd=args.limits_fd,
+        )
     )
 
 
