@@ -33,9 +33,16 @@ install: $(PURE)
 
 install-compiled: $(COMPILED)
 
+# xds-protos (the EPP's Envoy protos, docs/epp.md) carries its own, older copies of
+# opentelemetry-proto's modules in the same package directory: whichever installs last
+# wins, and with xds-protos' the OTLP exporter ([tracing]) cannot import. The real
+# package is installed again over them, at the lock's version and hashes.
+OTEL_PROTO := $(VENV)/opentelemetry-proto.txt
 $(DEPS): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) --require-hashes -r requirements.lock
+	awk '/^opentelemetry-proto==/{p=1} p{print} p&&!/\\$$/{exit}' requirements.lock > $(OTEL_PROTO)
+	$(PIP) --require-hashes --no-deps --force-reinstall -r $(OTEL_PROTO)
 	touch $@
 
 # Their dependencies are in requirements.lock (tests/dist/test_packaging.py checks it).

@@ -133,3 +133,20 @@ def test_the_detector_catches_cross_tenant_hits_when_salts_are_off(tmp_path: Pat
     assert leaky["cross_tenant_hits"] == 3 and leaky["cross_tenant_tokens"] == 3 * 64
     assert isolated["cross_tenant_hits"] == 0 and isolated["cached_tokens"] == 0
     assert saltgate["cross_tenant_hits"] == 0 and saltgate["cached_tokens"] == 0
+
+
+def test_envoy_epp_routes_the_trace_as_saltgates_own_edge(tmp_path: Path) -> None:
+    """`--policy envoy-epp` (docs/epp.md): the same trace through a real Envoy with
+    `saltgate epp` behind it is served whole, isolated, and cached as by saltgate's own
+    edge (the same router), within this short run's noise."""
+    report = bench_replay(
+        tmp_path, "--policy", "saltgate,envoy-epp", "--duration", "40"
+    )  # fmt: skip
+    own, epp = report["results"]
+    assert [own["policy"], epp["policy"]] == ["saltgate", "envoy-epp"]
+    n = report["schedule"]["requests"]
+    for r in (own, epp):
+        assert set(r) >= REQUIRED, r
+        assert r["failed"] == 0 and r["completed"] == n, r.get("errors")
+        assert r["cross_tenant_hits"] == 0
+    assert abs(epp["cached_token_ratio"] - own["cached_token_ratio"]) <= 0.1, (own, epp)

@@ -174,6 +174,14 @@ class CanaryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EppConfig:
+    """[epp]: `saltgate epp`, the Envoy External Processing server (docs/epp.md)."""
+
+    grpc_port: int = 9002  # the ext_proc (and gRPC health) listener, on [gateway] host
+    envoy_port: int = 8081  # the listener of the Envoy configuration `--envoy-config` prints
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     replicas: tuple[ReplicaConfig, ...]
     state_dir: Path
@@ -246,6 +254,7 @@ class GatewayConfig:
     # [responses] store: replicas keep responses (vLLM's store on), each its owner's only
     # (docs/fields.md); false: every request forwarded with store false, no state.
     responses_store: bool = False
+    epp: EppConfig = field(default_factory=EppConfig)  # [epp]: read by `saltgate epp` alone
 
     @property
     def db_path(self) -> Path:
@@ -426,6 +435,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         "media",
         "canary",
         "responses",
+        "epp",
     }
     unknown = set(doc) - known
     if unknown:
@@ -466,6 +476,7 @@ def parse_config(doc: dict[str, Any], base: Path) -> GatewayConfig:
         media=_media(doc.get("media", {}), base),
         canary=_canary(doc.get("canary", {})),
         responses_store=_responses(doc.get("responses", {})),
+        epp=_epp(doc.get("epp", {})),
         **_limits(doc.get("limits", {})),
         **_ehbp(doc.get("ehbp", {}), base, state_dir),
         **kwargs,
@@ -806,6 +817,23 @@ def _canary(table: Any) -> CanaryConfig:
                 raise ConfigError(f"canary.{key}: expected seconds, {low:g} to 86400")
             out[key] = float(value)
     return CanaryConfig(**out)
+
+
+def _epp(table: Any) -> EppConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("epp: expected a table")
+    known = ("grpc_port", "envoy_port")
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"epp: unknown keys {unknown}; expected {list(known)}")
+    out: dict[str, int] = {}
+    for key in known:
+        if key in table:
+            value = _expect(table, key, int, "epp")
+            if not 0 <= value <= 65_535:
+                raise ConfigError(f"epp.{key}: expected a port, 0 to 65535")
+            out[key] = value
+    return EppConfig(**out)
 
 
 def _router(table: Any) -> RouterConfig:

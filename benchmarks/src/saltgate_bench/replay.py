@@ -32,6 +32,8 @@ from saltgate.governance.limits import Limits
 from saltgate.http import UpstreamPool
 from saltgate_bench.gateway_setup import (
     GatewayState,
+    envoy_argv,
+    epp_argv,
     gateway_config,
     peer_argv,
     prepare_gateway_state,
@@ -69,6 +71,7 @@ from saltgate_bench.replay_metrics import (
     summarize,
 )
 from saltgate_bench.replay_procs import (
+    EPP_POLICY,
     GATEWAY_POLICIES,
     PEER_POLICIES,
     POLICIES,
@@ -142,7 +145,7 @@ class Bench:
         print(f"[replay] {message}", file=sys.stderr, flush=True)
 
     def shape(self, policy: str) -> RequestShape:
-        if policy in GATEWAY_POLICIES:
+        if policy in GATEWAY_POLICIES or policy == EPP_POLICY:
             if self.state is None:
                 tenants = [f"tenant-{i}" for i in range(self.o.tenants)]
                 self.state = prepare_gateway_state(
@@ -261,10 +264,14 @@ class Bench:
     async def run_policy(self, policy: str, shape: RequestShape) -> dict[str, Any]:
         fleet = Fleet(self.o.sim, self.o.replicas, self.workdir, policy.replace(":", "-"))
         router: Proc | None = None
+        behind: Proc | None = None  # envoy-epp: the EPP behind the Envoy in `router`
         try:
             await fleet.start(self.o.startup_timeout_s)
             port = free_port()
-            router = self.start_router(policy, port, fleet)
+            if policy == EPP_POLICY:
+                behind, router = self.start_envoy_epp(port, fleet)
+            else:
+                router = self.start_router(policy, port, fleet)
             await self.wait_ready(router, port, shape)
             baseline = await fleet.served()
             pool = UpstreamPool(
@@ -276,8 +283,9 @@ class Bench:
                 await pool.close()
             served = [b - a for a, b in zip(baseline, await fleet.served(), strict=True)]
         finally:
-            if router is not None:
-                router.stop()
+            for proc in (router, behind):
+                if proc is not None:
+                    proc.stop()
             fleet.stop()
         return self.summary(policy, policy, run, served, fault)
 
@@ -322,6 +330,27 @@ class Bench:
             tool, peer_policy = PEER_POLICIES[policy]
             argv = [*peer_argv(self.tools, tool, peer_policy, port, fleet.urls), *self.o.peer_args]
         return Proc(tag, argv, self.workdir / f"{tag}-router.log")
+
+    def start_envoy_epp(self, port: int, fleet: Fleet) -> tuple[Proc, Proc]:
+        """(`saltgate epp`, the Envoy in front of it on ``port``) with the configuration
+        `saltgate epp --envoy-config` prints: the gateway's policy saltgate as Envoy's
+        endpoint picker."""
+        assert self.state is not None
+        text = gateway_config(
+            self.state,
+            fleet.urls,
+            port=free_port(),
+            admin_port=free_port(),
+            router_settings=self.o.router_settings,
+            sections=f"{self.o.gateway_sections}\n[epp]\ngrpc_port = {free_port()}\n"
+            f"envoy_port = {port}\n",
+        )
+        epp = epp_argv(write_gateway_config(self.workdir / f"{EPP_POLICY}.toml", text))
+        envoy = envoy_argv(epp, self.workdir / f"{EPP_POLICY}-envoy.yaml")
+        log = self.workdir / f"{EPP_POLICY}-epp.log"
+        return Proc("saltgate-epp", epp, log), Proc(
+            "envoy", envoy, self.workdir / f"{EPP_POLICY}-router.log"
+        )
 
     async def wait_ready(self, router: Proc, port: int, shape: RequestShape) -> None:
         await wait_ready(router, port, shape, self.o.startup_timeout_s)
@@ -438,10 +467,11 @@ def _policies(text: str) -> tuple[str, ...]:
     if text == "all":
         return POLICIES
     names = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in names if p not in POLICIES]
+    known = (*POLICIES, EPP_POLICY)
+    bad = [p for p in names if p not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}"
+            f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(known)}"
         )
     return names
 
@@ -536,7 +566,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--policy",
         type=_policies,
         default=POLICIES,
-        help=f"comma-separated, run in this order, or 'all' (default): {', '.join(POLICIES)}",
+        help=f"comma-separated, run in this order, or 'all' (default): {', '.join(POLICIES)}; "
+        f"also {EPP_POLICY} (saltgate as Envoy's endpoint picker), when named",
     )
     p.add_argument("--time-scale", type=positive(float), default=10.0, help="replay S times faster")
     p.add_argument("--json", type=Path, help="write the results as JSON here")

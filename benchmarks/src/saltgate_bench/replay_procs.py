@@ -31,7 +31,10 @@ PEER_POLICIES = {
     "vllm-router:cache_aware": ("vllm-router", "cache_aware"),
     "vllm-router:consistent_hash": ("vllm-router", "consistent_hash"),
 }
-POLICIES = (*GATEWAY_POLICIES, *PEER_POLICIES)
+POLICIES = (*GATEWAY_POLICIES, *PEER_POLICIES)  # `--policy all`
+# saltgate as Envoy's endpoint picker (docs/epp.md): a real Envoy, `saltgate epp` behind it,
+# the gateway's own router (policy saltgate); run when named.
+EPP_POLICY = "envoy-epp"
 SERVED_METRIC = "vllm:request_success_total"
 
 

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import os
 import sys
+from typing import Any
 
 from saltgate.audit.plan import (
     DEFAULT_PREFIX_TOKENS,
@@ -150,6 +151,14 @@ def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per probe")
     p.add_argument("--json", metavar="OUT", help="write the findings as JSON")
+    p.add_argument(
+        "--envoy-config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an Envoy configuration (JSON; YAML with pyyaml, in saltgate[audit]) in front "
+        "of `saltgate epp`: a finding when it lets requests past the EPP (repeatable)",
+    )
     # Neither numpy nor the plots: the runtime install runs it (docs/deployment.md).
     p.set_defaults(func=_run_deployment, runtime_only=True)
 
@@ -214,6 +223,7 @@ def _run_deployment(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
+        envoy_configs = [(name, _envoy_document(name)) for name in args.envoy_config]
     except ConfigError as exc:
         print(f"saltgate audit deployment: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -224,6 +234,7 @@ def _run_deployment(args: argparse.Namespace) -> int:
             api_key=_from_env(args.api_key, "SALTGATE_AUDIT_API_KEY"),
             kv_endpoints=args.kv_events,
             timeout=args.timeout,
+            envoy_configs=envoy_configs,
         )
     )
     rows = [[f.severity.value, f.check, f.target, f.summary, f.fix] for f in report.findings]
@@ -231,3 +242,33 @@ def _run_deployment(args: argparse.Namespace) -> int:
     if args.json:
         write_json(report.to_json(), args.json)
     return 1 if report.worst is Severity.HIGH else 0
+
+
+def _envoy_document(name: str) -> Any:
+    """An Envoy configuration file parsed: JSON (what `saltgate epp --envoy-config`
+    prints) with the runtime install, YAML too with pyyaml (saltgate[audit]); ConfigError
+    if it cannot be read."""
+    import json  # noqa: PLC0415 (only when run)
+
+    from saltgate.config import ConfigError  # noqa: PLC0415 (heavy: only when run)
+
+    try:
+        with open(name, encoding="utf-8") as file:
+            text = file.read()
+    except OSError as exc:
+        raise ConfigError(f"--envoy-config {name}: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        import yaml  # noqa: PLC0415 (only for a YAML file)
+    except ModuleNotFoundError:
+        raise ConfigError(
+            f"--envoy-config {name}: not JSON, and reading YAML needs pyyaml: "
+            "pip install 'saltgate[audit]'"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--envoy-config {name}: {exc}") from None

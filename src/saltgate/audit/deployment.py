@@ -48,6 +48,7 @@ from saltgate.audit.vllm_line import (
     PROMPT_TOKENS_DETAILS,
 )
 from saltgate.config import GatewayConfig, ReplicaConfig
+from saltgate.epp.envoy import fail_open_findings
 from saltgate.http.tls import client_context
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "Severity",
     "judge_bind_address",
     "judge_canary",
+    "judge_envoy_config",
     "judge_hash_algo",
     "judge_kv_endpoint",
     "judge_metrics_exposure",
@@ -93,6 +95,33 @@ def judge_salting_config(config: GatewayConfig) -> Finding:
             "remove [testing] disable_salting from the config",
         )
     return Finding("salting", "config", Severity.OK, "the gateway derives every cache salt")
+
+
+def judge_envoy_config(source: str, document: Any) -> list[Finding]:
+    """An Envoy configuration in front of `saltgate epp` (docs/epp.md): high for what
+    lets a request reach a replica without the EPP (ext_proc `failure_mode_allow: true`,
+    a connection manager without the filter, a route that disables it)."""
+    found = fail_open_findings(document)
+    if not found:
+        return [
+            Finding(
+                "envoy-fail-closed",
+                source,
+                Severity.OK,
+                "every route passes the EPP, and Envoy refuses requests while it is down",
+            )
+        ]
+    return [
+        Finding(
+            "envoy-fail-closed",
+            source,
+            Severity.HIGH,
+            finding,
+            "failure_mode_allow: false on the ext_proc filter and no route that disables "
+            "it: the configuration `saltgate epp --envoy-config` prints",
+        )
+        for finding in found
+    ]
 
 
 def judge_plaintext_upstream(config: GatewayConfig) -> list[Finding]:
@@ -807,11 +836,16 @@ async def run_deployment_audit(
     kv_endpoints: Sequence[str] = (),
     probe_default_kv_port: bool = True,
     timeout: float = 5.0,
+    envoy_configs: Sequence[tuple[str, Any]] = (),
 ) -> DeploymentReport:
-    """Every check, in order; a check that cannot run says so as an `info` finding."""
+    """Every check, in order; a check that cannot run says so as an `info` finding.
+    ``envoy_configs``: (file name, parsed document) of Envoy configurations in front of
+    `saltgate epp`."""
     async with httpx.AsyncClient(timeout=timeout, verify=_trust(config)) as client:
         checks = _Checks(config, client, gateway or gateway_url(config), api_key, timeout)
         checks.add(judge_salting_config(config))
+        for source, document in envoy_configs:
+            checks.report.findings += judge_envoy_config(source, document)
         checks.report.findings += judge_plaintext_upstream(config)
         async with MediaListener() as listener:
             for replica in config.replicas:

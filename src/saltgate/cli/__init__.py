@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from saltgate.cli.admin_tokens import _add_admin_plane
 from saltgate.cli.common import Command, Parser
+from saltgate.cli.epp import _add_epp
 from saltgate.cli.prices import _add_prices
 from saltgate.cli.relay import _add_kv_relay, _add_proxy
 from saltgate.cli.serving import _add_gateway, _add_sim
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_relay(sub)
     _add_proxy(sub)
     _add_audit(sub)
+    _add_epp(sub)
     return parser
 
 
@@ -59,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 # extra, or else the server's dependencies, which saltgate-client leaves out.
 SERVER_INSTALL = "saltgate"
 TOOL_EXTRAS = {
-    "audit": ("numpy", "scipy", "matplotlib", "tqdm"),
+    "audit": ("numpy", "scipy", "matplotlib", "tqdm", "yaml"),
+    "epp": ("grpc", "grpc_health", "xds"),
 }
 
 

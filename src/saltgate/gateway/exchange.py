@@ -389,20 +389,7 @@ class Exchange:
                 if held:
                     return held
                 break
-            context = self._context
-            if not context.first_byte:
-                context.first_byte = time.monotonic()
-            if self._prefilling and _prefilled(context.route, chunk):
-                self._prefilling = False
-                attempt = self._attempt
-                if attempt is not None:
-                    attempt.first_output()
-                meter = self._meter
-                meter.ttft(
-                    context.route,
-                    meter.model_label(context.model, attempt),
-                    time.monotonic() - context.started,
-                )
+            self.output(chunk)
             out = scrub_events(scanner.feed(chunk))
             if self._keep is not None:
                 await self._kept(out)
@@ -436,6 +423,52 @@ class Exchange:
             return
         self._cut = True
         self._upstream.interrupt(_STOPPING)
+
+    def output(self, chunk: bytes) -> None:
+        """A chunk of the replica's stream arrived: its first byte and, once the prompt
+        is prefilled, its first output are timed and told to the router."""
+        context = self._context
+        if not context.first_byte:
+            context.first_byte = time.monotonic()
+        if self._prefilling and _prefilled(context.route, chunk):
+            self._prefilling = False
+            attempt = self._attempt
+            if attempt is not None:
+                attempt.first_output()
+            meter = self._meter
+            meter.ttft(
+                context.route,
+                meter.model_label(context.model, attempt),
+                time.monotonic() - context.started,
+            )
+
+    # -- an exchange another proxy carries (saltgate/epp: Envoy moves the bytes) --------
+    async def relay(
+        self, replicas: ReplicaSet, plan: Plan, avoid: Sequence[ReplicaId], body_bytes: int
+    ) -> Attempt | None:
+        """The replica for a request another proxy carries: its turn in the fair queue
+        ([queue]; the 503 / 529 when it waited too long), else the router's pick, as
+        `forward`'s first attempt; None: no replica."""
+        fair = self._fair
+        if fair is not None and not avoid:
+            attempt = await self._queued(fair, plan, body_bytes)
+        else:
+            attempt = replicas.acquire(plan, avoid)
+        self._attempt = attempt
+        return attempt
+
+    def unserved(self) -> None:
+        """No replica could take the request: its reservations freed, nothing recorded
+        (as `forward` does when the first attempt finds none)."""
+        self._settle(None, None)
+
+    def failed(self) -> None:
+        """The replica broke the exchange: told to the router, counted."""
+        self._failed()
+
+    async def end(self, status: int, usage: Usage | None = None) -> None:
+        """The relayed exchange is over: the same one ending as the gateway's own."""
+        await self._end(status, usage)
 
     async def aclose(self) -> None:
         """The HTTP server is done with the body. Before its end that means the client

@@ -417,9 +417,14 @@ class ReplicaSet:
         tenant gets the gateway's own), and the replica is down at once, said once."""
         with contextlib.suppress(UpstreamError):
             await answer.read()  # the connection goes back to the pool clean
+        self.refused(replica, answer.status)
+
+    def refused(self, replica: Replica, status: int) -> None:
+        """The replica answered a request 401 or 403 (`credentials_refused`; saltgate/epp,
+        whose Envoy carried the answer): down at once, said once."""
         state = self.router.state(replica.id)
         was_up = state is not None and state.health.probe.up
-        replica.refused = answer.status
+        replica.refused = status
         self.router.credentials_refused(replica.id)
         if was_up and replica in self.replicas:
             index = self.replicas.index(replica)
@@ -427,7 +432,7 @@ class ReplicaSet:
                 "replica %d (%s) is down: %s",
                 index,
                 replica.id,
-                _refusal_cause(index, answer.status, "a request"),
+                _refusal_cause(index, status, "a request"),
             )
 
     async def probe_all(self) -> None:

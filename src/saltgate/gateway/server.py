@@ -38,7 +38,7 @@ from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.gateway.responses import BY_ID, ResponseOwners, by_id, unknown_response
-from saltgate.http import Request, Response
+from saltgate.http import Client, Headers, Request, Response
 from saltgate.policy.errors import (
     ApiError,
     gateway_draining,
@@ -54,13 +54,14 @@ from saltgate.policy.request import (
     ROUTE_READY,
     ROUTE_USAGE,
     Body,
+    Inspected,
     inspect,
     parse_body,
     prepare,
     resolve_route,
 )
 from saltgate.prices import PriceVersion, price_versions
-from saltgate.routing import ReplicaId
+from saltgate.routing import Plan, ReplicaId
 from saltgate.store.errors import StoreUnavailableError
 from saltgate.store.ledger import UsageLedger
 from saltgate.store.tenants import KeySource, Principal
@@ -70,6 +71,22 @@ log = logging.getLogger(__name__)
 
 JSON = [(b"content-type", b"application/json")]
 TENANT_SALT_CACHE = 65_536  # tenants x epochs remembered; cleared when full
+
+
+@dataclasses.dataclass(slots=True)
+class Admitted:
+    """A request the policy let through (`Gateway.admit`): whose it is, what it asks,
+    the router's plan, the body to forward (salted, client salts stripped), the replicas
+    not to try, and its reservations under its limits (None: it has none)."""
+
+    principal: Principal
+    inspected: Inspected
+    plan: Plan
+    payload: bytes
+    avoid: list[ReplicaId]
+    admission: Admission | None
+    ticket: AnyTicket | None
+    limit_headers: Headers | None
 
 
 def error_response(status: int, message: str) -> Response:
@@ -304,14 +321,7 @@ class Gateway:
     # -- the request path ----------------------------------------------------------------
     async def handle(self, request: Request, body_encrypted: bool = False) -> Response:
         """A request's response; ``body_encrypted``: the EHBP edge opened its body."""
-        context = RequestContext(
-            self._log, request.method, request.header(b"x-request-id"), time.monotonic()
-        )
-        context.client_addr = client_address(
-            request.client.peer, request.headers, self.config.trusted_proxies
-        )
-        if self.tracer is not None:
-            context.span = self.tracer.request(request.method, request.headers)
+        context = self.begin(request)
         try:
             response = await self._handle(request, context, body_encrypted)
         except ApiError as error:
@@ -327,9 +337,44 @@ class Gateway:
         self.metrics.inc("saltgate_requests_total", labels)
         return response
 
+    def begin(self, request: Request) -> RequestContext:
+        """A request's context: its id, client address, access-log line and span."""
+        context = RequestContext(
+            self._log, request.method, request.header(b"x-request-id"), time.monotonic()
+        )
+        context.client_addr = client_address(
+            request.client.peer, request.headers, self.config.trusted_proxies
+        )
+        if self.tracer is not None:
+            context.span = self.tracer.request(request.method, request.headers)
+        return context
+
     async def _handle(
         self, request: Request, context: RequestContext, body_encrypted: bool
     ) -> Response:
+        admitted = await self.admit(request, context, body_encrypted)
+        if isinstance(admitted, Response):
+            return admitted
+        response = await self.exchange(admitted, context, request.client).forward(
+            self.replicas,
+            admitted.plan,
+            request.path,
+            forward_request_headers(request.headers, context.request_id),
+            admitted.payload,
+            client_wants_usage=admitted.inspected.client_wants_usage,
+            avoid=admitted.avoid,
+        )
+        if admitted.limit_headers:
+            response.headers += admitted.limit_headers
+        return response
+
+    async def admit(
+        self, request: Request, context: RequestContext, body_encrypted: bool = False
+    ) -> Admitted | Response:
+        """The request policy, whole: the answer when the gateway answers it itself
+        (health, models, usage, ...), else the request admitted for a replica, salted and
+        planned. Refusals raise `ApiError`. The gateway's own path and the EPP's
+        (saltgate/epp) both come through here."""
         route = self._routes.get((request.method, request.path))
         if route is None and self.owners is not None:
             found = by_id(request.method, request.path)
@@ -383,28 +428,23 @@ class Gateway:
         if self.media is not None and inspected.content_rewrite:  # fetched once admitted
             body = await self._inline_media(route, body, principal, admission, ticket)
         payload = prepare(body, inspected, salt, ranked)
-        exchange = Exchange(
+        return Admitted(
+            principal, inspected, plan, payload, avoid, admission, ticket, limit_headers
+        )
+
+    def exchange(self, admitted: Admitted, context: RequestContext, client: Client) -> Exchange:
+        """The exchange that carries an admitted request to its one usage record."""
+        owners = self.owners
+        return Exchange(
             self.meter,
-            principal,
+            admitted.principal,
             context,
-            request.client,
-            admission=admission,
-            ticket=ticket,
+            client,
+            admission=admitted.admission,
+            ticket=admitted.ticket,
             fair=self.fair,
             keep=None if owners is None else owners.record,
         )
-        response = await exchange.forward(
-            self.replicas,
-            plan,
-            request.path,
-            forward_request_headers(request.headers, context.request_id),
-            payload,
-            client_wants_usage=inspected.client_wants_usage,
-            avoid=avoid,
-        )
-        if limit_headers:
-            response.headers += limit_headers
-        return response
 
     async def _holding(self, previous: str | None, principal: Principal) -> list[ReplicaId]:
         """For a request continuing a response ([responses] store): every replica but the

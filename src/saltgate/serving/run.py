@@ -136,22 +136,16 @@ def start_kv_relay(config: GatewayConfig, k_kv: bytes) -> KvRelay | None:
     return relay
 
 
-async def start_gateway(
+async def open_gateway(
     config: GatewayConfig,
+    access_log: AccessLog,
     *,
-    listener: SharedListener | None = None,
-    ehbp_keyring: Keyring | None = None,
     workers: int = 1,
     host_limits: socket.socket | None = None,
-) -> RunningGateway:
-    """Open the store, probe the replicas and serve: on `config`'s host and port, or (a
-    worker, one of `workers`) on `listener` with the EHBP keys its parent gave every worker
-    and (without [cluster]) `host_limits`, its channel to the supervisor's one count of the
-    host's limits (gateway/host_limits.py)."""
-    # The admin listener's refusal (plain HTTP off loopback) and TLS files first: nothing
-    # is opened or bound when they stop the start.
-    admin_context = admin_tls(config) if config.admin_port is not None else None
-    edge = None if (context := edge_context(config)) is None else EdgeTls(context)
+) -> Gateway:
+    """The gateway from its parts (store, router, replicas, metrics, access log), not
+    yet serving: `start_gateway` puts its HTTP server around it, `saltgate epp` its
+    ext_proc server (saltgate/epp). ``host_limits``: see `start_gateway`."""
     tracer = start_tracer(config.tracing) if config.tracing is not None else None
     master_key = load_master_key(config.master_key_file)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -167,8 +161,7 @@ async def start_gateway(
     replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s, router=router)
     metrics = Metrics()
     store.register_gauges(metrics.gauge)
-    access_log = AccessLog.open(config.access_log, config.log_format)
-    gateway = Gateway(
+    return Gateway(
         config,
         subkeys=subkeys,
         keys=store.keys,
@@ -186,6 +179,27 @@ async def start_gateway(
         else await HostLimits.open(host_limits),
         usage=open_usage_reader(config.store_settings),
     )
+
+
+async def start_gateway(
+    config: GatewayConfig,
+    *,
+    listener: SharedListener | None = None,
+    ehbp_keyring: Keyring | None = None,
+    workers: int = 1,
+    host_limits: socket.socket | None = None,
+) -> RunningGateway:
+    """Open the store, probe the replicas and serve: on `config`'s host and port, or (a
+    worker, one of `workers`) on `listener` with the EHBP keys its parent gave every worker
+    and (without [cluster]) `host_limits`, its channel to the supervisor's one count of the
+    host's limits (gateway/host_limits.py)."""
+    # The admin listener's refusal (plain HTTP off loopback) and TLS files first: nothing
+    # is opened or bound when they stop the start.
+    admin_context = admin_tls(config) if config.admin_port is not None else None
+    edge = None if (context := edge_context(config)) is None else EdgeTls(context)
+    access_log = AccessLog.open(config.access_log, config.log_format)
+    gateway = await open_gateway(config, access_log, workers=workers, host_limits=host_limits)
+    metrics, replicas, subkeys = gateway.metrics, gateway.replicas, gateway.subkeys
     ehbp = _ehbp_edge(config, gateway, metrics, ehbp_keyring)
     handler: Handler = gateway.handle if ehbp is None else ehbp.handle
     # on_client_gone: "finish" lets an exchange run to its end when the client leaves,

@@ -1,0 +1,6 @@
+"""`saltgate epp`: the gateway's request policy and router as the Endpoint Picker of an
+Envoy-based gateway (Envoy's ext_proc, the Gateway API Inference Extension's protocol).
+
+`envoy` builds the Envoy configuration it ships and checks one (pure); `server` is the
+ext_proc shell around `Gateway.admit` and `Exchange` (docs/epp.md).
+"""

@@ -1,0 +1,393 @@
+"""The ext_proc server: one gRPC stream per HTTP request Envoy carries (docs/epp.md).
+
+A thin shell: the request policy is `Gateway.admit` (the gateway's own, whole), the
+replica is the gateway's router's pick (`ReplicaSet.acquire`), and the ending is the
+gateway's `Exchange` (one usage record, limits settled, router told). What is here only
+translates between Envoy's messages and those: the request's headers and buffered body
+in; the salted body, the forwarded headers, `x-gateway-destination-endpoint` and the
+`envoy.lb` fallback list out (or an ImmediateResponse with the gateway's answer); then
+the replica's response headers scrubbed and its streamed body metered chunk by chunk.
+The chunk that ends the response is answered only once its record is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from saltgate.config import ConfigError, GatewayConfig
+from saltgate.epp.envoy import DESTINATION, LB_NAMESPACE
+from saltgate.gateway.access_log import AccessLog
+from saltgate.gateway.context import RequestContext
+from saltgate.gateway.exchange import (
+    CLIENT_CLOSED,
+    DONE,
+    NOT_SERVED,
+    Exchange,
+    no_replica,
+)
+from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt, Replica
+from saltgate.gateway.server import Admitted, Gateway, api_error_response
+from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
+from saltgate.http import Client, Headers, Request, Response
+from saltgate.policy.errors import ApiError
+from saltgate.policy.fields import scrub_answer, scrub_events
+from saltgate.policy.headers import forward_request_headers, scrub_response_headers
+from saltgate.routing import ReplicaId
+from saltgate.serving.run import open_gateway
+
+log = logging.getLogger(__name__)
+
+SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
+_SSE: Final = b"text/event-stream"
+_CONTINUE_AND_REPLACE: Final = ext.CommonResponse.ResponseStatus.CONTINUE_AND_REPLACE
+_OVERWRITE: Final = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def endpoint(replica: Replica) -> str:
+    """A replica's `ip:port`, as the GIE protocol names endpoints."""
+    host, port, _ = replica.config.authority
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _headers(message: ext.HttpHeaders) -> Headers:
+    return [
+        (h.key.lower().encode(), h.raw_value or h.value.encode()) for h in message.headers.headers
+    ]
+
+
+def _request(headers: Headers, body: bytes) -> Request:
+    """The saltgate request Envoy describes with its pseudo-headers."""
+    pseudo = {k: v for k, v in headers if k.startswith(b":")}
+    path, _, query = pseudo.get(b":path", b"/").partition(b"?")
+    plain = [(k, v) for k, v in headers if not k.startswith(b":")]
+    return Request(pseudo.get(b":method", b"GET"), path, query, plain, body, Client())
+
+
+def _mutation(incoming: Headers, outgoing: Headers) -> ext.HeaderMutation:
+    """Headers set to ``outgoing``: every other incoming one (but pseudo-headers and host,
+    which Envoy owns) removed."""
+    kept = {k for k, _ in outgoing}
+    return ext.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=k.decode(), raw_value=v), append_action=_OVERWRITE
+            )
+            for k, v in outgoing
+        ],
+        remove_headers=sorted(
+            {
+                k.decode()
+                for k, _ in incoming
+                if k not in kept and not k.startswith(b":") and k != b"host"
+            }
+        ),
+    )
+
+
+def immediate(response: Response) -> ext.ProcessingResponse:
+    """The gateway's own answer (an error in OpenAI's shape, /health, /v1/models, ...)
+    as Envoy's ImmediateResponse: Envoy sends it and asks no replica."""
+    return ext.ProcessingResponse(
+        immediate_response=ext.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=response.status),
+            headers=_mutation([], response.headers),
+            body=response.body,
+        )
+    )
+
+
+def destination(
+    incoming: Headers,
+    forwarded: Headers,
+    payload: bytes,
+    ranked: Sequence[str],
+    *,
+    headers_phase: bool,
+) -> ext.ProcessingResponse:
+    """The request on its way to ``ranked[0]``: headers, salted body, the GIE header and
+    the `envoy.lb` dynamic metadata with the ordered list (the rest are fallbacks)."""
+    outgoing = [
+        *forwarded,
+        (b"content-length", str(len(payload)).encode()),
+        (DESTINATION.encode(), ranked[0].encode()),
+    ]
+    common = ext.CommonResponse(
+        header_mutation=_mutation(incoming, outgoing),
+        body_mutation=ext.BodyMutation(body=payload),
+    )
+    metadata = struct_pb2.Struct()
+    metadata.update({LB_NAMESPACE: {DESTINATION: ",".join(ranked)}})
+    if headers_phase:
+        common.status = _CONTINUE_AND_REPLACE
+        return ext.ProcessingResponse(
+            request_headers=ext.HeadersResponse(response=common), dynamic_metadata=metadata
+        )
+    return ext.ProcessingResponse(
+        request_body=ext.BodyResponse(response=common), dynamic_metadata=metadata
+    )
+
+
+class _Conversation:
+    """One HTTP request's stream of ext_proc messages, from its headers to its record."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.headers: Headers = []
+        self.context: RequestContext | None = None
+        self.exchange: Exchange | None = None
+        self.attempt: Attempt | None = None
+        self.client_wants_usage = False
+        self.added: Headers = []  # for the client: the gateway's request id, limit headers
+        self.status = 0  # the replica's, once its headers came
+        self.scanner: SseUsageScanner | None = None
+        self.held = b""  # a stream's closing [DONE], until its record is committed
+        self.whole = bytearray()  # a whole answer, gathered to meter and scrub it
+        self.ended = False
+
+    async def answer(self, message: ext.ProcessingRequest) -> ext.ProcessingResponse:
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            self.headers = _headers(message.request_headers)
+            if not message.request_headers.end_of_stream:
+                return ext.ProcessingResponse(request_headers=ext.HeadersResponse())
+            return await self._request(b"", headers_phase=True)
+        if kind == "request_body":
+            return await self._request(message.request_body.body, headers_phase=False)
+        if kind == "response_headers":
+            return await self._response_headers(message.response_headers)
+        if kind == "response_body":
+            body = message.response_body
+            return await self._response_body(body.body, body.end_of_stream)
+        # trailers are not asked for (the shipped configuration skips them)
+        return ext.ProcessingResponse(request_trailers=ext.TrailersResponse())
+
+    # -- the request: the gateway's policy, then the router's pick ------------------------
+    async def _request(self, body: bytes, *, headers_phase: bool) -> ext.ProcessingResponse:
+        gateway = self.gateway
+        request = _request(self.headers, body)
+        context = self.context = gateway.begin(request)
+        try:
+            admitted = await gateway.admit(request, context)
+            if isinstance(admitted, Response):
+                return self._answered(context, admitted)
+            return await self._send(request, context, admitted, headers_phase)
+        except ApiError as error:
+            return self._answered(context, api_error_response(error))
+
+    def _answered(self, context: RequestContext, response: Response) -> ext.ProcessingResponse:
+        response.headers.append((b"x-request-id", context.request_id.encode()))
+        context.end(response.status)
+        self.ended = True
+        return immediate(response)
+
+    async def _send(
+        self, request: Request, context: RequestContext, admitted: Admitted, headers_phase: bool
+    ) -> ext.ProcessingResponse:
+        gateway = self.gateway
+        exchange = gateway.exchange(admitted, context, request.client)
+        replicas, plan = gateway.replicas, admitted.plan
+        attempt = await exchange.relay(replicas, plan, admitted.avoid, len(admitted.payload))
+        if attempt is None:
+            exchange.unserved()
+            raise no_replica()
+        self.exchange, self.attempt = exchange, attempt
+        self.added = [
+            *(admitted.limit_headers or ()),
+            (b"x-request-id", context.request_id.encode()),
+        ]
+        self.client_wants_usage = admitted.inspected.client_wants_usage
+        forwarded = forward_request_headers(request.headers, context.request_id)
+        return destination(
+            self.headers,
+            forwarded + attempt.replica.auth,
+            admitted.payload,
+            self._ranked(admitted, attempt.replica.id),
+            headers_phase=headers_phase,
+        )
+
+    def _ranked(self, admitted: Admitted, first: ReplicaId) -> list[str]:
+        """The picked replica, then the others in the router's retry order (its
+        rendezvous ranking for the request, else the least loaded first)."""
+        replicas = self.gateway.replicas
+        router = replicas.router
+        plan, now = admitted.plan, time.monotonic()
+        if plan.key is not None:
+            order = router.ranking(plan.key, now, plan.model)
+        else:
+            order = [s.id for s in sorted(router.usable(plan.model, now), key=lambda s: s.load)]
+        avoid = set(admitted.avoid)
+        by_id = {r.id: r for r in replicas.replicas}
+        ids = [first, *(i for i in order if i != first and i not in avoid)]
+        return [endpoint(by_id[i]) for i in ids if i in by_id]
+
+    # -- the response: scrubbed, metered, released after its record -----------------------
+    async def _response_headers(self, message: ext.HttpHeaders) -> ext.ProcessingResponse:
+        incoming = _headers(message)
+        status = dict(incoming).get(b":status", b"0")
+        self.status = int(status) if status.isdigit() else 0
+        plain = [(k, v) for k, v in incoming if not k.startswith(b":")]
+        exchange = self.exchange
+        attempt = self.attempt
+        if attempt is not None and exchange is not None and self.status in CREDENTIALS_REFUSED:
+            # The replica refuses the gateway's key, not the tenant's: never relayed; the
+            # replica is down, and the tenant gets the gateway's answer for no replica.
+            self.gateway.replicas.refused(attempt.replica, self.status)
+            exchange.failed()
+            await self._end(NOT_SERVED, None)
+            refusal = api_error_response(no_replica())
+            refusal.headers += self.added
+            return immediate(refusal)
+        if attempt is not None:
+            attempt.responded()
+        if exchange is not None:
+            content_type = dict(plain).get(b"content-type", b"")
+            if self.status == 200 and content_type.startswith(_SSE):
+                self.scanner = SseUsageScanner(drop_usage_event=not self.client_wants_usage)
+            if message.end_of_stream:
+                await self._end(self.status, None)
+        # The body may change (salts, answer fields): Envoy frames what it sends.
+        mutation = _mutation(plain, scrub_response_headers(plain) + self.added)
+        if b"content-length" in dict(plain):
+            mutation.remove_headers.append("content-length")
+        return ext.ProcessingResponse(
+            response_headers=ext.HeadersResponse(
+                response=ext.CommonResponse(header_mutation=mutation)
+            )
+        )
+
+    async def _response_body(self, chunk: bytes, last: bool) -> ext.ProcessingResponse:
+        exchange = self.exchange
+        if exchange is None or self.ended:
+            return _body(chunk)
+        scanner = self.scanner
+        if scanner is None:  # a whole answer: metered and scrubbed once it is all here
+            self.whole += chunk
+            if not last:
+                return _body(b"")
+            body = bytes(self.whole)
+            await self._end(self.status, usage_from_body(body) if self.status == 200 else None)
+            return _body(scrub_answer(body))
+        if chunk:
+            exchange.output(chunk)
+        out = self.held + scrub_events(scanner.feed(chunk))
+        self.held = b""
+        if last:
+            out += scrub_events(scanner.flush())
+            await self._end(200, scanner.usage)  # committed before the end is released
+            return _body(out)
+        if out.endswith(DONE):
+            out, self.held = out[: -len(DONE)], DONE
+        return _body(out)
+
+    async def _end(self, status: int, usage: Usage | None) -> None:
+        exchange = self.exchange
+        if exchange is not None and not self.ended:
+            self.ended = True
+            await exchange.end(status, usage)
+
+    async def close(self) -> None:
+        """The stream ended: a request that never got its response's end is recorded,
+        as the gateway records it (the client left, or the replica failed)."""
+        exchange = self.exchange
+        if exchange is None or self.ended:
+            return
+        if self.status:
+            usage = self.scanner.usage if self.scanner is not None else None
+            await self._end(CLIENT_CLOSED, usage)
+            return
+        exchange.failed()  # Envoy reached no replica, or it broke before answering
+        await self._end(NOT_SERVED, None)
+
+
+def _body(data: bytes) -> ext.ProcessingResponse:
+    mutation = ext.BodyMutation(body=data) if data else ext.BodyMutation(clear_body=True)
+    return ext.ProcessingResponse(
+        response_body=ext.BodyResponse(response=ext.CommonResponse(body_mutation=mutation))
+    )
+
+
+class ExternalProcessor(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def Process(  # the gRPC method's name
+        self, requests: AsyncIterator[ext.ProcessingRequest], context: Any
+    ) -> AsyncIterator[ext.ProcessingResponse]:
+        conversation = _Conversation(self.gateway)
+        try:
+            async for message in requests:
+                yield await conversation.answer(message)
+        finally:
+            await asyncio.shield(conversation.close())
+
+
+def refuse_unsupported(config: GatewayConfig) -> None:
+    """ConfigError for settings the EPP cannot honour (docs/epp.md): refused at start
+    rather than silently not applied."""
+    if config.responses_store:
+        raise ConfigError(
+            "saltgate epp does not support [responses] store (a continuation must reach "
+            "the replica holding it): turn it off"
+        )
+
+
+@dataclass
+class RunningEpp:
+    gateway: Gateway
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    closed: bool = False
+
+    async def close(self, grace_s: float | None = None) -> None:
+        """Drain: health NOT_SERVING and /ready draining at once, streams under way given
+        ``grace_s`` (default `[gateway] drain_grace_s`), then the gateway's parts closed;
+        once."""
+        if self.closed:
+            return
+        self.closed = True
+        self.gateway.draining = True
+        await self.health.enter_graceful_shutdown()
+        grace = self.gateway.config.drain_grace_s if grace_s is None else grace_s
+        await self.server.stop(grace)
+        await self.gateway.aclose()
+
+
+async def start_epp(config: GatewayConfig) -> RunningEpp:
+    """The gateway's parts behind an ext_proc server on [gateway] host, [epp] grpc_port
+    (0: a free port), with the standard gRPC health service: SERVING once the replicas
+    had their first probe and the isolation canary its first round ([canary])."""
+    refuse_unsupported(config)
+    gateway = await open_gateway(config, AccessLog.open(config.access_log, config.log_format))
+    server = grpc.aio.server()
+    ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway), server)
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.epp.grpc_port}")
+        await server.start()
+        await gateway.replicas.probe_all()
+        gateway.replicas.start_probing()
+        if gateway.canary is not None:  # its first round before serving, as the gateway's
+            await gateway.canary.run_all()
+            gateway.canary.start()
+    except BaseException:
+        await server.stop(None)
+        await gateway.aclose()
+        raise
+    for name in ("", SERVICE):
+        await checks.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningEpp(gateway, server, port, checks)
