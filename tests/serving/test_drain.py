@@ -16,6 +16,8 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,29 +61,45 @@ async def refused(url: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_a_stream_cut_at_the_grace_ends_in_shape_and_is_billed(
-    tmp_path: Path, workers: int
-) -> None:
+@asynccontextmanager
+async def draining_gateway(
+    tmp_path: Path, grace_s: float, workers: int = 1
+) -> AsyncIterator[tuple[GatewayProcess, dict[str, str]]]:
+    """`saltgate serve` with `drain_grace_s = grace_s` in front of a simulated replica at
+    25 ms a token, its store (in tmp_path/state) holding one tenant; the gateway and the
+    headers of that tenant's key."""
     store = StoreSettings.in_state_dir(tmp_path / "state")
     master = tmp_path / "master.key"
     create_master_key(master)
     with TenantStore(open_database(store)) as tenants:
         tenants.create_tenant("acme")
         _, key = tenants.create_key("acme")
-
-    async def main() -> None:
-        sim = await start_sim(SimConfig(port=0, decode_ms_per_token=25))
+    sim = await start_sim(SimConfig(port=0, decode_ms_per_token=25))
+    try:
         config = write_gateway_config(
             tmp_path / "gw.toml",
             state_dir=tmp_path / "state",
             master_key_file=master,
             replicas=[sim.url],
-            gateway_extra=f"drain_grace_s = {GRACE_S}\n",
+            gateway_extra=f"drain_grace_s = {grace_s}\n",
         )
         gateway = await GatewayProcess.start(config, tmp_path / "gw.log", workers=workers)
-        headers = {"authorization": f"Bearer {key}"}
         try:
+            yield gateway, {"authorization": f"Bearer {key}"}
+        finally:
+            await gateway.stop()
+    finally:
+        await sim.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stream_cut_at_the_grace_ends_in_shape_and_is_billed(
+    tmp_path: Path, workers: int
+) -> None:
+    store = StoreSettings.in_state_dir(tmp_path / "state")
+
+    async def main() -> None:
+        async with draining_gateway(tmp_path, GRACE_S, workers) as (gateway, headers):
             async with async_client(base_url=gateway.url, headers=headers, timeout=30) as http:
                 long = {  # 400 tokens: 10 s, far past the grace
                     "model": MODEL,
@@ -113,9 +131,6 @@ def test_a_stream_cut_at_the_grace_ends_in_shape_and_is_billed(
             assert error["code"] == "gateway_stopping" and error["type"] == "service_unavailable"
             assert GRACE_S <= ended < GRACE_S + 8, ended
             assert await asyncio.wait_for(gateway.proc.wait(), 30) == 0
-        finally:
-            await gateway.stop()
-            await sim.close()
         rows = usage_rows(store)
         status, prompt, completion = rows[cut_id]
         content = len(data) - 2  # the role event and the error event carry no token
@@ -188,25 +203,10 @@ def test_open_connections_read_draining_while_a_stream_runs_then_it_is_cut_in_sh
     connection gets the route's 503; when the grace ends the stream ends with the route's
     error event and its row has the tokens the client received."""
     store = StoreSettings.in_state_dir(tmp_path / "state")
-    master = tmp_path / "master.key"
-    create_master_key(master)
-    with TenantStore(open_database(store)) as tenants:
-        tenants.create_tenant("acme")
-        _, key = tenants.create_key("acme")
 
     async def main() -> None:
-        sim = await start_sim(SimConfig(port=0, decode_ms_per_token=25))
-        config = write_gateway_config(
-            tmp_path / "gw.toml",
-            state_dir=tmp_path / "state",
-            master_key_file=master,
-            replicas=[sim.url],
-            gateway_extra="drain_grace_s = 3\n",
-        )
-        gateway = await GatewayProcess.start(config, tmp_path / "gw.log")
-        headers = {"authorization": f"Bearer {key}"}
         one = httpx.Limits(max_connections=1)
-        try:
+        async with draining_gateway(tmp_path, 3.0) as (gateway, headers):
             async with (
                 async_client(base_url=gateway.url, headers=headers, timeout=30) as http,
                 async_client(
@@ -244,9 +244,6 @@ def test_open_connections_read_draining_while_a_stream_runs_then_it_is_cut_in_sh
             events = _events(received)
             _cut_in_shape(route, events)
             assert await asyncio.wait_for(gateway.proc.wait(), 30) == 0
-        finally:
-            await gateway.stop()
-            await sim.close()
         status, _, completion = usage_rows(store)[cut_id]
         delivered = _tokens(route, events)
         assert status == 503 and 0 < delivered < 2000

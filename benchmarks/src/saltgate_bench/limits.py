@@ -221,6 +221,33 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q / 100 * len(sorted_values)))]
 
 
+Limited = list[tuple[tuple[str, str], Limits]]
+
+
+def latency_limits() -> Limited:
+    """What the latency figures admit into: a tenant with every kind of limit and its key,
+    all too large to refuse, so each admission checks and records every log."""
+    every = replace(UNBOUNDED, concurrency=10**6)
+    return [(("tenant", "bench-latency"), every), (("key", "bench-latency"), Limits(rpm=10**9))]
+
+
+def local_latencies(limited: Limited, samples: int) -> list[float]:
+    """One admission and its settlement at a time in an in-process Governor (the
+    comparison for the shared engines), sorted seconds."""
+    governor = Governor()
+    for subject, limits in limited:
+        governor.set_limits(subject, limits)
+    subjects = [subject for subject, _ in limited]
+    local: list[float] = []
+    for i in range(samples):
+        start = time.perf_counter()
+        decision = governor.admit(subjects, Demand(100, 100), i * 0.001)
+        local.append(time.perf_counter() - start)
+        assert decision.ticket is not None
+        governor.settle(decision.ticket, Demand(50, 50), i * 0.001)
+    return sorted(local)
+
+
 class Bench:
     """Every phase on one Redis, one set of replicas and one store; gateways per arm."""
 
@@ -606,11 +633,7 @@ class Bench:
         """One admission (and its settlement) at a time: through Redis, then in-process."""
         client = self.redis_client()
         engine = SharedLimits(client, lease_ttl_s=DEFAULT_LEASE_TTL_S)
-        every = replace(UNBOUNDED, concurrency=10**6)
-        limited = [
-            (("tenant", "bench-latency"), every),
-            (("key", "bench-latency"), Limits(rpm=10**9)),
-        ]
+        limited = latency_limits()
         shared: list[float] = []
         try:
             for _ in range(self.o.latency_samples):
@@ -621,18 +644,8 @@ class Bench:
                 await engine.settle(ticket, Demand(50, 50))
         finally:
             await client.aclose()
-        governor = Governor()
-        subjects = [("tenant", "t")]
-        governor.set_limits(subjects[0], every)
-        local: list[float] = []
-        for i in range(self.o.latency_samples * 5):
-            start = time.perf_counter()
-            decision = governor.admit(subjects, Demand(100, 100), i * 0.001)
-            local.append(time.perf_counter() - start)
-            assert decision.ticket is not None
-            governor.settle(decision.ticket, Demand(50, 50), i * 0.001)
+        local = local_latencies(limited, self.o.latency_samples * 5)
         shared.sort()
-        local.sort()
         p99 = percentile(shared, 99) * 1000
         return {
             "samples": len(shared),
@@ -653,11 +666,7 @@ class Bench:
         )
         theirs.close()
         engine = await HostLimits.open(ours, timeout_s=5.0)
-        every = replace(UNBOUNDED, concurrency=10**6)
-        limited = [
-            (("tenant", "bench-latency"), every),
-            (("key", "bench-latency"), Limits(rpm=10**9)),
-        ]
+        limited = latency_limits()
         one: list[float] = []
         try:
             for _ in range(self.o.latency_samples):
@@ -680,19 +689,8 @@ class Bench:
         finally:
             await engine.aclose()
             await child.wait()
-        governor = Governor()
-        subjects = [("tenant", "t"), ("key", "k")]
-        governor.set_limits(subjects[0], every)
-        governor.set_limits(subjects[1], Limits(rpm=10**9))
-        local: list[float] = []
-        for i in range(self.o.latency_samples * 5):
-            start = time.perf_counter()
-            decision = governor.admit(subjects, Demand(100, 100), i * 0.001)
-            local.append(time.perf_counter() - start)
-            assert decision.ticket is not None
-            governor.settle(decision.ticket, Demand(50, 50), i * 0.001)
+        local = local_latencies(limited, self.o.latency_samples * 5)
         one.sort()
-        local.sort()
         p99 = percentile(one, 99) * 1000
         return {
             "engine": "supervisor",

@@ -3,7 +3,7 @@
 vLLM keeps two caches of processed media, its multimodal processor cache and its encoder
 cache, keyed by a part's client ``uuid`` verbatim, else by a hash of the media bytes;
 neither key carries ``cache_salt`` (vLLM 0.32 ``multimodal/processing/inputs.py:91-105``,
-``v1/core/encoder_cache_manager.py:111-138``; ../shared research, section 2). It fetches
+``v1/core/encoder_cache_manager.py:111-138``; docs/multimodal.md). It fetches
 ``http(s)`` media URLs itself, from any host (``multimodal/media/connector.py``), and loads
 ``*_embeds`` / ``prompt_embeds`` with ``torch.load`` when enabled. So, on every route that
 carries content parts, this module:

@@ -1,7 +1,7 @@
 """The egress policy for media the gateway fetches itself (pure; docs/multimodal.md).
 
 vLLM fetches an ``http(s)`` media URL from the replica's network, from any host, with
-redirects followed (CVE-2025-6242 class; ../shared research, section 3). With ``[media]
+redirects followed (CVE-2025-6242 class; docs/multimodal.md). With ``[media]
 remote = "fetch"`` the gateway fetches it instead, under this policy, and inlines the bytes
 as a ``data:`` URL (gateway/media.py is the shell: sockets, time, concurrency). Every
 decision is here, without a socket:
