@@ -28,12 +28,17 @@ from saltgate.config import (
     parse_config,
 )
 from saltgate.epp.envoy import (
+    ANSWER_DETAILS,
     DESTINATION,
     EXT_PROC,
     LB_NAMESPACE,
+    OVERRIDE_HOST,
     REPLICAS_CLUSTER,
+    RETRY_ON,
+    UPSTREAM_ADDRESS,
     bootstrap,
     fail_open_findings,
+    replica_endpoints,
 )
 from saltgate.epp.server import destination, immediate, refuse_unsupported
 from saltgate.http import Response
@@ -43,6 +48,7 @@ pytestmark = pytest.mark.unit
 
 def shipped() -> dict[str, Any]:
     return bootstrap(
+        replicas=[("127.0.0.1", 8001), ("127.0.0.1", 8002)],
         listen_host="127.0.0.1",
         envoy_port=8081,
         epp_host="127.0.0.1",
@@ -74,11 +80,28 @@ def test_the_shipped_configuration_fails_closed_and_goes_where_the_epp_says() ->
     [replicas] = [
         c for c in config["static_resources"]["clusters"] if c["name"] == REPLICAS_CLUSTER
     ]
-    assert replicas["type"] == "ORIGINAL_DST"
-    assert replicas["original_dst_lb_config"] == {
-        "use_http_header": True,
-        "http_header_name": DESTINATION,
-    }
+    # the [[replicas]] list, balanced by the override-host policy on the EPP's list alone
+    assert replicas["type"] == "STATIC"
+    [endpoints] = replicas["load_assignment"]["endpoints"]
+    addresses = [e["endpoint"]["address"]["socket_address"] for e in endpoints["lb_endpoints"]]
+    assert addresses == [
+        {"address": "127.0.0.1", "port_value": 8001},
+        {"address": "127.0.0.1", "port_value": 8002},
+    ]
+    [policy] = replicas["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]
+    assert override["name"] == OVERRIDE_HOST
+    sources = override["typed_config"]["override_host_sources"]
+    # the metadata only the EPP sets, never a header a client could send
+    assert sources == [{"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION}]}}]
+    [fallback] = override["typed_config"]["fallback_policy"]["policies"]
+    subset = fallback["typed_extension_config"]["typed_config"]
+    assert subset["fallback_policy"] == "NO_FALLBACK"  # past the list: no endpoint at all
+    [route] = manager(config)["route_config"]["virtual_hosts"][0]["routes"]
+    retry = route["route"]["retry_policy"]
+    assert retry == {"retry_on": RETRY_ON, "num_retries": 1}  # down the list of two
+    assert set(RETRY_ON.split(",")) == {"connect-failure", "refused-stream", "reset-before-request"}
+    assert typed["response_attributes"] == [UPSTREAM_ADDRESS, ANSWER_DETAILS]
     # the ext_proc filter runs before the router, so no request reaches a replica unseen
     names = [f["name"] for f in manager(config)["http_filters"]]
     assert names == [EXT_PROC, "envoy.filters.http.router"]
@@ -192,6 +215,18 @@ def test_an_answer_of_the_gateway_is_an_immediate_response() -> None:
     assert [(h.header.key, h.header.raw_value) for h in message.headers.set_headers] == [
         ("content-type", b"application/json")
     ]
+
+
+def test_the_printed_cluster_names_replicas_by_ip_and_port_as_the_epp_does() -> None:
+    def config(url: str) -> ReplicaConfig:
+        return ReplicaConfig(url)
+
+    found = replica_endpoints([config("http://10.0.0.1:8000"), config("http://[::1]:9000/v1")])
+    assert found == [("10.0.0.1", 8000), ("::1", 9000)]
+    with pytest.raises(ConfigError, match=re.escape("replicas[1].url: 'vllm' is not an IP")):
+        replica_endpoints([config("http://10.0.0.1:8000"), config("http://vllm:8000")])
+    with pytest.raises(ConfigError, match=re.escape("replicas[0].url: https is not")):
+        replica_endpoints([config("https://10.0.0.1:8000")])
 
 
 def test_settings_the_epp_cannot_honour_stop_it_at_start(tmp_path: Path) -> None:

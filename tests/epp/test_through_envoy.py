@@ -10,13 +10,15 @@ from __future__ import annotations
 import importlib.resources
 import sqlite3
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
+import yaml
 from tests.gateway.stack import Tap, long_prompt, new_state_dir, run
 from tests.gateway.test_fields import _with_extras
 from tests.support.adversarial_fields import (
@@ -87,9 +89,16 @@ class EnvoyStack:
 
 @asynccontextmanager
 async def envoy_stack(
-    tmp: Path, *, salting: bool = True, replicas: list[str] | None = None
+    tmp: Path,
+    *,
+    salting: bool = True,
+    replicas: list[str] | None = None,
+    sections: str = "",
+    edit: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[EnvoyStack]:
-    """``replicas``: the replica URLs, instead of the two taps in front of simulators."""
+    """``replicas``: the replica URLs, instead of the two taps in front of simulators;
+    ``sections``: more TOML tables for the gateway's file; ``edit``: changes made to the
+    printed Envoy configuration before Envoy reads it (a positive control's)."""
     binary = envoy_binary()
     sims = [await start_sim(SimConfig(port=0, model=MODEL)) for _ in range(2)]
     taps = [Tap(s) for s in sims]
@@ -98,7 +107,7 @@ async def envoy_stack(
     state = tmp / "state"
     keys = new_state_dir(state, ("alice", "bob"))
     envoy_port = free_port()
-    sections = f"[epp]\ngrpc_port = {free_port()}\nenvoy_port = {envoy_port}\n"
+    sections = f"{sections}[epp]\ngrpc_port = {free_port()}\nenvoy_port = {envoy_port}\n"
     sections += "[canary]\nenabled = false\n"
     if not salting:
         sections += "[testing]\ndisable_salting = true\n"
@@ -111,7 +120,12 @@ async def envoy_stack(
         sections=sections,
     )
     bootstrap = tmp / "envoy.yaml"
-    bootstrap.write_text(cli("epp", "--config", str(path), "--envoy-config"))
+    printed = cli("epp", "--config", str(path), "--envoy-config")
+    if edit is not None:
+        document = yaml.safe_load(printed)
+        edit(document)
+        printed = yaml.safe_dump(document)
+    bootstrap.write_text(printed)
     epp = await start_epp(load_config(path))
     envoy = Proc(
         "envoy",
@@ -281,6 +295,76 @@ def test_a_replica_down_sends_requests_to_the_next_ranked(tmp_path: Path) -> Non
                 answer = await http.post("/v1/completions", json=request)
             assert answer.status_code == 200, answer.text
             assert [r.method for r in other.seen if r.method == b"POST"] == [b"POST"]
+
+    run(body)
+
+
+# The EPP keeps ranking a replica whose port closed until its next probe: an hour here,
+# so only Envoy's own retry down the list can save the request.
+_SLOW_PROBES = "[router]\nprobe_interval_s = 3600\n"
+
+
+async def _first_ranked_closed(s: EnvoyStack, request: dict[str, object]) -> tuple[Tap, Tap]:
+    """(the replica the router ranks first for ``request``, now closed; the other)."""
+    async with s.client("alice") as http:
+        assert (await http.post("/v1/completions", json=request)).status_code == 200
+    [first] = [t for t in s.taps if any(r.method == b"POST" for r in t.seen)]
+    [other] = [t for t in s.taps if t is not first]
+    await first.close()  # its port refuses connections from now on
+    return first, other
+
+
+def test_a_replica_refusing_connections_fails_over_within_the_request(tmp_path: Path) -> None:
+    """Envoy walks the EPP's `envoy.lb` list: the first-ranked replica's port is closed,
+    the same request is answered by the next, and the EPP records, meters and tells the
+    router about the one that answered (and that the first failed)."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path, sections=_SLOW_PROBES) as s:
+            request = completion(long_prompt("failover"), stream=True)
+            first, other = await _first_ranked_closed(s, request)
+            async with s.client("alice") as http:
+                answer = await http.post("/v1/completions", json=request)
+            assert answer.status_code == 200, answer.text
+            assert answer.text.rstrip().endswith("data: [DONE]")
+            assert len([r for r in other.seen if r.method == b"POST"]) == 1
+            rows = ledger_rows_of(s)
+            assert [r["status"] for r in rows] == [200, 200]
+            assert rows[-1]["replica"] == f"http://127.0.0.1:{other.port}"  # the one that served
+            assert rows[0]["replica"] == f"http://127.0.0.1:{first.port}"
+            assert rows[-1]["completion_tokens"] > 0
+            router = s.epp.gateway.replicas.router
+            states = {r.config.url: router.state(r.id) for r in s.epp.gateway.replicas.replicas}
+            failed = states[f"http://127.0.0.1:{first.port}"]
+            served = states[f"http://127.0.0.1:{other.port}"]
+            assert failed is not None and failed.health.breaker.failures == 1
+            assert served is not None and served.inflight == 0  # both attempts freed
+            assert failed.inflight == 0
+
+    run(body)
+
+
+def _without_retries(config: dict[str, Any]) -> None:
+    listener = config["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for route in manager["route_config"]["virtual_hosts"][0]["routes"]:
+        del route["route"]["retry_policy"]
+
+
+def test_positive_control_without_envoys_retry_the_request_fails(tmp_path: Path) -> None:
+    """The test above with the route's retry policy removed: the request dies with its
+    first replica, and the EPP answers the gateway's 503 for it and records it unserved."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path, sections=_SLOW_PROBES, edit=_without_retries) as s:
+            request = completion(long_prompt("failover"))
+            _, other = await _first_ranked_closed(s, request)
+            async with s.client("alice") as http:
+                answer = await http.post("/v1/completions", json=request)
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "no_replica"
+            assert not [r for r in other.seen if r.method == b"POST"]
+            assert [r["status"] for r in ledger_rows_of(s)][-1] != 200
 
     run(body)
 

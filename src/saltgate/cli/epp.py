@@ -33,9 +33,15 @@ def _run_epp(args: argparse.Namespace) -> int:
         print(f"saltgate epp: {exc}", file=sys.stderr)
         return 2
     if args.envoy_config:
-        from saltgate.epp.envoy import bootstrap
+        from saltgate.epp.envoy import bootstrap, replica_endpoints
 
+        try:
+            replicas = replica_endpoints(config.replicas)
+        except ConfigError as exc:
+            print(f"saltgate epp: {exc}", file=sys.stderr)
+            return 2
         document = bootstrap(
+            replicas=replicas,
             listen_host=config.host,
             envoy_port=config.epp.envoy_port,
             epp_host=config.host,

@@ -28,7 +28,14 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from saltgate.config import ConfigError, GatewayConfig
-from saltgate.epp.envoy import DESTINATION, LB_NAMESPACE
+from saltgate.epp.envoy import (
+    ANSWER_DETAILS,
+    DESTINATION,
+    EXT_PROC,
+    LB_NAMESPACE,
+    UPSTREAM_ADDRESS,
+    VIA_UPSTREAM,
+)
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.context import RequestContext
 from saltgate.gateway.exchange import (
@@ -45,7 +52,7 @@ from saltgate.http import Client, Headers, Request, Response
 from saltgate.policy.errors import ApiError
 from saltgate.policy.fields import scrub_answer, scrub_events
 from saltgate.policy.headers import forward_request_headers, scrub_response_headers
-from saltgate.routing import ReplicaId
+from saltgate.routing import Plan, ReplicaId
 from saltgate.serving.run import open_gateway
 
 log = logging.getLogger(__name__)
@@ -66,6 +73,14 @@ def _headers(message: ext.HttpHeaders) -> Headers:
     return [
         (h.key.lower().encode(), h.raw_value or h.value.encode()) for h in message.headers.headers
     ]
+
+
+def _attribute(message: ext.ProcessingRequest, name: str) -> str:
+    """One of the attributes Envoy sends with a message (the shipped configuration's
+    `response_attributes`), "" when absent."""
+    sent = message.attributes.get(EXT_PROC)
+    value = sent.fields.get(name) if sent is not None else None
+    return value.string_value if value is not None else ""
 
 
 def _request(headers: Headers, body: bytes) -> Request:
@@ -149,6 +164,8 @@ class _Conversation:
         self.context: RequestContext | None = None
         self.exchange: Exchange | None = None
         self.attempt: Attempt | None = None
+        self.plan: Plan | None = None
+        self.ranked: list[tuple[str, ReplicaId]] = []  # the list Envoy walks: (ip:port, id)
         self.client_wants_usage = False
         self.added: Headers = []  # for the client: the gateway's request id, limit headers
         self.status = 0  # the replica's, once its headers came
@@ -167,7 +184,7 @@ class _Conversation:
         if kind == "request_body":
             return await self._request(message.request_body.body, headers_phase=False)
         if kind == "response_headers":
-            return await self._response_headers(message.response_headers)
+            return await self._response_headers(message)
         if kind == "response_body":
             body = message.response_body
             return await self._response_body(body.body, body.end_of_stream)
@@ -203,7 +220,8 @@ class _Conversation:
         if attempt is None:
             exchange.unserved()
             raise no_replica()
-        self.exchange, self.attempt = exchange, attempt
+        self.exchange, self.attempt, self.plan = exchange, attempt, plan
+        self.ranked = self._ranked(admitted, attempt.replica.id)
         self.added = [
             *(admitted.limit_headers or ()),
             (b"x-request-id", context.request_id.encode()),
@@ -214,13 +232,14 @@ class _Conversation:
             self.headers,
             forwarded + attempt.replica.auth,
             admitted.payload,
-            self._ranked(admitted, attempt.replica.id),
+            [name for name, _ in self.ranked],
             headers_phase=headers_phase,
         )
 
-    def _ranked(self, admitted: Admitted, first: ReplicaId) -> list[str]:
+    def _ranked(self, admitted: Admitted, first: ReplicaId) -> list[tuple[str, ReplicaId]]:
         """The picked replica, then the others in the router's retry order (its
-        rendezvous ranking for the request, else the least loaded first)."""
+        rendezvous ranking for the request, else the least loaded first): the endpoint
+        names of the `envoy.lb` list, with their replicas."""
         replicas = self.gateway.replicas
         router = replicas.router
         plan, now = admitted.plan, time.monotonic()
@@ -231,25 +250,55 @@ class _Conversation:
         avoid = set(admitted.avoid)
         by_id = {r.id: r for r in replicas.replicas}
         ids = [first, *(i for i in order if i != first and i not in avoid)]
-        return [endpoint(by_id[i]) for i in ids if i in by_id]
+        return [(endpoint(by_id[i]), i) for i in ids if i in by_id]
+
+    def _answering(self, message: ext.ProcessingRequest) -> Attempt | None:
+        """The attempt of the replica whose answer Envoy relays, after telling the router
+        of the ones it could not reach first (it walks the list on connection failures);
+        None when Envoy answers itself (no replica of the list could be reached)."""
+        exchange, attempt, plan = self.exchange, self.attempt, self.plan
+        assert exchange is not None and attempt is not None and plan is not None
+        served = _attribute(message, UPSTREAM_ADDRESS)
+        names = [name for name, _ in self.ranked]
+        tried = names.index(served) + 1 if served in names else 1
+        answered = _attribute(message, ANSWER_DETAILS) == VIA_UPSTREAM
+        unreached = self.ranked[1 : tried - 1 if answered else tried]
+        router, now = self.gateway.replicas.router, time.monotonic()
+        for _, replica_id in unreached:
+            router.failed(replica_id, now)
+        if not answered:
+            exchange.failed()
+            return None
+        if tried == 1:
+            return attempt
+        moved = self.gateway.replicas.attempt_on(plan, self.ranked[tried - 1][1])
+        if moved is None:  # the replica was removed (SIGHUP) meanwhile: keep the first
+            return attempt
+        exchange.moved(moved)
+        self.attempt = moved
+        return moved
 
     # -- the response: scrubbed, metered, released after its record -----------------------
-    async def _response_headers(self, message: ext.HttpHeaders) -> ext.ProcessingResponse:
+    async def _response_headers(self, request: ext.ProcessingRequest) -> ext.ProcessingResponse:
+        message = request.response_headers
         incoming = _headers(message)
         status = dict(incoming).get(b":status", b"0")
         self.status = int(status) if status.isdigit() else 0
         plain = [(k, v) for k, v in incoming if not k.startswith(b":")]
         exchange = self.exchange
         attempt = self.attempt
+        if attempt is not None and exchange is not None:
+            attempt = self._answering(request)
+            if attempt is None:  # Envoy's own answer: the gateway's, as when all failed
+                await self._end(NOT_SERVED, None)
+                return self._refused()
         if attempt is not None and exchange is not None and self.status in CREDENTIALS_REFUSED:
             # The replica refuses the gateway's key, not the tenant's: never relayed; the
             # replica is down, and the tenant gets the gateway's answer for no replica.
             self.gateway.replicas.refused(attempt.replica, self.status)
             exchange.failed()
             await self._end(NOT_SERVED, None)
-            refusal = api_error_response(no_replica())
-            refusal.headers += self.added
-            return immediate(refusal)
+            return self._refused()
         if attempt is not None:
             attempt.responded()
         if exchange is not None:
@@ -267,6 +316,12 @@ class _Conversation:
                 response=ext.CommonResponse(header_mutation=mutation)
             )
         )
+
+    def _refused(self) -> ext.ProcessingResponse:
+        """The gateway's 503 `no_replica` instead of the response Envoy has."""
+        refusal = api_error_response(no_replica())
+        refusal.headers += self.added
+        return immediate(refusal)
 
     async def _response_body(self, chunk: bytes, last: bool) -> ext.ProcessingResponse:
         exchange = self.exchange

@@ -457,6 +457,14 @@ class Exchange:
         self._attempt = attempt
         return attempt
 
+    def moved(self, attempt: Attempt) -> None:
+        """The proxy retried the request on another replica, which answers it: the first
+        attempt failed (told, counted, freed) and ``attempt`` is the exchange's now."""
+        self._failed()
+        if self._attempt is not None:
+            self._attempt.close()
+        self._attempt = attempt
+
     def unserved(self) -> None:
         """No replica could take the request: its reservations freed, nothing recorded
         (as `forward` does when the first attempt finds none)."""
