@@ -40,6 +40,7 @@ from saltgate.epp.envoy import (
     fail_open_findings,
     replica_endpoints,
 )
+from saltgate.epp.metrics import metrics_tls
 from saltgate.epp.server import destination, immediate, refuse_unsupported
 from saltgate.http import Response
 
@@ -244,16 +245,36 @@ def test_settings_the_epp_cannot_honour_stop_it_at_start(tmp_path: Path) -> None
 def test_the_epp_section_is_parsed_and_checked(tmp_path: Path) -> None:
     doc: dict[str, Any] = {"replicas": [{"url": "http://127.0.0.1:1"}]}
     assert parse_config(doc, tmp_path).epp == EppConfig(grpc_port=9002, envoy_port=8081)
-    doc["epp"] = {"grpc_port": 7000, "envoy_port": 7001}
-    assert parse_config(doc, tmp_path).epp == EppConfig(grpc_port=7000, envoy_port=7001)
+    doc["epp"] = {"grpc_port": 7000, "envoy_port": 7001, "metrics_port": 7002}
+    assert parse_config(doc, tmp_path).epp == EppConfig(
+        grpc_port=7000, envoy_port=7001, metrics_port=7002
+    )
     for bad, said in (
         ({"grpc_port": 70000}, "epp.grpc_port: expected a port"),
         ({"envoy_port": "80"}, "epp.envoy_port: expected"),
         ({"port": 1}, "epp: unknown keys ['port']"),
+        ({"metrics_port": -1}, "epp.metrics_port: expected a port"),
     ):
         doc["epp"] = bad
         with pytest.raises(ConfigError, match=re.escape(said)):
             parse_config(doc, tmp_path)
+
+
+def test_the_metrics_listener_takes_the_admin_listeners_rules(tmp_path: Path) -> None:
+    """Off by default; on loopback in plain HTTP; off loopback without TLS refused at
+    start, as the admin listener is (its tokens would cross the network in clear)."""
+    base = GatewayConfig(
+        replicas=(ReplicaConfig("http://127.0.0.1:1"),),
+        state_dir=tmp_path,
+        master_key_file=tmp_path / "master.key",
+    )
+    assert base.epp.metrics_port is None
+    assert metrics_tls(base) is None
+    on = dataclasses.replace(base, epp=EppConfig(metrics_port=9100))
+    assert metrics_tls(on) is None  # loopback: plain HTTP
+    remote = dataclasses.replace(on, admin_host="0.0.0.0")
+    with pytest.raises(ConfigError, match=re.escape("gateway.admin_host: 0.0.0.0 is off")):
+        metrics_tls(remote)
 
 
 def test_audit_reads_the_printed_json_and_yaml_and_names_a_bad_file(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from tests.support.adversarial_fields import (
     refused_cases,
     stripped_cases,
 )
-from tests.support.gateways import cli, write_gateway_config
+from tests.support.gateways import cli, metrics_token, write_gateway_config
 from tests.support.http import async_client
 from tests.support.waiting import eventually
 
@@ -94,10 +94,12 @@ async def envoy_stack(
     salting: bool = True,
     replicas: list[str] | None = None,
     sections: str = "",
+    epp_lines: str = "",
     edit: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[EnvoyStack]:
     """``replicas``: the replica URLs, instead of the two taps in front of simulators;
-    ``sections``: more TOML tables for the gateway's file; ``edit``: changes made to the
+    ``sections``: more TOML tables for the gateway's file, ``epp_lines`` more lines of its
+    [epp] table; ``edit``: changes made to the
     printed Envoy configuration before Envoy reads it (a positive control's)."""
     binary = envoy_binary()
     sims = [await start_sim(SimConfig(port=0, model=MODEL)) for _ in range(2)]
@@ -107,7 +109,7 @@ async def envoy_stack(
     state = tmp / "state"
     keys = new_state_dir(state, ("alice", "bob"))
     envoy_port = free_port()
-    sections = f"{sections}[epp]\ngrpc_port = {free_port()}\nenvoy_port = {envoy_port}\n"
+    sections = f"{sections}[epp]\ngrpc_port = {free_port()}\nenvoy_port = {envoy_port}\n{epp_lines}"
     sections += "[canary]\nenabled = false\n"
     if not salting:
         sections += "[testing]\ndisable_salting = true\n"
@@ -460,5 +462,64 @@ def test_a_replica_refusing_the_gateways_key_is_never_relayed(tmp_path: Path) ->
             await front.close()
             await pool.close()
             await replica.close()
+
+    run(body)
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text exposition: the series ``name`` with exactly
+    ``labels``; 0 when absent."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        got_name, _, got_labels = series.partition("{")
+        got = ",".join(sorted(got_labels.rstrip("}").split(","))) if got_labels else ""
+        if got_name == name and got == want:
+            return float(value)
+    return 0.0
+
+
+def test_the_epp_serves_metrics_behind_an_admin_token(tmp_path: Path) -> None:
+    """[epp] metrics_port: after requests through Envoy, /metrics counts them as the
+    gateway would (requests by status, tokens, durations, replica health) and the
+    ext_proc streams; without an admin token it answers 401 and shows nothing."""
+
+    async def body() -> None:
+        port = free_port()
+        async with envoy_stack(tmp_path, epp_lines=f"metrics_port = {port}\n") as s:
+            assert s.epp.metrics is not None and s.epp.metrics.port == port
+            async with s.client("alice") as http:
+                for stream in (False, True):
+                    request = completion(long_prompt("metrics"), stream=stream)
+                    answer = await http.post("/v1/completions", json=request)
+                    assert answer.status_code == 200, answer.text
+            async with async_client(base_url=s.url, timeout=30) as anonymous:
+                assert (await anonymous.post("/v1/completions", json={})).status_code == 401
+            url = f"http://127.0.0.1:{port}/metrics"
+            store = s.epp.gateway.config.store_settings
+            async with async_client(timeout=30) as http:
+                refused = await http.get(url)
+                assert refused.status_code == 401
+                assert "saltgate_" not in refused.text
+                scraped = await http.get(url, headers=metrics_token(store))
+            assert scraped.status_code == 200, scraped.text
+            text = scraped.text
+            # streams: /health at start-up, two completions, the 401
+            assert _sample(text, "saltgate_epp_streams_total") >= 4
+            assert _sample(text, "saltgate_epp_streams_active") == 0
+            assert _sample(text, "saltgate_epp_decision_seconds_count") >= 4
+            assert _sample(text, "saltgate_requests_total", method="POST", status="200") == 2
+            assert _sample(text, "saltgate_requests_total", method="POST", status="401") == 1
+            tenant = ledger_rows_of(s)[0]["tenant_id"]
+            rows = ledger_rows_of(s)
+            completion_tokens = sum(r["completion_tokens"] for r in rows)
+            assert completion_tokens > 0
+            counted = _sample(
+                text, "saltgate_tokens_total", kind="completion", tenant=tenant, model=MODEL
+            )
+            assert counted == completion_tokens
+            for tap in s.taps:
+                replica = f"http://127.0.0.1:{tap.port}"
+                assert _sample(text, "saltgate_replica_healthy", replica=replica) == 1
 
     run(body)

@@ -33,7 +33,7 @@ def _run_epp(args: argparse.Namespace) -> int:
         print(f"saltgate epp: {exc}", file=sys.stderr)
         return 2
     if args.envoy_config:
-        from saltgate.epp.envoy import bootstrap, replica_endpoints
+        from saltgate.epp.envoy import bootstrap, message_timeout_s, replica_endpoints
 
         try:
             replicas = replica_endpoints(config.replicas)
@@ -48,8 +48,7 @@ def _run_epp(args: argparse.Namespace) -> int:
             grpc_port=config.epp.grpc_port,
             timeout_s=config.upstream_timeout_s,
             max_body_bytes=config.max_body_bytes,
-            # a request may wait its turn in the fair queue ([queue]) before the answer
-            message_timeout_s=max(30.0, config.queue.max_queue_s + 10),
+            message_timeout_s=message_timeout_s(config.queue.max_queue_s),
         )
         print(json.dumps(document, indent=2))  # JSON is YAML: `envoy -c` reads it as such
         return 0

@@ -79,6 +79,12 @@ def replica_endpoints(replicas: Sequence[ReplicaConfig]) -> list[tuple[str, int]
     return endpoints
 
 
+def message_timeout_s(max_queue_s: float) -> float:
+    """How long Envoy waits for each EPP answer: a request may wait its turn in the fair
+    queue (`[queue] max_queue_s`) before it."""
+    return max(30.0, max_queue_s + 10)
+
+
 def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 

@@ -35,7 +35,9 @@ from saltgate.epp.envoy import (
     LB_NAMESPACE,
     UPSTREAM_ADDRESS,
     VIA_UPSTREAM,
+    message_timeout_s,
 )
+from saltgate.epp.metrics import MetricsListener, metrics_tls, start_metrics_listener
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.context import RequestContext
 from saltgate.gateway.exchange import (
@@ -45,6 +47,7 @@ from saltgate.gateway.exchange import (
     Exchange,
     no_replica,
 )
+from saltgate.gateway.metrics import duration_buckets
 from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt, Replica
 from saltgate.gateway.server import Admitted, Gateway, api_error_response
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
@@ -58,6 +61,13 @@ from saltgate.serving.run import open_gateway
 log = logging.getLogger(__name__)
 
 SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
+_STREAMS: Final = "saltgate_epp_streams_total"
+_STREAM_ERRORS: Final = "saltgate_epp_stream_errors_total"
+_ACTIVE: Final = "saltgate_epp_streams_active"
+_DECISION: Final = "saltgate_epp_decision_seconds"
+_REQUEST_PHASE: Final = frozenset({"request_headers", "request_body"})
+_CANCELLED: Final = (("kind", "cancelled"),)
+_FAILED: Final = (("kind", "failed"),)
 _SSE: Final = b"text/event-stream"
 _CONTINUE_AND_REPLACE: Final = ext.CommonResponse.ResponseStatus.CONTINUE_AND_REPLACE
 _OVERWRITE: Final = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
@@ -208,7 +218,13 @@ class _Conversation:
         response.headers.append((b"x-request-id", context.request_id.encode()))
         context.end(response.status)
         self.ended = True
+        self._counted(response.status)
         return immediate(response)
+
+    def _counted(self, status: int) -> None:
+        """The client's answer in saltgate_requests_total, as the gateway counts it."""
+        method = next((v for k, v in self.headers if k == b":method"), b"GET")
+        self.gateway.counted(method, status)
 
     async def _send(
         self, request: Request, context: RequestContext, admitted: Admitted, headers_phase: bool
@@ -307,6 +323,7 @@ class _Conversation:
                 self.scanner = SseUsageScanner(drop_usage_event=not self.client_wants_usage)
             if message.end_of_stream:
                 await self._end(self.status, None)
+        self._counted(self.status)
         # The body may change (salts, answer fields): Envoy frames what it sends.
         mutation = _mutation(plain, scrub_response_headers(plain) + self.added)
         if b"content-length" in dict(plain):
@@ -321,6 +338,7 @@ class _Conversation:
         """The gateway's 503 `no_replica` instead of the response Envoy has."""
         refusal = api_error_response(no_replica())
         refusal.headers += self.added
+        self._counted(refusal.status)
         return immediate(refusal)
 
     async def _response_body(self, chunk: bytes, last: bool) -> ext.ProcessingResponse:
@@ -377,15 +395,48 @@ def _body(data: bytes) -> ext.ProcessingResponse:
 class ExternalProcessor(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self.active = 0
+        m = gateway.metrics
+        m.describe(_STREAMS, "counter", "ext_proc streams Envoy opened, one per HTTP request.")
+        m.describe(
+            _STREAM_ERRORS,
+            "counter",
+            "ext_proc streams ended by an error, by kind: cancelled (Envoy reset the stream: "
+            "its client left, or it gave up waiting) or failed (the EPP raised: Envoy "
+            "answered 5xx).",
+        )
+        m.gauge(_ACTIVE, "ext_proc streams open now.", lambda: [((), float(self.active))])
+        m.histogram(
+            _DECISION,
+            "Time the EPP takes to answer a request's headers or body: the policy, a turn "
+            "in the fair queue, the pick.",
+            duration_buckets(message_timeout_s(gateway.config.queue.max_queue_s)),
+        )
 
     async def Process(  # the gRPC method's name
         self, requests: AsyncIterator[ext.ProcessingRequest], context: Any
     ) -> AsyncIterator[ext.ProcessingResponse]:
+        metrics = self.gateway.metrics
+        metrics.inc(_STREAMS)
+        self.active += 1
         conversation = _Conversation(self.gateway)
         try:
             async for message in requests:
-                yield await conversation.answer(message)
+                if message.WhichOneof("request") not in _REQUEST_PHASE:
+                    yield await conversation.answer(message)
+                    continue
+                started = time.monotonic()
+                answer = await conversation.answer(message)
+                metrics.observe(_DECISION, (), time.monotonic() - started)
+                yield answer
+        except (asyncio.CancelledError, GeneratorExit):
+            metrics.inc(_STREAM_ERRORS, _CANCELLED)
+            raise
+        except Exception:
+            metrics.inc(_STREAM_ERRORS, _FAILED)
+            raise
         finally:
+            self.active -= 1
             await asyncio.shield(conversation.close())
 
 
@@ -405,6 +456,7 @@ class RunningEpp:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    metrics: MetricsListener | None = None  # [epp] metrics_port
     closed: bool = False
 
     async def close(self, grace_s: float | None = None) -> None:
@@ -418,6 +470,8 @@ class RunningEpp:
         await self.health.enter_graceful_shutdown()
         grace = self.gateway.config.drain_grace_s if grace_s is None else grace_s
         await self.server.stop(grace)
+        if self.metrics is not None:
+            await self.metrics.close()
         await self.gateway.aclose()
 
 
@@ -426,11 +480,14 @@ async def start_epp(config: GatewayConfig) -> RunningEpp:
     (0: a free port), with the standard gRPC health service: SERVING once the replicas
     had their first probe and the isolation canary its first round ([canary])."""
     refuse_unsupported(config)
-    gateway = await open_gateway(config, AccessLog.open(config.access_log, config.log_format))
+    tls = metrics_tls(config)  # its refusal first: nothing opened or bound
+    access_log = AccessLog.open(config.access_log, config.log_format)
+    gateway = await open_gateway(config, access_log)
     server = grpc.aio.server()
     ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway), server)
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    metrics = None
     try:
         port = server.add_insecure_port(f"{config.host}:{config.epp.grpc_port}")
         await server.start()
@@ -439,10 +496,11 @@ async def start_epp(config: GatewayConfig) -> RunningEpp:
         if gateway.canary is not None:  # its first round before serving, as the gateway's
             await gateway.canary.run_all()
             gateway.canary.start()
+        metrics = await start_metrics_listener(config, gateway, access_log, tls)
     except BaseException:
         await server.stop(None)
         await gateway.aclose()
         raise
     for name in ("", SERVICE):
         await checks.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningEpp(gateway, server, port, checks)
+    return RunningEpp(gateway, server, port, checks, metrics)
