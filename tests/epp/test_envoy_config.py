@@ -38,6 +38,7 @@ from saltgate.epp.envoy import (
     UPSTREAM_ADDRESS,
     bootstrap,
     fail_open_findings,
+    replica_choice_findings,
     replica_endpoints,
 )
 from saltgate.epp.metrics import metrics_tls
@@ -107,7 +108,12 @@ def test_the_shipped_configuration_fails_closed_and_goes_where_the_epp_says() ->
     names = [f["name"] for f in manager(config)["http_filters"]]
     assert names == [EXT_PROC, "envoy.filters.http.router"]
     assert fail_open_findings(config) == []
-    assert judge_envoy_config("envoy.yaml", config)[0].severity is Severity.OK
+    assert replica_choice_findings(config) == []
+    judged = judge_envoy_config("envoy.yaml", config)
+    assert [(f.check, f.severity) for f in judged] == [
+        ("envoy-fail-closed", Severity.OK),
+        ("envoy-replica-choice", Severity.OK),
+    ]
 
 
 def fail_open() -> dict[str, Any]:
@@ -168,8 +174,100 @@ def test_each_way_past_the_epp_is_a_high_finding(broken: Any, said: str) -> None
     config = broken()
     # through YAML, as `audit deployment --envoy-config` reads a file
     findings = judge_envoy_config("envoy.yaml", yaml.safe_load(yaml.safe_dump(config)))
-    assert [f.severity for f in findings] == [Severity.HIGH]
-    assert said in findings[0].summary
+    failing = [f for f in findings if f.check == "envoy-fail-closed"]
+    assert [f.severity for f in failing] == [Severity.HIGH]
+    assert said in failing[0].summary
+
+
+def replicas_cluster(config: dict[str, Any]) -> dict[str, Any]:
+    clusters: list[dict[str, Any]] = config["static_resources"]["clusters"]
+    [found] = [c for c in clusters if c["name"] == REPLICAS_CLUSTER]
+    return found
+
+
+def fallback_round_robin() -> dict[str, Any]:
+    config = copy.deepcopy(shipped())
+    override = replicas_cluster(config)["load_balancing_policy"]["policies"][0]
+    override["typed_extension_config"]["typed_config"]["fallback_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/"
+                        "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+                    },
+                }
+            }
+        ]
+    }
+    return config
+
+
+def subset_with_fallback() -> dict[str, Any]:
+    config = copy.deepcopy(shipped())
+    override = replicas_cluster(config)["load_balancing_policy"]["policies"][0]
+    typed = override["typed_extension_config"]["typed_config"]
+    typed["fallback_policy"]["policies"][0]["typed_extension_config"]["typed_config"][
+        "fallback_policy"
+    ] = "ANY_ENDPOINT"
+    return config
+
+
+def envoys_own_balancing() -> dict[str, Any]:
+    config = copy.deepcopy(shipped())
+    del replicas_cluster(config)["load_balancing_policy"]
+    return config
+
+
+def original_dst_on_the_connection() -> dict[str, Any]:
+    config = copy.deepcopy(shipped())
+    cluster = replicas_cluster(config)
+    cluster.clear()
+    cluster.update(
+        {"name": REPLICAS_CLUSTER, "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED"}
+    )
+    return config
+
+
+@pytest.mark.parametrize(
+    ("broken", "said"),
+    [
+        (fallback_round_robin, "fallback picks a replica itself"),
+        (subset_with_fallback, "fallback picks a replica itself"),
+        (envoys_own_balancing, "balanced by Envoy itself"),
+        (original_dst_on_the_connection, "ORIGINAL_DST without the EPP's header"),
+    ],
+)
+def test_envoy_choosing_a_replica_the_epp_did_not_name_is_a_medium_finding(
+    broken: Any, said: str
+) -> None:
+    findings = judge_envoy_config("envoy.yaml", yaml.safe_load(yaml.safe_dump(broken())))
+    assert [(f.check, f.severity) for f in findings] == [
+        ("envoy-fail-closed", Severity.OK),
+        ("envoy-replica-choice", Severity.MEDIUM),
+    ]
+    assert findings[1].summary.startswith(f"clusters[{REPLICAS_CLUSTER}]: ")
+    assert said in findings[1].summary
+
+
+def test_the_older_original_dst_shape_on_the_epps_header_is_accepted() -> None:
+    """Before the override-host policy the printed cluster was ORIGINAL_DST on the EPP's
+    header: it fails closed (the EPP overwrites the header), only it fails over on the
+    next request rather than within one (docs/epp.md)."""
+    config = copy.deepcopy(shipped())
+    cluster = replicas_cluster(config)
+    cluster.clear()
+    cluster.update(
+        {
+            "name": REPLICAS_CLUSTER,
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+        }
+    )
+    assert replica_choice_findings(config) == []
+    assert {f.severity for f in judge_envoy_config("envoy.yaml", config)} == {Severity.OK}
 
 
 def test_the_request_goes_to_the_pick_with_the_ordered_fallbacks_and_no_client_key() -> None:

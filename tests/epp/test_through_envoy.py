@@ -371,6 +371,85 @@ def test_positive_control_without_envoys_retry_the_request_fails(tmp_path: Path)
     run(body)
 
 
+def _fallback_round_robin(config: dict[str, Any]) -> None:
+    """Envoy's round robin as the override-host fallback; a retry never to a host tried
+    already, so the fallback's pick is the left-out replica, whatever its turn."""
+    listener = config["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    [route] = manager["route_config"]["virtual_hosts"][0]["routes"]
+    route["route"]["retry_policy"] |= {
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/"
+                    "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
+    [cluster] = [
+        c for c in config["static_resources"]["clusters"] if c["name"] == "saltgate_replicas"
+    ]
+    override = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    override["typed_config"]["fallback_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/"
+                        "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+                    },
+                }
+            }
+        ]
+    }
+
+
+async def _past_the_list(s: EnvoyStack) -> tuple[httpx.Response, Tap]:
+    """A request whose whole list fails to connect while the other replica is up but
+    left out by the EPP (it refused the gateway's key): (the answer, the left-out one)."""
+    replicas = s.epp.gateway.replicas
+    left_out, listed = s.taps
+    [refusing] = [r for r in replicas.replicas if r.config.url.endswith(f":{left_out.port}")]
+    replicas.refused(refusing, 401)  # the EPP names it no more
+    await listed.close()  # and the one it names refuses connections
+    async with s.client("alice") as http:
+        answer = await http.post("/v1/completions", json=completion("past the list"))
+    return answer, left_out
+
+
+def test_past_the_end_of_the_epps_list_envoy_picks_no_replica(tmp_path: Path) -> None:
+    """The override-host policy's fallback picks nothing: when the EPP's list is used
+    up, Envoy answers (the gateway's 503) rather than send the request to a replica the
+    EPP left out."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path, sections=_SLOW_PROBES) as s:
+            answer, left_out = await _past_the_list(s)
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "no_replica"
+            assert not [r for r in left_out.seen if r.method == b"POST"]
+
+    run(body)
+
+
+def test_positive_control_a_fallback_that_picks_sends_it_to_the_left_out_replica(
+    tmp_path: Path,
+) -> None:
+    """The test above with the fallback Envoy's round robin (what `envoy-replica-choice`
+    reports): the request reaches the replica the EPP left out."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path, sections=_SLOW_PROBES, edit=_fallback_round_robin) as s:
+            _, left_out = await _past_the_list(s)
+            assert [r.method for r in left_out.seen if r.method == b"POST"] == [b"POST"]
+
+    run(body)
+
+
 def test_with_the_epp_down_envoy_refuses_instead_of_forwarding(tmp_path: Path) -> None:
     async def body() -> None:
         async with envoy_stack(tmp_path) as s:

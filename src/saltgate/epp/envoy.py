@@ -322,6 +322,61 @@ def _skips(per_filter: Any) -> bool:
     return False
 
 
+def _first_policy(policy: Any) -> dict[str, Any]:
+    """The typed_config of a load_balancing_policy's first policy (the one Envoy uses
+    when it has it), {} when there is none."""
+    policies = (policy.get("policies") or []) if isinstance(policy, dict) else []
+    first = (policies[0] if policies else {}).get("typed_extension_config") or {}
+    typed: dict[str, Any] = first.get("typed_config") or {}
+    return typed
+
+
+def _cluster_choice(cluster: dict[str, Any]) -> str | None:
+    """Why a replicas' cluster may send a request somewhere the EPP did not name, or None:
+    the override-host policy whose fallback picks nothing (the shipped shape), or
+    ORIGINAL_DST on the EPP's header (the older one; the EPP overwrites the header)."""
+    if cluster.get("type") == "ORIGINAL_DST":
+        header = cluster.get("original_dst_lb_config") or {}
+        if header.get("use_http_header") is True and header.get("http_header_name") == DESTINATION:
+            return None
+        return "ORIGINAL_DST without the EPP's header: Envoy goes where the connection was bound"
+    typed = _first_policy(cluster.get("load_balancing_policy"))
+    if typed.get("@type") != _OVERRIDE_HOST_TYPE:
+        return "balanced by Envoy itself, not by the EPP's pick"
+    fallback = _first_policy(typed.get("fallback_policy"))
+    # `_picks_nothing`'s kind: a subset balancer without fallback (NO_FALLBACK, its default)
+    without = fallback.get("fallback_policy", "NO_FALLBACK") == "NO_FALLBACK"
+    if fallback.get("@type") != _SUBSET_TYPE or not without:
+        return (
+            "the override-host policy's fallback picks a replica itself when the EPP's list "
+            "is used up"
+        )
+    return None
+
+
+def replica_choice_findings(config: Any) -> list[str]:
+    """Where Envoy may choose a replica the EPP did not name: a cluster the routes send to
+    that is not balanced on the EPP's list, or whose override-host fallback picks
+    endpoints. Such a replica may be one the EPP left out (its isolation canary failed,
+    it refuses the gateway's key). Empty: Envoy goes where the EPP says or nowhere."""
+    resources = config.get("static_resources") if isinstance(config, dict) else None
+    clusters = {c.get("name"): c for c in (resources or {}).get("clusters") or []}
+    findings = []
+    targets: set[str] = set()
+    for _, manager in _managers(config):
+        for host in (manager.get("route_config") or {}).get("virtual_hosts") or []:
+            for route in host.get("routes") or []:
+                target = (route.get("route") or {}).get("cluster")
+                if isinstance(target, str):
+                    targets.add(target)
+    for name in sorted(targets):
+        cluster = clusters.get(name)
+        why = None if cluster is None else _cluster_choice(cluster)
+        if why is not None:
+            findings.append(f"clusters[{name}]: {why}")
+    return findings
+
+
 def fail_open_findings(config: Any) -> list[str]:
     """What lets a request reach a replica without the EPP in an Envoy configuration:
     an ext_proc filter with `failure_mode_allow: true`, a connection manager without the
