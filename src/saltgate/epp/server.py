@@ -13,6 +13,7 @@ The chunk that ends the response is answered only once its record is committed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -27,7 +28,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from saltgate.config import ConfigError, GatewayConfig
+from saltgate.config import ConfigError, GatewayConfig, parse_authority
 from saltgate.epp.envoy import (
     ANSWER_DETAILS,
     DESTINATION,
@@ -48,7 +49,7 @@ from saltgate.gateway.exchange import (
     no_replica,
 )
 from saltgate.gateway.metrics import duration_buckets
-from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt, Replica
+from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt
 from saltgate.gateway.server import Admitted, Gateway, api_error_response
 from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
 from saltgate.http import Client, Headers, Request, Response
@@ -73,9 +74,11 @@ _CONTINUE_AND_REPLACE: Final = ext.CommonResponse.ResponseStatus.CONTINUE_AND_RE
 _OVERWRITE: Final = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-def endpoint(replica: Replica) -> str:
-    """A replica's `ip:port`, as the GIE protocol names endpoints."""
-    host, port, _ = replica.config.authority
+@functools.lru_cache(maxsize=1024)
+def endpoint(url: str) -> str:
+    """A replica's `ip:port` (from its URL), as the GIE protocol names endpoints: once per
+    URL, not per replica of every request's list."""
+    host, port, _ = parse_authority(url)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -266,12 +269,13 @@ class _Conversation:
         avoid = set(admitted.avoid)
         by_id = {r.id: r for r in replicas.replicas}
         ids = [first, *(i for i in order if i != first and i not in avoid)]
-        return [(endpoint(by_id[i]), i) for i in ids if i in by_id]
+        return [(endpoint(by_id[i].config.url), i) for i in ids if i in by_id]
 
     def _answering(self, message: ext.ProcessingRequest) -> Attempt | None:
         """The attempt of the replica whose answer Envoy relays, after telling the router
         of the ones it could not reach first (it walks the list on connection failures);
-        None when Envoy answers itself (no replica of the list could be reached)."""
+        None when Envoy answers itself (no replica of the list could be reached, or none
+        was tried: Envoy's own circuit breakers)."""
         exchange, attempt, plan = self.exchange, self.attempt, self.plan
         assert exchange is not None and attempt is not None and plan is not None
         served = _attribute(message, UPSTREAM_ADDRESS)
@@ -283,7 +287,8 @@ class _Conversation:
         for _, replica_id in unreached:
             router.failed(replica_id, now)
         if not answered:
-            exchange.failed()
+            if served:  # it tried the pick at least; else it tried none (its own limits)
+                exchange.failed()
             return None
         if tried == 1:
             return attempt
@@ -371,6 +376,11 @@ class _Conversation:
             self.ended = True
             await exchange.end(status, usage)
 
+    @property
+    def unended(self) -> bool:
+        """Whether a request went to a replica and its exchange has not ended."""
+        return self.exchange is not None and not self.ended
+
     async def close(self) -> None:
         """The stream ended: a request that never got its response's end is recorded,
         as the gateway records it (the client left, or the replica failed)."""
@@ -437,7 +447,8 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):  # type: ignore[mis
             raise
         finally:
             self.active -= 1
-            await asyncio.shield(conversation.close())
+            if conversation.unended:  # no task for the many that ended already
+                await asyncio.shield(conversation.close())
 
 
 def refuse_unsupported(config: GatewayConfig) -> None:
