@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
-
 from tests.epp.test_through_envoy import MODEL, envoy_stack, ledger_rows_of
 from tests.gateway.stack import long_prompt, run
 from tests.support.waiting import eventually

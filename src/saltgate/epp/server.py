@@ -30,7 +30,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from saltgate.config import ConfigError, GatewayConfig
+from saltgate.config import GatewayConfig
 from saltgate.ehbp.frames import ResponseSealer
 from saltgate.epp.envoy import DESTINATION, LB_NAMESPACE
 from saltgate.gateway.access_log import AccessLog
@@ -310,12 +310,16 @@ class _Conversation:
             if not last:
                 return self._body(b"")
             body = bytes(self.whole)
+            if self.status == 200:
+                await exchange.keep(body)  # [responses] store: whose it is, where it is
             await self._end(self.status, usage_from_body(body) if self.status == 200 else None)
             return self._body(scrub_answer(body))
         if chunk:
             exchange.output(chunk)
         out = self.held + scrub_events(scanner.feed(chunk))
         self.held = b""
+        if out:
+            await exchange.keep(out)
         if last:
             out += scrub_events(scanner.flush())
             await self._end(200, scanner.usage)  # committed before the end is released
@@ -377,16 +381,6 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):  # type: ignore[mis
             await asyncio.shield(conversation.close())
 
 
-def refuse_unsupported(config: GatewayConfig) -> None:
-    """ConfigError for settings the EPP cannot honour (docs/epp.md): refused at start
-    rather than silently not applied."""
-    if config.responses_store:
-        raise ConfigError(
-            "saltgate epp does not support [responses] store (a continuation must reach "
-            "the replica holding it): turn it off"
-        )
-
-
 @dataclass
 class RunningEpp:
     gateway: Gateway
@@ -414,7 +408,6 @@ async def start_epp(config: GatewayConfig) -> RunningEpp:
     """The gateway's parts behind an ext_proc server on [gateway] host, [epp] grpc_port
     (0: a free port), with the standard gRPC health service: SERVING once the replicas
     had their first probe and the isolation canary its first round ([canary])."""
-    refuse_unsupported(config)
     keyring = ehbp_keyring(config) if config.ehbp else None  # refused before anything opens
     gateway = await open_gateway(config, AccessLog.open(config.access_log, config.log_format))
     server = grpc.aio.server()
