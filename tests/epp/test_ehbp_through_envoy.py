@@ -60,32 +60,35 @@ def forwarded(s: EnvoyStack) -> list[bytes]:
     return [r.body for tap in s.taps for r in tap.seen if r.method == b"POST"]
 
 
-async def sealed_chats(s: EnvoyStack) -> None:
-    """A sealed chat completion, whole and streamed, through Envoy: each a right answer,
-    the replica given the salt derived from the sealed `user_cache_secret` and neither
-    the client's salt, nor the secret, nor the envelope. Raises AssertionError otherwise."""
-    chat: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": long_prompt("sealed")}],
-        "user_cache_secret": SECRET,
-        "cache_salt": "the-clients-own",
-    }
+CHAT: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": long_prompt("sealed")}],
+    "max_tokens": 4,
+}
+
+
+async def sealed_chats(s: EnvoyStack) -> tuple[str, str]:
+    """A sealed chat completion, whole and streamed, through Envoy: each an answer the
+    client opened, the replica given the salt derived from the sealed `user_cache_secret`
+    and neither the client's salt, nor the secret, nor the envelope; the answers' texts.
+    Raises AssertionError otherwise."""
+    chat = {**CHAT, "user_cache_secret": SECRET, "cache_salt": "the-clients-own"}
     async with await tinfoil_client(s) as client:
-        whole = await client.post("/v1/chat/completions", json={**chat, "max_tokens": 3})
+        whole = await client.post("/v1/chat/completions", json=chat)
         assert whole.status_code == 200, whole.text
         assert RESPONSE_NONCE_HEADER in whole.headers  # the client opened a sealed answer
         answer = whole.json()
-        assert answer["choices"][0]["message"]["content"]
-        assert answer["usage"]["completion_tokens"] == 3
+        assert answer["usage"]["completion_tokens"] == 4
         async with client.stream(
-            "POST", "/v1/chat/completions", json={**chat, "max_tokens": 4, "stream": True}
+            "POST", "/v1/chat/completions", json={**chat, "stream": True}
         ) as stream:
             assert stream.status_code == 200
             assert RESPONSE_NONCE_HEADER in stream.headers
             events = [e async for e in stream.aiter_lines() if e.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
-        tokens = [orjson.loads(e[6:]) for e in events[:-1]]
-        assert sum(bool(t["choices"][0]["delta"].get("content")) for t in tokens) == 4
+        deltas = [orjson.loads(e[6:])["choices"][0]["delta"] for e in events[:-1]]
+        tokens = [d["content"] for d in deltas if d.get("content")]
+        assert len(tokens) == 4  # delivered as events, one a token
     bodies = forwarded(s)
     assert len(bodies) == 2
     for raw in bodies:
@@ -96,6 +99,7 @@ async def sealed_chats(s: EnvoyStack) -> None:
     for tap in s.taps:
         for request in tap.seen:
             assert request.header(ENCAPSULATED_KEY_HEADER.lower().encode()) is None
+    return str(answer["choices"][0]["message"]["content"]), "".join(tokens)
 
 
 def test_a_sealed_chat_completion_through_envoy_whole_and_streamed(tmp_path: Path) -> None:
@@ -106,15 +110,18 @@ def test_a_sealed_chat_completion_through_envoy_whole_and_streamed(tmp_path: Pat
             assert offered.status_code == 200
             assert offered.headers["content-type"] == KEYS_MEDIA_TYPE
             assert offered.content == opener(s).keyring.current.config.encode()
-            await sealed_chats(s)
+            whole, streamed = await sealed_chats(s)
             rows = ledger_rows_of(s)
-            assert [(r["status"], r["completion_tokens"]) for r in rows] == [(200, 3), (200, 4)]
+            assert [(r["status"], r["completion_tokens"]) for r in rows] == [(200, 4)] * 2
+            async with s.client("alice") as plain:  # the same question in plaintext
+                expected = (await plain.post("/v1/chat/completions", json=CHAT)).json()
+            assert whole == streamed == expected["choices"][0]["message"]["content"]
             async with await tinfoil_client(s) as client:  # the EPP's own refusals: sealed
                 refused = await client.post("/v1/completions", json={"model": 5, "prompt": "x"})
                 assert refused.status_code == 400
                 assert RESPONSE_NONCE_HEADER in refused.headers
                 assert refused.json()["error"]["param"] == "model"
-            assert len(forwarded(s)) == 2
+            assert len(forwarded(s)) == 3
 
     run(body)
 
