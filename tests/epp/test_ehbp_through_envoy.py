@@ -226,3 +226,26 @@ def test_tampered_replayed_and_other_key_envelopes_get_the_gateways_answers(
             assert len(forwarded(s)) == 3
 
     run(body)
+
+
+def test_require_encrypted_secret_holds_through_envoy(tmp_path: Path) -> None:
+    """`[ehbp] require_encrypted_secret`: a `user_cache_secret` in plaintext is refused
+    and reaches no replica; the same request sealed passes (the EPP tells the policy the
+    body came encrypted, as the gateway's edge does) and decides the namespace."""
+
+    async def body() -> None:
+        sections = "[ehbp]\nrequire_encrypted_secret = true\n"
+        async with envoy_stack(tmp_path, sections=sections) as s:
+            chat = {**CHAT, "user_cache_secret": SECRET}
+            async with s.client("alice") as plain:
+                refused = await plain.post("/v1/chat/completions", json=chat)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "unencrypted_user_cache_secret"
+            assert forwarded(s) == []
+            async with await tinfoil_client(s) as client:
+                sealed = await client.post("/v1/chat/completions", json=chat)
+            assert sealed.status_code == 200, sealed.text
+            [sent] = forwarded(s)
+            assert orjson.loads(sent)["cache_salt"] == s.salt("alice", SECRET)
+
+    run(body)
