@@ -239,8 +239,6 @@ class _Conversation:
         ]
         self.client_wants_usage = admitted.inspected.client_wants_usage
         self.body_bytes = len(admitted.payload)
-        if self.nonce is not None:
-            self.added.append(self.nonce)
         forwarded = forward_request_headers(request.headers, context.request_id)
         return destination(
             self.headers,
@@ -280,7 +278,7 @@ class _Conversation:
             exchange.failed()
             await self._end(NOT_SERVED, None)
             refusal = api_error_response(no_replica())
-            refusal.headers += [h for h in self.added if h != self.nonce]
+            refusal.headers += self.added
             return self._immediate(refusal)
         if attempt is not None:
             attempt.responded()
@@ -291,7 +289,10 @@ class _Conversation:
             if message.end_of_stream:
                 await self._end(self.status, None)
         # The body may change (salts, answer fields): Envoy frames what it sends.
-        mutation = _mutation(plain, scrub_response_headers(plain) + self.added)
+        outgoing = scrub_response_headers(plain) + self.added
+        if self.nonce is not None:  # an EHBP request's answer: sealed (_body)
+            outgoing.append(self.nonce)
+        mutation = _mutation(plain, outgoing)
         if b"content-length" in dict(plain):
             mutation.remove_headers.append("content-length")
         return ext.ProcessingResponse(
