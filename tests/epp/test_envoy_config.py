@@ -4,7 +4,6 @@ messages the EPP answers with: pure, no Envoy (tests/epp/test_through_envoy.py r
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import re
 import sys
@@ -22,9 +21,6 @@ from saltgate.cli import main
 from saltgate.config import (
     ConfigError,
     EppConfig,
-    GatewayConfig,
-    QueueConfig,
-    ReplicaConfig,
     parse_config,
 )
 from saltgate.epp.envoy import (
@@ -35,7 +31,7 @@ from saltgate.epp.envoy import (
     bootstrap,
     fail_open_findings,
 )
-from saltgate.epp.server import destination, immediate, refuse_unsupported
+from saltgate.epp.server import destination, immediate
 from saltgate.http import Response
 
 pytestmark = pytest.mark.unit
@@ -192,18 +188,6 @@ def test_an_answer_of_the_gateway_is_an_immediate_response() -> None:
     assert [(h.header.key, h.header.raw_value) for h in message.headers.set_headers] == [
         ("content-type", b"application/json")
     ]
-
-
-def test_settings_the_epp_cannot_honour_stop_it_at_start(tmp_path: Path) -> None:
-    base = GatewayConfig(
-        replicas=(ReplicaConfig("http://127.0.0.1:1"),),
-        state_dir=tmp_path,
-        master_key_file=tmp_path / "master.key",
-    )
-    refuse_unsupported(base)  # the defaults run
-    refuse_unsupported(dataclasses.replace(base, queue=QueueConfig(enabled=True)))
-    with pytest.raises(ConfigError, match=re.escape("[responses] store")):
-        refuse_unsupported(dataclasses.replace(base, responses_store=True))
 
 
 def test_the_epp_section_is_parsed_and_checked(tmp_path: Path) -> None:
