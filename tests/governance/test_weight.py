@@ -33,8 +33,9 @@ def test_parse_weight_takes_numbers_and_text_and_empty_is_the_default() -> None:
     [0, -1, 5e-324, "5e-324", 1e308, 100.5, "nan", math.inf, "abc", True, [2]],
 )
 def test_parse_weight_refuses_what_is_out_of_bounds(bad: object) -> None:
-    with pytest.raises(LimitError, match="weight must be a number from 0.01 to 100") as info:
+    with pytest.raises(LimitError) as info:
         parse_weight(bad)
+    assert str(info.value).startswith("weight must be a number from 0.01 to 100 ")
     assert info.value.field == "weight"
 
 

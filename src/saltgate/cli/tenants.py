@@ -159,9 +159,8 @@ def _tenants_set_models(args: argparse.Namespace) -> int:
 
 
 def _tenants_set_limits(args: argparse.Namespace) -> int:
-    change, weight = _limits_from_args(args, tenant=True)
-
     async def apply(service: AdminService, caller: Caller) -> str:
+        change, weight = _limits_from_args(args, tenant=True)
         t = await service.tenants_limits(caller, args.name, change, weight)
         return (
             f"tenant {t.name} limits {_limits_label(t.limits)}\tweight {t.weight:g}\n"
@@ -172,9 +171,8 @@ def _tenants_set_limits(args: argparse.Namespace) -> int:
 
 
 def _keys_set_limits(args: argparse.Namespace) -> int:
-    change, _ = _limits_from_args(args, tenant=False)
-
     async def apply(service: AdminService, caller: Caller) -> str:
+        change, _ = _limits_from_args(args, tenant=False)
         k = await service.keys_limits(caller, args.key_id, change)
         return f"key {k.id} limits {_limits_label(k.limits)}\n{_enforced(args, k.limits)}"
 
