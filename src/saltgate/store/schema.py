@@ -329,19 +329,27 @@ def _model_prices(integer: str, real: str, changed: tuple[str, ...]) -> Migratio
     )
 
 
-def _tenant_weight(real: str, moved: str, kept: str, found: str) -> Migration:
+def _tenant_weight(real: str, moved: str, kept: str, found: str, *, pg: bool) -> Migration:
     """Version 12 on one backend: a tenant's fair-share weight (docs/fairness.md) becomes
     its own column, beside its limits instead of inside their JSON (where saltgate kept it
     from version 6). A weight found there moves into the column, held within the bounds the
     fair queue applies (governance/weight.py), and leaves the JSON; limits left empty are
     NULL, as a tenant without limits is stored. `moved`: the stored weight as a number,
-    `kept`: the limits without it, `found`: whether a row holds one (each on `limits`)."""
+    `kept`: the limits without it, `found`: whether a row holds one (each on `limits`).
+    On PostgreSQL the statement trigger would move the auth generation even when no row
+    holds a weight (a new store): the update runs only when one does."""
+    move = f"UPDATE tenants SET weight = {moved}, limits = nullif({kept}, '{{}}') WHERE {found}"
+    if pg:
+        move = (
+            f"DO $$ BEGIN IF EXISTS (SELECT 1 FROM tenants WHERE {found}) THEN {move}; "
+            "END IF; END $$"
+        )
     return Migration(
         12,
         "tenants: the fair-share weight beside the limits",
         (
             f"ALTER TABLE tenants ADD COLUMN weight {real} NOT NULL DEFAULT 1 CHECK (weight > 0)",
-            f"UPDATE tenants SET weight = {moved}, limits = nullif({kept}, '{{}}') WHERE {found}",
+            move,
         ),
     )
 
@@ -490,6 +498,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
         "max(0.01, min(100.0, json_extract(limits, '$.weight')))",
         "json_remove(limits, '$.weight')",
         "json_type(limits, '$.weight') IN ('integer', 'real')",
+        pg=False,
     ),
 )
 
@@ -599,6 +608,7 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
         "greatest(0.01, least(100.0, (limits::jsonb ->> 'weight')::double precision))",
         "(limits::jsonb - 'weight')::text",
         "jsonb_typeof(limits::jsonb -> 'weight') = 'number'",
+        pg=True,
     ),
 )
 
@@ -644,7 +654,7 @@ _STATEMENT_WORDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"CREATE TRIGGER (\w+) \w+ (?:\w+ )*ON (\w+)", "add trigger {0} on {1}"),
         (r"INSERT INTO (usage_rollup\w+)", "fill {0} from the usage ledger"),
         (
-            r"UPDATE (\w+) SET (\w+) = .* limits = ",
+            r"(?:DO \$\$ BEGIN IF .*? THEN )?UPDATE (\w+) SET (\w+) = .* limits = ",
             "move each {1} stored in {0}.limits into {0}.{1}",
         ),
     )
