@@ -461,6 +461,12 @@ def test_a_tenants_weight_through_the_api(tmp_path: Path) -> None:
             assert r.status_code == 200 and await shown() == ({"rpm": 30, "input_tpm": 9}, 1)
             r = await admin.call(root, "POST", f"tenants/{carol}", {"weight": 2})
             assert r.status_code == 200 and await shown() == ({"rpm": 30, "input_tpm": 9}, 2)
+            # Set on the tenant, it still needs the scope that sets it with the limits.
+            renamer = admin.mint({scopes.TENANTS_WRITE}, None)
+            r = await admin.call(renamer, "POST", f"tenants/{carol}", {"weight": 9})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "missing_scope"
+            r = await admin.call(renamer, "POST", f"tenants/{carol}", {"name": "carol2"})
+            assert r.status_code == 200 and r.json()["weight"] == 2
             # 5e-324 made the fair queue's counters inf then NaN (issue 41 finding 1);
             # 1e308 outweighed every other tenant.
             for bad in (0, -1, -0.5, "abc", True, 5e-324, "5e-324", 1e308, 100.5):

@@ -314,6 +314,10 @@ def test_a_weight_is_no_limit_and_the_limits_hold_none() -> None:
     for parse in (parse_limits, parse_limits_edit, json_limits_edit):
         with pytest.raises(LimitError, match="unknown limit 'weight'"):
             parse({"weight": 2})
+    # One written by a saltgate from before (still running beside a migrated store) is
+    # not a limit: read past, never a TypeError that would stop every key loading.
+    assert Limits.from_json('{"rpm": 5, "weight": 2}') == Limits(rpm=5)
+    assert Limits.from_json('{"weight": 2}') == Limits()
 
 
 # -- parse_limits: the one parser of the API's JSON, the console's forms and the CLI's argv

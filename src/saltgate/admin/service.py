@@ -292,7 +292,10 @@ class AdminService:
     async def tenants_update(self, caller: Caller, ref: str, change: TenantChange) -> Tenant:
         """Rename, choose the models, set the weight: the operator's (a pinned token could
         otherwise lift its own model list or share, and a rename's 409 would tell it which
-        names exist elsewhere)."""
+        names exist elsewhere). The weight also needs the scope that sets it with the limits
+        (limits:write), as it did when it was only set there."""
+        if change.weight is not None:
+            self.authorize(caller, "tenants_limits")
 
         def update(db: Database) -> Tenant:
             store = TenantStore(db, actor=caller.actor)

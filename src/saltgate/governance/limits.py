@@ -90,8 +90,14 @@ class Limits:
 
     @classmethod
     def from_json(cls, stored: str | None) -> Limits | None:
-        """Limits from their stored form (None for SQL NULL)."""
-        return None if stored is None else cls(**json.loads(stored))
+        """Limits from their stored form (None for SQL NULL). A ``weight`` there is
+        ignored: it was stored there before schema version 12 (now tenants.weight), and a
+        saltgate of that age still running beside a migrated store may write one."""
+        if stored is None:
+            return None
+        given = json.loads(stored)
+        given.pop("weight", None)
+        return cls(**given)
 
     @property
     def empty(self) -> bool:
