@@ -23,7 +23,6 @@ from saltgate.config import (
     ConfigError,
     EppConfig,
     GatewayConfig,
-    QueueConfig,
     ReplicaConfig,
     parse_config,
 )
@@ -42,7 +41,7 @@ from saltgate.epp.envoy import (
     replica_endpoints,
 )
 from saltgate.epp.metrics import metrics_tls
-from saltgate.epp.server import destination, immediate, refuse_unsupported
+from saltgate.epp.server import destination, immediate
 from saltgate.http import Response
 
 pytestmark = pytest.mark.unit
@@ -326,18 +325,6 @@ def test_the_printed_cluster_names_replicas_by_ip_and_port_as_the_epp_does() -> 
         replica_endpoints([config("http://10.0.0.1:8000"), config("http://vllm:8000")])
     with pytest.raises(ConfigError, match=re.escape("replicas[0].url: https is not")):
         replica_endpoints([config("https://10.0.0.1:8000")])
-
-
-def test_settings_the_epp_cannot_honour_stop_it_at_start(tmp_path: Path) -> None:
-    base = GatewayConfig(
-        replicas=(ReplicaConfig("http://127.0.0.1:1"),),
-        state_dir=tmp_path,
-        master_key_file=tmp_path / "master.key",
-    )
-    refuse_unsupported(base)  # the defaults run
-    refuse_unsupported(dataclasses.replace(base, queue=QueueConfig(enabled=True)))
-    with pytest.raises(ConfigError, match=re.escape("[responses] store")):
-        refuse_unsupported(dataclasses.replace(base, responses_store=True))
 
 
 def test_the_epp_section_is_parsed_and_checked(tmp_path: Path) -> None:

@@ -79,12 +79,13 @@ class EnvoyStack:
         """The generation requests' bodies the replicas received (probes left out)."""
         return [orjson.loads(r.body) for tap in self.taps for r in tap.seen if r.method == b"POST"]
 
-    def salt(self, tenant: str) -> str:
-        """The salt a replica must see for ``tenant``, derived here apart from the EPP."""
+    def salt(self, tenant: str, secret: str | None = None) -> str:
+        """The salt a replica must see for ``tenant`` (and a `user_cache_secret`), derived
+        here apart from the EPP."""
         k_salt = derive_subkeys(load_master_key(self.state / "master.key")).salt
         with TenantStore.from_state_dir(self.state) as store:
             found = store.get_tenant(tenant)
-        return cache_salt(k_salt, found.id, found.epoch_label, None)
+        return cache_salt(k_salt, found.id, found.epoch_label, secret)
 
 
 @asynccontextmanager
@@ -93,23 +94,24 @@ async def envoy_stack(
     *,
     salting: bool = True,
     replicas: list[str] | None = None,
+    sim: SimConfig | None = None,
     sections: str = "",
     epp_lines: str = "",
     edit: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[EnvoyStack]:
-    """``replicas``: the replica URLs, instead of the two taps in front of simulators;
-    ``sections``: more TOML tables for the gateway's file, ``epp_lines`` more lines of its
-    [epp] table; ``edit``: changes made to the
-    printed Envoy configuration before Envoy reads it (a positive control's)."""
+    """``replicas``: the replica URLs, instead of the two taps in front of simulators
+    (``sim``: theirs); ``sections``: more of the gateway's TOML, ``epp_lines`` more lines
+    of its [epp] table; ``edit``: changes made to the printed Envoy configuration before
+    Envoy reads it (a positive control's)."""
     binary = envoy_binary()
-    sims = [await start_sim(SimConfig(port=0, model=MODEL)) for _ in range(2)]
+    sims = [await start_sim(sim or SimConfig(port=0, model=MODEL)) for _ in range(2)]
     taps = [Tap(s) for s in sims]
     for tap in taps:
         await tap.start()
     state = tmp / "state"
     keys = new_state_dir(state, ("alice", "bob"))
     envoy_port = free_port()
-    sections = f"{sections}[epp]\ngrpc_port = {free_port()}\nenvoy_port = {envoy_port}\n{epp_lines}"
+    sections += f"[epp]\ngrpc_port = {free_port()}\nenvoy_port = {envoy_port}\n{epp_lines}"
     sections += "[canary]\nenabled = false\n"
     if not salting:
         sections += "[testing]\ndisable_salting = true\n"

@@ -8,6 +8,9 @@ in; the salted body, the forwarded headers, `x-gateway-destination-endpoint` and
 `envoy.lb` fallback list out (or an ImmediateResponse with the gateway's answer); then
 the replica's response headers scrubbed and its streamed body metered chunk by chunk.
 The chunk that ends the response is answered only once its record is committed.
+An EHBP request is opened first by the gateway's own `EhbpOpener` (gateway/ehbp.py), and
+every answer to it, the replica's chunks and the EPP's own, is sealed as the gateway's
+edge seals it, one frame per chunk.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from saltgate.config import ConfigError, GatewayConfig, parse_authority
+from saltgate.config import GatewayConfig, parse_authority
+from saltgate.ehbp.frames import ResponseSealer
 from saltgate.epp.envoy import (
     ANSWER_DETAILS,
     DESTINATION,
@@ -41,6 +45,7 @@ from saltgate.epp.envoy import (
 from saltgate.epp.metrics import MetricsListener, metrics_tls, start_metrics_listener
 from saltgate.gateway.access_log import AccessLog
 from saltgate.gateway.context import RequestContext
+from saltgate.gateway.ehbp import EhbpOpener
 from saltgate.gateway.exchange import (
     CLIENT_CLOSED,
     DONE,
@@ -51,13 +56,14 @@ from saltgate.gateway.exchange import (
 from saltgate.gateway.metrics import duration_buckets
 from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt
 from saltgate.gateway.server import Admitted, Gateway, api_error_response
-from saltgate.gateway.usage import SseUsageScanner, Usage, usage_from_body
+from saltgate.gateway.usage import SseUsageScanner, Usage, delivered_usage, usage_from_body
+from saltgate.governance.limits import prompt_estimate
 from saltgate.http import Client, Headers, Request, Response
 from saltgate.policy.errors import ApiError
 from saltgate.policy.fields import scrub_answer, scrub_events
 from saltgate.policy.headers import forward_request_headers, scrub_response_headers
 from saltgate.routing import Plan, ReplicaId
-from saltgate.serving.run import open_gateway
+from saltgate.serving.run import ehbp_keyring, open_gateway
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +177,13 @@ def destination(
 class _Conversation:
     """One HTTP request's stream of ext_proc messages, from its headers to its record."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, ehbp: EhbpOpener | None) -> None:
         self.gateway = gateway
+        self.ehbp = ehbp
+        # An EHBP request's: the response nonce header and the sealer of every answer
+        self.nonce: tuple[bytes, bytes] | None = None
+        self.sealer: ResponseSealer | None = None
+        self.body_bytes = 0  # the forwarded body's, for a stream cut short's estimate
         self.headers: Headers = []
         self.context: RequestContext | None = None
         self.exchange: Exchange | None = None
@@ -208,9 +219,18 @@ class _Conversation:
     async def _request(self, body: bytes, *, headers_phase: bool) -> ext.ProcessingResponse:
         gateway = self.gateway
         request = _request(self.headers, body)
+        encrypted = False
+        if self.ehbp is not None:  # as the gateway's edge: before the gateway sees it
+            opened = self.ehbp.key_config(request) or self.ehbp.open(request)
+            if isinstance(opened, Response):  # the key config, or an envelope refused
+                self.ended = True
+                return immediate(opened)
+            if opened is not None:
+                request, encrypted = opened.request, True
+                self.nonce, self.sealer = opened.sealer()
         context = self.context = gateway.begin(request)
         try:
-            admitted = await gateway.admit(request, context)
+            admitted = await gateway.admit(request, context, encrypted)
             if isinstance(admitted, Response):
                 return self._answered(context, admitted)
             return await self._send(request, context, admitted, headers_phase)
@@ -222,7 +242,16 @@ class _Conversation:
         context.end(response.status)
         self.ended = True
         self._counted(response.status)
-        return immediate(response)
+        return self._immediate(response)
+
+    def _immediate(self, response: Response) -> ext.ProcessingResponse:
+        """`immediate`, sealed for an EHBP request (the gateway's edge seals its own
+        answers too)."""
+        if self.sealer is None or self.nonce is None:
+            return immediate(response)
+        headers = [(n, v) for n, v in response.headers if n != b"content-length"]
+        sealed = self.sealer.seal(response.body)
+        return immediate(Response(response.status, [*headers, self.nonce], sealed))
 
     def _counted(self, status: int) -> None:
         """The client's answer in saltgate_requests_total, as the gateway counts it."""
@@ -246,6 +275,7 @@ class _Conversation:
             (b"x-request-id", context.request_id.encode()),
         ]
         self.client_wants_usage = admitted.inspected.client_wants_usage
+        self.body_bytes = len(admitted.payload)
         forwarded = forward_request_headers(request.headers, context.request_id)
         return destination(
             self.headers,
@@ -330,7 +360,10 @@ class _Conversation:
                 await self._end(self.status, None)
         self._counted(self.status)
         # The body may change (salts, answer fields): Envoy frames what it sends.
-        mutation = _mutation(plain, scrub_response_headers(plain) + self.added)
+        outgoing = scrub_response_headers(plain) + self.added
+        if self.nonce is not None:  # an EHBP request's answer: sealed (_body)
+            outgoing.append(self.nonce)
+        mutation = _mutation(plain, outgoing)
         if b"content-length" in dict(plain):
             mutation.remove_headers.append("content-length")
         return ext.ProcessingResponse(
@@ -344,31 +377,40 @@ class _Conversation:
         refusal = api_error_response(no_replica())
         refusal.headers += self.added
         self._counted(refusal.status)
-        return immediate(refusal)
+        return self._immediate(refusal)
 
     async def _response_body(self, chunk: bytes, last: bool) -> ext.ProcessingResponse:
         exchange = self.exchange
         if exchange is None or self.ended:
-            return _body(chunk)
+            return self._body(chunk)
         scanner = self.scanner
         if scanner is None:  # a whole answer: metered and scrubbed once it is all here
             self.whole += chunk
             if not last:
-                return _body(b"")
+                return self._body(b"")
             body = bytes(self.whole)
+            if self.status == 200:
+                await exchange.keep(body)  # [responses] store: whose it is, where it is
             await self._end(self.status, usage_from_body(body) if self.status == 200 else None)
-            return _body(scrub_answer(body))
+            return self._body(scrub_answer(body))
         if chunk:
             exchange.output(chunk)
         out = self.held + scrub_events(scanner.feed(chunk))
         self.held = b""
+        if out:
+            await exchange.keep(out)
         if last:
             out += scrub_events(scanner.flush())
             await self._end(200, scanner.usage)  # committed before the end is released
-            return _body(out)
+            return self._body(out)
         if out.endswith(DONE):
             out, self.held = out[: -len(DONE)], DONE
-        return _body(out)
+        return self._body(out)
+
+    def _body(self, data: bytes) -> ext.ProcessingResponse:
+        """The chunk Envoy relays in place of the replica's: sealed as one EHBP frame for
+        an encrypted request (nothing for nothing)."""
+        return _body(data if self.sealer is None else self.sealer.seal(data))
 
     async def _end(self, status: int, usage: Usage | None) -> None:
         exchange = self.exchange
@@ -388,7 +430,12 @@ class _Conversation:
         if exchange is None or self.ended:
             return
         if self.status:
-            usage = self.scanner.usage if self.scanner is not None else None
+            # Envoy reset the replica's stream (vLLM aborts the request): what it showed,
+            # else what was relayed, estimated as the gateway's drain does.
+            scanner, route = self.scanner, self.context.route if self.context else ""
+            usage = None
+            if scanner is not None:
+                usage = delivered_usage(route, scanner, prompt_estimate(self.body_bytes))
             await self._end(CLIENT_CLOSED, usage)
             return
         exchange.failed()  # Envoy reached no replica, or it broke before answering
@@ -403,8 +450,9 @@ def _body(data: bytes) -> ext.ProcessingResponse:
 
 
 class ExternalProcessor(ext_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, ehbp: EhbpOpener | None) -> None:
         self.gateway = gateway
+        self.ehbp = ehbp
         self.active = 0
         m = gateway.metrics
         m.describe(_STREAMS, "counter", "ext_proc streams Envoy opened, one per HTTP request.")
@@ -429,7 +477,7 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):  # type: ignore[mis
         metrics = self.gateway.metrics
         metrics.inc(_STREAMS)
         self.active += 1
-        conversation = _Conversation(self.gateway)
+        conversation = _Conversation(self.gateway, self.ehbp)
         try:
             async for message in requests:
                 if message.WhichOneof("request") not in _REQUEST_PHASE:
@@ -451,22 +499,13 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):  # type: ignore[mis
                 await asyncio.shield(conversation.close())
 
 
-def refuse_unsupported(config: GatewayConfig) -> None:
-    """ConfigError for settings the EPP cannot honour (docs/epp.md): refused at start
-    rather than silently not applied."""
-    if config.responses_store:
-        raise ConfigError(
-            "saltgate epp does not support [responses] store (a continuation must reach "
-            "the replica holding it): turn it off"
-        )
-
-
 @dataclass
 class RunningEpp:
     gateway: Gateway
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    ehbp: EhbpOpener | None = None  # [ehbp] enabled: its keyring may be replaced to rotate
     metrics: MetricsListener | None = None  # [epp] metrics_port
     closed: bool = False
 
@@ -490,12 +529,13 @@ async def start_epp(config: GatewayConfig) -> RunningEpp:
     """The gateway's parts behind an ext_proc server on [gateway] host, [epp] grpc_port
     (0: a free port), with the standard gRPC health service: SERVING once the replicas
     had their first probe and the isolation canary its first round ([canary])."""
-    refuse_unsupported(config)
+    keyring = ehbp_keyring(config) if config.ehbp else None  # refused before anything opens
     tls = metrics_tls(config)  # its refusal first: nothing opened or bound
     access_log = AccessLog.open(config.access_log, config.log_format)
     gateway = await open_gateway(config, access_log)
     server = grpc.aio.server()
-    ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway), server)
+    ehbp = None if keyring is None else EhbpOpener(keyring, gateway.metrics)
+    ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, ehbp), server)
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     metrics = None
@@ -514,4 +554,4 @@ async def start_epp(config: GatewayConfig) -> RunningEpp:
         raise
     for name in ("", SERVICE):
         await checks.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningEpp(gateway, server, port, checks, metrics)
+    return RunningEpp(gateway, server, port, checks, ehbp, metrics)

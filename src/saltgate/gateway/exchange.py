@@ -478,6 +478,12 @@ class Exchange:
         """The relayed exchange is over: the same one ending as the gateway's own."""
         await self._end(status, usage)
 
+    async def keep(self, data: bytes) -> None:
+        """[responses] store: record the response id relayed data carries, once, before
+        it is released (as `forward` does)."""
+        if self._keep is not None:
+            await self._kept(data)
+
     async def aclose(self) -> None:
         """The HTTP server is done with the body. Before its end that means the client
         left: read the rest unrelayed, so the replica's usage is recorded (status 499).

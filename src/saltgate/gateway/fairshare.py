@@ -43,7 +43,7 @@ from saltgate.governance.fairness import (
     SaturationGate,
     Waiter,
 )
-from saltgate.governance.limits import BYTES_PER_TOKEN, fair_weight
+from saltgate.governance.limits import BYTES_PER_TOKEN
 from saltgate.http import Client
 from saltgate.policy.errors import AnthropicApiError, ApiError
 from saltgate.routing import Plan, ReplicaId, ReplicaState, Router
@@ -131,7 +131,7 @@ class FairShare:
         future, a waiter or a timer; only a request that must wait queues."""
         now = time.monotonic()
         band = BATCH if principal.priority == BATCH else INTERACTIVE
-        weight = fair_weight(principal.limits)
+        weight = principal.weight
         if not len(self.queue):
             usable = self.replicas.router.usable(plan.model, now)
             if not usable:

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
-from saltgate.governance.limits import sane_weight
+from saltgate.governance.weight import sane_weight
 
 T = TypeVar("T")
 
