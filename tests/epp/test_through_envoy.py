@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.resources
 import sqlite3
 import subprocess
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -609,5 +609,71 @@ def test_the_epp_serves_metrics_behind_an_admin_token(tmp_path: Path) -> None:
             for tap in s.taps:
                 replica = f"http://127.0.0.1:{tap.port}"
                 assert _sample(text, "saltgate_replica_healthy", replica=replica) == 1
+
+    run(body)
+
+
+async def _replays_of_a_failing_answer(
+    tmp: Path, edit: Callable[[dict[str, Any]], None] | None = None
+) -> int:
+    """POSTs the replicas saw for one request whose client asks Envoy to retry 5xx answers
+    (`x-envoy-retry-on`, `x-envoy-max-retries`), both replicas answering 500; ``edit``:
+    the positive control's change to the printed Envoy configuration."""
+    replicas = [await start_sim(SimConfig(port=0, model=MODEL)) for _ in range(2)]
+    pools = [UpstreamPool("127.0.0.1", r.port) for r in replicas]
+    posts: list[bytes] = []
+
+    def failing(pool: UpstreamPool) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            if request.method == b"POST":  # its probes pass, its answers fail
+                posts.append(request.body)
+                return Response(500, [(b"content-type", b"text/plain")], b"engine died")
+            upstream = await pool.request(request.method, request.path, [])
+            return Response(upstream.status, [], await upstream.read())
+
+        return handle
+
+    fronts = [HttpServer(failing(pool)) for pool in pools]
+    ports = [await front.start("127.0.0.1", 0) for front in fronts]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        async with envoy_stack(tmp, replicas=urls, edit=edit) as s, s.client("alice") as http:
+            retry = {"x-envoy-retry-on": "5xx,reset", "x-envoy-max-retries": "5"}
+            answer = await http.post("/v1/completions", json=completion("hi"), headers=retry)
+            assert answer.status_code == 500, answer.text
+    finally:
+        for front in fronts:
+            await front.close()
+        for pool in pools:
+            await pool.close()
+        for replica in replicas:
+            await replica.close()
+    return len(posts)
+
+
+def test_neither_envoy_nor_a_client_replays_an_answered_request(tmp_path: Path) -> None:
+    """Envoy retries only what never reached a replica (`RETRY_ON`), and a client's own
+    retry headers (`x-envoy-retry-on: 5xx`) change nothing: a replica's answer, even a
+    500, is never replayed to the next one."""
+
+    async def body() -> None:
+        assert await _replays_of_a_failing_answer(tmp_path) == 1
+
+    run(body)
+
+
+def _retrying_answers(config: dict[str, Any]) -> None:
+    listener = config["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    [route] = manager["route_config"]["virtual_hosts"][0]["routes"]
+    route["route"]["retry_policy"]["retry_on"] += ",5xx"
+
+
+def test_positive_control_a_retry_policy_on_5xx_replays_it(tmp_path: Path) -> None:
+    """The test above with `5xx` added to the route's retry_on: the request that was
+    answered is sent again, to the next replica of the EPP's list."""
+
+    async def body() -> None:
+        assert await _replays_of_a_failing_answer(tmp_path, _retrying_answers) == 2
 
     run(body)
