@@ -9,7 +9,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -41,7 +41,8 @@ from saltgate.epp.envoy import (
     replica_endpoints,
 )
 from saltgate.epp.metrics import metrics_tls
-from saltgate.epp.server import destination, immediate
+from saltgate.epp.server import _Conversation, destination, immediate
+from saltgate.gateway.server import Gateway
 from saltgate.http import Response
 
 pytestmark = pytest.mark.unit
@@ -313,6 +314,22 @@ def test_an_answer_of_the_gateway_is_an_immediate_response() -> None:
     assert [(h.header.key, h.header.raw_value) for h in message.headers.set_headers] == [
         ("content-type", b"application/json")
     ]
+
+
+def test_a_method_a_client_invents_is_counted_as_other() -> None:
+    """Envoy passes any method token through (HTTP/2 carries any): saltgate_requests_total
+    labels the standard ones, every other one OTHER, so a client adds no series."""
+    counted: list[tuple[bytes, int]] = []
+
+    class Counting:
+        def counted(self, method: bytes, status: int) -> None:
+            counted.append((method, status))
+
+    conversation = _Conversation(cast(Gateway, Counting()), None)
+    for method in (b"POST", b"FROB", b"ZAP", b"GET"):
+        conversation.headers = [(b":method", method), (b":path", b"/v1/models")]
+        conversation._counted(404)
+    assert counted == [(b"POST", 404), (b"OTHER", 404), (b"OTHER", 404), (b"GET", 404)]
 
 
 def test_the_printed_cluster_names_replicas_by_ip_and_port_as_the_epp_does() -> None:

@@ -73,6 +73,9 @@ _STREAM_ERRORS: Final = "saltgate_epp_stream_errors_total"
 _ACTIVE: Final = "saltgate_epp_streams_active"
 _DECISION: Final = "saltgate_epp_decision_seconds"
 _REQUEST_PHASE: Final = frozenset({"request_headers", "request_body"})
+_METHODS: Final = frozenset(
+    {b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"CONNECT", b"TRACE"}
+)
 _CANCELLED: Final = (("kind", "cancelled"),)
 _FAILED: Final = (("kind", "failed"),)
 _SSE: Final = b"text/event-stream"
@@ -254,9 +257,11 @@ class _Conversation:
         return immediate(Response(response.status, [*headers, self.nonce], sealed))
 
     def _counted(self, status: int) -> None:
-        """The client's answer in saltgate_requests_total, as the gateway counts it."""
+        """The client's answer in saltgate_requests_total, as the gateway counts it; a
+        method outside the standard ones as OTHER (Envoy passes any token through, and a
+        client must not add series by inventing them)."""
         method = next((v for k, v in self.headers if k == b":method"), b"GET")
-        self.gateway.counted(method, status)
+        self.gateway.counted(method if method in _METHODS else b"OTHER", status)
 
     async def _send(
         self, request: Request, context: RequestContext, admitted: Admitted, headers_phase: bool
