@@ -237,7 +237,13 @@ def bootstrap(
                     "typed_extension_protocol_options": {
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": _HTTP2,
-                            "explicit_http_config": {"http2_protocol_options": {}},
+                            # One stream per connection: Envoy opens a connection per
+                            # request under way and the kernel spreads connections among
+                            # the `saltgate epp --workers N` processes (SO_REUSEPORT); on
+                            # one multiplexed connection, one worker would take them all.
+                            "explicit_http_config": {
+                                "http2_protocol_options": {"max_concurrent_streams": 1}
+                            },
                         }
                     },
                     "load_assignment": {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from saltgate.admin.api import AdminApi
@@ -49,10 +50,8 @@ async def start_metrics_listener(
     config: GatewayConfig, gateway: Gateway, log: AccessLog, tls: ssl.SSLContext | None
 ) -> MetricsListener | None:
     """/metrics on admin_host:[epp] metrics_port (0: a free port); None when it is off."""
-    port = config.epp.metrics_port
-    if port is None:
+    if config.epp.metrics_port is None:
         return None
-    admin = _as_admin(config, port)
     api = AdminApi(AdminStore(config.store_settings), usage=gateway.usage, prices=config.prices)
     metrics = gateway.metrics
 
@@ -60,10 +59,24 @@ async def start_metrics_listener(
         return metrics.render()
 
     try:
-        server, bound = await start_admin_listener(
-            AdminListener(admin, api, None, render, log), admin, tls
-        )
+        server, bound = await serve_metrics(config, api, render, log, tls)
     except BaseException:
         await api.store.aclose()
         raise
     return MetricsListener(server, bound, api)
+
+
+async def serve_metrics(
+    config: GatewayConfig,
+    api: AdminApi,
+    render: Callable[[], Awaitable[bytes]],
+    log: AccessLog,
+    tls: ssl.SSLContext | None,
+) -> tuple[HttpServer, int]:
+    """/metrics as `render` writes it (one EPP's, or the supervisor's merge of its
+    workers': epp/supervisor.py) on admin_host:[epp] metrics_port, `api` checking the
+    scrapers' tokens; the server and its port."""
+    port = config.epp.metrics_port
+    assert port is not None
+    admin = _as_admin(config, port)
+    return await start_admin_listener(AdminListener(admin, api, None, render, log), admin, tls)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from saltgate.config import GatewayConfig, parse_authority
-from saltgate.ehbp.frames import ResponseSealer
+from saltgate.ehbp.frames import Keyring, ResponseSealer
 from saltgate.epp.envoy import (
     ANSWER_DETAILS,
     DESTINATION,
@@ -514,6 +515,10 @@ class RunningEpp:
     metrics: MetricsListener | None = None  # [epp] metrics_port
     closed: bool = False
 
+    def reload(self, config: GatewayConfig) -> list[asyncio.Task[Any]]:
+        """A new [[replicas]] list (SIGHUP); the added replicas' first probes returned."""
+        return self.gateway.reload(config)
+
     async def close(self, grace_s: float | None = None) -> None:
         """Drain: health NOT_SERVING and /ready draining at once, streams under way given
         ``grace_s`` (default `[gateway] drain_grace_s`), then the gateway's parts closed;
@@ -530,14 +535,24 @@ class RunningEpp:
         await self.gateway.aclose()
 
 
-async def start_epp(config: GatewayConfig) -> RunningEpp:
+async def start_epp(
+    config: GatewayConfig,
+    *,
+    workers: int = 1,
+    host_limits: socket.socket | None = None,
+    keyring: Keyring | None = None,
+) -> RunningEpp:
     """The gateway's parts behind an ext_proc server on [gateway] host, [epp] grpc_port
     (0: a free port), with the standard gRPC health service: SERVING once the replicas
-    had their first probe and the isolation canary its first round ([canary])."""
-    keyring = ehbp_keyring(config) if config.ehbp else None  # refused before anything opens
+    had their first probe and the isolation canary its first round ([canary]). A worker
+    of `saltgate epp --workers N` (epp/supervisor.py) is one of `workers`, with its
+    channel to the supervisor's count of the host's limits and the EHBP keyring its
+    parent gave every worker."""
+    if config.ehbp and keyring is None:
+        keyring = ehbp_keyring(config)  # refused before anything opens
     tls = metrics_tls(config)  # its refusal first: nothing opened or bound
     access_log = AccessLog.open(config.access_log, config.log_format)
-    gateway = await open_gateway(config, access_log)
+    gateway = await open_gateway(config, access_log, workers=workers, host_limits=host_limits)
     server = grpc.aio.server()
     ehbp = None if keyring is None else EhbpOpener(keyring, gateway.metrics)
     ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, ehbp), server)

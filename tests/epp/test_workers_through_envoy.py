@@ -1,0 +1,239 @@
+"""`saltgate epp --workers 2` behind a real Envoy with the configuration `saltgate epp
+--envoy-config` prints: Envoy's requests are served by both EPP processes (one port,
+SO_REUSEPORT), the host's limits are held exactly across them (the gateway's
+supervisor counts them once), and a killed worker is restarted while requests keep
+being served.
+
+Envoy that cannot run here fails these tests, saying so: they are never skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from tests.epp.test_through_envoy import completion, envoy_binary
+from tests.gateway.stack import new_state_dir, run
+from tests.serving.test_workers import gone, worker_pids
+from tests.support.gateways import (
+    SALTGATE,
+    cli,
+    metrics_token,
+    per_worker,
+    series,
+    write_gateway_config,
+)
+from tests.support.http import async_client
+from tests.support.waiting import eventually
+
+from saltgate.config import load_config
+from saltgate.governance.limits import Limits
+from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate.store.tenants import TenantStore
+from saltgate_devkit.procs import Proc, free_port
+
+EPP_WORKER = b"saltgate.epp.worker"
+BURST = 24  # requests at once: Envoy opens a connection to the EPP for each under way
+
+
+@dataclass
+class EppFleet:
+    epps: list[Proc]  # `saltgate epp --workers 2`, or (the control) lone EPPs on one port
+    envoy: Proc
+    sims: list[RunningSim]
+    keys: dict[str, str]
+    url: str
+    metrics_urls: list[str]
+    metrics_headers: dict[str, str]
+
+    async def burst(self, tenant: str, n: int = BURST) -> list[httpx.Response]:
+        """`n` requests at once, each on its own connection to Envoy."""
+        headers = {"authorization": f"Bearer {self.keys[tenant]}"}
+
+        async def one(i: int) -> httpx.Response:
+            async with async_client(base_url=self.url, headers=headers, timeout=30) as http:
+                return await http.post("/v1/completions", json=completion(f"burst {i}"))
+
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+    async def metrics(self, i: int = 0) -> dict[str, float]:
+        async with async_client(timeout=10) as http:
+            page = await http.get(self.metrics_urls[i], headers=self.metrics_headers)
+            assert page.status_code == 200, page.text
+            return series(page.text)
+
+    async def per_worker_requests(self) -> dict[int, float]:
+        return per_worker(await self.metrics(), "saltgate_worker_requests_total")
+
+
+@asynccontextmanager
+async def epp_fleet(
+    tmp: Path, *, workers: int = 2, lone: int = 0, limits: Limits | None = None
+) -> AsyncIterator[EppFleet]:
+    """Envoy in front of `saltgate epp --workers {workers}`, or (``lone`` > 0, the
+    control) of ``lone`` single `saltgate epp` processes on the one grpc_port, each
+    counting limits alone; tenants alice (with ``limits``) and bob, two simulated
+    replicas."""
+    binary = envoy_binary()
+    sims = [await start_sim(SimConfig(port=0, model="sim-model")) for _ in range(2)]
+    state = tmp / "state"
+    keys = new_state_dir(state, ("alice", "bob"))
+    if limits is not None:
+        with TenantStore.from_state_dir(state) as store:
+            store.set_limits("alice", limits)
+    envoy_port = free_port()
+    grpc_port = free_port()
+    metrics_ports = [free_port() for _ in range(max(lone, 1))]
+    paths = []
+    for i, metrics_port in enumerate(metrics_ports):
+        path = tmp / f"gateway-{i}.toml"
+        text = (
+            f"[epp]\ngrpc_port = {grpc_port}\nenvoy_port = {envoy_port}\n"
+            f"metrics_port = {metrics_port}\n[canary]\nenabled = false\n"
+        )
+        paths.append(
+            write_gateway_config(
+                path,
+                state_dir=state,
+                replicas=[s.url for s in sims],
+                admin_port=None,
+                gateway_extra='host = "127.0.0.1"\n',
+                sections=text,
+            )
+        )
+    bootstrap = tmp / "envoy.yaml"
+    bootstrap.write_text(cli("epp", "--config", str(paths[0]), "--envoy-config"))
+    argv = [["--workers", str(workers)]] if not lone else [[]] * lone
+    epps = [
+        Proc(f"epp-{i}", [str(SALTGATE), "epp", "--config", str(p), *a], tmp / f"epp-{i}.log")
+        for i, (p, a) in enumerate(zip(paths, argv, strict=True))
+    ]
+    envoy = Proc(
+        "envoy",
+        [str(binary), "-c", str(bootstrap), "--use-dynamic-base-id", "--concurrency", "1"],
+        tmp / "envoy.log",
+    )
+    headers = metrics_token(load_config(paths[0]).store_settings)
+    fleet = EppFleet(
+        epps,
+        envoy,
+        sims,
+        keys,
+        f"http://127.0.0.1:{envoy_port}",
+        [f"http://127.0.0.1:{p}/metrics" for p in metrics_ports],
+        headers,
+    )
+    try:
+
+        async def serving() -> bool:
+            assert envoy.alive(), f"envoy exited: {envoy.tail()}"
+            for epp in epps:
+                assert epp.alive(), f"the EPP exited: {epp.tail()}"
+            try:
+                for i in range(len(metrics_ports)):
+                    await fleet.metrics(i)
+                async with async_client(timeout=5) as http:
+                    return (await http.get(f"{fleet.url}/health")).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        await eventually(serving, timeout_s=60, what="every EPP serves, and Envoy through them")
+        yield fleet
+    finally:
+        envoy.stop()
+        for epp in epps:
+            epp.stop(timeout=30)
+        for s in sims:
+            await s.close()
+
+
+def test_envoy_s_requests_are_served_by_both_epp_workers(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with epp_fleet(tmp_path) as f:
+            pids = worker_pids(f.epps[0].pid, EPP_WORKER)
+            assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2, pids
+            before = await f.per_worker_requests()
+            answers = await f.burst("bob")
+            assert [a.status_code for a in answers] == [200] * BURST, [a.text for a in answers]
+            after = await f.per_worker_requests()
+            served = {i: after[i] - before.get(i, 0.0) for i in after}
+            assert served[0] > 0 and served[1] > 0, served  # both processes answered
+            assert sum(served.values()) == BURST, served
+            values = await f.metrics()
+            assert values["saltgate_workers_alive"] == 2
+            # the merged families count every worker's requests
+            ok = 'saltgate_requests_total{method="POST",status="200"}'
+            assert values[ok] == BURST, {k: v for k, v in values.items() if "requests" in k}
+
+    run(body)
+
+
+def test_two_epp_workers_hold_one_limit_exactly(tmp_path: Path) -> None:
+    """rpm 3: a burst over both workers admits exactly 3, the rest are OpenAI's 429."""
+
+    async def body() -> None:
+        async with epp_fleet(tmp_path, limits=Limits(rpm=3)) as f:
+            before = await f.per_worker_requests()
+            answers = await f.burst("alice")
+            after = await f.per_worker_requests()
+            statuses = sorted(a.status_code for a in answers)
+            assert statuses == [200] * 3 + [429] * (BURST - 3), [a.text for a in answers]
+            refused = next(a for a in answers if a.status_code == 429)
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded", refused.text
+            served = {i: after[i] - before.get(i, 0.0) for i in after}
+            assert served[0] > 0 and served[1] > 0, served  # the burst reached both
+            values = await f.metrics()
+            # counted in one place: no worker fell back to its share of the limit
+            assert per_worker(values, "saltgate_limits_shared_up") == {0: 1.0, 1: 1.0}
+
+    run(body)
+
+
+def test_positive_control_lone_epps_on_one_port_each_count_the_limit(tmp_path: Path) -> None:
+    """The same burst over two single `saltgate epp` on the one port (SO_REUSEPORT lets
+    them share it), each counting rpm 3 alone: more than 3 pass. What the test above
+    would see without the supervisor's one count."""
+
+    async def body() -> None:
+        async with epp_fleet(tmp_path, lone=2, limits=Limits(rpm=3)) as f:
+            answers = await f.burst("alice")
+            admitted = sum(a.status_code == 200 for a in answers)
+            assert admitted > 3, [a.status_code for a in answers]
+
+    run(body)
+
+
+def test_a_killed_epp_worker_is_restarted_and_requests_keep_being_served(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        async with epp_fleet(tmp_path) as f:
+            parent = f.epps[0].pid
+            victim = worker_pids(parent, EPP_WORKER)[1]
+            os.kill(victim, signal.SIGKILL)
+            await eventually(lambda: gone(victim), what="the killed worker exits")
+            # the other worker serves while the supervisor replaces it
+            answers = await f.burst("bob", 8)
+            assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
+
+            async def restarted() -> bool:
+                values = await f.metrics()
+                restarts = per_worker(values, "saltgate_worker_restarts_total")
+                return restarts == {0: 0.0, 1: 1.0} and values["saltgate_workers_alive"] == 2
+
+            await eventually(restarted, timeout_s=60, what="worker 1 restarted")
+            pids = worker_pids(parent, EPP_WORKER)
+            assert sorted(pids) == [0, 1] and victim not in pids.values(), pids
+            before = await f.per_worker_requests()
+            answers = await f.burst("bob")
+            assert [a.status_code for a in answers] == [200] * BURST, [a.text for a in answers]
+            after = await f.per_worker_requests()
+            assert after[1] > before[1], (before, after)  # the new worker 1 serves
+
+    run(body)
