@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 from tests.epp.test_through_envoy import completion, envoy_binary
-from tests.gateway.stack import new_state_dir, run
+from tests.gateway.stack import Tap, new_state_dir, run
 from tests.serving.test_workers import gone, worker_pids
 from tests.support.gateways import (
     SALTGATE,
@@ -34,7 +34,7 @@ from tests.support.waiting import eventually
 
 from saltgate.config import load_config
 from saltgate.governance.limits import Limits
-from saltgate.sim.run import RunningSim, SimConfig, start_sim
+from saltgate.sim.run import SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
 from saltgate_devkit.procs import Proc, free_port
 
@@ -46,7 +46,7 @@ BURST = 24  # requests at once: Envoy opens a connection to the EPP for each und
 class EppFleet:
     epps: list[Proc]  # `saltgate epp --workers 2`, or (the control) lone EPPs on one port
     envoy: Proc
-    sims: list[RunningSim]
+    taps: list[Tap]  # in front of the two simulated replicas
     keys: dict[str, str]
     url: str
     metrics_urls: list[str]
@@ -71,6 +71,9 @@ class EppFleet:
     async def per_worker_requests(self) -> dict[int, float]:
         return per_worker(await self.metrics(), "saltgate_worker_requests_total")
 
+    def posts(self, tap: int) -> int:
+        return sum(r.method == b"POST" for r in self.taps[tap].seen)
+
 
 @asynccontextmanager
 async def epp_fleet(
@@ -82,6 +85,9 @@ async def epp_fleet(
     replicas."""
     binary = envoy_binary()
     sims = [await start_sim(SimConfig(port=0, model="sim-model")) for _ in range(2)]
+    taps = [Tap(s) for s in sims]
+    for tap in taps:
+        await tap.start()
     state = tmp / "state"
     keys = new_state_dir(state, ("alice", "bob"))
     if limits is not None:
@@ -101,7 +107,7 @@ async def epp_fleet(
             write_gateway_config(
                 path,
                 state_dir=state,
-                replicas=[s.url for s in sims],
+                replicas=[f"http://127.0.0.1:{t.port}" for t in taps],
                 admin_port=None,
                 gateway_extra='host = "127.0.0.1"\n',
                 sections=text,
@@ -123,7 +129,7 @@ async def epp_fleet(
     fleet = EppFleet(
         epps,
         envoy,
-        sims,
+        taps,
         keys,
         f"http://127.0.0.1:{envoy_port}",
         [f"http://127.0.0.1:{p}/metrics" for p in metrics_ports],
@@ -149,6 +155,8 @@ async def epp_fleet(
         envoy.stop()
         for epp in epps:
             epp.stop(timeout=30)
+        for tap in taps:
+            await tap.close()
         for s in sims:
             await s.close()
 
@@ -235,5 +243,59 @@ def test_a_killed_epp_worker_is_restarted_and_requests_keep_being_served(
             assert [a.status_code for a in answers] == [200] * BURST, [a.text for a in answers]
             after = await f.per_worker_requests()
             assert after[1] > before[1], (before, after)  # the new worker 1 serves
+
+    run(body)
+
+
+def test_sighup_gives_every_epp_worker_the_new_replicas(tmp_path: Path) -> None:
+    """The file's [[replicas]] reduced to the second replica, then SIGHUP to the parent:
+    a burst over both workers goes to that replica alone (Envoy's cluster still lists
+    both; the workers' picks follow the file)."""
+
+    async def body() -> None:
+        async with epp_fleet(tmp_path) as f:
+            path = tmp_path / "gateway-0.toml"
+            text = path.read_text()
+            first = f"http://127.0.0.1:{f.taps[0].port}"
+            assert f'url = "{first}"' in text, text
+            path.write_text(text.replace(f'[[replicas]]\nurl = "{first}"', "", 1))
+            assert first not in path.read_text(), path.read_text()
+            os.kill(f.epps[0].pid, signal.SIGHUP)
+            log = f.epps[0].log_path
+
+            def reloaded() -> bool:
+                return "1 replicas in 2 of 2 workers" in log.read_text()
+
+            await eventually(reloaded, timeout_s=30, what="the parent reloads both workers")
+            posts = f.posts(0)
+            before = await f.per_worker_requests()
+            answers = await f.burst("bob")
+            assert [a.status_code for a in answers] == [200] * BURST, [a.text for a in answers]
+            after = await f.per_worker_requests()
+            assert after[0] > before[0] and after[1] > before[1], (before, after)
+            assert f.posts(0) == posts  # no worker sent one to the replica taken out
+
+    run(body)
+
+
+def test_sigterm_drains_every_worker_and_then_envoy_refuses(tmp_path: Path) -> None:
+    """SIGTERM to the parent: it and both workers exit cleanly; with no EPP process
+    left on the port Envoy answers 5xx, and no request reaches a replica (fail closed)."""
+
+    async def body() -> None:
+        async with epp_fleet(tmp_path) as f:
+            parent = f.epps[0]
+            pids = worker_pids(parent.pid, EPP_WORKER)
+            assert len(pids) == 2
+            parent.popen.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(parent.popen.wait, 40) == 0, parent.tail()
+            for pid in pids.values():
+                await eventually(lambda pid=pid: gone(pid), what=f"worker {pid} exits")
+            said = parent.log_path.read_text()
+            assert "EPP (ext_proc) on 127.0.0.1:" in said and "2 workers)" in said, said
+            posts = f.posts(0) + f.posts(1)
+            answers = await f.burst("bob", 4)
+            assert all(a.status_code >= 500 for a in answers), [a.status_code for a in answers]
+            assert f.posts(0) + f.posts(1) == posts
 
     run(body)
