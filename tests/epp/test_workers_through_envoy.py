@@ -289,8 +289,11 @@ def test_sigterm_drains_every_worker_and_then_envoy_refuses(tmp_path: Path) -> N
             assert len(pids) == 2
             parent.popen.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(parent.popen.wait, 40) == 0, parent.tail()
-            for pid in pids.values():
-                await eventually(lambda pid=pid: gone(pid), what=f"worker {pid} exits")
+
+            def workers_gone() -> bool:
+                return all(gone(pid) for pid in pids.values())
+
+            await eventually(workers_gone, what="both workers exit")
             said = parent.log_path.read_text()
             assert "EPP (ext_proc) on 127.0.0.1:" in said and "2 workers)" in said, said
             posts = f.posts(0) + f.posts(1)
