@@ -10,14 +10,19 @@ Envoy that cannot run here fails these tests, saying so: they are never skipped.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
+import socket
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
+import pytest
 from tests.epp.test_through_envoy import completion, envoy_binary
 from tests.gateway.stack import Tap, new_state_dir, run
 from tests.serving.test_workers import gone, worker_pids
@@ -33,6 +38,7 @@ from tests.support.http import async_client
 from tests.support.waiting import eventually
 
 from saltgate.config import load_config
+from saltgate.epp.supervisor import reserve
 from saltgate.governance.limits import Limits
 from saltgate.sim.run import SimConfig, start_sim
 from saltgate.store.tenants import TenantStore
@@ -302,3 +308,58 @@ def test_sigterm_drains_every_worker_and_then_envoy_refuses(tmp_path: Path) -> N
             assert f.posts(0) + f.posts(1) == posts
 
     run(body)
+
+
+def test_the_port_the_parent_holds_refuses_connections_until_a_worker_listens() -> None:
+    """The parent's reservation (bound with SO_REUSEPORT, not listening) lets a gRPC
+    server bind the same port beside it, and refuses connections whenever no worker
+    listens: before the first, and after the last is gone (fail closed). Control: gRPC
+    with SO_REUSEPORT off cannot bind beside it."""
+
+    def refused(port: int) -> bool:
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", port)) == errno.ECONNREFUSED
+
+    async def body() -> None:
+        held = reserve("127.0.0.1", 0)
+        port = int(held.getsockname()[1])
+        try:
+            assert refused(port)
+            server = grpc.aio.server()
+            assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+            await server.start()
+            assert not refused(port)
+            await server.stop(None)
+            assert refused(port)
+            lone = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            with pytest.raises(RuntimeError):
+                lone.add_insecure_port(f"127.0.0.1:{port}")
+        finally:
+            held.close()
+
+    run(body)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_grpc_port_taken_is_refused_in_one_line(tmp_path: Path, workers: int) -> None:
+    """Another program listening on [epp] grpc_port: `saltgate epp` (one process, and the
+    parent of two) says which listener could not bind and exits 1, no traceback."""
+    state = tmp_path / "state"
+    new_state_dir(state, ("alice",))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = int(taken.getsockname()[1])
+        path = write_gateway_config(
+            tmp_path / "gateway.toml",
+            state_dir=state,
+            replicas=[f"http://127.0.0.1:{free_port()}"],
+            admin_port=None,
+            gateway_extra='host = "127.0.0.1"\n',
+            sections=f"[epp]\ngrpc_port = {port}\n[canary]\nenabled = false\n",
+        )
+        argv = [str(SALTGATE), "epp", "--config", str(path), "--workers", str(workers)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port} (the EPP's listener" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

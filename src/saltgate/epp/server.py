@@ -34,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from saltgate.config import GatewayConfig, parse_authority
 from saltgate.ehbp.frames import Keyring, ResponseSealer
+from saltgate.epp import GRPC_OPTIONS
 from saltgate.epp.envoy import (
     ANSWER_DETAILS,
     DESTINATION,
@@ -64,6 +65,7 @@ from saltgate.policy.errors import ApiError
 from saltgate.policy.fields import scrub_answer, scrub_events
 from saltgate.policy.headers import forward_request_headers, scrub_response_headers
 from saltgate.routing import Plan, ReplicaId
+from saltgate.runtime import listen_error
 from saltgate.serving.run import ehbp_keyring, open_gateway
 
 log = logging.getLogger(__name__)
@@ -560,7 +562,11 @@ async def start_epp(
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     metrics = None
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.epp.grpc_port}")
+        try:
+            port = server.add_insecure_port(f"{config.host}:{config.epp.grpc_port}")
+        except RuntimeError as exc:  # grpc's word for a bind that failed
+            failed = OSError(str(exc))
+            raise listen_error(GRPC_OPTIONS, config.host, config.epp.grpc_port, failed) from None
         await server.start()
         await gateway.replicas.probe_all()
         gateway.replicas.start_probing()

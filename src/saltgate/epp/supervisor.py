@@ -22,14 +22,13 @@ import signal
 import socket
 
 from saltgate.config import ConfigError, GatewayConfig
+from saltgate.epp import GRPC_OPTIONS
 from saltgate.epp.metrics import metrics_tls, serve_metrics
 from saltgate.runtime import listen_error, run_service, until_stopped
 from saltgate.serving import event_log
 from saltgate.serving.admin_listener import admin_scheme
 from saltgate.serving.supervisor import Supervisor
 from saltgate.store.errors import StoreError
-
-GRPC_OPTIONS = "the EPP's listener: gateway.host, epp.grpc_port"
 
 log = logging.getLogger(__name__)
 
