@@ -5,6 +5,9 @@ Its record is still there, 499, with the output it relayed (docs/epp.md, docs/bi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from pathlib import Path
 
 import orjson
@@ -56,5 +59,32 @@ def test_a_client_leaving_mid_stream_is_recorded_499_with_what_was_relayed(
             assert row["completion_tokens"] < MAX_TOKENS
             assert row["prompt_tokens"] > 0  # estimated from the body
             assert row["cached_tokens"] is None  # unknown, not zero
+
+    run(body)
+
+
+def test_clients_leaving_before_the_answer_do_not_take_a_replica_out(tmp_path: Path) -> None:
+    """A client that gives up before a whole answer comes (Envoy resets its ext_proc stream
+    before any response header) left: it is recorded 499, and the replica is not blamed.
+    More such clients than the breaker's threshold (3) in a row must not take the replica
+    out of rotation, or every impatient client would turn into 503s for all tenants."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path, sim=SLOW) as s, s.client("alice") as http:
+            request = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": long_prompt("impatient")}],
+                "max_tokens": MAX_TOKENS,  # 6 s of decoding: the client leaves long before
+            }
+            for left in range(1, 5):
+                posting = asyncio.create_task(http.post("/v1/chat/completions", json=request))
+                await eventually(lambda: len(s.bodies()) >= left, what="the replica has it")
+                posting.cancel()  # the client leaves: its connection to Envoy closes
+                with contextlib.suppress(asyncio.CancelledError):
+                    await posting
+                await eventually(lambda: len(ledger_rows_of(s)) >= left, what="recorded")
+            assert [row["status"] for row in ledger_rows_of(s)] == [499] * 4
+            router = s.epp.gateway.replicas.router
+            assert len(router.usable(MODEL, time.monotonic())) == 2  # none taken out
 
     run(body)

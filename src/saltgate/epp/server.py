@@ -432,22 +432,18 @@ class _Conversation:
         return self.exchange is not None and not self.ended
 
     async def close(self) -> None:
-        """The stream ended: a request that never got its response's end is recorded,
-        as the gateway records it (the client left, or the replica failed)."""
-        exchange = self.exchange
-        if exchange is None or self.ended:
+        """The stream ended before its response's end: the client left, and Envoy reset
+        the replica's stream (vLLM aborts the request). Recorded 499 as the gateway records
+        a client gone, with what the stream showed, else what was relayed, estimated as the
+        drain does. The replica is not blamed: a replica Envoy could not reach, or one that
+        broke, comes as Envoy's own answer through the response headers (`_answering`)."""
+        if self.exchange is None or self.ended:
             return
-        if self.status:
-            # Envoy reset the replica's stream (vLLM aborts the request): what it showed,
-            # else what was relayed, estimated as the gateway's drain does.
-            scanner, route = self.scanner, self.context.route if self.context else ""
-            usage = None
-            if scanner is not None:
-                usage = delivered_usage(route, scanner, prompt_estimate(self.body_bytes))
-            await self._end(CLIENT_CLOSED, usage)
-            return
-        exchange.failed()  # Envoy reached no replica, or it broke before answering
-        await self._end(NOT_SERVED, None)
+        scanner, route = self.scanner, self.context.route if self.context else ""
+        usage = None
+        if scanner is not None:
+            usage = delivered_usage(route, scanner, prompt_estimate(self.body_bytes))
+        await self._end(CLIENT_CLOSED, usage)
 
 
 def _body(data: bytes) -> ext.ProcessingResponse:
