@@ -77,12 +77,19 @@ def test_clients_leaving_before_the_answer_do_not_take_a_replica_out(tmp_path: P
                 "max_tokens": MAX_TOKENS,  # 6 s of decoding: the client leaves long before
             }
             for left in range(1, 5):
+
+                def received(n: int = left) -> bool:
+                    return len(s.bodies()) >= n
+
+                def recorded(n: int = left) -> bool:
+                    return len(ledger_rows_of(s)) >= n
+
                 posting = asyncio.create_task(http.post("/v1/chat/completions", json=request))
-                await eventually(lambda: len(s.bodies()) >= left, what="the replica has it")
+                await eventually(received, what="the replica has it")
                 posting.cancel()  # the client leaves: its connection to Envoy closes
                 with contextlib.suppress(asyncio.CancelledError):
                     await posting
-                await eventually(lambda: len(ledger_rows_of(s)) >= left, what="recorded")
+                await eventually(recorded, what="recorded")
             assert [row["status"] for row in ledger_rows_of(s)] == [499] * 4
             router = s.epp.gateway.replicas.router
             assert len(router.usable(MODEL, time.monotonic())) == 2  # none taken out
