@@ -19,6 +19,7 @@ from saltgate.derivations.derive import ROUTE_CHAT
 from saltgate.gateway.admission import Admission
 from saltgate.gateway.host_limits import HostLimits, HostTicket, HostUnreachable
 from saltgate.governance.arbiter import MAX_LINE_BYTES, Arbiter
+from saltgate.governance.kinds import Scope, Subject
 from saltgate.governance.limits import Demand, Limits
 from saltgate.policy.errors import ApiError
 from saltgate.store.tenants import Principal
@@ -84,7 +85,7 @@ def test_an_unanswering_supervisor_means_the_share_and_a_late_admission_given_ba
     async def main() -> None:
         async with supervisor(None) as ((engine,), heard):
             with pytest.raises(HostUnreachable):
-                await engine.admit([(("tenant", "tn_1"), Limits(rpm=3))], Demand(1, 1))
+                await engine.admit([(Subject(Scope.TENANT, "tn_1"), Limits(rpm=3))], Demand(1, 1))
             await eventually(lambda: len(heard) >= 2, what="the question and its cancel")
             assert heard[0].startswith(b'["a",1,') and heard[1] == b'["s",1,[0,0,0]]\n'
             admission = Admission({}, share=2, shared=engine)
@@ -106,7 +107,7 @@ def test_a_closed_channel_fails_at_once() -> None:
         ours.close()
         started = asyncio.get_running_loop().time()
         with pytest.raises(HostUnreachable):
-            await engine.admit([(("tenant", "tn_1"), Limits(rpm=3))], Demand(1, 1))
+            await engine.admit([(Subject(Scope.TENANT, "tn_1"), Limits(rpm=3))], Demand(1, 1))
         assert asyncio.get_running_loop().time() - started < 5.0  # not the 30 s timeout
         await engine.aclose()
 

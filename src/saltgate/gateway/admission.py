@@ -23,13 +23,9 @@ from redis.exceptions import RedisError
 from saltgate.gateway.host_limits import HostLimits, HostTicket
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
+from saltgate.governance.kinds import LimitKind, Scope, Subject
 from saltgate.governance.limits import (
-    BUDGET,
-    CONCURRENCY,
     DEFAULT_LEASE_TTL_S,
-    INPUT_TOKENS,
-    OUTPUT_TOKENS,
-    REQUESTS,
     Demand,
     Denial,
     Governor,
@@ -55,10 +51,10 @@ log = logging.getLogger(__name__)
 
 # What OpenAI's message calls each limit.
 _NAMES: Final = {
-    REQUESTS: "requests per min (RPM)",
-    INPUT_TOKENS: "uncached input tokens per min (TPM)",
-    OUTPUT_TOKENS: "output tokens per min (TPM)",
-    CONCURRENCY: "concurrent requests",
+    LimitKind.REQUESTS: "requests per min (RPM)",
+    LimitKind.INPUT_TOKENS: "uncached input tokens per min (TPM)",
+    LimitKind.OUTPUT_TOKENS: "output tokens per min (TPM)",
+    LimitKind.CONCURRENCY: "concurrent requests",
 }
 # What a request admitted here holds: a ticket of this process's governor, of Redis's
 # script (SharedTicket) or of the supervisor's (HostTicket).
@@ -73,9 +69,9 @@ SHARED_RETRY_S: Final = 1.0
 # is told to retry after this (or the lease's expiry, if sooner).
 CONCURRENCY_RETRY_S: Final = 1.0
 _ANTHROPIC_KINDS: Final = {
-    REQUESTS: b"requests",
-    INPUT_TOKENS: b"input-tokens",
-    OUTPUT_TOKENS: b"output-tokens",
+    LimitKind.REQUESTS: b"requests",
+    LimitKind.INPUT_TOKENS: b"input-tokens",
+    LimitKind.OUTPUT_TOKENS: b"output-tokens",
 }
 
 
@@ -121,9 +117,9 @@ class Admission:
         self.metrics = metrics
         self.spend = spend
         # (subject, period) of each budget started from the ledger, and those being read.
-        self._seeded: set[tuple[tuple[str, str], int]] = set()
-        self._seeding: dict[tuple[tuple[str, str], int], asyncio.Future[None]] = {}
-        self._seed_retry_at: dict[tuple[tuple[str, str], int], float] = {}
+        self._seeded: set[tuple[Subject, int]] = set()
+        self._seeding: dict[tuple[Subject, int], asyncio.Future[None]] = {}
+        self._seed_retry_at: dict[tuple[Subject, int], float] = {}
         if metrics is not None:
             metrics.describe(
                 REFUSALS,
@@ -157,8 +153,8 @@ class Admission:
             limited = [
                 (subject, limits)
                 for subject, limits in (
-                    (("tenant", principal.tenant_id), principal.limits),
-                    (("key", principal.key_id), principal.key_limits),
+                    (Subject(Scope.TENANT, principal.tenant_id), principal.limits),
+                    (Subject(Scope.KEY, principal.key_id), principal.key_limits),
                 )
                 if limits is not None
             ]
@@ -198,8 +194,8 @@ class Admission:
         counts what was spent (docs/limits.md). Once per subject and period per process;
         concurrent first requests wait for the one read."""
         for subject, limits in (
-            (("tenant", principal.tenant_id), principal.limits),
-            (("key", principal.key_id), principal.key_limits),
+            (Subject(Scope.TENANT, principal.tenant_id), principal.limits),
+            (Subject(Scope.KEY, principal.key_id), principal.key_limits),
         ):
             if limits is None or limits.budget_period_s is None:
                 continue
@@ -212,15 +208,13 @@ class Admission:
                 self._seeding[mark] = pending
             await asyncio.shield(pending)
 
-    async def _start_budget(
-        self, principal: Principal, subject: tuple[str, str], limits: Limits
-    ) -> None:
+    async def _start_budget(self, principal: Principal, subject: Subject, limits: Limits) -> None:
         period = limits.budget_period_s
         assert period is not None and self.spend is not None
         mark = (subject, period)
         wall, now = time.time(), self._clock()
         filters = {"tenant_id": [principal.tenant_id]}
-        if subject[0] == "key":
+        if subject.scope == Scope.KEY:
             filters["key_id"] = [principal.key_id]
         start = int(wall - period) // BUDGET_BUCKET_S * BUDGET_BUCKET_S
         failure: Exception | None = None
@@ -244,7 +238,7 @@ class Admission:
             log.warning(
                 "limits: the %s budget could not be started from the ledger (%s); it counts "
                 "from now, retried in %.0f s",
-                subject[0],
+                subject.scope,
                 type(failure).__name__,
                 BUDGET_RETRY_S,
             )
@@ -270,10 +264,10 @@ class Admission:
         self.shared_up = False
         self._retry_shared_at = self._clock() + SHARED_RETRY_S
 
-    def _subjects(self, principal: Principal) -> list[tuple[str, str]]:
+    def _subjects(self, principal: Principal) -> list[Subject]:
         """Install the principal's current limits (they follow the store's snapshot)."""
-        tenant = ("tenant", principal.tenant_id)
-        key = ("key", principal.key_id)
+        tenant = Subject(Scope.TENANT, principal.tenant_id)
+        key = Subject(Scope.KEY, principal.key_id)
         self.governor.set_limits(tenant, _shared(principal.limits, self.share))
         self.governor.set_limits(key, _shared(principal.key_limits, self.share))
         return [tenant, key]
@@ -340,7 +334,7 @@ def rate_headers(quotas: tuple[Quota, ...], anthropic: bool) -> Headers:
         return headers
     tokens: Quota | None = None
     for q in quotas:
-        if q.kind == REQUESTS:
+        if q.kind == LimitKind.REQUESTS:
             headers += _openai(b"requests", q)
         elif tokens is None or q.remaining < tokens.remaining:
             tokens = q
@@ -361,8 +355,8 @@ def denial_error(denial: Denial, model: str, anthropic: bool, headers: Headers) 
     """The 429, worded as OpenAI words it; a spent budget is `insufficient_quota` with
     x-should-retry: false and no Retry-After, so the official SDKs stop retrying."""
     error_type = AnthropicApiError if anthropic else ApiError
-    scope = "this API key" if denial.scope == "key" else "this tenant"
-    if denial.kind == BUDGET:
+    scope = "this API key" if denial.scope == Scope.KEY else "this tenant"
+    if denial.kind == LimitKind.BUDGET:
         message = (
             "You exceeded your current quota, please check your plan and billing details. "
             f"The spend budget of {scope} is used up."
@@ -376,7 +370,7 @@ def denial_error(denial: Denial, model: str, anthropic: bool, headers: Headers) 
         )
     what = f"{model or 'requests'} on {_NAMES[denial.kind]} of {scope}"
     retry = denial.retry_after_s
-    if denial.kind == CONCURRENCY and retry is not None:
+    if denial.kind == LimitKind.CONCURRENCY and retry is not None:
         retry = min(retry, CONCURRENCY_RETRY_S)
     extra: Headers = [(b"x-should-retry", b"false")]
     if retry is None and denial.limit == 0:
@@ -407,7 +401,9 @@ def denial_error(denial: Denial, model: str, anthropic: bool, headers: Headers) 
         type="rate_limit_error"
         if anthropic
         else (
-            "tokens" if denial.kind in _ANTHROPIC_KINDS and denial.kind != REQUESTS else "requests"
+            "tokens"
+            if denial.kind in _ANTHROPIC_KINDS and denial.kind != LimitKind.REQUESTS
+            else "requests"
         ),
         code="rate_limit_exceeded",
         headers=[*headers, *extra],

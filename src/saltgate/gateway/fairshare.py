@@ -35,14 +35,13 @@ from saltgate.config import QueueConfig
 from saltgate.gateway.metrics import Metrics, duration_buckets
 from saltgate.gateway.replicas import Attempt, ReplicaSet, replica_label
 from saltgate.governance.fairness import (
-    BATCH,
     FALLBACK_STEP_TOKENS,
-    INTERACTIVE,
     MIN_STEP_TOKENS,
     FairQueue,
     SaturationGate,
     Waiter,
 )
+from saltgate.governance.kinds import band_of
 from saltgate.governance.limits import BYTES_PER_TOKEN, fair_weight
 from saltgate.http import Client
 from saltgate.policy.errors import AnthropicApiError, ApiError
@@ -130,7 +129,7 @@ class FairShare:
         request has its replica at once, charged as a release charges it, without a
         future, a waiter or a timer; only a request that must wait queues."""
         now = time.monotonic()
-        band = BATCH if principal.priority == BATCH else INTERACTIVE
+        band = band_of(principal.priority)
         weight = fair_weight(principal.limits)
         if not len(self.queue):
             usable = self.replicas.router.usable(plan.model, now)

@@ -36,13 +36,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
+from saltgate.governance.kinds import BANDS, Band
 from saltgate.governance.limits import sane_weight
+from saltgate.routing.domain import ReplicaId
 
 T = TypeVar("T")
 
-INTERACTIVE: Final = "interactive"
-BATCH: Final = "batch"
-BANDS: Final = (INTERACTIVE, BATCH)  # released strictly in this order
 OUTPUT_WEIGHT: Final = 2.0  # VTC's w_q / w_p: an output token costs two input tokens
 
 
@@ -59,7 +58,7 @@ class Waiter(Generic[T]):
 
     item: T
     tenant: str
-    band: str
+    band: Band
     cost: float
     locality: bytes | None
     deadline: float
@@ -103,7 +102,7 @@ class _Band:
 
 @dataclass(slots=True)
 class _Turn:
-    band: str
+    band: Band
     tenant: str
     key: bytes
     left: float  # the quantum not yet used
@@ -155,7 +154,7 @@ class FairQueue(Generic[T]):
         cost: float,
         *,
         deadline: float,
-        band: str = INTERACTIVE,
+        band: Band = Band.INTERACTIVE,
         locality: bytes | None = None,
         weight: float = 1.0,
     ) -> Waiter[T]:
@@ -195,7 +194,7 @@ class FairQueue(Generic[T]):
         tenant: str,
         cost: float,
         *,
-        band: str = INTERACTIVE,
+        band: Band = Band.INTERACTIVE,
         locality: bytes | None = None,
         weight: float = 1.0,
     ) -> bool:
@@ -489,10 +488,10 @@ class SaturationGate:
             raise ValueError("max_waiting and max_prefill_tokens must be >= 0")
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
-        self._capacity: dict[str, int] = {}
-        self._step: dict[str, int] = {}  # replica -> its engine step, as reported
+        self._capacity: dict[ReplicaId, int] = {}
+        self._step: dict[ReplicaId, int] = {}  # replica -> its engine step, as reported
 
-    def stepped(self, replica: str, largest_step: int | None) -> int | None:
+    def stepped(self, replica: ReplicaId, largest_step: int | None) -> int | None:
         """A probe read the largest engine step the replica has run (None: not reported);
         returns the step size now taken for it, None when it falls back
         (`FALLBACK_STEP_TOKENS`). Without a derived budget it only records it."""
@@ -503,7 +502,7 @@ class SaturationGate:
             self._step[replica] = step
         return step
 
-    def prefill_budget(self, replica: str) -> tuple[int, float]:
+    def prefill_budget(self, replica: ReplicaId) -> tuple[int, float]:
         """(the replica's prefill budget, the longest prompt it never holds); (0, 0): none."""
         budget = self.max_prefill_tokens
         if budget is None:
@@ -512,7 +511,11 @@ class SaturationGate:
         return budget, budget / SHORT
 
     def probed(
-        self, replica: str, inflight: int, waiting: float | None, running: float | None = None
+        self,
+        replica: ReplicaId,
+        inflight: int,
+        waiting: float | None,
+        running: float | None = None,
     ) -> None:
         """A probe saw ``waiting`` queued and ``running`` (None: not reported) with
         ``inflight`` requests in flight there."""
@@ -529,13 +532,13 @@ class SaturationGate:
         elif replica in self._capacity:
             self._capacity[replica] = max(self._capacity[replica], ran)
 
-    def waiting(self, replica: str, inflight: int) -> int | None:
+    def waiting(self, replica: ReplicaId, inflight: int) -> int | None:
         """The replica's estimated queue now; None while its capacity is unknown."""
         capacity = self._capacity.get(replica)
         return None if capacity is None else max(inflight - capacity, 0)
 
     def saturated(
-        self, replica: str, inflight: int, prefill: float = 0.0, request: float = 0.0
+        self, replica: ReplicaId, inflight: int, prefill: float = 0.0, request: float = 0.0
     ) -> bool:
         """Whether one more request would queue more than ``max_waiting`` there, or
         (``prefill``: the replica's prompt tokens not yet prefilled, ``request``: this
@@ -547,7 +550,7 @@ class SaturationGate:
         capacity = self._capacity.get(replica)
         return capacity is not None and inflight - capacity >= self.max_waiting
 
-    def forget(self, keep: Iterable[str]) -> None:
+    def forget(self, keep: Iterable[ReplicaId]) -> None:
         """Only the replicas in ``keep`` remain (a reload removed the others)."""
         kept = set(keep)
         for replica in [r for r in self._capacity if r not in kept]:

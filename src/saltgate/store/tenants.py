@@ -34,8 +34,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
+from saltgate.governance.kinds import BANDS, DEFAULT_BAND
 from saltgate.governance.limits import KEY_WEIGHT_REFUSED, Limits
-from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
 from saltgate.prices import MODEL_NAME, PriceVersion
 from saltgate.store import audit
 from saltgate.store.audit import Actor
@@ -114,7 +114,7 @@ class ApiKeyInfo:
     created_at: float
     revoked_at: float | None
     limits: Limits | None = None  # narrowing its tenant's; None: the tenant's alone
-    priority: str = DEFAULT_PRIORITY  # its band (PRIORITIES), fixed when it is created
+    priority: str = DEFAULT_BAND.value  # its band (BANDS), fixed when it is created
     expires_at: float | None = None  # works until then (a rotation's grace); None: no end
 
     def to_dict(self) -> dict[str, object]:
@@ -143,7 +143,7 @@ class Principal:
     models: frozenset[str] | None = None  # the models it may use; None: all
     limits: Limits | None = None  # the tenant's limits; None: unlimited
     key_limits: Limits | None = None  # the key's own, narrowing the tenant's
-    priority: str = "interactive"  # the key's band (PRIORITIES): the fair queue's order
+    priority: str = "interactive"  # the key's band (BANDS): the fair queue's order
     # Whether admission has anything to check (a tenant's weight alone is no limit):
     # decided once, when the key snapshot builds the principal, not on every request.
     limited: bool = field(init=False, repr=False, compare=False)
@@ -460,16 +460,14 @@ class TenantStore:
 
     # keys
 
-    def create_key(self, tenant: str, priority: str = DEFAULT_PRIORITY) -> tuple[str, str]:
-        """Mint a key for a tenant (by name or id) in a priority band (PRIORITIES);
+    def create_key(self, tenant: str, priority: str = DEFAULT_BAND.value) -> tuple[str, str]:
+        """Mint a key for a tenant (by name or id) in a priority band (BANDS);
         returns ``(key_id, key)``.
 
         The key is shown once: only its SHA-256 is stored.
         """
-        if priority not in PRIORITIES:
-            raise StoreError(
-                f"invalid priority {priority!r}: expected one of {', '.join(PRIORITIES)}"
-            )
+        if priority not in BANDS:
+            raise StoreError(f"invalid priority {priority!r}: expected one of {', '.join(BANDS)}")
         with self._db.transaction():
             return self._insert_key(self._live_tenant(tenant).id, None, priority)
 
