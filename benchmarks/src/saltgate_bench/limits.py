@@ -58,9 +58,9 @@ import orjson
 from redis.asyncio import Redis
 
 from saltgate.admin.scopes import USAGE_READ
-from saltgate.gateway.admission import reservation
 from saltgate.gateway.host_limits import HostLimits
 from saltgate.gateway.shared_limits import SharedLimits
+from saltgate.governance.answers import reservation
 from saltgate.governance.kinds import LimitKind, Scope, Subject
 from saltgate.governance.limits import (
     DEFAULT_LEASE_TTL_S,

@@ -13,9 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import math
 import time
-from datetime import UTC, datetime
 from typing import Final
 
 from redis.exceptions import RedisError
@@ -23,7 +21,8 @@ from redis.exceptions import RedisError
 from saltgate.gateway.host_limits import HostLimits, HostTicket
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
-from saltgate.governance.kinds import LimitKind, Scope, Subject
+from saltgate.governance.answers import denial_error, rate_headers, reservation
+from saltgate.governance.kinds import Scope, Subject
 from saltgate.governance.limits import (
     DEFAULT_LEASE_TTL_S,
     Demand,
@@ -32,12 +31,8 @@ from saltgate.governance.limits import (
     Limits,
     Quota,
     Ticket,
-    output_allowance,
-    prompt_estimate,
 )
 from saltgate.http import Headers
-from saltgate.policy.errors import AnthropicApiError, ApiError
-from saltgate.policy.request import GENERATION_ROUTES
 from saltgate.prices import PriceVersion
 from saltgate.store.tenants import Principal
 from saltgate.store.usage_rollups import UsageReader, read_buckets
@@ -49,13 +44,6 @@ BUDGET_BUCKET_S: Final = 60
 BUDGET_RETRY_S: Final = 5.0
 log = logging.getLogger(__name__)
 
-# What OpenAI's message calls each limit.
-_NAMES: Final = {
-    LimitKind.REQUESTS: "requests per min (RPM)",
-    LimitKind.INPUT_TOKENS: "uncached input tokens per min (TPM)",
-    LimitKind.OUTPUT_TOKENS: "output tokens per min (TPM)",
-    LimitKind.CONCURRENCY: "concurrent requests",
-}
 # What a request admitted here holds: a ticket of this process's governor, of Redis's
 # script (SharedTicket) or of the supervisor's (HostTicket).
 AnyTicket = Ticket | SharedTicket | HostTicket
@@ -65,30 +53,6 @@ Engine = SharedLimits | HostLimits
 # After the engine failed, the local shares hold this long before it is tried again, so a
 # request does not wait for a dead server's timeout each time.
 SHARED_RETRY_S: Final = 1.0
-# A concurrency lease frees when a request ends, which the log cannot foresee: the caller
-# is told to retry after this (or the lease's expiry, if sooner).
-CONCURRENCY_RETRY_S: Final = 1.0
-_ANTHROPIC_KINDS: Final = {
-    LimitKind.REQUESTS: b"requests",
-    LimitKind.INPUT_TOKENS: b"input-tokens",
-    LimitKind.OUTPUT_TOKENS: b"output-tokens",
-}
-
-
-def go_duration(seconds: float) -> str:
-    """A duration as OpenAI's x-ratelimit-reset-* write it (Go's style): "6m0s", "1.5s",
-    "120ms"; rounded up to the millisecond, so waiting that long is always enough."""
-    ms = max(math.ceil(seconds * 1000 - 1e-6), 0)
-    if ms < 1000:
-        return f"{ms}ms"
-    hours, rest = divmod(ms, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
-    if hours:
-        return f"{hours}h{minutes}m{secs}s"
-    if minutes:
-        return f"{minutes}m{secs}s"
-    return f"{secs}s"
 
 
 class Admission:
@@ -178,7 +142,7 @@ class Admission:
         if not shared_answered:
             decision = self.governor.admit(self._subjects(principal), demand, self._clock())
             ticket, denial, quotas = decision.ticket, decision.denial, decision.quotas
-        headers = rate_headers(quotas, anthropic)
+        headers = rate_headers(quotas, anthropic, time.time())
         if ticket is None:
             assert denial is not None
             if self.metrics is not None:
@@ -298,113 +262,8 @@ class Admission:
             log.debug("limits: settling in Redis failed (%s)", type(exc).__name__)
 
 
-def reservation(
-    price: PriceVersion | None, route: str, body_bytes: int, max_tokens: int | None
-) -> Demand:
-    """What a request reserves at admission: the prompt estimate, its output allowance
-    and their price (docs/limits.md; saltgate-bench limits bounds a budget's overshoot
-    with it)."""
-    prompt = prompt_estimate(body_bytes)
-    allowance = output_allowance(max_tokens) if route in GENERATION_ROUTES else 0
-    cost = 0 if price is None else price.cost_micro_usd(prompt, None, allowance)
-    return Demand(prompt, allowance, cost)
-
-
 # Every admission through Redis installs the local shares too (to record it): computed
 # once per distinct limits, not per request.
 @functools.lru_cache(maxsize=4096)
 def _shared(limits: Limits | None, share: int) -> Limits | None:
     return None if limits is None else limits.share(share)
-
-
-def rate_headers(quotas: tuple[Quota, ...], anthropic: bool) -> Headers:
-    """x-ratelimit-* (OpenAI: requests, and tokens as the tighter of input and output) or
-    anthropic-ratelimit-* (RFC 3339 resets)."""
-    headers: Headers = []
-    if anthropic:
-        wall = time.time()
-        for q in quotas:
-            name = b"anthropic-ratelimit-" + _ANTHROPIC_KINDS[q.kind]
-            reset = datetime.fromtimestamp(wall + q.reset_s, UTC).isoformat(timespec="seconds")
-            headers += [
-                (name + b"-limit", str(q.limit).encode()),
-                (name + b"-remaining", str(q.remaining).encode()),
-                (name + b"-reset", reset.replace("+00:00", "Z").encode()),
-            ]
-        return headers
-    tokens: Quota | None = None
-    for q in quotas:
-        if q.kind == LimitKind.REQUESTS:
-            headers += _openai(b"requests", q)
-        elif tokens is None or q.remaining < tokens.remaining:
-            tokens = q
-    if tokens is not None:
-        headers += _openai(b"tokens", tokens)
-    return headers
-
-
-def _openai(name: bytes, q: Quota) -> Headers:
-    return [
-        (b"x-ratelimit-limit-" + name, str(q.limit).encode()),
-        (b"x-ratelimit-remaining-" + name, str(q.remaining).encode()),
-        (b"x-ratelimit-reset-" + name, go_duration(q.reset_s).encode()),
-    ]
-
-
-def denial_error(denial: Denial, model: str, anthropic: bool, headers: Headers) -> ApiError:
-    """The 429, worded as OpenAI words it; a spent budget is `insufficient_quota` with
-    x-should-retry: false and no Retry-After, so the official SDKs stop retrying."""
-    error_type = AnthropicApiError if anthropic else ApiError
-    scope = "this API key" if denial.scope == Scope.KEY else "this tenant"
-    if denial.kind == LimitKind.BUDGET:
-        message = (
-            "You exceeded your current quota, please check your plan and billing details. "
-            f"The spend budget of {scope} is used up."
-        )
-        return error_type(
-            429,
-            message,
-            type="rate_limit_error" if anthropic else "insufficient_quota",
-            code="insufficient_quota",
-            headers=[*headers, (b"x-should-retry", b"false")],
-        )
-    what = f"{model or 'requests'} on {_NAMES[denial.kind]} of {scope}"
-    retry = denial.retry_after_s
-    if denial.kind == LimitKind.CONCURRENCY and retry is not None:
-        retry = min(retry, CONCURRENCY_RETRY_S)
-    extra: Headers = [(b"x-should-retry", b"false")]
-    if retry is None and denial.limit == 0:
-        # Set to 0, or a limit smaller than the processes it is split between.
-        message = (
-            f"Rate limit reached for {what}: Limit 0, Requested {denial.requested}. This "
-            "limit admits nothing here; ask the operator to raise it."
-        )
-    elif retry is None:
-        message = (
-            f"Request too large for {what}: Limit {denial.limit}, Requested "
-            f"{denial.requested}. The input or output tokens must be reduced in order to "
-            "run successfully."
-        )
-    else:
-        message = (
-            f"Rate limit reached for {what}: Limit {denial.limit}, Used {denial.used}, "
-            f"Requested {denial.requested}. Please try again in {go_duration(retry)}."
-        )
-        ms = max(math.ceil(retry * 1000 - 1e-6), 1)
-        extra = [
-            (b"retry-after", str(math.ceil(ms / 1000)).encode()),
-            (b"retry-after-ms", str(ms).encode()),
-        ]
-    return error_type(
-        429,
-        message,
-        type="rate_limit_error"
-        if anthropic
-        else (
-            "tokens"
-            if denial.kind in _ANTHROPIC_KINDS and denial.kind != LimitKind.REQUESTS
-            else "requests"
-        ),
-        code="rate_limit_exceeded",
-        headers=[*headers, *extra],
-    )

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,18 +33,20 @@ from typing import Final
 from saltgate.config import QueueConfig
 from saltgate.gateway.metrics import Metrics, duration_buckets
 from saltgate.gateway.replicas import Attempt, ReplicaSet, replica_label
+from saltgate.governance.answers import overloaded
 from saltgate.governance.fairness import (
     FALLBACK_STEP_TOKENS,
     MIN_STEP_TOKENS,
     FairQueue,
     SaturationGate,
     Waiter,
+    placeable,
 )
 from saltgate.governance.kinds import band_of
-from saltgate.governance.limits import BYTES_PER_TOKEN, fair_weight
+from saltgate.governance.limits import fair_weight
 from saltgate.http import Client
-from saltgate.policy.errors import AnthropicApiError, ApiError
-from saltgate.routing import Plan, ReplicaId, ReplicaState, Router
+from saltgate.policy.errors import ApiError
+from saltgate.routing import Plan, ReplicaId, Router
 from saltgate.store.tenants import Principal
 
 log = logging.getLogger(__name__)
@@ -62,23 +63,6 @@ class _Entry:
     plan: Plan
     future: asyncio.Future[Attempt | int | None]
     since: float
-
-
-def overloaded(anthropic: bool, retry_after_s: float) -> ApiError:
-    """The answer to a request that waited `max_queue_s` for a replica."""
-    headers = [(b"retry-after", str(max(math.ceil(retry_after_s), 1)).encode())]
-    if anthropic:
-        return AnthropicApiError(
-            529, "Overloaded: no replica could take the request in time; retry it shortly.",
-            type="overloaded_error", headers=headers,
-        )  # fmt: skip
-    return ApiError(
-        503,
-        "The replicas are saturated and the request waited too long for one; retry shortly.",
-        type="service_unavailable",
-        code="overloaded",
-        headers=headers,
-    )
 
 
 class FairShare:
@@ -135,9 +119,9 @@ class FairShare:
             usable = self.replicas.router.usable(plan.model, now)
             if not usable:
                 return None
-            full = self._full(usable, plan)
-            if len(full) < len(usable):
-                attempt = self.replicas.acquire(plan, full, usable)
+            free = placeable(self.gate, usable, plan)
+            if free:
+                attempt = self.replicas.acquire(plan, (), free)
                 if attempt is not None:
                     self.queue.serve_now(
                         principal.tenant_id, cost, band=band, locality=plan.key, weight=weight
@@ -271,10 +255,12 @@ class FairShare:
                 return True
             plan = entry.plan
             usable = router.usable(plan.model, now)
-            full = self._full(usable, plan)
-            if usable and len(full) == len(usable):
-                continue  # its turn waits for one of its replicas
-            attempt = self.replicas.acquire(plan, full, usable) if usable else None
+            attempt = None  # no replica serves it at all
+            if usable:
+                free = placeable(self.gate, usable, plan)
+                if not free:
+                    continue  # its turn waits for one of its replicas
+                attempt = self.replicas.acquire(plan, (), free)
             queue.pop(waiter)
             if attempt is None:  # no replica serves it at all: 503, and nothing served
                 queue.correct(waiter.tenant, waiter.cost, 0.0)
@@ -283,20 +269,6 @@ class FairShare:
             self._charged()
             return True
         return False
-
-    def _full(self, usable: list[ReplicaState], plan: Plan) -> list[ReplicaId]:
-        """The replicas among ``usable`` that the gate holds back for ``plan``."""
-        gate = self.gate
-        return [
-            s.id
-            for s in usable
-            if gate.saturated(
-                s.id,
-                s.all_inflight,
-                (s.prefill_at_most + s.remote_prefill) / BYTES_PER_TOKEN,
-                plan.uncached_at_most(s.id) / BYTES_PER_TOKEN,
-            )
-        ]
 
     def _arm(self) -> None:
         if self._timer is None:
