@@ -291,12 +291,12 @@ def test_an_idle_queue_takes_service_from_elsewhere_at_face_value() -> None:
 
 def test_take_charged_hands_out_what_was_charged_here_once() -> None:
     """What the bus publishes: the counter moves made here (weighted, corrections
-    included), not what came from elsewhere; nothing is kept before a bus is linked."""
-    q: FairQueue[None] = FairQueue(quantum_tokens=0)
-    q.push(None, "a", 100, deadline=FAR)
-    assert q.pop() is not None
-    assert q.take_charged() == {}  # no bus linked: nothing was kept
-    q.keep_charged()
+    included), not what came from elsewhere; nothing is kept without a bus."""
+    alone: FairQueue[None] = FairQueue(quantum_tokens=0)
+    alone.push(None, "a", 100, deadline=FAR)
+    assert alone.pop() is not None
+    assert alone.take_charged() == {}  # no bus: nothing was kept
+    q: FairQueue[None] = FairQueue(quantum_tokens=0, keep_charged=True)
     q.push(None, "a", 100, deadline=FAR, weight=4.0)
     q.push(None, "b", 10, deadline=FAR)
     assert q.pop() is not None and q.pop() is not None
@@ -552,10 +552,8 @@ def test_serve_now_is_push_then_pop_on_an_empty_queue(
     queue exactly as the request queued and released at once would: same counters, lift,
     floors, turn and weights, same service handed to the bus, so every later release is
     the same; with a request waiting it changes nothing and the request must queue."""
-    fast: FairQueue[int] = FairQueue(quantum_tokens=quantum, fifo=fifo)
-    slow: FairQueue[int] = FairQueue(quantum_tokens=quantum, fifo=fifo)
-    fast.keep_charged()
-    slow.keep_charged()
+    fast: FairQueue[int] = FairQueue(quantum_tokens=quantum, fifo=fifo, keep_charged=True)
+    slow: FairQueue[int] = FairQueue(quantum_tokens=quantum, fifo=fifo, keep_charged=True)
     charged: dict[str, float] = {}  # the estimate each tenant's last release charged
     for i, (served_now, step) in enumerate(script):
         if step[0] == "arrive":

@@ -95,6 +95,27 @@ class Admission:
         self.prices = prices
         self.share = share
         self.shared = shared
+        if isinstance(shared, HostLimits):
+            log.info(
+                "limits shared by this host's workers through the supervisor; while it "
+                "does not answer this worker enforces 1/%d of every limit (docs/limits.md)",
+                share,
+            )
+        elif shared is not None:
+            log.info(
+                "limits shared by the fleet through [cluster]'s Redis; while it is "
+                "unreachable each process enforces 1/%d of every limit (docs/limits.md)",
+                share,
+            )
+        elif share > 1:
+            log.warning(
+                "limits are not shared between this gateway's %d processes "
+                "([limits] share x --workers): each enforces 1/%d of every tenant's and "
+                "key's limit (rounded down), so together they never exceed it "
+                "(docs/limits.md)",
+                share,
+                share,
+            )
         self.shared_up = shared is not None
         self._retry_shared_at = 0.0
         self._settling: set[asyncio.Task[None]] = set()

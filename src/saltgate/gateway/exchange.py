@@ -306,7 +306,7 @@ class Exchange:
         try:
             while True:
                 attempt = self._attempt = (
-                    await self._queued(fair, plan, len(payload))
+                    await self._queued(fair, replicas, plan, len(payload))
                     if fair is not None and not tried
                     else replicas.acquire(plan, tried)
                 )
@@ -349,13 +349,20 @@ class Exchange:
         await self._end(NOT_SERVED)
         raise cancelled
 
-    async def _queued(self, fair: FairShare, plan: Plan, body_bytes: int) -> Attempt | None:
+    async def _queued(
+        self, fair: FairShare, replicas: ReplicaSet, plan: Plan, body_bytes: int
+    ) -> Attempt | None:
         """The first attempt, in its turn in the fair queue; the 503 / 529 (settled) when
         it waited too long, the end of it when its client left."""
         cost = float(prompt_estimate(body_bytes))
         route = self._context.route
         acquired = await fair.acquire(
-            self._principal, plan, self._client, cost, route in ANTHROPIC_ROUTES
+            replicas,
+            self._principal,
+            plan,
+            self._client,
+            cost=cost,
+            anthropic=route in ANTHROPIC_ROUTES,
         )
         if isinstance(acquired, ApiError):
             self._settle(None, None)
@@ -451,7 +458,7 @@ class Exchange:
         `forward`'s first attempt; None: no replica."""
         fair = self._fair
         if fair is not None and not avoid:
-            attempt = await self._queued(fair, plan, body_bytes)
+            attempt = await self._queued(fair, replicas, plan, body_bytes)
         else:
             attempt = replicas.acquire(plan, avoid)
         self._attempt = attempt

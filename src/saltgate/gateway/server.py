@@ -26,13 +26,13 @@ from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog
-from saltgate.gateway.admission import Admission, AnyTicket, Engine
+from saltgate.gateway.admission import Admission, AnyTicket
 from saltgate.gateway.canary import IsolationCanary
+from saltgate.gateway.cluster import ClusterBus
 from saltgate.gateway.context import RequestContext, Tracer
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
 from saltgate.gateway.fairshare import FairShare
-from saltgate.gateway.host_limits import HostLimits
 from saltgate.gateway.media import MediaFetcher
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
@@ -60,7 +60,7 @@ from saltgate.policy.request import (
     prepare,
     resolve_route,
 )
-from saltgate.prices import PriceVersion, price_versions
+from saltgate.prices import PriceVersion
 from saltgate.routing import Plan, ReplicaId
 from saltgate.store.errors import StoreUnavailableError
 from saltgate.store.ledger import UsageLedger
@@ -107,64 +107,35 @@ class Gateway:
         keys: KeySource,
         ledger: UsageLedger,
         replicas: ReplicaSet,
-        metrics: Metrics | None = None,
+        metrics: Metrics,
         access_log: AccessLog | None = None,
         store_down_for: Callable[[], float] | None = None,
         tracer: Tracer | None = None,
-        limit_share: int = 1,
-        shared_limits: Engine | None = None,
+        meter: Meter,
+        admission: Admission,
+        fair: FairShare | None = None,
+        cluster: ClusterBus | None = None,
         usage: UsageReader | None = None,
     ) -> None:
+        """The parts are built and wired by serving/run.py (`open_gateway`): ``meter``
+        and ``admission`` (limits) always, ``fair`` the fair queue ([queue]; None: off),
+        ``cluster`` the bus ([cluster], started by start_gateway; None: none), both
+        listeners of ``replicas``."""
         self.config = config
         self.usage = usage  # GET /v1/usage reads the rollups through it
         self.subkeys = subkeys
         self.keys = keys
         self.ledger = ledger
         self.replicas = replicas
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics
         # The config's prices, and the store's over them (Gateway._reprice) once the key
         # source has read them: a price set through the store bills the next request.
-        self._config_prices = price_versions(config.prices)
+        self._config_prices = dict(meter.prices)
         self._store_prices: Mapping[str, PriceVersion] | None = None
-        self.meter = Meter(
-            ledger,
-            self.metrics,
-            self._config_prices,
-            timeout_s=config.upstream_timeout_s,
-        )
-        self.admission = Admission(
-            dict(self.meter.prices),
-            share=limit_share,
-            shared=shared_limits,
-            lease_ttl_s=config.limits_lease_ttl_s,
-            metrics=self.metrics,
-            spend=usage,
-        )
-        if isinstance(shared_limits, HostLimits):
-            log.info(
-                "limits shared by this host's workers through the supervisor; while it "
-                "does not answer this worker enforces 1/%d of every limit (docs/limits.md)",
-                limit_share,
-            )
-        elif shared_limits is not None:
-            log.info(
-                "limits shared by the fleet through [cluster]'s Redis; while it is "
-                "unreachable each process enforces 1/%d of every limit (docs/limits.md)",
-                limit_share,
-            )
-        elif limit_share > 1:
-            log.warning(
-                "limits are not shared between this gateway's %d processes "
-                "([limits] share x --workers): each enforces 1/%d of every tenant's and "
-                "key's limit (rounded down), so together they never exceed it "
-                "(docs/limits.md)",
-                limit_share,
-                limit_share,
-            )
-        # [queue]: the saturation gate and the fair queue (docs/fairness.md); None: off.
-        self.fair = (
-            FairShare(config.queue, replicas, self.metrics) if config.queue.enabled else None
-        )
+        self.meter = meter
+        self.admission = admission
+        self.fair = fair
+        self.cluster = cluster
         # [canary]: the isolation canary (gateway/canary.py), started by serving/run.py.
         self.canary = (
             IsolationCanary(config.canary, replicas, self.metrics)
@@ -253,7 +224,7 @@ class Gateway:
         for the next start. Returns the added replicas' first probes (`ReplicaSet.reload`)."""
         probes = self.replicas.reload(config.replicas)
         if self.fair is not None:
-            self.fair.forget([r.id for r in self.replicas.replicas])
+            self.fair.forget(self.replicas)
         self.config = dataclasses.replace(self.config, replicas=config.replicas)
         return probes
 

@@ -117,7 +117,10 @@ class FairQueue(Generic[T]):
         *,
         quantum_tokens: float = 4096.0,
         fifo: bool = False,
+        keep_charged: bool = False,
     ) -> None:
+        """``keep_charged``: keep what is charged here for `take_charged` (a cluster bus
+        tells the other gateways; without one nothing is kept)."""
         if quantum_tokens < 0:
             raise ValueError("quantum_tokens must be >= 0")
         self.quantum = float(quantum_tokens)
@@ -125,7 +128,7 @@ class FairQueue(Generic[T]):
         self.counters: dict[str, float] = {}  # the tenants' VTC, weighted
         self.weights: dict[str, float] = {}  # as the tenants' last requests gave them; else 1
         # Charged here since the last `take_charged`; None: not kept (no bus to tell).
-        self._charged: dict[str, float] | None = None
+        self._charged: dict[str, float] | None = {} if keep_charged else None
         self._bands = {band: _Band() for band in BANDS}
         self._deadlines: list[tuple[float, int, Waiter[T]]] = []
         self._seq = itertools.count()
@@ -350,12 +353,6 @@ class FairQueue(Generic[T]):
         of the estimate ``charged`` at release."""
         if tenant in self.counters:
             self._charge(tenant, (used - charged) / self._weight(tenant))
-
-    def keep_charged(self) -> None:
-        """From now on keep what is charged here for `take_charged` (a bus is linked;
-        without one nothing is kept)."""
-        if self._charged is None:
-            self._charged = {}
 
     def take_charged(self) -> dict[str, float]:
         """What this queue charged each tenant (weighted, as its counter moved) since the
