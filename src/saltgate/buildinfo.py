@@ -48,6 +48,7 @@ COMPILED_MODULES: Final = (
     "saltgate.gateway.ehbp",
     "saltgate.gateway.exchange",
     "saltgate.gateway.fairshare",
+    "saltgate.gateway.governor",
     "saltgate.gateway.metrics",
     "saltgate.gateway.replicas",
     "saltgate.gateway.server",

@@ -40,7 +40,7 @@ def completion(prompt: str, max_tokens: int = 5) -> dict[str, Any]:
 
 
 def fair(s: Stack) -> FairShare:
-    share = s.gateway.gateway.fair
+    share = s.gateway.gateway.governance.fair
     assert share is not None, "[queue] enabled"
     return share
 
@@ -124,7 +124,7 @@ def test_without_the_queue_nothing_changes(tmp_path: Path) -> None:
             s.client("alice") as c,
         ):
             gateway = s.gateway.gateway
-            assert gateway.fair is None
+            assert gateway.governance.fair is None
             assert gateway.replicas.listeners == ()
             peak = await overload(s, c, 36)
             assert max(peak) > 8, peak

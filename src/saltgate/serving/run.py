@@ -27,6 +27,7 @@ from saltgate.gateway.cluster import ClusterBus
 from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key, load_retired_keys
 from saltgate.gateway.exchange import Meter
 from saltgate.gateway.fairshare import FairShare, fair_queue
+from saltgate.gateway.governor import Governance
 from saltgate.gateway.host_limits import HostLimits
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet, tls_context
@@ -220,8 +221,7 @@ async def open_gateway(
         store_down_for=store.unreachable_for,
         tracer=tracer,
         meter=meter,
-        admission=admission,
-        fair=fair,
+        governance=Governance(admission, fair),
         cluster=cluster,
         usage=usage,
     )
