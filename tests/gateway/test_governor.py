@@ -16,6 +16,7 @@ from saltgate.gateway.governor import Governance
 from saltgate.gateway.usage import Usage
 from saltgate.governance.limits import Limits
 from saltgate.policy.errors import ApiError
+from saltgate.prices import PriceBook
 from saltgate.store.tenants import Principal
 
 pytestmark = pytest.mark.unit
@@ -27,7 +28,7 @@ def principal(limits: Limits | None) -> Principal:
 
 def test_no_limits_and_no_queue_means_no_pass() -> None:
     async def main() -> None:
-        governance = Governance(Admission({}), None)
+        governance = Governance(Admission(PriceBook()), None)
         assert await governance.enter(principal(None), ROUTE_CHAT, "m", 100, None) is None
         weight_only = principal(Limits(weight=2.0))
         assert await governance.enter(weight_only, ROUTE_CHAT, "m", 100, None) is None
@@ -37,7 +38,7 @@ def test_no_limits_and_no_queue_means_no_pass() -> None:
 
 def test_a_pass_holds_its_lease_until_it_settles_and_settles_once() -> None:
     async def main() -> None:
-        admission = Admission({})
+        admission = Admission(PriceBook())
         governance = Governance(admission, None)
         alice = principal(Limits(concurrency=1, output_tpm=3000))
         first = await governance.enter(alice, ROUTE_CHAT, "m", 100, 1000)

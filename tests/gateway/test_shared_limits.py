@@ -23,6 +23,7 @@ from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
 from saltgate.governance.kinds import LimitKind, Scope, Subject
 from saltgate.governance.limits import Demand, Limits
 from saltgate.policy.errors import ApiError
+from saltgate.prices import PriceBook
 from saltgate.sim.run import SimConfig, start_sim
 from saltgate.store.tenants import Principal, TenantStore
 from saltgate_devkit.services import RedisServer
@@ -277,7 +278,7 @@ def test_a_redis_admission_is_settled_in_the_local_share_too(redis_server: Redis
             "tn_1", "acme", "key_1", 0, limits=Limits(output_tpm=1000, concurrency=2)
         )
         async with engines(redis_server, 1) as (engine,):
-            admission = Admission({}, share=2, shared=engine)
+            admission = Admission(PriceBook(), share=2, shared=engine)
             ticket, _ = await admission.admit(principal, ROUTE_CHAT, MODEL, 40, 400)
             assert isinstance(ticket, SharedTicket) and ticket.local is not None
             redis_server.stop()

@@ -33,7 +33,7 @@ from saltgate.governance.limits import (
     Ticket,
 )
 from saltgate.http import Headers
-from saltgate.prices import PriceVersion
+from saltgate.prices import PriceBook
 from saltgate.store.tenants import Principal
 from saltgate.store.usage_rollups import UsageReader, read_buckets
 
@@ -67,7 +67,7 @@ class Admission:
 
     def __init__(
         self,
-        prices: dict[str, PriceVersion],
+        prices: PriceBook,
         *,
         share: int = 1,
         shared: Engine | None = None,
@@ -128,7 +128,7 @@ class Admission:
         Returns the ticket to settle and the headers for the answer."""
         if self.spend is not None:
             await self._start_budgets(principal)
-        demand = reservation(self.prices.get(model), route, body_bytes, max_tokens)
+        demand = reservation(self.prices.by_model.get(model), route, body_bytes, max_tokens)
         anthropic = route.startswith("/v1/messages")
         ticket: AnyTicket | None = None
         denial: Denial | None = None

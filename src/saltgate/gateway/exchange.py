@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 from saltgate.derivations.derive import ROUTE_RESPONSES
@@ -47,7 +47,7 @@ from saltgate.policy.errors import ApiError, gateway_stopping, stream_error_even
 from saltgate.policy.fields import scrub_answer, scrub_events
 from saltgate.policy.headers import scrub_response_headers
 from saltgate.policy.request import GENERATION_ROUTES
-from saltgate.prices import PriceVersion
+from saltgate.prices import PriceBook
 from saltgate.routing import Plan, ReplicaId
 from saltgate.store.ledger import UsageLedger, UsageRecord
 from saltgate.store.tenants import Principal
@@ -108,13 +108,13 @@ class Meter:
         self,
         ledger: UsageLedger,
         metrics: Metrics,
-        prices: Mapping[str, PriceVersion] | None = None,
+        prices: PriceBook | None = None,
         *,
         timeout_s: float = 600.0,
     ) -> None:
         self.ledger = ledger
         self.metrics = metrics
-        self.prices: Mapping[str, PriceVersion] = prices or {}
+        self.prices = prices or PriceBook()
         # Exchanges a replica is answering now: the drain cuts those still open at its end.
         self.answering: set[Exchange] = set()
         self._unreported: dict[str, Labels] = {}  # replica label -> its labels, once warned
@@ -149,7 +149,7 @@ class Meter:
     def model_label(self, model: str, attempt: Attempt | None) -> str:
         """`model` if the gateway knows it (it has a price, or the replica that answered
         serves it), else "other": a client cannot add series by inventing model names."""
-        if model in self.prices:
+        if model in self.prices.by_model:
             return model
         if attempt is not None and model in (attempt.replica.served or ()):
             return model
@@ -533,7 +533,7 @@ class Exchange:
             and context.route in GENERATION_ROUTES  # pooling answers never carry them
         ):
             meter.cached_unreported(self._attempt.replica.label)
-        price = meter.prices.get(context.model)
+        price = meter.prices.by_model.get(context.model)
         record = UsageRecord(
             request_id=context.request_id,  # this exchange's one record, however often committed
             ts=time.time(),

@@ -11,8 +11,6 @@ fast path costs nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from saltgate.gateway.admission import Admission, AnyTicket
 from saltgate.gateway.fairshare import FairShare
 from saltgate.gateway.replicas import Attempt, ReplicaSet
@@ -22,7 +20,6 @@ from saltgate.governance.limits import prompt_estimate
 from saltgate.http import Client, Headers
 from saltgate.policy.errors import ApiError
 from saltgate.policy.request import ANTHROPIC_ROUTES
-from saltgate.prices import PriceVersion
 from saltgate.routing import Plan
 from saltgate.store.tenants import Principal
 
@@ -128,10 +125,6 @@ class Governance:
         return Pass(
             principal, route, admission=admission, ticket=ticket, headers=headers, fair=fair
         )
-
-    def reprice(self, prices: Mapping[str, PriceVersion]) -> None:
-        """Reserve at these prices from now on (the meter bills with the same)."""
-        self.admission.prices = dict(prices)
 
     def forget(self, replicas: ReplicaSet) -> None:
         """The replica set was reloaded: the gate forgets the replicas it no longer has."""

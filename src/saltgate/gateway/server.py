@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -59,7 +59,6 @@ from saltgate.policy.request import (
     prepare,
     resolve_route,
 )
-from saltgate.prices import PriceVersion
 from saltgate.routing import Plan, ReplicaId
 from saltgate.store.errors import StoreUnavailableError
 from saltgate.store.ledger import UsageLedger
@@ -128,10 +127,6 @@ class Gateway:
         self.ledger = ledger
         self.replicas = replicas
         self.metrics = metrics
-        # The config's prices, and the store's over them (Gateway._reprice) once the key
-        # source has read them: a price set through the store bills the next request.
-        self._config_prices = dict(meter.prices)
-        self._store_prices: Mapping[str, PriceVersion] | None = None
         self.meter = meter
         self.governance = governance
         self.cluster = cluster
@@ -522,15 +517,4 @@ class Gateway:
                 type="authentication_error",
                 code="invalid_api_key",
             )
-        if self.keys.prices is not self._store_prices:
-            self._reprice(self.keys.prices)
         return principal
-
-    def _reprice(self, stored: Mapping[str, PriceVersion]) -> None:
-        """Bill with the store's prices over the config's, as of the key snapshot just
-        used (it reloads them with the keys, within a second of a change: docs/billing.md).
-        A record takes its price when it is recorded, so one in flight may bill either."""
-        self._store_prices = stored
-        prices = {**self._config_prices, **stored}
-        self.meter.prices = prices
-        self.governance.reprice(prices)

@@ -38,7 +38,7 @@ from saltgate.governance.limits import enforcement
 from saltgate.http import Handler, HttpServer
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
-from saltgate.prices import price_versions
+from saltgate.prices import PriceBook, price_versions
 from saltgate.routing import Router
 from saltgate.runtime import listen_error, run_service, until_stopped
 from saltgate.serving import event_log
@@ -161,11 +161,15 @@ async def open_gateway(
     subkeys = derive_subkeys(master_key)
     router = Router(config.router, subkeys.route)
     # Under load, let one commit carry the records of requests about to finish.
+    # The prices requests are reserved and billed at: the config's, the store's over them
+    # as the key snapshot reloads them.
+    book = PriceBook(price_versions(config.prices))
     store = await open_gateway_store(
         config.store_settings,
         busy=router.busy,
         outage_grace_s=config.store_outage_grace_s,
         prices=price_versions(config.prices).values(),
+        book=book,
     )
     metrics = Metrics()
     store.register_gauges(metrics.gauge)
@@ -194,12 +198,10 @@ async def open_gateway(
     replicas = ReplicaSet(
         config.replicas, timeout=config.upstream_timeout_s, router=router, listeners=listeners
     )
-    meter = Meter(
-        store.ledger, metrics, price_versions(config.prices), timeout_s=config.upstream_timeout_s
-    )
+    meter = Meter(store.ledger, metrics, book, timeout_s=config.upstream_timeout_s)
     usage = open_usage_reader(config.store_settings)
     admission = Admission(
-        dict(meter.prices),
+        book,
         share=config.limits_share * workers,
         shared=connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s)
         if config.cluster is not None

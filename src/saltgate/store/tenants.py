@@ -36,7 +36,7 @@ from typing import Protocol
 
 from saltgate.governance.kinds import BANDS, DEFAULT_BAND
 from saltgate.governance.limits import KEY_WEIGHT_REFUSED, Limits
-from saltgate.prices import MODEL_NAME, PriceVersion
+from saltgate.prices import MODEL_NAME, PriceBook, PriceVersion
 from saltgate.store import audit
 from saltgate.store.audit import Actor
 from saltgate.store.db import Database
@@ -650,9 +650,17 @@ class KeyIndex:
     from `authenticate`, or whenever `refresh_if_changed` is called). Use from one thread.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, max_staleness: float | None = 0.5) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_staleness: float | None = 0.5,
+        book: PriceBook | None = None,
+    ) -> None:
+        """``book``: handed the store's prices at every reload (the gateway's PriceBook)."""
         self.path = Path(path)
         self.max_staleness = max_staleness
+        self._book = book
         self._conn = open_db(self.path)
         self._keys = KeySnapshot()
         self._data_version = -1
@@ -729,5 +737,7 @@ class KeyIndex:
         finally:
             self._conn.execute("COMMIT")
         self._keys = KeySnapshot(rows, prices)
+        if self._book is not None:
+            self._book.stored(prices)
         self._generation = generation
         self.reloads += 1
