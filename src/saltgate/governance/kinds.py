@@ -55,10 +55,13 @@ BANDS: Final = tuple(Band)  # released strictly in this order
 DEFAULT_BAND: Final = Band.INTERACTIVE
 
 
+_BY_NAME: Final = {band.value: band for band in Band}
+
+
 def band_of(priority: str) -> Band:
     """The band a key's stored priority names; anything unknown is interactive (the
-    store's CHECK admits only the two)."""
-    return Band.BATCH if priority == Band.BATCH else Band.INTERACTIVE
+    store's CHECK admits only the two). A dict lookup: it runs for every queued request."""
+    return _BY_NAME.get(priority, DEFAULT_BAND)
 
 
 class Scope(StrEnum):
