@@ -53,6 +53,7 @@ COMPILED_MODULES: Final = (
     "saltgate.gateway.replicas",
     "saltgate.gateway.server",
     "saltgate.gateway.usage",
+    "saltgate.governance.fairness",
     "saltgate.http.client",
     "saltgate.http.server",
     "saltgate.policy.errors",

@@ -1,24 +1,25 @@
 """The saturation gate and the fair queue in the request's lifecycle ([queue], docs/fairness.md).
 
 The decisions are saltgate.governance.fairness' (pure); this module holds the process's
-queue and gate, reads the clock, and is driven by the exchange and the replica set:
+queue and gate, reads the clock, and is driven by the request's pass (gateway/governor.py)
+and the replica set, whose listener it is (`ReplicaListener`, given when both are built in
+serving/run.py `open_gateway`):
 
-- `acquire` (the exchange's first attempt): the request joins its tenant's queue in its
+- `acquire` (the pass's first attempt): the request joins its tenant's queue in its
   key's priority band, and gets a replica once one of its replicas is below the gate and
   it is next in fair order; with nothing queued and a replica free that is at once,
   without joining the queue (`FairQueue.serve_now`: charged as a release would).
 - `release` runs whenever a place may have freed: a request left a replica or its
-  prompt is prefilled (its first output; `ReplicaSet.on_free`), a probe showed a
-  replica's queue (`ReplicaSet.on_queue`, which also teaches the gate the replica's
-  capacity). It hands replicas out while a request has one below the gate, the first
-  such in fair order (one held back does not hold up the other tenants'); the attempt
-  is taken here, so two releases never count on the same place.
+  prompt is prefilled (its first output; `freed`), a probe showed a replica's queue
+  (`queue_seen`, which also teaches the gate the replica's capacity). It hands replicas out while a request has one below the gate, the first
+  such in fair order (one held back does not hold up the other tenants'; which replicas
+  may take it is `governance.fairness.placeable`'s); the attempt is taken here, so two releases never count on the same place.
 - A request still waiting after `max_queue_s` gets 503 (OpenAI routes) or 529
-  `overloaded_error` (Anthropic), with Retry-After; one whose client leaves is out of the
+  `overloaded_error` (Anthropic), with Retry-After (`governance.answers.overloaded`); one whose client leaves is out of the
   queue at once (`Client.on_gone`, or its task cancelled with on_client_gone = "abort").
-- `done`: when the request ends, its tenant is charged what the replica metered.
+- `done` (the pass's settlement): its tenant is charged what the replica metered.
 - With [cluster], the bus publishes what the queue charged and adds the other gateways'
-  service to its counters (gateway/cluster.py): `on_charge` wakes it.
+  service to its counters (gateway/cluster.py): the `on_charge` it was built with wakes it.
 """
 
 from __future__ import annotations
