@@ -11,12 +11,15 @@ serving/run.py `open_gateway`):
   without joining the queue (`FairQueue.serve_now`: charged as a release would).
 - `release` runs whenever a place may have freed: a request left a replica or its
   prompt is prefilled (its first output; `freed`), a probe showed a replica's queue
-  (`queue_seen`, which also teaches the gate the replica's capacity). It hands replicas out while a request has one below the gate, the first
-  such in fair order (one held back does not hold up the other tenants'; which replicas
-  may take it is `governance.fairness.placeable`'s); the attempt is taken here, so two releases never count on the same place.
+  (`queue_seen`, which also teaches the gate the replica's capacity). It hands replicas
+  out while a request has one below the gate, the first such in fair order (one held
+  back does not hold up the other tenants'; which replicas may take it is
+  `governance.fairness.placeable`'s); the attempt is taken here, so two releases never
+  count on the same place.
 - A request still waiting after `max_queue_s` gets 503 (OpenAI routes) or 529
-  `overloaded_error` (Anthropic), with Retry-After (`governance.answers.overloaded`); one whose client leaves is out of the
-  queue at once (`Client.on_gone`, or its task cancelled with on_client_gone = "abort").
+  `overloaded_error` (Anthropic), with Retry-After (`governance.answers.overloaded`);
+  one whose client leaves is out of the queue at once (`Client.on_gone`, or its task
+  cancelled with on_client_gone = "abort").
 - `done` (the pass's settlement): its tenant is charged what the replica metered.
 - With [cluster], the bus publishes what the queue charged and adds the other gateways'
   service to its counters (gateway/cluster.py): the `on_charge` it was built with wakes it.
