@@ -50,7 +50,7 @@ def service(input_tokens: int, output_tokens: int) -> float:
     return input_tokens + OUTPUT_WEIGHT * output_tokens
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(eq=False)  # no slots=True: mypyc refuses it on a Generic class
 class Waiter(Generic[T]):
     """One request waiting for a replica. ``cost``: its service charged when released
     (the shell's estimate); ``locality``: its route key (None: it shares nothing);
