@@ -50,20 +50,33 @@ def service(input_tokens: int, output_tokens: int) -> float:
     return input_tokens + OUTPUT_WEIGHT * output_tokens
 
 
-@dataclass(eq=False)  # no slots=True: mypyc refuses it on a Generic class
 class Waiter(Generic[T]):
     """One request waiting for a replica. ``cost``: its service charged when released
     (the shell's estimate); ``locality``: its route key (None: it shares nothing);
-    ``item``: what the shell needs to hand it its replica."""
+    ``item``: what the shell needs to hand it its replica. (A plain class: compiled, a
+    Generic dataclass fails at import.)"""
 
-    item: T
-    tenant: str
-    band: Band
-    cost: float
-    locality: bytes | None
-    deadline: float
-    seq: int = 0
-    waiting: bool = True  # False once released, removed or expired
+    __slots__ = ("band", "cost", "deadline", "item", "locality", "seq", "tenant", "waiting")
+
+    def __init__(
+        self,
+        item: T,
+        tenant: str,
+        *,
+        band: Band,
+        cost: float,
+        locality: bytes | None,
+        deadline: float,
+        seq: int = 0,
+    ) -> None:
+        self.item = item
+        self.tenant = tenant
+        self.band = band
+        self.cost = cost
+        self.locality = locality
+        self.deadline = deadline
+        self.seq = seq
+        self.waiting = True  # False once released, removed or expired
 
 
 @dataclass(slots=True)
@@ -172,7 +185,9 @@ class FairQueue(Generic[T]):
         else:
             self.weights[tenant] = weight
         seq = next(self._seq)
-        waiter = Waiter(item, tenant, band, cost, locality, deadline, seq)
+        waiter = Waiter(
+            item, tenant, band=band, cost=cost, locality=locality, deadline=deadline, seq=seq
+        )
         t = b.tenants.get(tenant)
         if t is None:
             counter = self.counters.get(tenant, 0.0)
