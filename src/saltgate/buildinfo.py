@@ -53,7 +53,7 @@ COMPILED_MODULES: Final = (
     "saltgate.gateway.replicas",
     "saltgate.gateway.server",
     "saltgate.gateway.usage",
-    "saltgate.governance.fairness",
+    "saltgate.governance.placement",
     "saltgate.http.client",
     "saltgate.http.server",
     "saltgate.policy.errors",

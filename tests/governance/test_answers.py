@@ -21,9 +21,10 @@ from saltgate.governance.answers import (
     reservation,
     rfc3339,
 )
-from saltgate.governance.fairness import SaturationGate, placeable
+from saltgate.governance.fairness import SaturationGate
 from saltgate.governance.kinds import LimitKind, Scope
 from saltgate.governance.limits import DEFAULT_OUTPUT_ALLOWANCE, Demand, Denial, Quota
+from saltgate.governance.placement import placeable
 from saltgate.prices import PriceVersion
 from saltgate.routing import Plan, ReplicaId, Router, RouterConfig
 from saltgate.routing.rendezvous import Member

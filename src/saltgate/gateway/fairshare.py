@@ -14,7 +14,7 @@ serving/run.py `open_gateway`):
   (`queue_seen`, which also teaches the gate the replica's capacity). It hands replicas
   out while a request has one below the gate, the first such in fair order (one held
   back does not hold up the other tenants'; which replicas may take it is
-  `governance.fairness.placeable`'s); the attempt is taken here, so two releases never
+  `governance.placement.placeable`'s); the attempt is taken here, so two releases never
   count on the same place.
 - A request still waiting after `max_queue_s` gets 503 (OpenAI routes) or 529
   `overloaded_error` (Anthropic), with Retry-After (`governance.answers.overloaded`);
@@ -44,10 +44,10 @@ from saltgate.governance.fairness import (
     FairQueue,
     SaturationGate,
     Waiter,
-    placeable,
 )
 from saltgate.governance.kinds import band_of
 from saltgate.governance.limits import fair_weight
+from saltgate.governance.placement import placeable
 from saltgate.http import Client
 from saltgate.policy.errors import ApiError
 from saltgate.routing import Plan, ReplicaId

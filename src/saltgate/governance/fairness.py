@@ -32,13 +32,13 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
 from saltgate.governance.kinds import BANDS, Band
-from saltgate.governance.limits import BYTES_PER_TOKEN, sane_weight
-from saltgate.routing import Plan, ReplicaId, ReplicaState
+from saltgate.governance.limits import sane_weight
+from saltgate.routing import ReplicaId
 
 T = TypeVar("T")
 
@@ -569,23 +569,3 @@ class SaturationGate:
             del self._capacity[replica]
         for replica in [r for r in self._step if r not in kept]:
             del self._step[replica]
-
-
-def placeable(
-    gate: SaturationGate, usable: Sequence[ReplicaState], plan: Plan
-) -> list[ReplicaState]:
-    """The replicas among ``usable`` (the router's, for the plan's model) that the gate
-    lets take the request now, in their order: the router picks among them. Empty while
-    every one is held back, so the request waits for its turn. Each replica's load is
-    every gateway's: its requests in flight, and its prompt bytes not yet prefilled (at
-    most, cluster-wide) and the request's own uncached ones, both as tokens."""
-    return [
-        s
-        for s in usable
-        if not gate.saturated(
-            s.id,
-            s.all_inflight,
-            (s.prefill_at_most + s.remote_prefill) / BYTES_PER_TOKEN,
-            plan.uncached_at_most(s.id) / BYTES_PER_TOKEN,
-        )
-    ]
