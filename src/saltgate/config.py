@@ -179,6 +179,8 @@ class EppConfig:
 
     grpc_port: int = 9002  # the ext_proc (and gRPC health) listener, on [gateway] host
     envoy_port: int = 8081  # the listener of the Envoy configuration `--envoy-config` prints
+    # /metrics on [gateway] admin_host (None: none), behind an admin token as the gateway's
+    metrics_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -822,7 +824,7 @@ def _canary(table: Any) -> CanaryConfig:
 def _epp(table: Any) -> EppConfig:
     if not isinstance(table, dict):
         raise ConfigError("epp: expected a table")
-    known = ("grpc_port", "envoy_port")
+    known = ("grpc_port", "envoy_port", "metrics_port")
     unknown = sorted(set(table) - set(known))
     if unknown:
         raise ConfigError(f"epp: unknown keys {unknown}; expected {list(known)}")

@@ -37,6 +37,8 @@ def test_a_pinned_token_cannot_lift_the_operators_settings(tmp_path: Path) -> No
                 ("POST", alice, {"models": None}),
                 ("POST", alice, {"name": "alice2"}),
                 ("PUT", f"{alice}/limits", {"weight": 100}),
+                ("PATCH", f"{alice}/limits", {"weight": 100}),
+                ("POST", alice, {"weight": 100}),
                 ("PUT", f"{alice}/limits", {}),
                 ("PUT", f"{alice}/limits", {"rpm": 1000}),
             ):
@@ -45,12 +47,13 @@ def test_a_pinned_token_cannot_lift_the_operators_settings(tmp_path: Path) -> No
                 assert r.json()["error"]["code"] == "operator_only"
             shown = (await admin.call(root, "GET", alice)).json()
             assert shown["models"] == [MODEL] and shown["name"] == "alice"
-            assert shown["limits"] == operator
+            assert shown["limits"] == operator and shown["weight"] == 1
             r = await admin.call(pinned, "PUT", f"keys/{ids['alice_key']}/limits", {"rpm": 5})
             assert r.status_code == 200 and r.json()["limits"] == {"rpm": 5}
             # The operator's token still changes them.
-            r = await admin.call(root, "PUT", f"{alice}/limits", {"weight": 2})
-            assert r.status_code == 200 and r.json()["limits"] == {"weight": 2}
+            r = await admin.call(root, "PATCH", f"{alice}/limits", {"weight": 2})
+            assert r.status_code == 200
+            assert (r.json()["limits"], r.json()["weight"]) == (operator, 2)
 
     run(go)
 

@@ -58,12 +58,12 @@ def test_every_reference_resolves() -> None:
 @pytest.mark.unit
 def test_the_schemas_name_every_field_the_records_show() -> None:
     """A field added to a record and left out of the document fails here."""
-    limits = Limits(rpm=1, weight=2.0)
+    limits = Limits(rpm=1)
     key = ApiKeyInfo("key_1", "tn_1", 1.0, None, limits)
     token = AdminTokenInfo("adm_1", frozenset({"usage:read"}), None, 1.0, "cli:x", None, None)
     price = ModelPrice(PriceVersion.of(MODEL, Price(1.0, 0.5, 2.0)), "store", 1.0)
     shown = {
-        "Tenant": [Tenant("tn_1", "a", 0, 1.0, ("m",), limits).to_dict()],
+        "Tenant": [Tenant("tn_1", "a", 0, 1.0, ("m",), limits, weight=2.0).to_dict()],
         "ApiKey": [
             KeyView(key, 2.0).to_dict(),
             NewKey(key, "sg_x", replaces=key).to_dict(),

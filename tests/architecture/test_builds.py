@@ -28,6 +28,7 @@ import pytest
 from saltgate import __version__
 from saltgate.buildinfo import COMPILED, COMPILED_MODULES, PURE, build_kind
 from saltgate.derivations.derive import cache_salt
+from saltgate.store.schema import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = {"compiled": COMPILED, "pure": PURE}
@@ -57,7 +58,7 @@ def test_the_build_under_test_is_the_one_asked_for() -> None:
         [str(command), "--version"], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"saltgate {__version__} ({kind})"
+    assert done.stdout.strip() == f"saltgate {__version__} ({kind}; store schema {SCHEMA_VERSION})"
 
 
 def checkout_copy(tmp_path: Path) -> Path:

@@ -336,8 +336,8 @@ def test_forms_tenant_key_limit_usage_and_revocation(tmp_path: Path) -> None:
         assert b.page.locator("form[data-form^=clear-price-]").count() == 0
         b.assert_clean()
 
-        # Set a limit: one request a minute; the requests above already used it. And a
-        # fair-share weight, kept beside it (saving the form again keeps it).
+        # Set a limit: one request a minute; the requests above already used it. And the
+        # tenant's fair-share weight, its own setting shown beside the limits (issue 42).
         b.page.goto(stack.console_url + f"tenants/{tenant_id}")
         b.page.fill("form[data-form=limits] input[name=rpm]", "1")
         b.page.fill("form[data-form=limits] input[name=weight]", "2.5")
@@ -346,7 +346,10 @@ def test_forms_tenant_key_limit_usage_and_revocation(tmp_path: Path) -> None:
         b.page.fill("form[data-form=limits] input[name=budget_period]", "30d")
         b.page.click("form[data-form=limits] button")
         b.page.wait_for_url(f"**/console/tenants/{tenant_id}?done=*")
-        assert "rpm=1 budget=$1000.5/30d weight=2.5" in b.page.inner_text("main")
+        assert "rpm=1 budget=$1000.5/30d" in b.page.inner_text("main")
+        assert b.page.locator("main table td").nth(6).inner_text() == "2.5"  # Weight
+        twin = b.page.request.get(stack.console_url + f"tenants/{tenant_id}.json").json()
+        assert (twin["tenant"]["weight"], twin["tenant"]["limits"]["rpm"]) == (2.5, 1)
         assert b.page.input_value("form[data-form=limits] input[name=weight]") == "2.5"
         assert b.page.input_value("form[data-form=limits] input[name=budget_period]") == "30d"
         deadline = time.monotonic() + 10

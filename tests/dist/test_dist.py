@@ -29,6 +29,7 @@ from saltgate import __version__
 from saltgate.client.secret import ENV_VAR
 from saltgate.config import create_master_key
 from saltgate.sim.server import SimConfig
+from saltgate.store.schema import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = SimConfig().model
@@ -153,7 +154,9 @@ def test_the_wheels_alone_serve_and_proxy_a_request(dist: Path, tmp_path: Path) 
     client = fresh_venv(
         tmp_path / "client", "requirements-client.lock", one(dist, "saltgate_client-*.whl")
     )
-    assert ok([server / "saltgate", "--version"]).strip() == f"saltgate {__version__} (compiled)"
+    assert ok([server / "saltgate", "--version"]).strip() == (
+        f"saltgate {__version__} (compiled; store schema {SCHEMA_VERSION})"
+    )
     where = ok([server / "python", "-c", "import saltgate; print(saltgate.__file__)"])
     assert where.startswith(str(tmp_path / "server")), where  # the wheel, not the checkout
 

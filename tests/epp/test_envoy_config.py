@@ -9,7 +9,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -23,19 +23,26 @@ from saltgate.config import (
     ConfigError,
     EppConfig,
     GatewayConfig,
-    QueueConfig,
     ReplicaConfig,
     parse_config,
 )
 from saltgate.epp.envoy import (
+    ANSWER_DETAILS,
     DESTINATION,
     EXT_PROC,
     LB_NAMESPACE,
+    OVERRIDE_HOST,
     REPLICAS_CLUSTER,
+    RETRY_ON,
+    UPSTREAM_ADDRESS,
     bootstrap,
     fail_open_findings,
+    replica_choice_findings,
+    replica_endpoints,
 )
-from saltgate.epp.server import destination, immediate, refuse_unsupported
+from saltgate.epp.metrics import metrics_tls
+from saltgate.epp.server import _Conversation, destination, immediate
+from saltgate.gateway.server import Gateway
 from saltgate.http import Response
 
 pytestmark = pytest.mark.unit
@@ -43,6 +50,7 @@ pytestmark = pytest.mark.unit
 
 def shipped() -> dict[str, Any]:
     return bootstrap(
+        replicas=[("127.0.0.1", 8001), ("127.0.0.1", 8002)],
         listen_host="127.0.0.1",
         envoy_port=8081,
         epp_host="127.0.0.1",
@@ -74,16 +82,38 @@ def test_the_shipped_configuration_fails_closed_and_goes_where_the_epp_says() ->
     [replicas] = [
         c for c in config["static_resources"]["clusters"] if c["name"] == REPLICAS_CLUSTER
     ]
-    assert replicas["type"] == "ORIGINAL_DST"
-    assert replicas["original_dst_lb_config"] == {
-        "use_http_header": True,
-        "http_header_name": DESTINATION,
-    }
+    # the [[replicas]] list, balanced by the override-host policy on the EPP's list alone
+    assert replicas["type"] == "STATIC"
+    [endpoints] = replicas["load_assignment"]["endpoints"]
+    addresses = [e["endpoint"]["address"]["socket_address"] for e in endpoints["lb_endpoints"]]
+    assert addresses == [
+        {"address": "127.0.0.1", "port_value": 8001},
+        {"address": "127.0.0.1", "port_value": 8002},
+    ]
+    [policy] = replicas["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]
+    assert override["name"] == OVERRIDE_HOST
+    sources = override["typed_config"]["override_host_sources"]
+    # the metadata only the EPP sets, never a header a client could send
+    assert sources == [{"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION}]}}]
+    [fallback] = override["typed_config"]["fallback_policy"]["policies"]
+    subset = fallback["typed_extension_config"]["typed_config"]
+    assert subset["fallback_policy"] == "NO_FALLBACK"  # past the list: no endpoint at all
+    [route] = manager(config)["route_config"]["virtual_hosts"][0]["routes"]
+    retry = route["route"]["retry_policy"]
+    assert retry == {"retry_on": RETRY_ON, "num_retries": 1}  # down the list of two
+    assert set(RETRY_ON.split(",")) == {"connect-failure", "refused-stream", "reset-before-request"}
+    assert typed["response_attributes"] == [UPSTREAM_ADDRESS, ANSWER_DETAILS]
     # the ext_proc filter runs before the router, so no request reaches a replica unseen
     names = [f["name"] for f in manager(config)["http_filters"]]
     assert names == [EXT_PROC, "envoy.filters.http.router"]
     assert fail_open_findings(config) == []
-    assert judge_envoy_config("envoy.yaml", config)[0].severity is Severity.OK
+    assert replica_choice_findings(config) == []
+    judged = judge_envoy_config("envoy.yaml", config)
+    assert [(f.check, f.severity) for f in judged] == [
+        ("envoy-fail-closed", Severity.OK),
+        ("envoy-replica-choice", Severity.OK),
+    ]
 
 
 def fail_open() -> dict[str, Any]:
@@ -144,8 +174,100 @@ def test_each_way_past_the_epp_is_a_high_finding(broken: Any, said: str) -> None
     config = broken()
     # through YAML, as `audit deployment --envoy-config` reads a file
     findings = judge_envoy_config("envoy.yaml", yaml.safe_load(yaml.safe_dump(config)))
-    assert [f.severity for f in findings] == [Severity.HIGH]
-    assert said in findings[0].summary
+    failing = [f for f in findings if f.check == "envoy-fail-closed"]
+    assert [f.severity for f in failing] == [Severity.HIGH]
+    assert said in failing[0].summary
+
+
+def replicas_cluster(config: dict[str, Any]) -> dict[str, Any]:
+    clusters: list[dict[str, Any]] = config["static_resources"]["clusters"]
+    [found] = [c for c in clusters if c["name"] == REPLICAS_CLUSTER]
+    return found
+
+
+def fallback_round_robin() -> dict[str, Any]:
+    config = copy.deepcopy(shipped())
+    override = replicas_cluster(config)["load_balancing_policy"]["policies"][0]
+    override["typed_extension_config"]["typed_config"]["fallback_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/"
+                        "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+                    },
+                }
+            }
+        ]
+    }
+    return config
+
+
+def subset_with_fallback() -> dict[str, Any]:
+    config = copy.deepcopy(shipped())
+    override = replicas_cluster(config)["load_balancing_policy"]["policies"][0]
+    typed = override["typed_extension_config"]["typed_config"]
+    typed["fallback_policy"]["policies"][0]["typed_extension_config"]["typed_config"][
+        "fallback_policy"
+    ] = "ANY_ENDPOINT"
+    return config
+
+
+def envoys_own_balancing() -> dict[str, Any]:
+    config = copy.deepcopy(shipped())
+    del replicas_cluster(config)["load_balancing_policy"]
+    return config
+
+
+def original_dst_on_the_connection() -> dict[str, Any]:
+    config = copy.deepcopy(shipped())
+    cluster = replicas_cluster(config)
+    cluster.clear()
+    cluster.update(
+        {"name": REPLICAS_CLUSTER, "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED"}
+    )
+    return config
+
+
+@pytest.mark.parametrize(
+    ("broken", "said"),
+    [
+        (fallback_round_robin, "fallback picks a replica itself"),
+        (subset_with_fallback, "fallback picks a replica itself"),
+        (envoys_own_balancing, "balanced by Envoy itself"),
+        (original_dst_on_the_connection, "ORIGINAL_DST without the EPP's header"),
+    ],
+)
+def test_envoy_choosing_a_replica_the_epp_did_not_name_is_a_medium_finding(
+    broken: Any, said: str
+) -> None:
+    findings = judge_envoy_config("envoy.yaml", yaml.safe_load(yaml.safe_dump(broken())))
+    assert [(f.check, f.severity) for f in findings] == [
+        ("envoy-fail-closed", Severity.OK),
+        ("envoy-replica-choice", Severity.MEDIUM),
+    ]
+    assert findings[1].summary.startswith(f"clusters[{REPLICAS_CLUSTER}]: ")
+    assert said in findings[1].summary
+
+
+def test_the_older_original_dst_shape_on_the_epps_header_is_accepted() -> None:
+    """Before the override-host policy the printed cluster was ORIGINAL_DST on the EPP's
+    header: it fails closed (the EPP overwrites the header), only it fails over on the
+    next request rather than within one (docs/epp.md)."""
+    config = copy.deepcopy(shipped())
+    cluster = replicas_cluster(config)
+    cluster.clear()
+    cluster.update(
+        {
+            "name": REPLICAS_CLUSTER,
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+        }
+    )
+    assert replica_choice_findings(config) == []
+    assert {f.severity for f in judge_envoy_config("envoy.yaml", config)} == {Severity.OK}
 
 
 def test_the_request_goes_to_the_pick_with_the_ordered_fallbacks_and_no_client_key() -> None:
@@ -194,31 +316,67 @@ def test_an_answer_of_the_gateway_is_an_immediate_response() -> None:
     ]
 
 
-def test_settings_the_epp_cannot_honour_stop_it_at_start(tmp_path: Path) -> None:
-    base = GatewayConfig(
-        replicas=(ReplicaConfig("http://127.0.0.1:1"),),
-        state_dir=tmp_path,
-        master_key_file=tmp_path / "master.key",
-    )
-    refuse_unsupported(base)  # the defaults run
-    refuse_unsupported(dataclasses.replace(base, queue=QueueConfig(enabled=True)))
-    with pytest.raises(ConfigError, match=re.escape("[responses] store")):
-        refuse_unsupported(dataclasses.replace(base, responses_store=True))
+def test_a_method_a_client_invents_is_counted_as_other() -> None:
+    """Envoy passes any method token through (HTTP/2 carries any): saltgate_requests_total
+    labels the standard ones, every other one OTHER, so a client adds no series."""
+    counted: list[tuple[bytes, int]] = []
+
+    class Counting:
+        def counted(self, method: bytes, status: int) -> None:
+            counted.append((method, status))
+
+    conversation = _Conversation(cast(Gateway, Counting()), None)
+    for method in (b"POST", b"FROB", b"ZAP", b"GET"):
+        conversation.headers = [(b":method", method), (b":path", b"/v1/models")]
+        conversation._counted(404)
+    assert counted == [(b"POST", 404), (b"OTHER", 404), (b"OTHER", 404), (b"GET", 404)]
+
+
+def test_the_printed_cluster_names_replicas_by_ip_and_port_as_the_epp_does() -> None:
+    def config(url: str) -> ReplicaConfig:
+        return ReplicaConfig(url)
+
+    found = replica_endpoints([config("http://10.0.0.1:8000"), config("http://[::1]:9000/v1")])
+    assert found == [("10.0.0.1", 8000), ("::1", 9000)]
+    with pytest.raises(ConfigError, match=re.escape("replicas[1].url: 'vllm' is not an IP")):
+        replica_endpoints([config("http://10.0.0.1:8000"), config("http://vllm:8000")])
+    with pytest.raises(ConfigError, match=re.escape("replicas[0].url: https is not")):
+        replica_endpoints([config("https://10.0.0.1:8000")])
 
 
 def test_the_epp_section_is_parsed_and_checked(tmp_path: Path) -> None:
     doc: dict[str, Any] = {"replicas": [{"url": "http://127.0.0.1:1"}]}
     assert parse_config(doc, tmp_path).epp == EppConfig(grpc_port=9002, envoy_port=8081)
-    doc["epp"] = {"grpc_port": 7000, "envoy_port": 7001}
-    assert parse_config(doc, tmp_path).epp == EppConfig(grpc_port=7000, envoy_port=7001)
+    doc["epp"] = {"grpc_port": 7000, "envoy_port": 7001, "metrics_port": 7002}
+    assert parse_config(doc, tmp_path).epp == EppConfig(
+        grpc_port=7000, envoy_port=7001, metrics_port=7002
+    )
     for bad, said in (
         ({"grpc_port": 70000}, "epp.grpc_port: expected a port"),
         ({"envoy_port": "80"}, "epp.envoy_port: expected"),
         ({"port": 1}, "epp: unknown keys ['port']"),
+        ({"metrics_port": -1}, "epp.metrics_port: expected a port"),
     ):
         doc["epp"] = bad
         with pytest.raises(ConfigError, match=re.escape(said)):
             parse_config(doc, tmp_path)
+
+
+def test_the_metrics_listener_takes_the_admin_listeners_rules(tmp_path: Path) -> None:
+    """Off by default; on loopback in plain HTTP; off loopback without TLS refused at
+    start, as the admin listener is (its tokens would cross the network in clear)."""
+    base = GatewayConfig(
+        replicas=(ReplicaConfig("http://127.0.0.1:1"),),
+        state_dir=tmp_path,
+        master_key_file=tmp_path / "master.key",
+    )
+    assert base.epp.metrics_port is None
+    assert metrics_tls(base) is None
+    on = dataclasses.replace(base, epp=EppConfig(metrics_port=9100))
+    assert metrics_tls(on) is None  # loopback: plain HTTP
+    remote = dataclasses.replace(on, admin_host="0.0.0.0")
+    with pytest.raises(ConfigError, match=re.escape("gateway.admin_host: 0.0.0.0 is off")):
+        metrics_tls(remote)
 
 
 def test_audit_reads_the_printed_json_and_yaml_and_names_a_bad_file(tmp_path: Path) -> None:

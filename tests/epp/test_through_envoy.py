@@ -10,13 +10,15 @@ from __future__ import annotations
 import importlib.resources
 import sqlite3
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
+import yaml
 from tests.gateway.stack import Tap, long_prompt, new_state_dir, run
 from tests.gateway.test_fields import _with_extras
 from tests.support.adversarial_fields import (
@@ -25,7 +27,7 @@ from tests.support.adversarial_fields import (
     refused_cases,
     stripped_cases,
 )
-from tests.support.gateways import cli, write_gateway_config
+from tests.support.gateways import cli, metrics_token, write_gateway_config
 from tests.support.http import async_client
 from tests.support.waiting import eventually
 
@@ -77,28 +79,39 @@ class EnvoyStack:
         """The generation requests' bodies the replicas received (probes left out)."""
         return [orjson.loads(r.body) for tap in self.taps for r in tap.seen if r.method == b"POST"]
 
-    def salt(self, tenant: str) -> str:
-        """The salt a replica must see for ``tenant``, derived here apart from the EPP."""
+    def salt(self, tenant: str, secret: str | None = None) -> str:
+        """The salt a replica must see for ``tenant`` (and a `user_cache_secret`), derived
+        here apart from the EPP."""
         k_salt = derive_subkeys(load_master_key(self.state / "master.key")).salt
         with TenantStore.from_state_dir(self.state) as store:
             found = store.get_tenant(tenant)
-        return cache_salt(k_salt, found.id, found.epoch_label, None)
+        return cache_salt(k_salt, found.id, found.epoch_label, secret)
 
 
 @asynccontextmanager
 async def envoy_stack(
-    tmp: Path, *, salting: bool = True, replicas: list[str] | None = None
+    tmp: Path,
+    *,
+    salting: bool = True,
+    replicas: list[str] | None = None,
+    sim: SimConfig | None = None,
+    sections: str = "",
+    epp_lines: str = "",
+    edit: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[EnvoyStack]:
-    """``replicas``: the replica URLs, instead of the two taps in front of simulators."""
+    """``replicas``: the replica URLs, instead of the two taps in front of simulators
+    (``sim``: theirs); ``sections``: more of the gateway's TOML, ``epp_lines`` more lines
+    of its [epp] table; ``edit``: changes made to the printed Envoy configuration before
+    Envoy reads it (a positive control's)."""
     binary = envoy_binary()
-    sims = [await start_sim(SimConfig(port=0, model=MODEL)) for _ in range(2)]
+    sims = [await start_sim(sim or SimConfig(port=0, model=MODEL)) for _ in range(2)]
     taps = [Tap(s) for s in sims]
     for tap in taps:
         await tap.start()
     state = tmp / "state"
     keys = new_state_dir(state, ("alice", "bob"))
     envoy_port = free_port()
-    sections = f"[epp]\ngrpc_port = {free_port()}\nenvoy_port = {envoy_port}\n"
+    sections += f"[epp]\ngrpc_port = {free_port()}\nenvoy_port = {envoy_port}\n{epp_lines}"
     sections += "[canary]\nenabled = false\n"
     if not salting:
         sections += "[testing]\ndisable_salting = true\n"
@@ -111,7 +124,12 @@ async def envoy_stack(
         sections=sections,
     )
     bootstrap = tmp / "envoy.yaml"
-    bootstrap.write_text(cli("epp", "--config", str(path), "--envoy-config"))
+    printed = cli("epp", "--config", str(path), "--envoy-config")
+    if edit is not None:
+        document = yaml.safe_load(printed)
+        edit(document)
+        printed = yaml.safe_dump(document)
+    bootstrap.write_text(printed)
     epp = await start_epp(load_config(path))
     envoy = Proc(
         "envoy",
@@ -285,6 +303,155 @@ def test_a_replica_down_sends_requests_to_the_next_ranked(tmp_path: Path) -> Non
     run(body)
 
 
+# The EPP keeps ranking a replica whose port closed until its next probe: an hour here,
+# so only Envoy's own retry down the list can save the request.
+_SLOW_PROBES = "[router]\nprobe_interval_s = 3600\n"
+
+
+async def _first_ranked_closed(s: EnvoyStack, request: dict[str, object]) -> tuple[Tap, Tap]:
+    """(the replica the router ranks first for ``request``, now closed; the other)."""
+    async with s.client("alice") as http:
+        assert (await http.post("/v1/completions", json=request)).status_code == 200
+    [first] = [t for t in s.taps if any(r.method == b"POST" for r in t.seen)]
+    [other] = [t for t in s.taps if t is not first]
+    await first.close()  # its port refuses connections from now on
+    return first, other
+
+
+def test_a_replica_refusing_connections_fails_over_within_the_request(tmp_path: Path) -> None:
+    """Envoy walks the EPP's `envoy.lb` list: the first-ranked replica's port is closed,
+    the same request is answered by the next, and the EPP records, meters and tells the
+    router about the one that answered (and that the first failed)."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path, sections=_SLOW_PROBES) as s:
+            request = completion(long_prompt("failover"), stream=True)
+            first, other = await _first_ranked_closed(s, request)
+            async with s.client("alice") as http:
+                answer = await http.post("/v1/completions", json=request)
+            assert answer.status_code == 200, answer.text
+            assert answer.text.rstrip().endswith("data: [DONE]")
+            assert len([r for r in other.seen if r.method == b"POST"]) == 1
+            rows = ledger_rows_of(s)
+            assert [r["status"] for r in rows] == [200, 200]
+            assert rows[-1]["replica"] == f"http://127.0.0.1:{other.port}"  # the one that served
+            assert rows[0]["replica"] == f"http://127.0.0.1:{first.port}"
+            assert rows[-1]["completion_tokens"] > 0
+            router = s.epp.gateway.replicas.router
+            states = {r.config.url: router.state(r.id) for r in s.epp.gateway.replicas.replicas}
+            failed = states[f"http://127.0.0.1:{first.port}"]
+            served = states[f"http://127.0.0.1:{other.port}"]
+            assert failed is not None and failed.health.breaker.failures == 1
+            assert served is not None and served.inflight == 0  # both attempts freed
+            assert failed.inflight == 0
+
+    run(body)
+
+
+def _without_retries(config: dict[str, Any]) -> None:
+    listener = config["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for route in manager["route_config"]["virtual_hosts"][0]["routes"]:
+        del route["route"]["retry_policy"]
+
+
+def test_positive_control_without_envoys_retry_the_request_fails(tmp_path: Path) -> None:
+    """The test above with the route's retry policy removed: the request dies with its
+    first replica, and the EPP answers the gateway's 503 for it and records it unserved."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path, sections=_SLOW_PROBES, edit=_without_retries) as s:
+            request = completion(long_prompt("failover"))
+            _, other = await _first_ranked_closed(s, request)
+            async with s.client("alice") as http:
+                answer = await http.post("/v1/completions", json=request)
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "no_replica"
+            assert not [r for r in other.seen if r.method == b"POST"]
+            assert [r["status"] for r in ledger_rows_of(s)][-1] != 200
+
+    run(body)
+
+
+def _fallback_round_robin(config: dict[str, Any]) -> None:
+    """Envoy's round robin as the override-host fallback; a retry never to a host tried
+    already, so the fallback's pick is the left-out replica, whatever its turn."""
+    listener = config["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    [route] = manager["route_config"]["virtual_hosts"][0]["routes"]
+    route["route"]["retry_policy"] |= {
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/"
+                    "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
+    [cluster] = [
+        c for c in config["static_resources"]["clusters"] if c["name"] == "saltgate_replicas"
+    ]
+    override = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    override["typed_config"]["fallback_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/"
+                        "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+                    },
+                }
+            }
+        ]
+    }
+
+
+async def _past_the_list(s: EnvoyStack) -> tuple[httpx.Response, Tap]:
+    """A request whose whole list fails to connect while the other replica is up but
+    left out by the EPP (it refused the gateway's key): (the answer, the left-out one)."""
+    replicas = s.epp.gateway.replicas
+    left_out, listed = s.taps
+    [refusing] = [r for r in replicas.replicas if r.config.url.endswith(f":{left_out.port}")]
+    replicas.refused(refusing, 401)  # the EPP names it no more
+    await listed.close()  # and the one it names refuses connections
+    async with s.client("alice") as http:
+        answer = await http.post("/v1/completions", json=completion("past the list"))
+    return answer, left_out
+
+
+def test_past_the_end_of_the_epps_list_envoy_picks_no_replica(tmp_path: Path) -> None:
+    """The override-host policy's fallback picks nothing: when the EPP's list is used
+    up, Envoy answers (the gateway's 503) rather than send the request to a replica the
+    EPP left out."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path, sections=_SLOW_PROBES) as s:
+            answer, left_out = await _past_the_list(s)
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "no_replica"
+            assert not [r for r in left_out.seen if r.method == b"POST"]
+
+    run(body)
+
+
+def test_positive_control_a_fallback_that_picks_sends_it_to_the_left_out_replica(
+    tmp_path: Path,
+) -> None:
+    """The test above with the fallback Envoy's round robin (what `envoy-replica-choice`
+    reports): the request reaches the replica the EPP left out."""
+
+    async def body() -> None:
+        async with envoy_stack(tmp_path, sections=_SLOW_PROBES, edit=_fallback_round_robin) as s:
+            _, left_out = await _past_the_list(s)
+            assert [r.method for r in left_out.seen if r.method == b"POST"] == [b"POST"]
+
+    run(body)
+
+
 def test_with_the_epp_down_envoy_refuses_instead_of_forwarding(tmp_path: Path) -> None:
     async def body() -> None:
         async with envoy_stack(tmp_path) as s:
@@ -376,5 +543,137 @@ def test_a_replica_refusing_the_gateways_key_is_never_relayed(tmp_path: Path) ->
             await front.close()
             await pool.close()
             await replica.close()
+
+    run(body)
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text exposition: the series ``name`` with exactly
+    ``labels``; 0 when absent."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        got_name, _, got_labels = series.partition("{")
+        got = ",".join(sorted(got_labels.rstrip("}").split(","))) if got_labels else ""
+        if got_name == name and got == want:
+            return float(value)
+    return 0.0
+
+
+def test_the_epp_serves_metrics_behind_an_admin_token(tmp_path: Path) -> None:
+    """[epp] metrics_port: after requests through Envoy, /metrics counts them as the
+    gateway would (requests by status, tokens, durations, replica health) and the
+    ext_proc streams; without an admin token it answers 401 and shows nothing."""
+
+    async def body() -> None:
+        port = free_port()
+        async with envoy_stack(tmp_path, epp_lines=f"metrics_port = {port}\n") as s:
+            assert s.epp.metrics is not None and s.epp.metrics.port == port
+            async with s.client("alice") as http:
+                for stream in (False, True):
+                    request = completion(long_prompt("metrics"), stream=stream)
+                    answer = await http.post("/v1/completions", json=request)
+                    assert answer.status_code == 200, answer.text
+            async with async_client(base_url=s.url, timeout=30) as anonymous:
+                assert (await anonymous.post("/v1/completions", json={})).status_code == 401
+            url = f"http://127.0.0.1:{port}/metrics"
+            store = s.epp.gateway.config.store_settings
+            async with async_client(timeout=30) as http:
+                refused = await http.get(url)
+                assert refused.status_code == 401
+                assert "saltgate_" not in refused.text
+            text = ""
+
+            async def settled() -> bool:  # Envoy closes a stream just after its answer
+                nonlocal text
+                async with async_client(timeout=30) as http:
+                    scraped = await http.get(url, headers=metrics_token(store))
+                assert scraped.status_code == 200, scraped.text
+                text = scraped.text
+                return _sample(text, "saltgate_epp_streams_active") == 0
+
+            await eventually(settled, timeout_s=10, what="every ext_proc stream closed")
+            # streams: /health at start-up, two completions, the 401
+            assert _sample(text, "saltgate_epp_streams_total") >= 4
+            assert _sample(text, "saltgate_epp_decision_seconds_count") >= 4
+            assert _sample(text, "saltgate_requests_total", method="POST", status="200") == 2
+            assert _sample(text, "saltgate_requests_total", method="POST", status="401") == 1
+            tenant = ledger_rows_of(s)[0]["tenant_id"]
+            rows = ledger_rows_of(s)
+            completion_tokens = sum(r["completion_tokens"] for r in rows)
+            assert completion_tokens > 0
+            counted = _sample(
+                text, "saltgate_tokens_total", kind="completion", tenant=tenant, model=MODEL
+            )
+            assert counted == completion_tokens
+            for tap in s.taps:
+                replica = f"http://127.0.0.1:{tap.port}"
+                assert _sample(text, "saltgate_replica_healthy", replica=replica) == 1
+
+    run(body)
+
+
+async def _replays_of_a_failing_answer(
+    tmp: Path, edit: Callable[[dict[str, Any]], None] | None = None
+) -> int:
+    """POSTs the replicas saw for one request whose client asks Envoy to retry 5xx answers
+    (`x-envoy-retry-on`, `x-envoy-max-retries`), both replicas answering 500; ``edit``:
+    the positive control's change to the printed Envoy configuration."""
+    replicas = [await start_sim(SimConfig(port=0, model=MODEL)) for _ in range(2)]
+    pools = [UpstreamPool("127.0.0.1", r.port) for r in replicas]
+    posts: list[bytes] = []
+
+    def failing(pool: UpstreamPool) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            if request.method == b"POST":  # its probes pass, its answers fail
+                posts.append(request.body)
+                return Response(500, [(b"content-type", b"text/plain")], b"engine died")
+            upstream = await pool.request(request.method, request.path, [])
+            return Response(upstream.status, [], await upstream.read())
+
+        return handle
+
+    fronts = [HttpServer(failing(pool)) for pool in pools]
+    ports = [await front.start("127.0.0.1", 0) for front in fronts]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        async with envoy_stack(tmp, replicas=urls, edit=edit) as s, s.client("alice") as http:
+            retry = {"x-envoy-retry-on": "5xx,reset", "x-envoy-max-retries": "5"}
+            answer = await http.post("/v1/completions", json=completion("hi"), headers=retry)
+            assert answer.status_code == 500, answer.text
+    finally:
+        for front in fronts:
+            await front.close()
+        for pool in pools:
+            await pool.close()
+        for replica in replicas:
+            await replica.close()
+    return len(posts)
+
+
+def test_neither_envoy_nor_a_client_replays_an_answered_request(tmp_path: Path) -> None:
+    """Envoy retries only what never reached a replica (`RETRY_ON`), and a client's own
+    retry headers (`x-envoy-retry-on: 5xx`) change nothing: a replica's answer, even a
+    500, is never replayed to the next one."""
+
+    async def body() -> None:
+        assert await _replays_of_a_failing_answer(tmp_path) == 1
+
+    run(body)
+
+
+def _retrying_answers(config: dict[str, Any]) -> None:
+    listener = config["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    [route] = manager["route_config"]["virtual_hosts"][0]["routes"]
+    route["route"]["retry_policy"]["retry_on"] += ",5xx"
+
+
+def test_positive_control_a_retry_policy_on_5xx_replays_it(tmp_path: Path) -> None:
+    """The test above with `5xx` added to the route's retry_on: the request that was
+    answered is sent again, to the next replica of the EPP's list."""
+
+    async def body() -> None:
+        assert await _replays_of_a_failing_answer(tmp_path, _retrying_answers) == 2
 
     run(body)

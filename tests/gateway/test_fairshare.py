@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import math
+import sqlite3
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,11 @@ from saltgate.config import QueueConfig
 from saltgate.gateway.fairshare import FairShare
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.governance.fairness import FALLBACK_STEP_TOKENS
-from saltgate.governance.limits import Limits
+from saltgate.governance.weight import MIN_WEIGHT
 from saltgate.prices import PriceVersion
 from saltgate.routing import ReplicaId, RouterConfig
 from saltgate.sim.run import SimConfig
+from saltgate.store.settings import DB_FILENAME
 from saltgate.store.tenants import KeySource, Principal, TenantStore
 
 # Each request runs max_tokens x 10 ms on a replica that runs `max_concurrency` at a time.
@@ -614,21 +616,51 @@ def test_a_failing_queue_does_not_stop_the_probes(tmp_path: Path) -> None:
     run(main)
 
 
-def test_a_subnormal_weight_in_the_store_leaves_every_tenant_served(tmp_path: Path) -> None:
-    """Issue 41 finding 1 end to end: a weight of 5e-324 stored for alice (as the API took
-    it before its bounds) and a request that used less than its estimate: every request
-    of every tenant got 500 until a restart. The queue bounds any weight it is given."""
+def test_a_tenants_weight_reaches_the_fair_queue(tmp_path: Path) -> None:
+    """Issue 42: the weight is the tenant's own setting (tenants.weight), not part of its
+    limits; the gateway's principal carries it and the queue charges alice's service
+    divided by it (queue.weights), while bob, never weighted, is charged at 1."""
 
     async def main() -> None:
         queue = QueueConfig(enabled=True)
         async with stack(tmp_path, replicas=1, router=FAST_PROBES, queue=queue) as s:
             with TenantStore.from_state_dir(s.state_dir) as store:
-                store.set_limits("alice", Limits(weight=5e-324))
+                alice_id = store.set_weight("alice", 3.0).id
+                bob_id = store.get_tenant("bob").id
             gateway = s.gateway.gateway
             await eventually(
                 lambda: (
                     (p := gateway.keys.authenticate(s.keys["alice"])) is not None
-                    and p.limits is not None
+                    and p.weight == 3.0
+                ),
+                what="the gateway has alice's weight",
+            )
+            async with s.client("alice") as alice, s.client("bob") as bob:
+                for client in (alice, bob):
+                    r = await client.post("/v1/completions", json=completion("Hello there", 4))
+                    assert r.status_code == 200, r.text
+            weights = fair(s).queue.weights
+            assert weights.get(alice_id) == 3.0 and bob_id not in weights, weights
+
+    run(main)
+
+
+def test_a_subnormal_weight_in_the_store_leaves_every_tenant_served(tmp_path: Path) -> None:
+    """Issue 41 finding 1 end to end: a weight of 5e-324 stored for alice (as the API took
+    it before its bounds; now a row edited by hand) and a request that used less than its
+    estimate: every request of every tenant got 500 until a restart. The principal and
+    the queue bound any weight they are given."""
+
+    async def main() -> None:
+        queue = QueueConfig(enabled=True)
+        async with stack(tmp_path, replicas=1, router=FAST_PROBES, queue=queue) as s:
+            with sqlite3.connect(s.state_dir / DB_FILENAME) as db:
+                db.execute("UPDATE tenants SET weight = 5e-324 WHERE name = 'alice'")
+            gateway = s.gateway.gateway
+            await eventually(
+                lambda: (
+                    (p := gateway.keys.authenticate(s.keys["alice"])) is not None
+                    and p.weight == MIN_WEIGHT
                 ),
                 what="the gateway has alice's weight",
             )

@@ -30,8 +30,8 @@ def test_no_limits_and_no_queue_means_no_pass() -> None:
     async def main() -> None:
         governance = Governance(Admission(PriceBook()), None)
         assert await governance.enter(principal(None), ROUTE_CHAT, "m", 100, None) is None
-        weight_only = principal(Limits(weight=2.0))
-        assert await governance.enter(weight_only, ROUTE_CHAT, "m", 100, None) is None
+        weighted = Principal("tn_1", "alice", "key_1", 0, weight=2.0)  # a weight is no limit
+        assert await governance.enter(weighted, ROUTE_CHAT, "m", 100, None) is None
 
     asyncio.run(main())
 

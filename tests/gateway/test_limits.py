@@ -396,7 +396,7 @@ def test_serve_check_and_set_limits_say_how_limits_are_held(tmp_path: Path) -> N
     assert "its 2 workers count in one place, the supervisor" in checked
     assert "floor(L / 4) on its own counts meanwhile" in checked
     said = cli("tenants", "set-limits", "acme", "--rpm", "1", "--config", str(config))
-    assert said.splitlines()[0] == "tenant acme limits rpm=1"
+    assert said.splitlines()[0] == "tenant acme limits rpm=1\tweight 1"
     assert "each of the 2 gateways ([limits] share) enforces rpm=0" in said
     assert "rpm = 0 admits nothing there" in said
     alone = cli("tenants", "set-limits", "acme", "--rpm", "3", "--state-dir", str(state))

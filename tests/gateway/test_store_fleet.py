@@ -129,12 +129,12 @@ def test_store_changes_reach_every_gateway_within_a_second(
             # Outside its allowed models, the model is 404 as if it did not exist.
             await admin(1, "tenants", "set-models", "acme", "other-model,another")
             [line] = (await admin(0, "tenants", "list")).splitlines()
-            assert line.endswith("\tmodels another,other-model\tlimits none")
+            assert line.endswith("\tmodels another,other-model\tlimits none\tweight 1")
             took = await _until_both(gateways, lambda g: _is(status(g, first), 404), "a model list")
             print(f"{store_settings.backend}: allowed models live everywhere in {took:.3f} s")
             await admin(0, "tenants", "set-models", "acme", "--all")
             [line] = (await admin(1, "tenants", "list")).splitlines()
-            assert line.endswith("\tmodels all\tlimits none")
+            assert line.endswith("\tmodels all\tlimits none\tweight 1")
             await _until_both(gateways, lambda g: _is(status(g, first), 200), "every model again")
 
             # Limits travel the same way: every answer then carries them (docs/limits.md).

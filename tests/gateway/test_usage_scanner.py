@@ -146,8 +146,7 @@ def test_a_cut_stream_is_billed_for_what_it_delivered() -> None:
     start = {"type": "message_start", "message": {"usage": {"input_tokens": 42}}}
     messages.feed(
         _event(start)
-        + _event({"type": "content_block_start"})
-        + _event({"type": "ping"})
+        + _event({"type": "content_block_start"})  # and no ping: vLLM sends none
         + _event({"type": "content_block_delta", "delta": {"text": "y"}}) * 3
     )
     used = delivered_usage("/v1/messages", messages, 500)

@@ -8,7 +8,7 @@ checker that keeps its own list of admissions and sums windows directly.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
 from hypothesis import given, settings
@@ -17,14 +17,11 @@ from hypothesis import strategies as st
 from saltgate.governance.kinds import LimitKind, Scope, Subject
 from saltgate.governance.limits import (
     DEFAULT_OUTPUT_ALLOWANCE,
-    MAX_WEIGHT,
-    MIN_WEIGHT,
     Demand,
     Governor,
     LimitError,
     Limits,
     Ticket,
-    fair_weight,
     json_limits_edit,
     limits_label,
     output_allowance,
@@ -315,21 +312,22 @@ def test_random_sequences_against_brute_force(
             assert inside <= limit
 
 
-def test_a_weight_is_kept_with_the_limits_but_limits_nothing() -> None:
-    """The tenant's fair-share weight rides in the limits' JSON; alone it is no limit, so
-    the governor keeps no state for it (admission is skipped) and it is 1 when unset."""
-    weighted = Limits(weight=2.5)
-    assert Limits.from_json(weighted.to_json()) == weighted
-    assert not weighted.empty and not weighted.limiting
-    assert fair_weight(weighted) == 2.5 and fair_weight(None) == fair_weight(Limits(rpm=1)) == 1
-    both = Limits(rpm=60, weight=2)
-    assert both.limiting and both.share(2) == Limits(rpm=30, weight=2)
+def test_a_weight_is_no_limit_and_the_limits_hold_none() -> None:
+    """Issue 42: the tenant's weight left the limits (a tenant setting, store column
+    tenants.weight). Limits have no such field, and the parser names the weight's new
+    home instead of taking it as a limit."""
+    assert "weight" not in {f.name for f in fields(Limits)}
+    assert Limits().empty and Limits.from_json(Limits(rpm=60).to_json()) == Limits(rpm=60)
     governor = Governor()
-    governor.set_limits(Subject(Scope.TENANT, "t"), weighted)
-    assert not governor.governs([Subject(Scope.TENANT, "t")])
-    for bad in (0, -1, float("nan"), float("inf"), "2", True):
-        with pytest.raises(ValueError, match="weight must be a positive number"):
-            Limits(weight=bad)  # type: ignore[arg-type]
+    governor.set_limits(Subject(Scope.TENANT, "t"), Limits())
+    assert not governor.governs([Subject(Scope.TENANT, "t")])  # nothing limited: admission skipped
+    for parse in (parse_limits, parse_limits_edit, json_limits_edit):
+        with pytest.raises(LimitError, match="unknown limit 'weight'"):
+            parse({"weight": 2})
+    # One written by a saltgate from before (still running beside a migrated store) is
+    # not a limit: read past, never a TypeError that would stop every key loading.
+    assert Limits.from_json('{"rpm": 5, "weight": 2}') == Limits(rpm=5)
+    assert Limits.from_json('{"weight": 2}') == Limits()
 
 
 # -- parse_limits: the one parser of the API's JSON, the console's forms and the CLI's argv
@@ -350,7 +348,6 @@ def test_parse_limits_takes_json_numbers_form_text_and_the_cli_forms_alike() -> 
                 "concurrency": " 2",
                 "budget_usd": "5.25",
                 "budget_period": "30d",
-                "weight": "",
             }
         )
         == want
@@ -358,19 +355,13 @@ def test_parse_limits_takes_json_numbers_form_text_and_the_cli_forms_alike() -> 
     assert parse_limits({"budget_usd": 5.25, "budget_period": 2592000}) == Limits(
         budget_micro_usd=5_250_000, budget_period_s=2592000
     )
-    assert parse_limits({"weight": "0.5"}) == Limits(weight=0.5)
     assert parse_limits({}) is None
-    assert parse_limits({"rpm": None, "weight": ""}) is None
+    assert parse_limits({"rpm": None, "input_tpm": ""}) is None
 
 
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        ({"weight": 5e-324}, "weight must be a number from 0.01 to 100"),  # issue 41 finding 1
-        ({"weight": "5e-324"}, "weight must be a number from 0.01 to 100"),
-        ({"weight": 1e308}, "weight must be a number from 0.01 to 100"),
-        ({"weight": "nan"}, "weight must be a number"),
-        ({"weight": True}, "weight must be a number"),
         ({"rpm": 18446744073709551615}, "limit rpm must be from 0 to"),
         ({"input_tpm": 10**13}, "limit input_tpm must be from 0 to"),
         ({"concurrency": -1}, "limit concurrency must be from 0 to"),
@@ -393,24 +384,13 @@ def test_parse_limits_refuses_what_is_out_of_bounds(given: dict[str, object], me
         parse_limits(given)
 
 
-def test_a_stored_weight_out_of_bounds_is_bounded_for_the_queue() -> None:
-    """A weight stored before the bounds (5e-324, 1e308) reaches the queue bounded."""
-    assert fair_weight(Limits(weight=5e-324)) == MIN_WEIGHT
-    assert fair_weight(Limits(weight=1e308)) == MAX_WEIGHT
-    assert fair_weight(Limits(weight=2.0)) == 2.0
-    assert fair_weight(None) == 1.0
-
-
 @given(
     st.integers(0, 10**15),
     st.integers(1, 366 * 86400),
-    st.none() | st.floats(0.01, 100),
 )
-def test_the_label_gives_back_what_the_parser_takes(
-    micro: int, period: int, weight: float | None
-) -> None:
+def test_the_label_gives_back_what_the_parser_takes(micro: int, period: int) -> None:
     """One renderer for the CLI and the console: its budget and period read back exactly."""
-    limits = Limits(rpm=60, budget_micro_usd=micro, budget_period_s=period, weight=weight)
+    limits = Limits(rpm=60, budget_micro_usd=micro, budget_period_s=period)
     shown = dict(part.split("=", 1) for part in limits_label(limits).split())
     dollars, _, when = shown["budget"].removeprefix("$").partition("/")
     again = parse_limits({"rpm": shown["rpm"], "budget_usd": dollars, "budget_period": when})
@@ -436,13 +416,12 @@ def test_an_edit_sets_what_it_names_and_keeps_the_rest() -> None:
     assert parse_limits_edit({"budget_usd": "7.5"}).apply(SET_EARLIER) == Limits(
         rpm=60, input_tpm=1000, budget_micro_usd=7_500_000, budget_period_s=86400
     )
-    assert parse_limits_edit({"weight": 2}).apply(None) == Limits(weight=2)
 
 
 def test_an_edit_clears_what_it_names_and_the_budget_as_one() -> None:
     assert parse_limits_edit({}, ["budget", "rpm"]).apply(SET_EARLIER) == Limits(input_tpm=1000)
     assert parse_limits_edit({}, ["input_tpm"]).apply(Limits(input_tpm=5)) is None  # all gone
-    assert parse_limits_edit({}, ["weight"]).apply(None) is None  # nothing to clear: fine
+    assert parse_limits_edit({}, ["rpm"]).apply(None) is None  # nothing to clear: fine
 
 
 def test_an_edit_that_cannot_hold_is_refused_with_its_field() -> None:

@@ -63,8 +63,9 @@ def accept_queue(port: int) -> int:
     return 0
 
 
-def worker_pids(parent: int) -> dict[int, int]:
-    """Worker index -> pid of the parent's running workers (from /proc; zombies left out)."""
+def worker_pids(parent: int, module: bytes = b"saltgate.serving.worker") -> dict[int, int]:
+    """Worker index -> pid of the parent's running workers, `python -m module` (from
+    /proc; zombies left out)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -74,7 +75,7 @@ def worker_pids(parent: int) -> dict[int, int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if int(ppid) == parent and state != "Z" and b"saltgate.serving.worker" in argv:
+        if int(ppid) == parent and state != "Z" and module in argv:
             found[int(argv[argv.index(b"--index") + 1])] = int(entry.name)
     return found
 

@@ -165,6 +165,6 @@ def test_admin_tokens_cli(
         TenantStore(db).archive_tenant("acme")
     finally:
         db.close()
-    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tlimits none\tarchived")
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tlimits none\tweight 1\tarchived")
     code, _, err = _saltgate(capsys, "keys", "create", "acme", *c)
     assert code == 1 and "tenant acme is archived" in err

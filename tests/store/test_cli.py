@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from saltgate.cli import main
+from saltgate.governance.limits import Limits
 from saltgate.store.backends import open_gateway_store
 from saltgate.store.ledger import UsageRecord, new_request_id
 from saltgate.store.settings import StoreSettings
@@ -56,18 +57,20 @@ def test_admin_commands_work_on_the_configured_store(
     code, tenants, _ = _saltgate(capsys, "tenants", "list", *c)
     tenant_id = tenants.split("\t")[0]
     assert _saltgate(capsys, "tenants", "rotate-salt", "acme", *c)[1].endswith("epoch 1")
-    assert tenants.endswith("\tmodels all\tlimits none")
+    assert tenants.endswith("\tmodels all\tlimits none\tweight 1")
     set_models = ("tenants", "set-models", "acme")
     assert _saltgate(capsys, *set_models, "m2, m1", *c)[1] == "tenant acme may use models m1,m2"
     assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(
-        "\tepoch 1\tmodels m1,m2\tlimits none"
+        "\tepoch 1\tmodels m1,m2\tlimits none\tweight 1"
     )
     code, _, err = _saltgate(capsys, *set_models, " , ", *c)
     assert code == 1 and "invalid model list" in err
     with pytest.raises(SystemExit):  # a list or --all, not both
         main([*set_models, "m1", "--all", *c])
     assert _saltgate(capsys, *set_models, "--all", *c)[1] == "tenant acme may use models all"
-    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tmodels all\tlimits none")
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(
+        "\tmodels all\tlimits none\tweight 1"
+    )
 
     set_limits = ("tenants", "set-limits", "acme")
     code, out, _ = _saltgate(
@@ -88,9 +91,9 @@ def test_admin_commands_work_on_the_configured_store(
         *c,
     )
     expected = "rpm=60 input_tpm=10000 output_tpm=2000 concurrency=4 budget=$12.5/30d"
-    assert (code, out.splitlines()[0]) == (0, f"tenant acme limits {expected}")
+    assert (code, out.splitlines()[0]) == (0, f"tenant acme limits {expected}\tweight 1")
     assert out.splitlines()[1].startswith("enforced: exactly")  # how they are held, in words
-    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(f"\tlimits {expected}")
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(f"\tlimits {expected}\tweight 1")
     for bad, message in (
         (("--budget-usd", "0.0000001", "--budget-period", "1d"), "at most 6 decimals"),
         (("--budget-usd", "5", "--budget-period", "soon"), "budget_period must be a duration"),
@@ -103,15 +106,15 @@ def test_admin_commands_work_on_the_configured_store(
     ):
         code, _, err = _saltgate(capsys, *set_limits, *bad, *c)
         assert code == 1 and message in err, (bad, err)
-    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(f"\tlimits {expected}")
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith(f"\tlimits {expected}\tweight 1")
     # An edit: what is named changes, the rest stays (issue 42: it was all replaced).
     code, out, _ = _saltgate(capsys, *set_limits, "--rpm", "10", "--budget-usd", "5", *c)
     edited = "rpm=10 input_tpm=10000 output_tpm=2000 concurrency=4 budget=$5/30d"
-    assert (code, out.splitlines()[0]) == (0, f"tenant acme limits {edited}")
+    assert (code, out.splitlines()[0]) == (0, f"tenant acme limits {edited}\tweight 1")
     code, out, _ = _saltgate(capsys, *set_limits, "--clear", "budget", "--clear", "rpm", *c)
     assert (code, out.splitlines()[0]) == (
         0,
-        "tenant acme limits input_tpm=10000 output_tpm=2000 concurrency=4",
+        "tenant acme limits input_tpm=10000 output_tpm=2000 concurrency=4\tweight 1",
     )
     code, _, err = _saltgate(capsys, *set_limits, "--budget-usd", "5", *c)
     assert code == 1 and "a budget needs both" in err  # no period left to keep
@@ -122,9 +125,9 @@ def test_admin_commands_work_on_the_configured_store(
     assert first_line.endswith("\tpriority interactive\tlimits rpm=5")
     assert (
         _saltgate(capsys, *set_limits, "--clear", *c)[1].splitlines()[0]
-        == "tenant acme limits none"
+        == "tenant acme limits none\tweight 1"
     )
-    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tlimits none")
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tlimits none\tweight 1")
 
     async def meter() -> None:
         store = await open_gateway_store(store_settings)
@@ -190,19 +193,23 @@ def test_an_unreachable_store_is_one_line_not_a_traceback(
 def test_a_tenants_weight_is_set_listed_and_refused_on_keys(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`tenants set-limits NAME --weight W`: kept with the limits, listed, and reaching the
-    gateway's principal (a weight alone is no limit: admission stays skipped); a bad
-    weight and a weight on a key are one clear line each."""
+    """`tenants set-limits NAME --weight W` still sets the weight, now the tenant's own
+    setting beside its limits (issue 42): an edit of the limits keeps it, setting it keeps
+    the limits, `--clear weight` puts it back to 1 and a bare `--clear` (every limit) leaves
+    it; it is listed and reaches the gateway's principal (a weight alone is no limit:
+    admission stays skipped); a bad weight and a weight on a key are one clear line each."""
     c = ("--state-dir", str(tmp_path / "state"))
     assert _saltgate(capsys, "tenants", "create", "acme", *c)[0] == 0
     code, key, _ = _saltgate(capsys, "keys", "create", "acme", *c)
     assert code == 0
     set_limits = ("tenants", "set-limits", "acme")
     code, out, _ = _saltgate(capsys, *set_limits, "--weight", "2", *c)
-    assert (code, out.splitlines()[0]) == (0, "tenant acme limits weight=2")
-    code, out, _ = _saltgate(capsys, *set_limits, "--rpm", "60", "--weight", "0.5", *c)
-    assert (code, out.splitlines()[0]) == (0, "tenant acme limits rpm=60 weight=0.5")
-    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tlimits rpm=60 weight=0.5")
+    assert (code, out.splitlines()[0]) == (0, "tenant acme limits none\tweight 2")
+    code, out, _ = _saltgate(capsys, *set_limits, "--rpm", "60", *c)  # the weight stays
+    assert (code, out.splitlines()[0]) == (0, "tenant acme limits rpm=60\tweight 2")
+    code, out, _ = _saltgate(capsys, *set_limits, "--weight", "0.5", *c)  # the rpm stays
+    assert (code, out.splitlines()[0]) == (0, "tenant acme limits rpm=60\tweight 0.5")
+    assert _saltgate(capsys, "tenants", "list", *c)[1].endswith("\tlimits rpm=60\tweight 0.5")
     # 5e-324 broke the fair queue for every tenant (issue 41 finding 1).
     for bad in ("0", "-1", "nan", "inf", "abc", "5e-324", "1e308"):
         code, _, err = _saltgate(capsys, *set_limits, "--weight", bad, *c)
@@ -211,26 +218,30 @@ def test_a_tenants_weight_is_set_listed_and_refused_on_keys(
     assert code == 1 and "give at least one" in err
     code, _, err = _saltgate(capsys, *set_limits, "--weight", "2", "--clear", *c)
     assert code == 1 and "--clear alone" in err
+    code, _, err = _saltgate(capsys, *set_limits, "--weight", "2", "--clear", "weight", *c)
+    assert code == 1 and "weight is both set and cleared" in err
     key_id = _saltgate(capsys, "keys", "list", *c)[1].split("\t")[0]
-    code, _, err = _saltgate(capsys, "keys", "set-limits", key_id, "--weight", "2", *c)
-    assert code == 1 and "a key cannot set it" in err and "\n" not in err
+    for given in (("--weight", "2"), ("--clear", "weight")):
+        code, _, err = _saltgate(capsys, "keys", "set-limits", key_id, *given, *c)
+        assert code == 1 and "a key cannot set it" in err and "\n" not in err, given
     assert _saltgate(capsys, "keys", "list", *c)[1].endswith("\tlimits none")
-    # An edit keeps rpm=60 unless cleared: a weight alone is left.
     code, out, _ = _saltgate(capsys, *set_limits, "--weight", "3", "--clear", "rpm", *c)
-    assert (code, out.splitlines()[0]) == (0, "tenant acme limits weight=3")
+    assert (code, out.splitlines()[0]) == (0, "tenant acme limits none\tweight 3")
 
-    async def principal() -> tuple[float | None, bool]:
+    async def principal() -> tuple[float, Limits | None, bool]:
         store = await open_gateway_store(StoreSettings.in_state_dir(tmp_path / "state"))
         found = store.keys.authenticate(key)
         await store.aclose()
-        assert found is not None and found.limits is not None
-        return found.limits.weight, found.limited
+        assert found is not None
+        return found.weight, found.limits, found.limited
 
-    assert asyncio.run(principal()) == (3.0, False)
-    assert (
-        _saltgate(capsys, *set_limits, "--clear", *c)[1].splitlines()[0]
-        == "tenant acme limits none"
-    )
+    assert asyncio.run(principal()) == (3.0, None, False)
+    _saltgate(capsys, *set_limits, "--rpm", "5", *c)
+    code, out, _ = _saltgate(capsys, *set_limits, "--clear", *c)  # every limit; not the weight
+    assert (code, out.splitlines()[0]) == (0, "tenant acme limits none\tweight 3")
+    code, out, _ = _saltgate(capsys, *set_limits, "--clear", "weight", *c)
+    assert (code, out.splitlines()[0]) == (0, "tenant acme limits none\tweight 1")
+    assert asyncio.run(principal()) == (1.0, None, False)
 
 
 def test_admin_commands_without_a_store_refuse_instead_of_making_one(

@@ -106,7 +106,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     late_id, late_key = tenants.create_key("beta")  # revoked between the two passes
     tenants.rotate_salt("beta")
     tenants.set_models("acme", ["m"])
-    tenants.set_limits("acme", Limits(rpm=60, budget_micro_usd=5, budget_period_s=86400))
+    tenants.set_limits("acme", Limits(rpm=60, budget_micro_usd=5, budget_period_s=86400), 2.5)
     tenants.set_key_limits(acme_key_id, Limits(concurrency=2))
     _, batch_key = tenants.create_key("acme", "batch")
     tokens = AdminTokens(src)
@@ -155,9 +155,9 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     for sql in (*SMALL_SQL, "SELECT * FROM audit_log"):
         assert _rows(dst, sql) == _rows(src, sql)
     assert verify_chain(dst).checked == int(audited) > 0  # the chain moved intact
-    assert TenantStore(dst).get_tenant("acme").limits == Limits(
-        rpm=60, budget_micro_usd=5, budget_period_s=86400
-    )
+    copied = TenantStore(dst).get_tenant("acme")
+    assert copied.limits == Limits(rpm=60, budget_micro_usd=5, budget_period_s=86400)
+    assert copied.weight == 2.5  # the tenant's own setting moves with it (issue 42)
     assert _rows(dst, PRICES_SQL) == _rows(src, PRICES_SQL)
     assert _rows(dst, MODEL_PRICES_SQL) == _rows(src, MODEL_PRICES_SQL) != set()
     legacy = LEGACY_REQUEST_ID.format(legacy_id)
@@ -188,7 +188,7 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     tokens.revoke(late_token_id)
     src.execute(KEY_USE_UPSERT, (acme_key_id, 2500.0))
     tenants.rotate_salt("acme")
-    tenants.set_limits("acme", None)
+    tenants.set_limits("acme", None, 4.0)
     PriceStore(src).set("m", Price(3.0, 0.3, 6.0))
     since = ("--since", "1970-01-01T00:16:40")  # ts 1000: the first pass's rows too
     code, out, err = _saltgate(capsys, "store", "copy", "--from", source.url, *to, *since)
@@ -202,7 +202,8 @@ def test_copy_moves_a_sqlite_store_to_postgresql_and_keys_keep_working(
     assert _authenticates(dst, acme_key) == (acme.id, 1, "interactive")
     assert _admin(dst, late_token) is None
     assert last_used(dst, [acme_key_id]) == {acme_key_id: 2500.0}
-    assert TenantStore(dst).get_tenant("acme").limits is None
+    copied = TenantStore(dst).get_tenant("acme")
+    assert (copied.limits, copied.weight) == (None, 4.0)
 
     # And back: PostgreSQL to a new SQLite file, the same rows.
     back = StoreSettings.sqlite(tmp_path / "back.db")

@@ -2,10 +2,13 @@
 
 A store at schema version 10 (built here from the migrations themselves, with a tenant
 and a key in it) is refused by the gateway and by every admin command, unchanged, with
-a message naming `saltgate store migrate`, exit status 2; `store status` lists the step to
-11 and exits 3; `store migrate` brings it to 11 (SQLite: after an online backup), again
+a message naming `saltgate store migrate`, exit status 2; `store status` lists the steps
+to 12 and exits 3; `store migrate` brings it to 12 (SQLite: after an online backup), again
 is a no-op, and the commands then work with the tenant and its key as they were. On both
 backends. Before the change any command migrated the store silently.
+
+Version 12 (issue 42) moves each tenant's weight out of its stored limits into its own
+column: a weight set before the migration survives it, on both backends.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -40,10 +44,14 @@ from saltgate.store.sqlite import read_schema_version
 from saltgate.store.tenants import hash_api_key, new_api_key
 
 OLD = 10
-STEP_11 = "11: responses kept on replicas: their owners (add table responses)"
+STEPS = (
+    "11: responses kept on replicas: their owners (add table responses)",
+    "12: tenants: the fair-share weight beside the limits (add column tenants.weight; move "
+    "each weight stored in tenants.limits into tenants.weight)",
+)
 KEY = new_api_key()
 MIGRATE_HINT = "saltgate store migrate"
-assert SCHEMA_VERSION == OLD + 1  # when 12 comes, STEP_11 becomes the steps from 10 to 12
+assert OLD + len(STEPS) == SCHEMA_VERSION  # a new version adds its step to STEPS
 
 
 def _up_to(migrations: tuple[Migration, ...], version: int) -> list[Migration]:
@@ -156,7 +164,7 @@ def test_an_older_store_is_refused_until_store_migrate(
     code, out, _ = run(capsys, "store", "status", *c)
     assert code == 3
     assert f"schema version: {OLD}" in out and f"this saltgate: {SCHEMA_VERSION}" in out
-    assert out.splitlines()[-1] == f"  {STEP_11}"
+    assert out.splitlines()[-len(STEPS) :] == [f"  {step}" for step in STEPS]
     code, out, _ = run(capsys, "store", "status", "--json", *c)
     assert code == 3
     assert json.loads(out) == {
@@ -165,13 +173,14 @@ def test_an_older_store_is_refused_until_store_migrate(
         "schema_version": OLD,
         "expected_version": SCHEMA_VERSION,
         "state": "pending",
-        "steps": [STEP_11],
+        "steps": list(STEPS),
     }
 
     # migrate: to the current version; on SQLite after a backup of the old store.
     code, out, err = run(capsys, "store", "migrate", *c)
     assert (code, err) == (0, "")
-    assert f"from schema version {OLD} to {SCHEMA_VERSION}" in out and STEP_11 in out
+    assert f"from schema version {OLD} to {SCHEMA_VERSION}" in out
+    assert all(step in out for step in STEPS)
     if store_settings.backend == "sqlite":
         assert store_settings.sqlite_path is not None
         backup = store_settings.sqlite_path.with_name(f"saltgate.db.pre-v{SCHEMA_VERSION}")
@@ -271,7 +280,7 @@ def test_every_migration_is_described_in_words(migrations: tuple[Migration, ...]
     assert [int(step.split(":")[0]) for step in steps] == [m.version for m in migrations]
     assert all(step.endswith(")") and " (" in step for step in steps), steps
     assert migration_steps(migrations, SCHEMA_VERSION) == ()
-    assert migration_steps(migrations, OLD) == (STEP_11,)
+    assert migration_steps(migrations, OLD) == STEPS
 
 
 @pytest.mark.unit
@@ -288,3 +297,69 @@ def test_what_the_steps_say() -> None:
         "add trigger t on usage"
     )
     assert statement_words("DROP TABLE usage") is None  # part of the rebuild above
+
+
+# Version 11 stores as saltgate left them: the weight inside each tenant's limits JSON.
+# (limits as stored, the limits and weight after the migration)
+WEIGHTED = {
+    "acme": ('{"rpm": 60, "weight": 2.5}', {"rpm": 60}, 2.5),
+    "beta": ('{"weight": 3}', None, 3.0),  # a weight alone: no limits left
+    "gamma": ('{"rpm": 5}', {"rpm": 5}, 1.0),  # never weighted: the default
+    "delta": (None, None, 1.0),
+    "omega": ('{"weight": 1e308}', None, 100.0),  # stored before the bounds: held to them
+}
+
+
+def _execute(
+    settings: StoreSettings, sql: str, params: tuple[object, ...] = ()
+) -> list[tuple[Any, ...]]:
+    if settings.backend == "sqlite":
+        assert settings.sqlite_path is not None
+        with sqlite3.connect(settings.sqlite_path) as conn:
+            return conn.execute(sql, params).fetchall()
+    with psycopg.connect(conninfo(settings), autocommit=True) as pg:
+        cur = pg.execute(sql.replace("?", "%s"), params)
+        return cur.fetchall() if cur.description else []
+
+
+def test_a_weight_set_before_version_12_survives_the_migration(
+    store_settings: StoreSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 42: a tenant's weight was stored in its limits JSON; `store migrate` moves it
+    into tenants.weight and out of the JSON (limits left empty are NULL), so the tenant
+    keeps its share, its limits, and its key's principal carries the weight."""
+    old_store(store_settings, OLD + 1)
+    _execute(
+        store_settings, "UPDATE tenants SET limits = ? WHERE id = 'tn_0'", (WEIGHTED["acme"][0],)
+    )
+    for i, name in enumerate(n for n in WEIGHTED if n != "acme"):
+        _execute(
+            store_settings,
+            "INSERT INTO tenants (id, name, epoch, created_at, limits) VALUES (?, ?, 0, 1.0, ?)",
+            (f"tn_{i + 1}", name, WEIGHTED[name][0]),
+        )
+    c = ("--config", str(write_config(store_settings, tmp_path)))
+    code, out, _ = run(capsys, "store", "status", *c)
+    assert code == 3 and out.splitlines()[-1] == f"  {STEPS[-1]}"
+    assert run(capsys, "store", "migrate", "--no-backup", *c)[0] == 0
+
+    rows = _execute(store_settings, "SELECT name, limits, weight FROM tenants")
+    stored = {name: (None if limits is None else json.loads(limits), w) for name, limits, w in rows}
+    assert stored == {name: (limits, weight) for name, (_, limits, weight) in WEIGHTED.items()}
+    code, out, _ = run(capsys, "tenants", "list", *c)
+    assert code == 0
+    listed = {line.split("\t")[1]: line.split("\t")[-2:] for line in out.splitlines()}
+    assert listed["acme"] == ["limits rpm=60", "weight 2.5"]
+    assert listed["beta"] == ["limits none", "weight 3"]
+    assert listed["omega"] == ["limits none", "weight 100"]
+
+    async def principal() -> tuple[float, bool]:
+        store = await open_gateway_store(store_settings)
+        try:
+            found = store.keys.authenticate(KEY)
+            assert found is not None and found.tenant_name == "acme"
+            return found.weight, found.limited
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(principal()) == (2.5, True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import math
 import multiprocessing
 import re
 import sqlite3
@@ -25,9 +27,11 @@ from tests.support.leaks import leaks
 from tests.support.waiting import eventually_blocking
 
 from saltgate.governance.limits import Limits
+from saltgate.store.audit import list_entries
 from saltgate.store.backends import migrate_store, open_database
 from saltgate.store.errors import (
     ConflictError,
+    InvalidInputError,
     KeyNotFoundError,
     KeyRevokedError,
     StoreError,
@@ -329,6 +333,39 @@ def test_limits_on_either_backend(store_settings: StoreSettings) -> None:
             store.set_limits("nobody", limits)
         with pytest.raises(KeyNotFoundError):
             store.set_key_limits("key_000000000000", limits)
+
+
+def test_a_tenants_weight_on_either_backend(store_settings: StoreSettings) -> None:
+    """The weight is the tenant's own column (issue 42): 1 for a new tenant, set alone or
+    with the limits in one change (which keeps it when not given), bounded, audited, and
+    carried by every key's principal; the limits never hold it."""
+    db = open_database(store_settings)
+    with TenantStore(db) as store:
+        assert store.create_tenant("acme").weight == 1.0
+        _, key = store.create_key("acme")
+        [(before,)] = db.query("SELECT auth_generation FROM meta")
+        assert store.set_weight("acme", 2.5).weight == 2.5
+        [(after,)] = db.query("SELECT auth_generation FROM meta")
+        assert after > before  # every gateway follows
+        limits = Limits(rpm=60)
+        tenant = store.set_limits("acme", limits)  # the weight kept
+        assert (tenant.limits, tenant.weight) == (limits, 2.5)
+        tenant = store.set_limits("acme", None, 4.0)  # both in one change
+        assert (tenant.limits, tenant.weight) == (None, 4.0)
+        assert db.query("SELECT limits FROM tenants") == [(None,)]
+        for bad in (0.0, -1.0, 5e-324, 100.5, math.nan, math.inf):
+            with pytest.raises(InvalidInputError, match="weight must be a number"):
+                store.set_weight("acme", bad)
+            with pytest.raises(InvalidInputError, match="weight must be a number"):
+                store.set_limits("acme", limits, bad)
+        assert store.get_tenant("acme") == tenant  # nothing changed by the refusals
+        principal = KeySnapshot(db.query(LIVE_KEYS_SQL)).lookup(key)
+        assert principal is not None and (principal.weight, principal.limited) == (4.0, False)
+        [entry] = [e for e in list_entries(db) if e.action == "tenant.weight_set"]
+        assert entry.before is not None and entry.after is not None
+        assert (json.loads(entry.before)["weight"], json.loads(entry.after)["weight"]) == (1, 2.5)
+        with pytest.raises(TenantNotFoundError):
+            store.set_weight("nobody", 2.0)
 
 
 def test_priority_bands_on_either_backend(store_settings: StoreSettings) -> None:

@@ -36,7 +36,8 @@ Target `saltgate-tls` is saltgate serving HTTPS itself (TLS at the edge, `[gatew
 tls_cert_file`, a certificate made for the run); wrk then speaks HTTPS over its kept-alive
 connections, so beside `saltgate` in the same run it gives what TLS costs per request.
 
-`--saltgate-workers N` runs `saltgate serve --workers N`. Then every router, saltgate and
+`--saltgate-workers N` runs `saltgate serve --workers N` (and `saltgate epp --workers N`
+for envoy-epp). Then every router, saltgate and
 the peers alike, may use every CPU of the machine (smg sizes its threads to them), while
 wrk and the backend stay on the load CPU: on a 2-core machine the routers get both cores
 and share the load core with wrk and the backend, which is what a gateway using "every
@@ -478,6 +479,8 @@ class Bench:
         )
         config = write_gateway_config(self.workdir / f"epp-{port}.toml", text)
         epp = with_build(self._build_path, epp_argv(config))
+        if (workers := self.o.saltgate_workers) > 1:
+            epp = [*epp, "--workers", str(workers)]
         envoy = envoy_argv(epp, self.workdir / f"envoy-{port}.yaml")
         behind = self.spawn("saltgate-epp", pinned(self.tools, self.o.router_cpus, epp))
         front = self.spawn("envoy", pinned(self.tools, self.o.router_cpus, envoy))
@@ -785,8 +788,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="run `saltgate serve --workers N`; with N > 1 every router may use every CPU "
-        "(wrk and the backend stay on --load-cpu)",
+        help="run `saltgate serve --workers N` (envoy-epp: `saltgate epp --workers N`); with "
+        "N > 1 every router may use every CPU (wrk and the backend stay on --load-cpu)",
     )
     p.add_argument(
         "--limited",

@@ -37,6 +37,7 @@ from saltgate.governance.limits import (
     json_limits_edit,
     parse_limits,
 )
+from saltgate.governance.weight import WEIGHT, split_weight
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError
 from saltgate.prices import Price, price_from_fields
@@ -130,19 +131,23 @@ def page(found: Page[Any], last: str) -> dict[str, Any]:
     }
 
 
-def _limits(body: dict[str, Any]) -> Limits | None:
+def _limits(body: dict[str, Any], *, tenant: bool) -> tuple[Limits | None, float | None]:
     """Limits from a JSON body (parse_limits: the stored field names, or budget_usd and
-    budget_period); an empty object clears them."""
+    budget_period; an empty object clears them), and a tenant's ``weight`` beside them
+    (split_weight: absent, kept; null, 1)."""
     try:
-        return parse_limits(body)
+        given, weight = split_weight(body, tenant=tenant)
+        return parse_limits(given), weight
     except LimitError as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
 
 
-def _limits_edit(body: dict[str, Any]) -> LimitsEdit:
-    """An edit from a JSON merge patch (json_limits_edit)."""
+def _limits_edit(body: dict[str, Any], *, tenant: bool) -> tuple[LimitsEdit, float | None]:
+    """An edit from a JSON merge patch (json_limits_edit), and a tenant's weight as
+    `_limits` takes it."""
     try:
-        return json_limits_edit(body)
+        given, weight = split_weight(body, tenant=tenant)
+        return json_limits_edit(given), weight
     except LimitError as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
 
@@ -280,11 +285,14 @@ class AdminApi:
         return 200, (await self.service.tenants_get(call.caller, call.tenant)).to_dict()
 
     async def _tenants_update(self, call: Call) -> JsonAnswer:
-        """Rename (``name``) and/or choose the models (``models``: a list, or null for all)."""
+        """Rename (``name``), choose the models (``models``: a list, or null for all), set
+        the fair-share ``weight`` (null: 1); any of them."""
         body = call.body()
-        unknown = sorted(set(body) - {"name", "models"})
+        unknown = sorted(set(body) - {"name", "models", WEIGHT})
         if unknown or not body:
-            raise ApiError(400, "give name and/or models (a list of names, or null for all)")
+            raise ApiError(
+                400, "give name, models (a list of names, or null for all) and/or weight"
+            )
         name, models = body.get("name"), body.get("models")
         if "name" in body and not isinstance(name, str):
             raise ApiError(400, "name must be a string", param="name")
@@ -292,7 +300,13 @@ class AdminApi:
             isinstance(models, list) and all(isinstance(m, str) for m in models)
         ):
             raise ApiError(400, "models must be a list of model names, or null", param="models")
-        change = TenantChange(name, "models" in body, None if models is None else tuple(models))
+        try:
+            _, weight = split_weight(body, tenant=True)
+        except LimitError as exc:
+            raise ApiError(400, str(exc), param=exc.field) from None
+        change = TenantChange(
+            name, "models" in body, None if models is None else tuple(models), weight
+        )
         return 200, (await self.service.tenants_update(call.caller, call.tenant, change)).to_dict()
 
     async def _tenants_archive(self, call: Call) -> JsonAnswer:
@@ -302,12 +316,14 @@ class AdminApi:
         return 200, (await self.service.tenants_rotate_salt(call.caller, call.tenant)).to_dict()
 
     async def _tenants_limits(self, call: Call) -> JsonAnswer:
-        limits = _limits(call.body())
-        return 200, (await self.service.tenants_limits(call.caller, call.tenant, limits)).to_dict()
+        limits, weight = _limits(call.body(), tenant=True)
+        t = await self.service.tenants_limits(call.caller, call.tenant, limits, weight)
+        return 200, t.to_dict()
 
     async def _tenants_limits_edit(self, call: Call) -> JsonAnswer:
-        edit = _limits_edit(call.body())
-        return 200, (await self.service.tenants_limits(call.caller, call.tenant, edit)).to_dict()
+        edit, weight = _limits_edit(call.body(), tenant=True)
+        t = await self.service.tenants_limits(call.caller, call.tenant, edit, weight)
+        return 200, t.to_dict()
 
     async def _keys_list(self, call: Call) -> JsonAnswer:
         found = await self.service.keys_list(
@@ -339,11 +355,11 @@ class AdminApi:
         return 201, rotated.to_dict()
 
     async def _keys_limits(self, call: Call) -> JsonAnswer:
-        limits = _limits(call.body())
+        limits, _ = _limits(call.body(), tenant=False)
         return 200, (await self.service.keys_limits(call.caller, call.key, limits)).to_dict()
 
     async def _keys_limits_edit(self, call: Call) -> JsonAnswer:
-        edit = _limits_edit(call.body())
+        edit, _ = _limits_edit(call.body(), tenant=False)
         return 200, (await self.service.keys_limits(call.caller, call.key, edit)).to_dict()
 
     async def _audit_logs_list(self, call: Call) -> JsonAnswer:

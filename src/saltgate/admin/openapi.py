@@ -43,9 +43,9 @@ def _nullable(schema: Schema) -> Schema:
 
 _LIMITS: Final[Schema] = {
     "type": "object",
-    "description": "Each limit from 0 to its bound (docs/admin-api.md); a tenant's weight "
-    "from 0.01 to 100. budget_usd and budget_period are accepted instead of "
-    "budget_micro_usd and budget_period_s. {} clears them.",
+    "description": "Each limit from 0 to its bound (docs/admin-api.md). budget_usd and "
+    "budget_period are accepted instead of budget_micro_usd and budget_period_s. {} clears "
+    "them.",
     "additionalProperties": False,
     "properties": {
         "rpm": {"type": "integer", "minimum": 0, "maximum": 10**9},
@@ -54,7 +54,6 @@ _LIMITS: Final[Schema] = {
         "concurrency": {"type": "integer", "minimum": 0, "maximum": 10**6},
         "budget_micro_usd": {"type": "integer", "minimum": 0, "maximum": 10**15},
         "budget_period_s": {"type": "integer", "minimum": 1, "maximum": 366 * 86400},
-        "weight": {"type": "number", "minimum": 0.01, "maximum": 100},
         "budget_usd": {"type": ["number", "string"]},
         "budget_period": {"type": ["integer", "string"]},
     },
@@ -72,6 +71,26 @@ _LIMITS_PATCH: Final[Schema] = {
     },
 }
 
+# A tenant's fair-share weight (docs/fairness.md): a tenant field, also taken beside its
+# limits in their bodies, as before it was stored apart; null there: back to 1.
+_WEIGHT: Final[Schema] = {"type": "number", "minimum": 0.01, "maximum": 100}
+
+
+def _with_weight(limits: Schema, description: str) -> Schema:
+    properties = {**limits["properties"], "weight": _nullable(_WEIGHT)}
+    return {**limits, "description": description, "properties": properties}
+
+
+_TENANT_LIMITS: Final = _with_weight(
+    _LIMITS,
+    f"{_LIMITS['description']} A weight given sets the tenant's fair-share weight (from "
+    "0.01 to 100; null: 1); absent, it is kept.",
+)
+_TENANT_LIMITS_PATCH: Final = _with_weight(
+    _LIMITS_PATCH,
+    f"{_LIMITS_PATCH['description']} A weight sets the tenant's fair-share weight (null: 1).",
+)
+
 SCHEMAS: Final[dict[str, Schema]] = {
     "Error": _object(
         ("error",),
@@ -85,6 +104,8 @@ SCHEMAS: Final[dict[str, Schema]] = {
     ),
     "Limits": _LIMITS,
     "LimitsPatch": _LIMITS_PATCH,
+    "TenantLimits": _TENANT_LIMITS,
+    "TenantLimitsPatch": _TENANT_LIMITS_PATCH,
     "Me": _object(
         ("object", "id", "scopes", "tenant_id"),
         object=_STR,
@@ -93,7 +114,17 @@ SCHEMAS: Final[dict[str, Schema]] = {
         tenant_id=_NULLABLE_STR,
     ),
     "Tenant": _object(
-        ("object", "id", "name", "epoch", "created_at", "models", "limits", "archived_at"),
+        (
+            "object",
+            "id",
+            "name",
+            "epoch",
+            "created_at",
+            "models",
+            "limits",
+            "weight",
+            "archived_at",
+        ),
         object={"const": "tenant"},
         id=_STR,
         name=_STR,
@@ -101,6 +132,7 @@ SCHEMAS: Final[dict[str, Schema]] = {
         created_at=_NUM,
         models=_nullable({"type": "array", "items": _STR}),
         limits=_nullable(_ref("Limits")),
+        weight=_WEIGHT,
         archived_at=_TIME,
     ),
     "ApiKey": _object(
@@ -223,7 +255,7 @@ OPERATIONS: Final[dict[str, Operation]] = {
     ),
     "tenants_get": Operation("A tenant, by id or name", _ref("Tenant")),
     "tenants_update": Operation(
-        "Rename a tenant and/or choose its models (not with a pinned token)",
+        "Rename a tenant, choose its models, set its fair-share weight (not with a pinned token)",
         _ref("Tenant"),
         body={
             "type": "object",
@@ -234,6 +266,7 @@ OPERATIONS: Final[dict[str, Operation]] = {
                 "models": _nullable(
                     {"type": "array", "items": {"pattern": "^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"}}
                 ),
+                "weight": _nullable(_WEIGHT),
             },
         },
     ),
@@ -242,15 +275,15 @@ OPERATIONS: Final[dict[str, Operation]] = {
     ),
     "tenants_rotate_salt": Operation("A fresh cache namespace for a tenant", _ref("Tenant")),
     "tenants_limits": Operation(
-        "Replace a tenant's limits, budget and weight (not with a pinned token)",
+        "Replace a tenant's limits and budget, set its weight if given (not with a pinned token)",
         _ref("Tenant"),
-        body=_ref("Limits"),
+        body=_ref("TenantLimits"),
     ),
     "tenants_limits_edit": Operation(
         "Edit a tenant's limits, budget and weight: set those given, clear those null, keep "
         "the others (not with a pinned token)",
         _ref("Tenant"),
-        body=_ref("LimitsPatch"),
+        body=_ref("TenantLimitsPatch"),
     ),
     "keys_list": Operation("A tenant's API keys", _list_of("ApiKey"), query=_PAGED),
     "keys_create": Operation(

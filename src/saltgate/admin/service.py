@@ -143,11 +143,13 @@ class PriceCleared:
 
 @dataclass(frozen=True, slots=True)
 class TenantChange:
-    """What `tenants_update` changes: a new name, and/or the models (None: every model)."""
+    """What `tenants_update` changes: a new name, the models (None: every model), the
+    fair-share weight (None: kept); any of them."""
 
     name: str | None = None
     set_models: bool = False
     models: tuple[str, ...] | None = None
+    weight: float | None = None
 
 
 # Store errors as statuses: what the caller can act on. Others (the store did not answer) 503.
@@ -288,19 +290,24 @@ class AdminService:
         )
 
     async def tenants_update(self, caller: Caller, ref: str, change: TenantChange) -> Tenant:
-        """Rename and/or choose the models: the operator's (a pinned token could otherwise
-        lift its own model list, and a rename's 409 would tell it which names exist
-        elsewhere)."""
+        """Rename, choose the models, set the weight: the operator's (a pinned token could
+        otherwise lift its own model list or share, and a rename's 409 would tell it which
+        names exist elsewhere). The weight also needs the scope that sets it with the limits
+        (limits:write), as it did when it was only set there."""
+        if change.weight is not None:
+            self.authorize(caller, "tenants_limits")
 
         def update(db: Database) -> Tenant:
             store = TenantStore(db, actor=caller.actor)
             tenant = _tenant(store, caller, ref)
             if caller.pinned is not None:
-                raise _operator_only("name or models")
+                raise _operator_only("name, models or weight")
             if change.name is not None and change.name != tenant.name:
                 tenant = store.rename_tenant(tenant.id, change.name)
             if change.set_models:
                 tenant = store.set_models(tenant.id, change.models)
+            if change.weight is not None:
+                tenant = store.set_weight(tenant.id, change.weight)
             return tenant
 
         return await self._run(caller, "tenants_update", update)
@@ -326,14 +333,18 @@ class AdminService:
 
         return await self._tenant_change(caller, "tenants_rotate_salt", ref, rotate)
 
-    async def tenants_limits(self, caller: Caller, ref: str, change: LimitsChange) -> Tenant:
-        """A tenant's limits, budget and weight, replaced or edited: the operator's (a
-        pinned token narrows its own keys' limits instead, which the tenant's still bound)."""
+    async def tenants_limits(
+        self, caller: Caller, ref: str, change: LimitsChange, weight: float | None = None
+    ) -> Tenant:
+        """A tenant's limits and budget, replaced or edited, and its weight when given
+        (None: kept; the front ends take it among the limits, governance/weight.py): the
+        operator's (a pinned token narrows its own keys' limits instead, which the tenant's
+        still bound)."""
 
         def apply(store: TenantStore, t: Tenant) -> Tenant:
             if caller.pinned is not None:
                 raise _operator_only("limits, budget or weight")
-            return store.set_limits(t.id, _changed(t.limits, change))
+            return store.set_limits(t.id, _changed(t.limits, change), weight)
 
         return await self._tenant_change(caller, "tenants_limits", ref, apply)
 

@@ -48,7 +48,7 @@ from saltgate.audit.vllm_line import (
     PROMPT_TOKENS_DETAILS,
 )
 from saltgate.config import GatewayConfig, ReplicaConfig
-from saltgate.epp.envoy import fail_open_findings
+from saltgate.epp.envoy import fail_open_findings, replica_choice_findings
 from saltgate.http.tls import client_context
 
 __all__ = [
@@ -100,18 +100,10 @@ def judge_salting_config(config: GatewayConfig) -> Finding:
 def judge_envoy_config(source: str, document: Any) -> list[Finding]:
     """An Envoy configuration in front of `saltgate epp` (docs/epp.md): high for what
     lets a request reach a replica without the EPP (ext_proc `failure_mode_allow: true`,
-    a connection manager without the filter, a route that disables it)."""
+    a connection manager without the filter, a route that disables it); medium for a
+    replicas' cluster where Envoy may choose a replica the EPP did not name."""
     found = fail_open_findings(document)
-    if not found:
-        return [
-            Finding(
-                "envoy-fail-closed",
-                source,
-                Severity.OK,
-                "every route passes the EPP, and Envoy refuses requests while it is down",
-            )
-        ]
-    return [
+    findings = [
         Finding(
             "envoy-fail-closed",
             source,
@@ -121,7 +113,35 @@ def judge_envoy_config(source: str, document: Any) -> list[Finding]:
             "it: the configuration `saltgate epp --envoy-config` prints",
         )
         for finding in found
+    ] or [
+        Finding(
+            "envoy-fail-closed",
+            source,
+            Severity.OK,
+            "every route passes the EPP, and Envoy refuses requests while it is down",
+        )
     ]
+    chosen = replica_choice_findings(document)
+    findings += [
+        Finding(
+            "envoy-replica-choice",
+            source,
+            Severity.MEDIUM,
+            f"{finding}: a request may reach a replica the EPP left out (its isolation "
+            "canary failed, it refuses the gateway's key)",
+            "the override-host policy on the envoy.lb metadata with a fallback that picks "
+            "nothing, as `saltgate epp --envoy-config` prints it",
+        )
+        for finding in chosen
+    ] or [
+        Finding(
+            "envoy-replica-choice",
+            source,
+            Severity.OK,
+            "Envoy sends each request to a replica the EPP named, or to none",
+        )
+    ]
+    return findings
 
 
 def judge_plaintext_upstream(config: GatewayConfig) -> list[Finding]:

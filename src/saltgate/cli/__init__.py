@@ -24,14 +24,16 @@ def _add_audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 class _Version(argparse.Action):
-    """`--version`: the version and which build runs (saltgate/buildinfo.py), looked up
-    only when asked."""
+    """`--version`: the version, which build runs (saltgate/buildinfo.py) and the store
+    schema it reads and writes (what `store status` compares a store with before an
+    upgrade), looked up only when asked."""
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         from saltgate import __version__
         from saltgate.buildinfo import describe
+        from saltgate.store.schema import SCHEMA_VERSION
 
-        print(f"saltgate {__version__} ({describe()})")
+        print(f"saltgate {__version__} ({describe()}; store schema {SCHEMA_VERSION})")
         parser.exit()
 
 
@@ -40,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="saltgate", description="A secure prompt-caching gateway for multi-tenant LLMs."
     )
     parser.add_argument(
-        "--version", action=_Version, nargs=0, help="the version, and whether it is compiled"
+        "--version",
+        action=_Version,
+        nargs=0,
+        help="the version, whether it is compiled, and its store schema",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_gateway(sub)

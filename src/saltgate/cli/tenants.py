@@ -45,11 +45,11 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_tenants_set_models)
     p = tsub.add_parser(
         "set-limits",
-        help="set a tenant's rate limits, budget and fair-share weight (replacing the old "
-        "ones), or --clear them",
+        help="set a tenant's rate limits, budget and fair-share weight (those given; the "
+        "others are kept), or --clear them",
     )
     p.add_argument("name", help="the tenant's name")
-    _limit_args(p)
+    _limit_args(p, tenant=True)
     _state_dir_arg(p)
     p.set_defaults(func=_tenants_set_limits)
 
@@ -75,16 +75,18 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_keys_revoke)
     p = ksub.add_parser(
         "set-limits",
-        help="set a key's own limits, which narrow its tenant's (replacing the old), or --clear",
+        help="set a key's own limits, which narrow its tenant's (those given; the others are "
+        "kept), or --clear them",
     )
     p.add_argument("key_id", help="the key's id, as `keys list` shows it (key_...)")
-    _limit_args(p)
+    _limit_args(p, tenant=False)
     _state_dir_arg(p)
     p.set_defaults(func=_keys_set_limits)
 
 
-def _limit_args(p: argparse.ArgumentParser) -> None:
-    """The options of `tenants set-limits` and `keys set-limits` (docs/limits.md)."""
+def _limit_args(p: argparse.ArgumentParser, *, tenant: bool) -> None:
+    """The options of `tenants set-limits` and `keys set-limits` (docs/limits.md); a
+    tenant's also set its weight (docs/fairness.md), a key's refuse one in words."""
     p.add_argument("--rpm", type=int, help="requests in any 60 s window")
     p.add_argument("--input-tpm", type=int, help="uncached input tokens in any 60 s window")
     p.add_argument("--output-tpm", type=int, help="output tokens in any 60 s window")
@@ -93,8 +95,10 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-period", help="the budget's period, e.g. 30d, 7d, 24h")
     p.add_argument(
         "--weight",
-        help="a tenant's fair share of saturated replicas (default 1; 2: twice a tenant of "
-        "1's; tenants only, docs/fairness.md)",
+        help="the tenant's fair share of saturated replicas (default 1; 2: twice a tenant "
+        "of 1's; docs/fairness.md)"
+        if tenant
+        else argparse.SUPPRESS,  # refused in words: a key has its tenant's share
     )
     p.add_argument(
         "--clear",
@@ -102,8 +106,11 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
         nargs="?",
         const="all",
         metavar="KIND",
-        help="remove one kind: rpm, input_tpm, output_tpm, concurrency, budget, weight "
-        "(repeatable); alone and without KIND: every limit. Kinds not named are kept",
+        help="remove one kind: rpm, input_tpm, output_tpm, concurrency, budget"
+        + (", weight (back to 1)" if tenant else "")
+        + " (repeatable); alone and without KIND: every limit"
+        + (" (the weight stays)" if tenant else "")
+        + ". Kinds not named are kept",
     )
 
 
@@ -121,7 +128,8 @@ def _tenants_list(args: argparse.Namespace) -> int:
         )
         rows = [
             f"{t.id}\t{t.name}\tepoch {t.epoch}\tmodels {_models_label(t.models)}"
-            f"\tlimits {_limits_label(t.limits)}" + ("" if t.archived_at is None else "\tarchived")
+            f"\tlimits {_limits_label(t.limits)}\tweight {t.weight:g}"
+            + ("" if t.archived_at is None else "\tarchived")
             for t in sorted(tenants, key=lambda t: t.name)
         ]
         return "\n".join(rows)
@@ -152,15 +160,20 @@ def _tenants_set_models(args: argparse.Namespace) -> int:
 
 def _tenants_set_limits(args: argparse.Namespace) -> int:
     async def apply(service: AdminService, caller: Caller) -> str:
-        t = await service.tenants_limits(caller, args.name, _limits_from_args(args))
-        return f"tenant {t.name} limits {_limits_label(t.limits)}\n{_enforced(args, t.limits)}"
+        change, weight = _limits_from_args(args, tenant=True)
+        t = await service.tenants_limits(caller, args.name, change, weight)
+        return (
+            f"tenant {t.name} limits {_limits_label(t.limits)}\tweight {t.weight:g}\n"
+            f"{_enforced(args, t.limits)}"
+        )
 
     return _with_service(args, apply)
 
 
 def _keys_set_limits(args: argparse.Namespace) -> int:
     async def apply(service: AdminService, caller: Caller) -> str:
-        k = await service.keys_limits(caller, args.key_id, _limits_from_args(args))
+        change, _ = _limits_from_args(args, tenant=False)
+        k = await service.keys_limits(caller, args.key_id, change)
         return f"key {k.id} limits {_limits_label(k.limits)}\n{_enforced(args, k.limits)}"
 
     return _with_service(args, apply)
@@ -178,12 +191,16 @@ def _enforced(args: argparse.Namespace, limits: Limits | None) -> str:
     return enforced_note(limits, gateways=config.limits_share, cluster=config.cluster is not None)
 
 
-def _limits_from_args(args: argparse.Namespace) -> LimitsChange:
+def _limits_from_args(
+    args: argparse.Namespace, *, tenant: bool
+) -> tuple[LimitsChange, float | None]:
     """The change the options give: an edit (the limits named set, the kinds in --clear
-    removed, every other kept), or none at all for a bare --clear; through the parser the
+    removed, every other kept), or none at all for a bare --clear; and the tenant's weight
+    when --weight or --clear weight names it (1), else None (kept); through the parsers the
     API and the console use. ConfigError (one line on stderr) when wrong."""
     from saltgate.config import ConfigError
-    from saltgate.governance.limits import parse_limits_edit
+    from saltgate.governance.limits import LimitError, parse_limits_edit
+    from saltgate.governance.weight import WEIGHT, split_weight
 
     given = {
         "rpm": args.rpm,
@@ -194,20 +211,28 @@ def _limits_from_args(args: argparse.Namespace) -> LimitsChange:
         "budget_period": args.budget_period,
         "weight": args.weight,
     }
-    named = {k: v for k, v in given.items() if v not in (None, "")}
+    named: dict[str, object] = {k: v for k, v in given.items() if v not in (None, "")}
     clear = set(args.clear or ())
     if "all" in clear:
         if named or len(clear) > 1:
             raise ConfigError("set-limits: give --clear alone to remove every limit")
-        return None
+        return None, None
     if not named and not clear:
         raise ConfigError(
             "set-limits: give at least one of --rpm, --input-tpm, --output-tpm, "
-            "--concurrency, --budget-usd, --budget-period, --weight, --clear"
+            "--concurrency, --budget-usd, --budget-period, "
+            + ("--weight, " if tenant else "")
+            + "--clear"
         )
+    if WEIGHT in clear:  # back to the default: a weight of None, as split_weight takes it
+        if WEIGHT in named:
+            raise ConfigError("set-limits: weight is both set and cleared")
+        clear.discard(WEIGHT)
+        named[WEIGHT] = None
     try:
-        return parse_limits_edit(named, clear)
-    except ValueError as exc:
+        given_limits, weight = split_weight(named, tenant=tenant)
+        return parse_limits_edit(given_limits, clear), weight
+    except LimitError as exc:
         raise ConfigError(f"set-limits: {exc}") from None
 
 

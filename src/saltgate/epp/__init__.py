@@ -4,3 +4,7 @@ Envoy-based gateway (Envoy's ext_proc, the Gateway API Inference Extension's pro
 `envoy` builds the Envoy configuration it ships and checks one (pure); `server` is the
 ext_proc shell around `Gateway.admit` and `Exchange` (docs/epp.md).
 """
+
+from typing import Final
+
+GRPC_OPTIONS: Final = "the EPP's listener: gateway.host, epp.grpc_port"  # in bind errors

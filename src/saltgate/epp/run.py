@@ -11,6 +11,7 @@ from saltgate.config import ConfigError, GatewayConfig
 from saltgate.epp.server import start_epp
 from saltgate.runtime import run_service, until_stopped
 from saltgate.serving import event_log
+from saltgate.serving.admin_listener import admin_scheme
 from saltgate.serving.run import reread_config
 from saltgate.store.errors import StoreError
 
@@ -25,6 +26,9 @@ async def _serve(config: GatewayConfig) -> None:
         f"saltgate: EPP (ext_proc) on {config.host}:{running.port} ({replicas} replicas)",
         flush=True,
     )
+    if running.metrics is not None:
+        where = f"{admin_scheme(config)}://{config.admin_host}:{running.metrics.port}"
+        print(f"saltgate: metrics on {where}/metrics (an admin token with usage:read)")
     path = config.config_file
     if path is not None:
 

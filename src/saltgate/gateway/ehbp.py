@@ -7,6 +7,8 @@ encrypted (for `require_encrypted_secret`). An envelope that does not open is an
 here and nothing is forwarded: 422 problem+json for a body sealed to another key (the
 client refetches the key config and resends), 400 in OpenAI's error shape otherwise.
 Bodyless requests and requests without `Ehbp-Encapsulated-Key` pass through in plaintext.
+The opening (`EhbpOpener`) is shared with the EPP (saltgate/epp), which seals the answer
+Envoy relays chunk by chunk with the same `Opened.sealer`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -32,6 +35,7 @@ from saltgate.ehbp.frames import (
     EhbpError,
     KeyConfigError,
     Keyring,
+    OpenedRequest,
     ReplayGuard,
     ResponseSealer,
     ServerKey,
@@ -65,33 +69,51 @@ def plaintext_secret_refused() -> ApiError:
     )
 
 
-class EhbpEdge:
-    """The HTTP server's handler when EHBP is on; `keyring` may be replaced to rotate."""
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """An EHBP request opened: the plaintext request the gateway's policy sees (the
+    envelope's framing headers dropped) and what seals its answer."""
+
+    request: Request
+    sealing: OpenedRequest
+
+    def sealer(self) -> tuple[tuple[bytes, bytes], ResponseSealer]:
+        """A fresh response nonce's header, and the sealer its answer's frames use."""
+        nonce = secrets.token_bytes(RESPONSE_NONCE_BYTES)
+        return (_NONCE_HEADER, nonce.hex().encode()), self.sealing.response_sealer(nonce)
+
+
+class EhbpOpener:
+    """The keys, the replay guard and the outcome count: what serves the key config and
+    opens encrypted requests, for the gateway's edge and for the EPP (saltgate/epp) alike.
+    `keyring` may be replaced to rotate."""
 
     def __init__(
-        self,
-        handle: BodyHandler,
-        keyring: Keyring,
-        metrics: Metrics,
-        *,
-        replay: ReplayGuard | None = None,
+        self, keyring: Keyring, metrics: Metrics, *, replay: ReplayGuard | None = None
     ) -> None:
-        self._handle = handle
         self.keyring = keyring
         self.metrics = metrics
         self.replay = replay or ReplayGuard()
         metrics.describe(_OUTCOMES, "counter", "EHBP-encrypted requests by outcome.")
 
-    async def handle(self, request: Request) -> Response:
-        if request.path == _KEYS_PATH and request.method == b"GET":
-            return Response(
-                200,
-                [(b"content-type", KEYS_MEDIA_TYPE.encode()), (b"cache-control", b"no-cache")],
-                self.keyring.current.config.encode(),
-            )
+    def key_config(self, request: Request) -> Response | None:
+        """The answer to `GET /.well-known/hpke-keys` (the key clients seal to); None for
+        any other request."""
+        if request.path != _KEYS_PATH or request.method != b"GET":
+            return None
+        return Response(
+            200,
+            [(b"content-type", KEYS_MEDIA_TYPE.encode()), (b"cache-control", b"no-cache")],
+            self.keyring.current.config.encode(),
+        )
+
+    def open(self, request: Request) -> Opened | Response | None:
+        """The request opened; None for a plaintext one (bodyless, or without
+        `Ehbp-Encapsulated-Key`); the refusal, in plaintext, for an envelope that does not
+        open: 422 problem+json for another key, 400 otherwise."""
         values = [v for n, v in request.headers if n == _ENC_HEADER]
         if not values or not request.body:
-            return await self._handle(request, False)
+            return None
         try:
             if len(values) > 1:
                 raise EhbpError(f"send exactly one {ENCAPSULATED_KEY_HEADER} header")
@@ -119,15 +141,40 @@ class EhbpEdge:
             opened.plaintext,
             request.client,
         )
-        response = await self._handle(inner, True)
-        nonce = secrets.token_bytes(RESPONSE_NONCE_BYTES)
-        headers = [(n, v) for n, v in response.headers if n != b"content-length"]
-        headers.append((_NONCE_HEADER, nonce.hex().encode()))
-        sealed = _Sealed(response, opened.response_sealer(nonce))
-        return Response(response.status, headers, stream=sealed)
+        return Opened(inner, opened)
 
     def _count(self, outcome: str) -> None:
         self.metrics.inc(_OUTCOMES, (("outcome", outcome),))
+
+
+class EhbpEdge(EhbpOpener):
+    """The HTTP server's handler when EHBP is on."""
+
+    def __init__(
+        self,
+        handle: BodyHandler,
+        keyring: Keyring,
+        metrics: Metrics,
+        *,
+        replay: ReplayGuard | None = None,
+    ) -> None:
+        super().__init__(keyring, metrics, replay=replay)
+        self._handle = handle
+
+    async def handle(self, request: Request) -> Response:
+        keys = self.key_config(request)
+        if keys is not None:
+            return keys
+        opened = self.open(request)
+        if opened is None:
+            return await self._handle(request, False)
+        if isinstance(opened, Response):
+            return opened
+        response = await self._handle(opened.request, True)
+        nonce, sealer = opened.sealer()
+        headers = [(n, v) for n, v in response.headers if n != b"content-length"]
+        headers.append(nonce)
+        return Response(response.status, headers, stream=_Sealed(response, sealer))
 
 
 class _Sealed:

@@ -432,6 +432,14 @@ class Exchange:
         self._attempt = attempt
         return attempt
 
+    def moved(self, attempt: Attempt) -> None:
+        """The proxy retried the request on another replica, which answers it: the first
+        attempt failed (told, counted, freed) and ``attempt`` is the exchange's now."""
+        self._failed()
+        if self._attempt is not None:
+            self._attempt.close()
+        self._attempt = attempt
+
     def unserved(self) -> None:
         """No replica could take the request: its reservations freed, nothing recorded
         (as `forward` does when the first attempt finds none)."""
@@ -445,6 +453,12 @@ class Exchange:
     async def end(self, status: int, usage: Usage | None = None) -> None:
         """The relayed exchange is over: the same one ending as the gateway's own."""
         await self._end(status, usage)
+
+    async def keep(self, data: bytes) -> None:
+        """[responses] store: record the response id relayed data carries, once, before
+        it is released (as `forward` does)."""
+        if self._keep is not None:
+            await self._kept(data)
 
     async def aclose(self) -> None:
         """The HTTP server is done with the body. Before its end that means the client

@@ -46,7 +46,6 @@ from saltgate.governance.fairness import (
     Waiter,
 )
 from saltgate.governance.kinds import band_of
-from saltgate.governance.limits import fair_weight
 from saltgate.governance.placement import placeable
 from saltgate.http import Client
 from saltgate.policy.errors import ApiError
@@ -137,7 +136,7 @@ class FairShare:
         future, a waiter or a timer; only a request that must wait queues."""
         now = time.monotonic()
         band = band_of(principal.priority)
-        weight = fair_weight(principal.limits)
+        weight = principal.weight
         if not len(self.queue):
             usable = replicas.router.usable(plan.model, now)
             if not usable:

@@ -272,11 +272,16 @@ class ReplicaSet:
         """The replica to try next for ``plan`` (skipping ``tried``), counted as busy with
         the request until the attempt is closed; None when no replica is available.
         ``usable``: the router's usable replicas for it, when the caller has them."""
+        replica_id = self.router.pick(plan, time.monotonic(), tried, usable)
+        return None if replica_id is None else self.attempt_on(plan, replica_id)
+
+    def attempt_on(self, plan: Plan, replica_id: ReplicaId) -> Attempt | None:
+        """``plan``'s attempt on a replica chosen elsewhere (Envoy retried down the EPP's
+        list), counted as `acquire` counts its pick; None if the replica is gone."""
+        if replica_id not in self._replicas:
+            return None
         router = self.router
         now = time.monotonic()
-        replica_id = router.pick(plan, now, tried, usable)
-        if replica_id is None:
-            return None
         prefill = float(plan.uncached_bytes(replica_id))
         at_most = float(plan.uncached_at_most(replica_id))
         router.started(replica_id, now, prefill, at_most)

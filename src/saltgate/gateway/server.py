@@ -294,13 +294,17 @@ class Gateway:
         response.headers.append((b"x-request-id", context.request_id.encode()))
         if response.stream is None:  # a stream ends with its exchange
             context.end(response.status)
-        key = (request.method, response.status)
+        self.counted(request.method, response.status)
+        return response
+
+    def counted(self, method: bytes, status: int) -> None:
+        """A request answered with ``status``, in saltgate_requests_total."""
+        key = (method, status)
         labels = self._request_labels.get(key)
         if labels is None:  # bounded: llhttp knows a fixed set of methods
-            labels = (("method", request.method.decode()), ("status", str(response.status)))
+            labels = (("method", method.decode()), ("status", str(status)))
             self._request_labels[key] = labels
         self.metrics.inc("saltgate_requests_total", labels)
-        return response
 
     def begin(self, request: Request) -> RequestContext:
         """A request's context: its id, client address, access-log line and span."""

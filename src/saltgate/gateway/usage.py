@@ -152,9 +152,10 @@ class SseUsageScanner:
 
 
 # Events of a stream that open it rather than carry output: chat's role delta; Anthropic's
-# message_start, content_block_start and ping; the Responses API's created, in_progress,
+# message_start and content_block_start (vLLM sends no `ping`, unlike Anthropic's API:
+# vllm/entrypoints/anthropic/serving.py); the Responses API's created, in_progress,
 # output_item.added and content_part.added.
-_OPENING_EVENTS: Final = {ROUTE_CHAT: 1, ROUTE_MESSAGES: 3, ROUTE_RESPONSES: 4}
+_OPENING_EVENTS: Final = {ROUTE_CHAT: 1, ROUTE_MESSAGES: 2, ROUTE_RESPONSES: 4}
 
 
 def delivered_usage(route: str, scanner: SseUsageScanner, prompt_estimate: int) -> Usage:

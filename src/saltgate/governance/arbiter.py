@@ -49,7 +49,7 @@ from saltgate.governance.limits import (
     Ticket,
 )
 
-_LIMIT_FIELDS: Final = tuple(f.name for f in fields(Limits) if f.name != "weight")
+_LIMIT_FIELDS: Final = tuple(f.name for f in fields(Limits))
 _SCOPES: Final = tuple(Scope)
 # A line from a worker is at most this long (a budget's spend over a year in minute rollups
 # is about 10 MB); the stream readers of both ends take this limit.

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
 from saltgate.governance.kinds import BANDS, Band
-from saltgate.governance.limits import sane_weight
+from saltgate.governance.weight import sane_weight
 from saltgate.routing import ReplicaId
 
 T = TypeVar("T")

@@ -17,13 +17,11 @@ upper bound of what it cost).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Final
 
 from saltgate.governance.kinds import WINDOWED, LimitKind, Scope, Subject
@@ -56,20 +54,13 @@ def parse_duration(text: str) -> float | None:
     return None if m is None else float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
-KEY_WEIGHT_REFUSED: Final = (
-    "weight is a tenant's fair share of the replicas: set it on the tenant, a key cannot set it"
-)
-
-
 @dataclass(frozen=True, slots=True)
 class Limits:
     """One tenant's or key's limits; None means no limit of that kind.
 
     ``budget_micro_usd`` is spend per ``budget_period_s`` (a sliding period, like the
-    minute of the others), priced as the ledger prices requests (prices.py).
-    ``weight`` is not a limit but the tenant's fair share when the replicas are saturated
-    (docs/fairness.md; None: 1): kept here, in the same stored JSON, so it reaches every
-    gateway as limits do. A tenant's only; a key's limits never hold one.
+    minute of the others), priced as the ledger prices requests (prices.py). A tenant's
+    fair-share weight is not a limit: it is the tenant's own setting (governance/weight.py).
     """
 
     rpm: int | None = None
@@ -78,15 +69,11 @@ class Limits:
     concurrency: int | None = None
     budget_micro_usd: int | None = None
     budget_period_s: int | None = None
-    weight: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "weight":
-                if value is not None and not _positive_number(value):
-                    raise ValueError(f"weight must be a positive number, got {value!r}")
-            elif value is not None and (type(value) is not int or value < 0):
+            if value is not None and (type(value) is not int or value < 0):
                 raise ValueError(f"limit {f.name} must be a non-negative integer, got {value!r}")
         if (self.budget_micro_usd is None) != (self.budget_period_s is None):
             raise ValueError("a budget needs both an amount and a period")
@@ -108,19 +95,19 @@ class Limits:
 
     @classmethod
     def from_json(cls, stored: str | None) -> Limits | None:
-        """Limits from their stored form (None for SQL NULL)."""
-        return None if stored is None else cls(**json.loads(stored))
+        """Limits from their stored form (None for SQL NULL). A ``weight`` there is
+        ignored: it was stored there before schema version 12 (now tenants.weight), and a
+        saltgate of that age still running beside a migrated store may write one."""
+        if stored is None:
+            return None
+        given = json.loads(stored)
+        given.pop("weight", None)
+        return cls(**given)
 
     @property
     def empty(self) -> bool:
-        """True when nothing is set, not even a weight (stored as SQL NULL)."""
+        """True when nothing is set (stored as SQL NULL)."""
         return all(getattr(self, f.name) is None for f in fields(self))
-
-    @property
-    def limiting(self) -> bool:
-        """True when something is limited (else the gateway skips admission entirely: a
-        weight alone is no limit)."""
-        return any(getattr(self, f.name) is not None for f in fields(self) if f.name != "weight")
 
     def windowed(self, kind: LimitKind) -> int | None:
         """The per-minute limit of a windowed kind."""
@@ -143,37 +130,11 @@ class Limits:
             concurrency=part(self.concurrency),
             budget_micro_usd=part(self.budget_micro_usd),
             budget_period_s=self.budget_period_s,
-            weight=self.weight,
         )
-
-
-def _positive_number(value: object) -> bool:
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
-        and value > 0
-    )
-
-
-def fair_weight(limits: Limits | None) -> float:
-    """A tenant's fair share from its limits (1 when they set none), within
-    [MIN_WEIGHT, MAX_WEIGHT] whatever was stored (a weight set before the bounds were)."""
-    return 1.0 if limits is None or limits.weight is None else sane_weight(limits.weight)
-
-
-def sane_weight(weight: float) -> float:
-    """A weight the fair queue can divide by: a non-finite or non-positive one is 1, any
-    other is held within [MIN_WEIGHT, MAX_WEIGHT] (5e-324 would make a charge inf)."""
-    if not (math.isfinite(weight) and weight > 0):
-        return 1.0
-    return min(max(float(weight), MIN_WEIGHT), MAX_WEIGHT)
 
 
 # -- the one parser of limits as operators give them (JSON, forms, argv) -------------------
 
-MIN_WEIGHT: Final = 0.01
-MAX_WEIGHT: Final = 100.0
 # Each limit's largest value: far above any real deployment's, small enough to be exact
 # as a double (the cluster's shared limits count in Redis Lua, in doubles).
 MAX_LIMIT: Final = {
@@ -188,7 +149,7 @@ MICRO_PER_USD: Final = 1_000_000
 # The human forms the CLI and the console take: dollars, and a duration ("30d", or seconds).
 BUDGET_USD: Final = "budget_usd"
 BUDGET_PERIOD: Final = "budget_period"
-LIMIT_NAMES: Final = (*MAX_LIMIT, "weight", BUDGET_USD, BUDGET_PERIOD)
+LIMIT_NAMES: Final = (*MAX_LIMIT, BUDGET_USD, BUDGET_PERIOD)
 _DOLLARS_RE: Final = re.compile(r"\d{1,10}(\.\d{1,6})?")
 
 
@@ -205,14 +166,13 @@ def parse_limits(given: Mapping[str, object]) -> Limits | None:
     fields and command-line options (text); a None or empty value sets nothing. Besides
     the stored names (`Limits`' fields) it takes ``budget_usd`` (dollars, at most 6
     decimals) and ``budget_period`` (a duration such as 30d, 24h, or seconds). Every value
-    is bounded (MAX_LIMIT; a weight in [MIN_WEIGHT, MAX_WEIGHT]). None when nothing is set
+    is bounded (MAX_LIMIT). None when nothing is set
     (clear the limits); LimitError naming the first wrong field."""
     return _build(_parsed_fields(given))
 
 
-# What `--clear` and a JSON null name: a limit, the budget (its amount and period together)
-# or the weight.
-CLEARABLE: Final = ("rpm", "input_tpm", "output_tpm", "concurrency", "budget", "weight")
+# What `--clear` and a JSON null name: a limit, or the budget (its amount and period together).
+CLEARABLE: Final = ("rpm", "input_tpm", "output_tpm", "concurrency", "budget")
 _CLEARED_FIELDS: Final = {"budget": ("budget_micro_usd", "budget_period_s")}
 # The names a JSON null may carry, and the kind each clears.
 _NULL_CLEARS: Final = {
@@ -226,7 +186,7 @@ class LimitsEdit:
     """A change to limits already set: these set, those cleared, every other kept (an
     operator adding an rpm must not lose the budget set last month)."""
 
-    given: Mapping[str, int | float]
+    given: Mapping[str, int]
     clear: frozenset[str]
 
     def apply(self, current: Limits | None) -> Limits | None:
@@ -265,23 +225,23 @@ def json_limits_edit(body: Mapping[str, object]) -> LimitsEdit:
     return parse_limits_edit(given, {_NULL_CLEARS[n] for n in nulls})
 
 
-def _build(fields_: Mapping[str, int | float]) -> Limits | None:
+def _build(fields_: Mapping[str, int]) -> Limits | None:
     """Limits from parsed fields, checked together; None when nothing is set."""
     try:
-        limits = Limits(**fields_)  # type: ignore[arg-type]  # each checked by _parsed_fields
+        limits = Limits(**fields_)
     except ValueError as exc:  # what only the fields together say (a budget needs both)
         raise LimitError(str(exc)) from None
     return None if limits.empty else limits
 
 
-def _parsed_fields(given: Mapping[str, object]) -> dict[str, int | float]:
+def _parsed_fields(given: Mapping[str, object]) -> dict[str, int]:
     """Each given field parsed and bounded, under its stored name; nothing checked across
     fields yet (an edit may give the amount of a budget whose period is already set)."""
     unknown = sorted(set(given) - set(LIMIT_NAMES))
     if unknown:
         raise LimitError(f"unknown limit {unknown[0]!r}: use {', '.join(LIMIT_NAMES)}", unknown[0])
     values = {k: v for k, v in given.items() if v is not None and v != ""}
-    fields_: dict[str, int | float] = {}
+    fields_: dict[str, int] = {}
     for alias, stored, parse in (
         (BUDGET_USD, "budget_micro_usd", _dollars),
         (BUDGET_PERIOD, "budget_period_s", _period),
@@ -291,7 +251,7 @@ def _parsed_fields(given: Mapping[str, object]) -> dict[str, int | float]:
                 raise LimitError(f"give {alias} or {stored}, not both", alias)
             fields_[stored] = parse(values.pop(alias))
     for name, value in values.items():
-        fields_[name] = _weight(value) if name == "weight" else _count(name, value)
+        fields_[name] = _count(name, value)
     for name, most in MAX_LIMIT.items():
         value = fields_.get(name)
         if value is not None and not 0 <= value <= most:
@@ -307,22 +267,6 @@ def _count(name: str, value: object) -> int:
     if type(value) is int:
         return value
     raise LimitError(f"limit {name} must be a whole number, got {_shown(value)}", name)
-
-
-def _weight(value: object) -> float:
-    number = math.nan
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            number = float(value.strip())
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-    if not (math.isfinite(number) and MIN_WEIGHT <= number <= MAX_WEIGHT):
-        raise LimitError(
-            f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g} (such as 1, 2 or "
-            f"0.5), got {_shown(value)}",
-            "weight",
-        )
-    return number
 
 
 def _dollars(value: object) -> int:
@@ -350,8 +294,8 @@ def _period(value: object) -> int:
 
 
 def limits_label(limits: Limits | None) -> str:
-    """Limits as every front end shows them: "rpm=60 input_tpm=10000 budget=$5/30d
-    weight=2" ("none" when there are none)."""
+    """Limits as every front end shows them: "rpm=60 input_tpm=10000 budget=$5/30d"
+    ("none" when there are none)."""
     if limits is None:
         return "none"
     parts = [
@@ -369,8 +313,6 @@ def limits_label(limits: Limits | None) -> str:
             f"budget=${dollars_label(limits.budget_micro_usd)}/"
             f"{period_label(limits.budget_period_s)}"
         )
-    if limits.weight is not None:
-        parts.append(f"weight={limits.weight:g}")
     return " ".join(parts) or "none"
 
 
@@ -404,7 +346,7 @@ def enforcement(*, workers: int, gateways: int, cluster: bool) -> str:
 def enforced_note(limits: Limits | None, *, gateways: int, cluster: bool) -> str:
     """What gateways configured so ([limits] share, [cluster]) enforce of these limits,
     in words (`set-limits` prints it): exact, or each gateway's part, naming a part of 0."""
-    if limits is None or not limits.limiting:
+    if limits is None or limits.empty:
         return "enforced: nothing limited"
     lost = " (if a worker cannot reach its supervisor, floor(L / (share x workers)) meanwhile)"
     if cluster or gateways <= 1:
@@ -412,13 +354,11 @@ def enforced_note(limits: Limits | None, *, gateways: int, cluster: bool) -> str
         return f"enforced: exactly, for {where}, the workers of `serve --workers N` together{lost}"
     part = limits.share(gateways)
     nothing = [
-        f.name
-        for f in fields(Limits)
-        if f.name not in ("weight", "budget_period_s") and getattr(part, f.name) == 0
+        f.name for f in fields(Limits) if f.name != "budget_period_s" and getattr(part, f.name) == 0
     ]
     said = (
         f"enforced: not exactly: without [cluster], each of the {gateways} gateways "
-        f"([limits] share) enforces {limits_label(replace(part, weight=None))}"
+        f"([limits] share) enforces {limits_label(part)}"
     )
     if nothing:
         said += f"; {', '.join(nothing)} = 0 admits nothing there: raise it or set [cluster]"
@@ -642,7 +582,7 @@ class Governor:
 
     def set_limits(self, subject: Subject, limits: Limits | None) -> None:
         """Install (or with None / empty limits, remove) a subject's limits."""
-        if limits is None or not limits.limiting:
+        if limits is None or limits.empty:
             self._subjects.pop(subject, None)
             return
         current = self._subjects.get(subject)

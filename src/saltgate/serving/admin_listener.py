@@ -106,10 +106,12 @@ class AdminListener:
         self,
         config: GatewayConfig,
         api: AdminApi,
-        console: Console,
+        console: Console | None,
         metrics: RenderMetrics,
         log: AccessLog,
     ) -> None:
+        """``console`` None: /metrics alone, no admin API or console (the EPP's
+        `[epp] metrics_port`); ``api`` then only checks the scrapers' tokens."""
         self.api = api
         self.console = console
         self.metrics = metrics
@@ -143,9 +145,10 @@ class AdminListener:
             return _error(
                 421, "this admin listener does not answer to that Host (admin_allowed_hosts)"
             )
-        answer = await self.api.handle(request) or await self.console.handle(request)
-        if answer is not None:
-            return answer
+        if self.console is not None:
+            answer = await self.api.handle(request) or await self.console.handle(request)
+            if answer is not None:
+                return answer
         if request.path == METRICS_PATH:
             return await self._metrics(request)
         return Response(404)

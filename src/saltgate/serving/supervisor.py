@@ -161,6 +161,13 @@ async def arbitrate(arbiter: Arbiter, channel: int, sock: socket.socket, who: st
 
 
 class Supervisor:
+    """The parent of N workers serving the gateway's HTTP port; `saltgate epp --workers
+    N` runs the same parent around EPP workers (saltgate/epp/supervisor.py), changing
+    what the hooks below say: the workers' program, their listening socket, their
+    configuration and the parent's own listener."""
+
+    module = "saltgate.serving.worker"  # what `python -m` runs as a worker
+
     def __init__(self, config: GatewayConfig, workers: int) -> None:
         if workers < 1:
             raise ValueError("--workers must be at least 1")
@@ -177,12 +184,6 @@ class Supervisor:
         self._usage = open_usage_reader(config.store_settings)
         self._admin_api = AdminApi(
             AdminStore(config.store_settings), usage=self._usage, prices=config.prices
-        )
-        self._console = Console(
-            self._admin_api.service,
-            self.metrics,
-            config,
-            tls=config.admin_tls_cert_file is not None,
         )
         # The admin listener's lines; the workers write the gateway's to the same target.
         self._access_log = AccessLog.open(config.access_log, config.log_format)
@@ -207,27 +208,64 @@ class Supervisor:
     def url(self) -> str:
         return f"{edge_scheme(self.config)}://{self.config.host}:{self.port}"
 
+    # -- what a kind of worker changes ---------------------------------------------------
     def worker_config(self) -> GatewayConfig:
         """What a worker runs: the parent keeps the admin port and the relay."""
         return dataclasses.replace(self.config, admin_port=None, kv_relay=None)
+
+    def bind(self) -> socket.socket:
+        """The port every worker serves, held by the parent: here the listening socket
+        the workers inherit (with the board sharing its connections)."""
+        config = self.config
+        try:
+            sock = listen(config.host, config.port)
+        except OSError as exc:
+            raise listen_error(INFERENCE_OPTIONS, config.host, config.port, exc) from None
+        self._board = ConnectionBoard.create(self.workers)
+        return sock
+
+    def listener_argv(self) -> list[tuple[str, int]]:
+        """The file descriptors a worker is given to serve the port, as (option, fd)."""
+        assert self._sock is not None and self._board is not None
+        return [("--listen-fd", self._sock.fileno()), ("--board-fd", self._board.fd)]
+
+    async def start_front(self) -> None:
+        """The parent's own parts once every worker runs: the admin port (with the
+        console; its /metrics is every worker's) and the KV-event relay."""
+        config = self.config
+        if config.admin_port is not None:
+            console = Console(
+                self._admin_api.service,
+                self.metrics,
+                config,
+                tls=config.admin_tls_cert_file is not None,
+            )
+            front = AdminListener(config, self._admin_api, console, self._render, self._access_log)
+            self._admin, self.admin_port = await start_admin_listener(
+                front, config, admin_tls(config)
+            )
+        if config.kv_relay is not None:
+            k_kv = derive_subkeys(load_master_key(config.master_key_file)).kv_events
+            self.relay = start_kv_relay(config, k_kv)
+
+    def check_front(self) -> None:
+        """Refuse a front that cannot start (ConfigError) before anything is bound."""
+        if self.config.admin_port is not None:
+            admin_tls(self.config)
 
     # -- start and stop ------------------------------------------------------------------
     async def start(self) -> None:
         """Bind, start every worker and wait until each accepts; ConfigError or OSError
         (with the worker's own message) if one cannot start."""
         config = self.config
-        admin_context = admin_tls(config) if config.admin_port is not None else None
+        self.check_front()
         if config.ehbp:
             keyring = ehbp_keyring(config)
             keys = (keyring.current, *keyring.retired)
             self._ehbp_private_keys = tuple(key.private_bytes() for key in keys)
             self.ehbp_fingerprint = keyring.current.config.fingerprint
-        try:
-            self._sock = listen(config.host, config.port)
-        except OSError as exc:
-            raise listen_error(INFERENCE_OPTIONS, config.host, config.port, exc) from None
+        self._sock = self.bind()
         self.port = int(self._sock.getsockname()[1])
-        self._board = ConnectionBoard.create(self.workers)
         try:
             started = await asyncio.gather(
                 *(self._spawn(i) for i in range(self.workers)), return_exceptions=True
@@ -238,48 +276,30 @@ class Supervisor:
                     self._adopt(result)
             if failed:
                 raise failed[0]
-            if config.admin_port is not None:
-                front = AdminListener(
-                    config, self._admin_api, self._console, self._render, self._access_log
-                )
-                self._admin, self.admin_port = await start_admin_listener(
-                    front, config, admin_context
-                )
-            if config.kv_relay is not None:
-                k_kv = derive_subkeys(load_master_key(config.master_key_file)).kv_events
-                self.relay = start_kv_relay(config, k_kv)
+            await self.start_front()
         except BaseException:
             await self.stop()
             raise
 
     async def _spawn(self, index: int) -> WorkerProcess:
-        assert self._sock is not None and self._board is not None
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds: tuple[int, ...] = (self._sock.fileno(), child_end.fileno(), self._board.fd)
-        limits_argv: list[str] = []
+        given = [*self.listener_argv(), ("--control-fd", child_end.fileno())]
         limits_end = limits_child = None
         if self.arbiter is not None:
             limits_end, limits_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            fds = (*fds, limits_child.fileno())
-            limits_argv = ["--limits-fd", str(limits_child.fileno())]
+            given.append(("--limits-fd", limits_child.fileno()))
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "saltgate.serving.worker",
+                self.module,
                 "--index",
                 str(index),
                 "--workers",
                 str(self.workers),
-                "--listen-fd",
-                str(fds[0]),
-                "--control-fd",
-                str(fds[1]),
-                "--board-fd",
-                str(fds[2]),
-                *limits_argv,
+                *(str(part) for option, fd in given for part in (option, fd)),
                 stdin=asyncio.subprocess.DEVNULL,
-                pass_fds=fds,
+                pass_fds=[fd for _, fd in given],
             )
         except BaseException:
             parent_end.close()
@@ -368,8 +388,8 @@ class Supervisor:
         """A worker is gone: keep what it had counted, take it out of the share."""
         if self.alive.get(worker.index) is worker:
             del self.alive[worker.index]
-        assert self._board is not None
-        self._board.mark_down(worker.index)
+        if self._board is not None:
+            self._board.mark_down(worker.index)
         self._retired.add_counts(worker.last)
         self._retired_requests[worker.index] += worker.last.total("saltgate_requests_total")
         worker.last = Snapshot()
@@ -477,15 +497,15 @@ class Supervisor:
         merged.gauges["saltgate_workers_alive"] = Gauge(
             f"Worker processes running (of {self.workers}).", [((), float(len(self.alive)))]
         )
-        assert self._board is not None
-        merged.gauges["saltgate_worker_connections"] = Gauge(
-            "Client connections open, per worker.",
-            [
-                ((("worker", str(i)),), float(n))
-                for i in slots
-                if (n := self._board.connections(i)) is not None
-            ],
-        )
+        if self._board is not None:
+            merged.gauges["saltgate_worker_connections"] = Gauge(
+                "Client connections open, per worker.",
+                [
+                    ((("worker", str(i)),), float(n))
+                    for i in slots
+                    if (n := self._board.connections(i)) is not None
+                ],
+            )
         merged.counters["saltgate_worker_restarts_total"] = Counter(
             "counter",
             "Workers that died and were restarted, per worker slot.",

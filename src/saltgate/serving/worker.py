@@ -23,24 +23,44 @@ import dataclasses
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
-from saltgate.config import ConfigError
+from saltgate.config import ConfigError, GatewayConfig
 from saltgate.ehbp.frames import Keyring, ServerKey
+from saltgate.gateway.server import Gateway
 from saltgate.runtime import install_uvloop
 from saltgate.serving import control, event_log
 from saltgate.serving.balance import ConnectionBoard
-from saltgate.serving.run import RunningGateway, SharedListener, start_gateway
+from saltgate.serving.run import SharedListener, start_gateway
 from saltgate.store.errors import StoreError
 
 
+class Serving(Protocol):
+    """What a worker runs, as its orders reach it: the gateway's HTTP server
+    (serving/run.py RunningGateway) or the EPP's ext_proc server (epp/server.py)."""
+
+    @property
+    def gateway(self) -> Gateway: ...
+
+    def reload(self, config: GatewayConfig) -> list[asyncio.Task[Any]]: ...
+
+    async def close(self) -> None: ...
+
+
+# How a worker starts serving, from its parent's `Start`, its channel to the host's
+# limits (without [cluster]) and the EHBP keyring its parent gave every worker.
+Starter = Callable[[control.Start, socket.socket | None, Keyring | None], Awaitable[Serving]]
+
+
 async def _serve_orders(
-    running: RunningGateway, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    running: Serving, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
     """Answer the parent's orders until it closes the channel."""
     while (order := await control.read_order(reader)) is not None:
         if isinstance(order, control.SendMetrics):
-            writer.write(control.frame(control.METRICS + running.metrics.snapshot().to_json()))
+            snapshot = running.gateway.metrics.snapshot()
+            writer.write(control.frame(control.METRICS + snapshot.to_json()))
         elif isinstance(order, control.Reload):
             config = dataclasses.replace(
                 running.gateway.config,
@@ -58,28 +78,21 @@ async def _serve_orders(
 
 
 async def work(
-    index: int,
-    workers: int,
-    listen_fd: int,
-    control_fd: int,
-    board_fd: int,
-    *,
-    limits_fd: int | None = None,
+    index: int, control_fd: int, starter: Starter, *, limits_fd: int | None = None
 ) -> int:
+    """Start as the parent orders, say READY (or why not), serve until SIGTERM or until
+    the parent is gone, then drain."""
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=control_fd))
     start = await control.read_order(reader)
     if not isinstance(start, control.Start):
         return 1  # the parent went away before giving an order
     event_log.configure(start.config.log_format, worker=index)
-    board = ConnectionBoard(board_fd, workers)
     keys = [ServerKey(raw) for raw in start.ehbp_private_keys]
     try:
-        running = await start_gateway(
-            start.config,
-            listener=SharedListener(socket.socket(fileno=listen_fd), board.gate(index)),
-            ehbp_keyring=Keyring(keys[0], tuple(keys[1:])) if keys else None,
-            workers=workers,
-            host_limits=None if limits_fd is None else socket.socket(fileno=limits_fd),
+        running = await starter(
+            start,
+            None if limits_fd is None else socket.socket(fileno=limits_fd),
+            Keyring(keys[0], tuple(keys[1:])) if keys else None,
         )
     except (ConfigError, StoreError, OSError) as exc:
         tag = control.FAILED if isinstance(exc, OSError) else control.USAGE_FAILED
@@ -96,29 +109,46 @@ async def work(
     await running.close()
     orders.cancel()
     writer.close()
-    board.close()
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="saltgate-worker", description=__doc__)
-    for name in ("--index", "--workers", "--listen-fd", "--control-fd", "--board-fd"):
+def worker_arguments(
+    argv: Sequence[str] | None, prog: str, description: str | None, *fds: str
+) -> argparse.Namespace:
+    """A worker's command line (the parent's: supervisor.py `_spawn`), with the options
+    of its kind's file descriptors `fds`; SIGINT and SIGHUP ignored from here on (the
+    parent decides: the module's docstring)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for name in ("--index", "--workers", "--control-fd", *fds):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--limits-fd", type=int)
     args = parser.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     install_uvloop()
-    return asyncio.run(
-        work(
-            args.index,
-            args.workers,
-            args.listen_fd,
-            args.control_fd,
-            args.board_fd,
-            limits_fd=args.limits_fd,
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = worker_arguments(argv, "saltgate-worker", __doc__, "--listen-fd", "--board-fd")
+    board = ConnectionBoard(args.board_fd, args.workers)
+
+    def starter(
+        start: control.Start, host_limits: socket.socket | None, keyring: Keyring | None
+    ) -> Awaitable[Serving]:
+        listener = SharedListener(socket.socket(fileno=args.listen_fd), board.gate(args.index))
+        return start_gateway(
+            start.config,
+            listener=listener,
+            ehbp_keyring=keyring,
+            workers=args.workers,
+            host_limits=host_limits,
         )
-    )
+
+    try:
+        return asyncio.run(work(args.index, args.control_fd, starter, limits_fd=args.limits_fd))
+    finally:
+        board.close()
 
 
 if __name__ == "__main__":

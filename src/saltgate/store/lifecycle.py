@@ -32,12 +32,14 @@ from saltgate.store.schema import ROLLUPS
 
 # Tenants and keys are upserted by id: a second pass (--since) brings a salt rotation or a
 # revocation made in the source since the first, and never undoes one made in either; a
-# tenant's models and limits and a key's limits and priority band are the source's.
+# tenant's models, limits and weight and a key's limits and priority band are the source's.
 _TENANT_UPSERT = (
-    "INSERT INTO tenants (id, name, epoch, created_at, allowed_models, limits, archived_at) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+    "INSERT INTO tenants "
+    "(id, name, epoch, created_at, allowed_models, limits, archived_at, weight) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
     "epoch = CASE WHEN excluded.epoch > tenants.epoch THEN excluded.epoch ELSE tenants.epoch END, "
     "allowed_models = excluded.allowed_models, limits = excluded.limits, "
+    "weight = excluded.weight, "
     "name = excluded.name, archived_at = COALESCE(tenants.archived_at, excluded.archived_at)"
 )
 _KEY_UPSERT = (
@@ -58,7 +60,8 @@ _ADMIN_TOKEN_UPSERT = (
 # The small tables, copied whole on every pass: (query, statement), keys after tenants.
 _SMALL_TABLES = (
     (
-        "SELECT id, name, epoch, created_at, allowed_models, limits, archived_at FROM tenants",
+        "SELECT id, name, epoch, created_at, allowed_models, limits, archived_at, weight "
+        "FROM tenants",
         _TENANT_UPSERT,
     ),
     (

@@ -329,6 +329,31 @@ def _model_prices(integer: str, real: str, changed: tuple[str, ...]) -> Migratio
     )
 
 
+def _tenant_weight(real: str, moved: str, kept: str, found: str, *, pg: bool) -> Migration:
+    """Version 12 on one backend: a tenant's fair-share weight (docs/fairness.md) becomes
+    its own column, beside its limits instead of inside their JSON (where saltgate kept it
+    from version 6). A weight found there moves into the column, held within the bounds the
+    fair queue applies (governance/weight.py), and leaves the JSON; limits left empty are
+    NULL, as a tenant without limits is stored. `moved`: the stored weight as a number,
+    `kept`: the limits without it, `found`: whether a row holds one (each on `limits`).
+    On PostgreSQL the statement trigger would move the auth generation even when no row
+    holds a weight (a new store): the update runs only when one does."""
+    move = f"UPDATE tenants SET weight = {moved}, limits = nullif({kept}, '{{}}') WHERE {found}"
+    if pg:
+        move = (
+            f"DO $$ BEGIN IF EXISTS (SELECT 1 FROM tenants WHERE {found}) THEN {move}; "
+            "END IF; END $$"
+        )
+    return Migration(
+        12,
+        "tenants: the fair-share weight beside the limits",
+        (
+            f"ALTER TABLE tenants ADD COLUMN weight {real} NOT NULL DEFAULT 1 CHECK (weight > 0)",
+            move,
+        ),
+    )
+
+
 SQLITE_VERSION_TABLE = (
     "CREATE TABLE IF NOT EXISTS schema_version ("
     "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL)"
@@ -468,6 +493,13 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
         ),
     ),
     _responses("REAL"),
+    _tenant_weight(
+        "REAL",
+        "max(0.01, min(100.0, json_extract(limits, '$.weight')))",
+        "json_remove(limits, '$.weight')",
+        "json_type(limits, '$.weight') IN ('integer', 'real')",
+        pg=False,
+    ),
 )
 
 POSTGRES_VERSION_TABLE = (
@@ -571,6 +603,13 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
         ),
     ),
     _responses("DOUBLE PRECISION"),
+    _tenant_weight(
+        "DOUBLE PRECISION",
+        "greatest(0.01, least(100.0, (limits::jsonb ->> 'weight')::double precision))",
+        "(limits::jsonb - 'weight')::text",
+        "jsonb_typeof(limits::jsonb -> 'weight') = 'number'",
+        pg=True,
+    ),
 )
 
 SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version
@@ -614,6 +653,10 @@ _STATEMENT_WORDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"DROP INDEX (\w+)", "drop index {0}"),
         (r"CREATE TRIGGER (\w+) \w+ (?:\w+ )*ON (\w+)", "add trigger {0} on {1}"),
         (r"INSERT INTO (usage_rollup\w+)", "fill {0} from the usage ledger"),
+        (
+            r"(?:DO \$\$ BEGIN IF .*? THEN )?UPDATE (\w+) SET (\w+) = .* limits = ",
+            "move each {1} stored in {0}.limits into {0}.{1}",
+        ),
     )
 )
 

@@ -35,7 +35,8 @@ from types import TracebackType
 from typing import Protocol
 
 from saltgate.governance.kinds import BANDS, DEFAULT_BAND
-from saltgate.governance.limits import KEY_WEIGHT_REFUSED, Limits
+from saltgate.governance.limits import Limits
+from saltgate.governance.weight import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT, sane_weight
 from saltgate.prices import MODEL_NAME, PriceBook, PriceVersion
 from saltgate.store import audit
 from saltgate.store.audit import Actor
@@ -79,6 +80,7 @@ class Tenant:
     models: tuple[str, ...] | None = None  # the models it may use; None: all
     limits: Limits | None = None  # its limits and budget; None: unlimited
     archived_at: float | None = None  # archived: its keys stop working, its name stays taken
+    weight: float = DEFAULT_WEIGHT  # its fair share of saturated replicas (docs/fairness.md)
 
     @property
     def epoch_label(self) -> str:
@@ -95,6 +97,7 @@ class Tenant:
             "created_at": self.created_at,
             "models": None if self.models is None else list(self.models),
             "limits": limits_dict(self.limits),
+            "weight": self.weight,
             "archived_at": self.archived_at,
         }
 
@@ -144,12 +147,13 @@ class Principal:
     limits: Limits | None = None  # the tenant's limits; None: unlimited
     key_limits: Limits | None = None  # the key's own, narrowing the tenant's
     priority: str = "interactive"  # the key's band (BANDS): the fair queue's order
-    # Whether admission has anything to check (a tenant's weight alone is no limit):
-    # decided once, when the key snapshot builds the principal, not on every request.
+    weight: float = DEFAULT_WEIGHT  # the tenant's fair share, bounded (sane_weight)
+    # Whether admission has anything to check: decided once, when the key snapshot builds
+    # the principal, not on every request.
     limited: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        limited = any(lim is not None and lim.limiting for lim in (self.limits, self.key_limits))
+        limited = any(lim is not None and not lim.empty for lim in (self.limits, self.key_limits))
         object.__setattr__(self, "limited", limited)
 
     @property
@@ -163,13 +167,13 @@ class Principal:
 # the store marks the moment a rotation's grace ends).
 LIVE_KEYS_SQL = (
     "SELECT k.key_hash, t.id, t.name, k.id, t.epoch, t.allowed_models, t.limits, k.limits, "
-    "k.priority, k.expires_at FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
+    "k.priority, k.expires_at, t.weight FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
     "WHERE k.revoked_at IS NULL AND t.archived_at IS NULL"
 )
 
 
 _SELECT_TENANTS = (
-    "SELECT id, name, epoch, created_at, allowed_models, limits, archived_at FROM tenants"
+    "SELECT id, name, epoch, created_at, allowed_models, limits, archived_at, weight FROM tenants"
 )
 _SELECT_KEYS = (
     "SELECT id, tenant_id, created_at, revoked_at, limits, expires_at, priority FROM api_keys"
@@ -181,8 +185,10 @@ def _allowed_models(stored: str | None) -> tuple[str, ...] | None:
     return None if stored is None else tuple(json.loads(stored))
 
 
-def _tenant(row: tuple[str, str, int, float, str | None, str | None, float | None]) -> Tenant:
-    tid, name, epoch, created_at, models, limits, archived_at = row
+def _tenant(
+    row: tuple[str, str, int, float, str | None, str | None, float | None, float],
+) -> Tenant:
+    tid, name, epoch, created_at, models, limits, archived_at, weight = row
     return Tenant(
         tid,
         name,
@@ -191,7 +197,17 @@ def _tenant(row: tuple[str, str, int, float, str | None, str | None, float | Non
         _allowed_models(models),
         Limits.from_json(limits),
         archived_at,
+        float(weight),
     )
+
+
+def _checked_weight(weight: float) -> float:
+    """A weight as stored: within [MIN_WEIGHT, MAX_WEIGHT], else InvalidInputError."""
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise InvalidInputError(
+            f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}, got {weight!r}"
+        )
+    return float(weight)
 
 
 def _key(row: tuple[str, str, float, float | None, str | None, float | None, str]) -> ApiKeyInfo:
@@ -428,20 +444,32 @@ class TenantStore:
             self._db.execute("UPDATE tenants SET allowed_models = ? WHERE id = ?", (stored, t.id))
             return self._changed_tenant("tenant.models_set", t)
 
-    def set_limits(self, tenant: str, limits: Limits | None) -> Tenant:
-        """Replace the tenant's limits (None or empty: unlimited); every gateway follows
-        within a second, as it does a key change (the auth generation moves)."""
+    def set_limits(self, tenant: str, limits: Limits | None, weight: float | None = None) -> Tenant:
+        """Replace the tenant's limits (None or empty: unlimited) and, when given, its
+        weight (set_weight; None: kept) in one change; every gateway follows within a
+        second, as it does a key change (the auth generation moves)."""
         stored = None if limits is None else limits.to_json()
         with self._db.transaction():
             t = self._live_tenant(tenant)
-            self._db.execute("UPDATE tenants SET limits = ? WHERE id = ?", (stored, t.id))
+            self._db.execute(
+                "UPDATE tenants SET limits = ?, weight = ? WHERE id = ?",
+                (stored, t.weight if weight is None else _checked_weight(weight), t.id),
+            )
             return self._changed_tenant("tenant.limits_set", t)
 
+    def set_weight(self, tenant: str, weight: float) -> Tenant:
+        """Set the tenant's fair share of saturated replicas (docs/fairness.md); every
+        gateway follows within a second (the auth generation moves). InvalidInputError
+        outside [MIN_WEIGHT, MAX_WEIGHT]."""
+        with self._db.transaction():
+            t = self._live_tenant(tenant)
+            self._db.execute(
+                "UPDATE tenants SET weight = ? WHERE id = ?", (_checked_weight(weight), t.id)
+            )
+            return self._changed_tenant("tenant.weight_set", t)
+
     def set_key_limits(self, key_id: str, limits: Limits | None) -> ApiKeyInfo:
-        """Replace a key's own limits, which narrow its tenant's (None: the tenant's);
-        InvalidInputError for a weight (a tenant's alone)."""
-        if limits is not None and limits.weight is not None:
-            raise InvalidInputError(KEY_WEIGHT_REFUSED)
+        """Replace a key's own limits, which narrow its tenant's (None: the tenant's)."""
         stored = None if limits is None else limits.to_json()
         with self._db.transaction():
             info = self._get_key(key_id)
@@ -592,7 +620,19 @@ class KeySnapshot:
     def __init__(
         self,
         rows: Iterable[
-            tuple[bytes, str, str, str, int, str | None, str | None, str | None, str, float | None]
+            tuple[
+                bytes,
+                str,
+                str,
+                str,
+                int,
+                str | None,
+                str | None,
+                str | None,
+                str,
+                float | None,
+                float,
+            ]
         ] = (),
         prices: Mapping[str, PriceVersion] | None = None,
     ) -> None:
@@ -602,7 +642,8 @@ class KeySnapshot:
         limits: dict[str, Limits | None] = {}
         # digest -> (digest, principal, expiry: math.inf for none)
         self._by_hash: dict[bytes, tuple[bytes, Principal, float]] = {}
-        for h, tid, tname, kid, epoch, models, tenant_limits, key_limits, priority, expires in rows:
+        for row in rows:
+            h, tid, tname, kid, epoch, models, tenant_limits, key_limits, priority, expires, w = row
             if tid not in allowed:
                 names = _allowed_models(models)
                 allowed[tid] = None if names is None else frozenset(names)
@@ -616,6 +657,7 @@ class KeySnapshot:
                 limits[tid],
                 Limits.from_json(key_limits),
                 priority,
+                sane_weight(float(w)),
             )
             ends = math.inf if expires is None else float(expires)
             self._by_hash[bytes(h)] = (bytes(h), principal, ends)

@@ -8,7 +8,8 @@ from saltgate.console.core import ConsoleCore
 from saltgate.console.html import url
 from saltgate.console.security import Session
 from saltgate.governance.kinds import DEFAULT_BAND
-from saltgate.governance.limits import parse_limits
+from saltgate.governance.limits import LimitError, parse_limits
+from saltgate.governance.weight import WEIGHT, split_weight
 from saltgate.http import Response
 from saltgate.prices import price_from_fields
 
@@ -21,13 +22,14 @@ async def create_tenant(console: ConsoleCore, session: Session, _: str, form: Fo
 
 
 async def set_limits(console: ConsoleCore, session: Session, tenant: str, form: Form) -> Response:
-    names = [k for k, _ in LIMIT_FIELDS] + ["weight"]
-    try:
-        limits = parse_limits({k: form.one(k) for k in names})
-    except ValueError as exc:
+    names = [k for k, _ in LIMIT_FIELDS] + [WEIGHT]
+    try:  # the form replaces the limits; its weight field (empty: 1) sets the weight
+        given, weight = split_weight({k: form.one(k) for k in names}, tenant=True)
+        limits = parse_limits(given)
+    except LimitError as exc:
         return console.plain(400, f"{str(exc).capitalize()}.")
     done = await console.do(
-        session, lambda caller: console.service.tenants_limits(caller, tenant, limits)
+        session, lambda caller: console.service.tenants_limits(caller, tenant, limits, weight)
     )
     return console.after(done, url(f"tenants/{tenant}", {"done": "limits-saved"}))
 

@@ -25,6 +25,7 @@ from saltgate.governance.limits import (
     BUDGET_USD,
     limits_label,
 )
+from saltgate.governance.weight import DEFAULT_WEIGHT, WEIGHT
 
 
 async def tenants_page(console: ConsoleCore, session: Session, query: dict[str, str]) -> View:
@@ -80,6 +81,7 @@ async def tenants_page(console: ConsoleCore, session: Session, query: dict[str, 
                 esc(f"${spend.get(tid, 0.0):.6f}"),
                 esc(_budget(limits)),
                 esc(limits_label(_limits(limits))),
+                esc(f"{tenant.get('weight', DEFAULT_WEIGHT):g}"),
                 link(url("keys", {"tenant": tid}), live),
                 esc("unknown" if hit is None else f"{hit:.1%}"),
                 esc("archived" if tenant.get("archived_at") else "active"),
@@ -95,6 +97,7 @@ async def tenants_page(console: ConsoleCore, session: Session, query: dict[str, 
                 "Spend (30 d)",
                 "Budget",
                 "Limits",
+                "Weight",
                 "Live keys",
                 "Cache hit rate (30 d)",
                 "State",
@@ -131,14 +134,15 @@ async def tenant_page(
         )
     tenant: dict[str, Any] = dict(found.to_dict())
     limits = tenant.get("limits") or {}
+    weight = f"{tenant.get('weight', DEFAULT_WEIGHT):g}"
     fields = html.EMPTY.join(
         html.field(k, label, shown, kind="text" if k in (BUDGET_USD, BUDGET_PERIOD) else "number")
         for (k, label), shown in zip(LIMIT_FIELDS, _form_values(limits), strict=True)
-    ) + html.field("weight", WEIGHT_LABEL, limits.get("weight", ""))
+    ) + html.field(WEIGHT, WEIGHT_LABEL, weight)
     tid = esc(tenant["id"])
     body = (
         html.table(
-            ["Name", "Id", "Salt epoch", "Models", "Created", "Limits"],
+            ["Name", "Id", "Salt epoch", "Models", "Created", "Limits", "Weight"],
             [
                 (
                     esc(tenant["name"]),
@@ -147,6 +151,7 @@ async def tenant_page(
                     esc(", ".join(tenant.get("models") or []) or "all"),
                     esc(when(tenant.get("created_at"))),
                     esc(limits_label(_limits(limits))),
+                    esc(weight),
                 )
             ],
         )
