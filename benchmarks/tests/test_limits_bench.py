@@ -18,6 +18,7 @@ from saltgate.derivations.derive import ROUTE_CHAT
 from saltgate.gateway.admission import Admission
 from saltgate.gateway.shared_limits import SharedLimits
 from saltgate.governance.limits import Limits
+from saltgate.prices import PriceBook
 from saltgate.store.tenants import Principal
 from saltgate_bench.limits import fallbacks_in, max_in_window
 from saltgate_devkit.procs import free_port
@@ -44,7 +45,7 @@ def test_fallbacks_are_counted_in_the_words_a_gateway_logs_them(
 
     async def lose_redis() -> None:
         nobody = Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=1)
-        admission = Admission({}, share=2, shared=SharedLimits(nobody, lease_ttl_s=60))
+        admission = Admission(PriceBook(), share=2, shared=SharedLimits(nobody, lease_ttl_s=60))
         principal = Principal("tn_1", "acme", "key_1", 0, limits=Limits(rpm=10))
         try:
             for _ in range(2):  # told once, while it stays lost

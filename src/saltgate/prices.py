@@ -146,6 +146,25 @@ def price_versions(prices: Mapping[str, Price]) -> dict[str, PriceVersion]:
     return {model: PriceVersion.of(model, price) for model, price in prices.items()}
 
 
+class PriceBook:
+    """The prices requests are reserved and billed at, one object for the gateway's meter
+    and its limits: the configuration's, with those set through the store over them
+    (docs/billing.md). The key snapshot hands it the store's each time it reloads
+    (store/tenants.py, store/postgres.py), so a price set through the store bills the
+    next request; a request takes its price when it is recorded, so one in flight may
+    bill either. ``by_model``: the current prices, replaced whole (never changed in place)."""
+
+    __slots__ = ("_configured", "by_model")
+
+    def __init__(self, configured: Mapping[str, PriceVersion] | None = None) -> None:
+        self._configured: dict[str, PriceVersion] = dict(configured or {})
+        self.by_model: Mapping[str, PriceVersion] = self._configured
+
+    def stored(self, prices: Mapping[str, PriceVersion]) -> None:
+        """The store's prices as of a reloaded snapshot, over the configuration's."""
+        self.by_model = {**self._configured, **prices}
+
+
 def parse_prices(config: Mapping[str, Mapping[str, object]]) -> dict[str, Price]:
     """Build prices from config: ``{model: {"input": x, "cached_input": y, "output": z}}``.
 

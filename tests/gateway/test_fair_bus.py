@@ -61,7 +61,7 @@ class Pair:
 
 
 def fair(g: RunningGateway) -> FairShare:
-    share = g.gateway.fair
+    share = g.gateway.governance.fair
     assert share is not None, "[queue] enabled"
     return share
 

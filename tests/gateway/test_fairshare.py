@@ -23,10 +23,11 @@ from tests.support.waiting import eventually
 
 from saltgate.config import QueueConfig
 from saltgate.gateway.fairshare import FairShare
+from saltgate.gateway.replicas import ReplicaSet
 from saltgate.governance.fairness import FALLBACK_STEP_TOKENS
 from saltgate.governance.weight import MIN_WEIGHT
 from saltgate.prices import PriceVersion
-from saltgate.routing import RouterConfig
+from saltgate.routing import ReplicaId, RouterConfig
 from saltgate.sim.run import SimConfig
 from saltgate.store.settings import DB_FILENAME
 from saltgate.store.tenants import KeySource, Principal, TenantStore
@@ -41,7 +42,7 @@ def completion(prompt: str, max_tokens: int = 5) -> dict[str, Any]:
 
 
 def fair(s: Stack) -> FairShare:
-    share = s.gateway.gateway.fair
+    share = s.gateway.gateway.governance.fair
     assert share is not None, "[queue] enabled"
     return share
 
@@ -125,8 +126,8 @@ def test_without_the_queue_nothing_changes(tmp_path: Path) -> None:
             s.client("alice") as c,
         ):
             gateway = s.gateway.gateway
-            assert gateway.fair is None
-            assert gateway.replicas.on_free is None and gateway.replicas.on_queue is None
+            assert gateway.governance.fair is None
+            assert gateway.replicas.listeners == ()
             peak = await overload(s, c, 36)
             assert max(peak) > 8, peak
             scrape = await s.scrape()
@@ -396,17 +397,11 @@ def test_the_prefill_budget_is_learnt_from_the_replica_with_a_fallback_said_once
                 lambda: share.gate.prefill_budget(replica.id) == (256, 512),
                 what="the gate takes the replica's engine step",
             )
-            probes: list[int] = []
             replicas = s.gateway.gateway.replicas
-            told = replicas.on_queue
-            assert told is not None
-
-            def counting(*args: Any) -> None:
-                probes.append(1)
-                told(*args)
-
-            replicas.on_queue = counting
-            await eventually(lambda: len(probes) >= 3, what="three more probes")
+            assert replicas.listeners == (share,)
+            counting = _Seen(share)
+            replicas.listeners = (counting,)
+            await eventually(lambda: len(counting.probes) >= 3, what="three more probes")
 
     with caplog.at_level(logging.INFO, logger="saltgate.gateway.fairshare"):
         run(main)
@@ -574,6 +569,29 @@ def test_the_prefill_budget_counts_a_shared_prefix_only_as_far_as_it_is_proven(
     run(main)
 
 
+class _Seen:
+    """A replica set's listener that counts the probes it is told of and passes every
+    event on to ``inner`` (None: a probe's report raises, as a broken queue would)."""
+
+    def __init__(self, inner: FairShare | None) -> None:
+        self.inner = inner
+        self.probes: list[ReplicaId] = []
+
+    def acquired(self) -> None:
+        if self.inner is not None:
+            self.inner.acquired()
+
+    def freed(self, replicas: ReplicaSet) -> None:
+        if self.inner is not None:
+            self.inner.freed(replicas)
+
+    def queue_seen(self, replicas: ReplicaSet, replica: ReplicaId, **seen: Any) -> None:
+        self.probes.append(replica)
+        if self.inner is None:
+            raise IndexError("list index out of range")
+        self.inner.queue_seen(replicas, replica, **seen)
+
+
 def test_a_failing_queue_does_not_stop_the_probes(tmp_path: Path) -> None:
     """Issue 41 finding 1: the fair queue's IndexError, raised from a probe's report to it,
     ended the probe loop: a replica killed afterwards stayed "healthy" for good. Now the
@@ -583,14 +601,9 @@ def test_a_failing_queue_does_not_stop_the_probes(tmp_path: Path) -> None:
         queue = QueueConfig(enabled=True)
         async with stack(tmp_path, replicas=1, router=FAST_PROBES, queue=queue) as s:
             replicas = s.gateway.gateway.replicas
-            reports: list[object] = []
-
-            def broken(*report: object) -> None:
-                reports.append(report)
-                raise IndexError("list index out of range")  # what the NaN counter gave
-
-            replicas.on_queue = broken
-            await eventually(lambda: len(reports) >= 3, what="probes go on past the failure")
+            broken = _Seen(None)  # raises what the NaN counter gave
+            replicas.listeners = (broken,)
+            await eventually(lambda: len(broken.probes) >= 3, what="probes go on past the failure")
             replica = replicas.replicas[0].id
             tap = s.taps[0].server
             assert tap is not None

@@ -19,8 +19,10 @@ from saltgate.derivations.derive import ROUTE_CHAT
 from saltgate.gateway.admission import Admission
 from saltgate.gateway.host_limits import HostLimits, HostTicket, HostUnreachable
 from saltgate.governance.arbiter import MAX_LINE_BYTES, Arbiter
+from saltgate.governance.kinds import Scope, Subject
 from saltgate.governance.limits import Demand, Limits
 from saltgate.policy.errors import ApiError
+from saltgate.prices import PriceBook
 from saltgate.store.tenants import Principal
 
 PRINCIPAL = Principal("tn_1", "acme", "key_1", 0, limits=Limits(rpm=3))
@@ -61,7 +63,7 @@ async def supervisor(
 def test_two_workers_admit_through_one_count() -> None:
     async def main() -> None:
         async with supervisor(Arbiter(), workers=2) as ((a, b), _):
-            admissions = [Admission({}, share=2, shared=engine) for engine in (a, a, b, b)]
+            admissions = [Admission(PriceBook(), share=2, shared=engine) for engine in (a, a, b, b)]
             tickets = []
             for admission in admissions[:3]:
                 ticket, headers = await admission.admit(PRINCIPAL, ROUTE_CHAT, MODEL, 40, 1)
@@ -84,10 +86,10 @@ def test_an_unanswering_supervisor_means_the_share_and_a_late_admission_given_ba
     async def main() -> None:
         async with supervisor(None) as ((engine,), heard):
             with pytest.raises(HostUnreachable):
-                await engine.admit([(("tenant", "tn_1"), Limits(rpm=3))], Demand(1, 1))
+                await engine.admit([(Subject(Scope.TENANT, "tn_1"), Limits(rpm=3))], Demand(1, 1))
             await eventually(lambda: len(heard) >= 2, what="the question and its cancel")
             assert heard[0].startswith(b'["a",1,') and heard[1] == b'["s",1,[0,0,0]]\n'
-            admission = Admission({}, share=2, shared=engine)
+            admission = Admission(PriceBook(), share=2, shared=engine)
             with caplog.at_level(logging.WARNING):
                 await admission.admit(PRINCIPAL, ROUTE_CHAT, MODEL, 40, 1)
             assert not admission.shared_up
@@ -106,7 +108,7 @@ def test_a_closed_channel_fails_at_once() -> None:
         ours.close()
         started = asyncio.get_running_loop().time()
         with pytest.raises(HostUnreachable):
-            await engine.admit([(("tenant", "tn_1"), Limits(rpm=3))], Demand(1, 1))
+            await engine.admit([(Subject(Scope.TENANT, "tn_1"), Limits(rpm=3))], Demand(1, 1))
         assert asyncio.get_running_loop().time() - started < 5.0  # not the 30 s timeout
         await engine.aclose()
 

@@ -20,13 +20,14 @@ import pytest
 from redis.asyncio import Redis
 
 from saltgate.gateway.shared_limits import ADMIT_SCRIPT, SharedLimits, SharedTicket
+from saltgate.governance.kinds import Scope, Subject
 from saltgate.governance.limits import Demand, Denial, Governor, Limits, Quota, Ticket
 from saltgate_devkit.services import RedisServer
 
 CLOCK = "sg:test:clock"
 TICK_S = 1 / 64
 LEASE_TTL_S = 8.0
-SUBJECTS = (("tenant", "tn_1"), ("key", "key_1"))
+SUBJECTS = (Subject(Scope.TENANT, "tn_1"), Subject(Scope.KEY, "key_1"))
 SEQUENCES = 40
 STEPS = 80
 

@@ -20,14 +20,16 @@ from tests.support.waiting import eventually
 from saltgate.derivations.derive import ROUTE_CHAT
 from saltgate.gateway.admission import Admission
 from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
-from saltgate.governance.limits import CONCURRENCY, OUTPUT_TOKENS, REQUESTS, Demand, Limits
+from saltgate.governance.kinds import LimitKind, Scope, Subject
+from saltgate.governance.limits import Demand, Limits
 from saltgate.policy.errors import ApiError
+from saltgate.prices import PriceBook
 from saltgate.sim.run import SimConfig, start_sim
 from saltgate.store.tenants import Principal, TenantStore
 from saltgate_devkit.services import RedisServer
 
-TENANT = ("tenant", "tn_0000000000000001")
-KEY = ("key", "key_000000000001")
+TENANT = Subject(Scope.TENANT, "tn_0000000000000001")
+KEY = Subject(Scope.KEY, "key_000000000001")
 
 
 @asynccontextmanager
@@ -57,7 +59,7 @@ def test_concurrent_admissions_from_two_gateways_never_pass_the_limit(
             admitted = [r for r in results if r[0] is not None]
             assert len(admitted) == 50
             denial = next(r[1] for r in results if r[1] is not None)
-            assert (denial.kind, denial.limit, denial.used) == (REQUESTS, 50, 50)
+            assert (denial.kind, denial.limit, denial.used) == (LimitKind.REQUESTS, 50, 50)
             assert denial.retry_after_s is not None and 59 < denial.retry_after_s <= 60
 
             # 64 simultaneous requests at a concurrency cap of 8: exactly 8 leases.
@@ -67,7 +69,7 @@ def test_concurrent_admissions_from_two_gateways_never_pass_the_limit(
             )
             tickets = [r[0] for r in results if r[0] is not None]
             assert len(tickets) == 8
-            assert next(r[1] for r in results if r[1] is not None).kind == CONCURRENCY
+            assert next(r[1] for r in results if r[1] is not None).kind == LimitKind.CONCURRENCY
             await a.settle(tickets[0], Demand(0, 0))
             assert (await b.admit(capped, Demand(0, 0)))[0] is not None  # one freed, one in
             assert (await b.admit(capped, Demand(0, 0)))[0] is None
@@ -103,7 +105,7 @@ def test_a_budget_is_seeded_from_the_ledger_once_for_the_fleet(
     """The first gateway to see a budget starts it in Redis from the ledger's spend; a
     second finds it there and adds nothing (the spend counted once, not once per gateway);
     spend older than the period is not counted."""
-    subject = ("tenant", "tn_budgetseed0001")
+    subject = Subject(Scope.TENANT, "tn_budgetseed0001")
 
     async def main() -> None:
         async with engines(redis_server, 2) as (a, b):
@@ -129,7 +131,7 @@ def test_unused_output_returns_and_a_retry_at_retry_after_is_admitted(
             ticket, _, quotas = await engine.admit(limited, Demand(0, 100))
             assert ticket is not None and quotas[0].remaining == 0
             ticket2, denial, _ = await engine.admit(limited, Demand(0, 60))
-            assert ticket2 is None and denial is not None and denial.kind == OUTPUT_TOKENS
+            assert ticket2 is None and denial is not None and denial.kind == LimitKind.OUTPUT_TOKENS
             await engine.settle(ticket, Demand(0, 30))  # used 30 of the 100 it reserved
             ticket3, _, quotas = await engine.admit(limited, Demand(0, 60))
             assert ticket3 is not None and quotas[0].remaining == 10
@@ -276,7 +278,7 @@ def test_a_redis_admission_is_settled_in_the_local_share_too(redis_server: Redis
             "tn_1", "acme", "key_1", 0, limits=Limits(output_tpm=1000, concurrency=2)
         )
         async with engines(redis_server, 1) as (engine,):
-            admission = Admission({}, share=2, shared=engine)
+            admission = Admission(PriceBook(), share=2, shared=engine)
             ticket, _ = await admission.admit(principal, ROUTE_CHAT, MODEL, 40, 400)
             assert isinstance(ticket, SharedTicket) and ticket.local is not None
             redis_server.stop()

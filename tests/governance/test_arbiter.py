@@ -23,10 +23,8 @@ from saltgate.governance.arbiter import (
     seed_line,
     settle_line,
 )
+from saltgate.governance.kinds import LimitKind, Scope, Subject
 from saltgate.governance.limits import (
-    BUDGET,
-    CONCURRENCY,
-    REQUESTS,
     Demand,
     Denial,
     Governor,
@@ -37,8 +35,8 @@ from saltgate.governance.limits import (
 
 pytestmark = pytest.mark.unit
 
-TENANT = ("tenant", "tn_arbiter000001")
-KEY = ("key", "key_arbiter00001")
+TENANT = Subject(Scope.TENANT, "tn_arbiter000001")
+KEY = Subject(Scope.KEY, "key_arbiter00001")
 ONE = Demand(10, 5, 0)
 
 
@@ -46,7 +44,7 @@ def ask(
     arbiter: Arbiter,
     channel: int,
     ident: int,
-    limited: list[tuple[tuple[str, str], Limits]],
+    limited: list[tuple[Subject, Limits]],
     demand: Demand,
     *,
     now: float,
@@ -69,7 +67,7 @@ def test_two_workers_share_one_count_and_the_denial_reads_back_exactly() -> None
     denial = answers[3].denial
     assert denial is not None
     assert (denial.kind, denial.scope, denial.limit, denial.used, denial.requested) == (
-        REQUESTS,
+        LimitKind.REQUESTS,
         "tenant",
         3,
         3,
@@ -78,7 +76,7 @@ def test_two_workers_share_one_count_and_the_denial_reads_back_exactly() -> None
     assert denial.retry_at == pytest.approx(160.0)  # the first admission leaves the window
     assert denial.retry_after_s == pytest.approx(57.0)
     quota = answers[2].quotas[0]
-    assert (quota.kind, quota.limit, quota.remaining) == (REQUESTS, 3, 0)
+    assert (quota.kind, quota.limit, quota.remaining) == (LimitKind.REQUESTS, 3, 0)
     assert (arbiter.holding(1), arbiter.holding(2)) == (2, 1)
 
 
@@ -96,7 +94,7 @@ def test_settling_frees_the_lease_and_a_late_cancel_gives_it_back() -> None:
     limited = [(TENANT, Limits(concurrency=1))]
     assert ask(arbiter, 1, 1, limited, ONE, now=1.0).admitted
     refused = ask(arbiter, 2, 1, limited, ONE, now=1.0)  # ids are per worker
-    assert refused.denial is not None and refused.denial.kind == CONCURRENCY
+    assert refused.denial is not None and refused.denial.kind == LimitKind.CONCURRENCY
     assert arbiter.answer(1, settle_line(1, Demand(3, 2, 0)), 2.0) is None
     assert ask(arbiter, 2, 2, limited, ONE, now=2.0).admitted
     # The worker gave up waiting for this answer: its ZERO settlement frees the lease.
@@ -109,7 +107,7 @@ def test_a_worker_gone_gives_back_its_leases_and_keeps_its_reservations() -> Non
     arbiter = Arbiter()
     limited = [(TENANT, Limits(rpm=2, concurrency=1))]
     assert ask(arbiter, 1, 1, limited, ONE, now=1.0).admitted
-    assert ask(arbiter, 2, 1, limited, ONE, now=1.0).denial.kind == CONCURRENCY  # type: ignore[union-attr]
+    assert ask(arbiter, 2, 1, limited, ONE, now=1.0).denial.kind == LimitKind.CONCURRENCY  # type: ignore[union-attr]
     assert arbiter.forget(1, 2.0) == 1
     assert arbiter.holding(1) == 0
     again = ask(arbiter, 2, 2, limited, ONE, now=3.0)
@@ -136,7 +134,10 @@ def test_a_budget_starts_from_the_ledger_once_per_period() -> None:
     limited = [(TENANT, limits)]
     assert ask(arbiter, 1, 3, limited, Demand(1, 1, 4), now=5000.0).admitted
     refused = ask(arbiter, 1, 4, limited, Demand(1, 1, 4), now=5000.0)
-    assert refused.denial is not None and (refused.denial.kind, refused.denial.used) == (BUDGET, 11)
+    assert refused.denial is not None and (refused.denial.kind, refused.denial.used) == (
+        LimitKind.BUDGET,
+        11,
+    )
     assert seed(5, Limits(budget_micro_usd=20, budget_period_s=7200), 5000.0) is True
 
 

@@ -19,9 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from saltgate.governance.fairness import (
-    BATCH,
     FALLBACK_STEP_TOKENS,
-    INTERACTIVE,
     MIN_STEP_TOKENS,
     SHORT_STEPS,
     FairQueue,
@@ -30,10 +28,14 @@ from saltgate.governance.fairness import (
     service,
     step_tokens,
 )
+from saltgate.governance.kinds import Band
+from saltgate.routing import ReplicaId
 
 pytestmark = pytest.mark.unit
 
 TENANTS = ("a", "b", "c")
+R = ReplicaId("r")
+OTHER = ReplicaId("other")
 FAR = 1e9  # a deadline nothing reaches
 
 
@@ -62,7 +64,7 @@ class Model:
         self.backlog[(w.band, w.tenant)].remove(w)
 
     def top_band(self) -> str | None:
-        for band in (INTERACTIVE, BATCH):
+        for band in (Band.INTERACTIVE, Band.BATCH):
             if any(q for (b, _), q in self.backlog.items() if b == band):
                 return band
         return None
@@ -77,7 +79,7 @@ ops = st.lists(
             st.just("push"),
             st.sampled_from(TENANTS),
             st.integers(1, 50),
-            st.sampled_from((INTERACTIVE, BATCH)),
+            st.sampled_from((Band.INTERACTIVE, Band.BATCH)),
         ),
         st.tuples(st.just("pop")),
         st.tuples(st.just("remove"), st.integers(0, 200)),
@@ -93,10 +95,10 @@ def test_a_tenant_in_both_bands_keeps_one_counter_and_its_place() -> None:
     filed under, and the next release found no one to release (an IndexError)."""
     q: FairQueue[str] = FairQueue(quantum_tokens=0)
     q.push("a1", "a", 1, deadline=FAR)
-    q.push("a2", "a", 1, deadline=FAR, band=BATCH)
+    q.push("a2", "a", 1, deadline=FAR, band=Band.BATCH)
     assert (w := q.pop()) is not None and w.item == "a1"
     q.push("b1", "b", 1, deadline=FAR)
-    q.push("b2", "b", 1, deadline=FAR, band=BATCH)  # a waits in batch, at counter 1
+    q.push("b2", "b", 1, deadline=FAR, band=Band.BATCH)  # a waits in batch, at counter 1
     assert q.counters["b"] == 0.0  # from idle to the last served in its band (a, at 0)
     assert [w.item for w in iter(q.pop, None)] == ["b1", "a2", "b2"]
 
@@ -289,12 +291,12 @@ def test_an_idle_queue_takes_service_from_elsewhere_at_face_value() -> None:
 
 def test_take_charged_hands_out_what_was_charged_here_once() -> None:
     """What the bus publishes: the counter moves made here (weighted, corrections
-    included), not what came from elsewhere; nothing is kept before a bus is linked."""
-    q: FairQueue[None] = FairQueue(quantum_tokens=0)
-    q.push(None, "a", 100, deadline=FAR)
-    assert q.pop() is not None
-    assert q.take_charged() == {}  # no bus linked: nothing was kept
-    q.keep_charged()
+    included), not what came from elsewhere; nothing is kept without a bus."""
+    alone: FairQueue[None] = FairQueue(quantum_tokens=0)
+    alone.push(None, "a", 100, deadline=FAR)
+    assert alone.pop() is not None
+    assert alone.take_charged() == {}  # no bus: nothing was kept
+    q: FairQueue[None] = FairQueue(quantum_tokens=0, keep_charged=True)
     q.push(None, "a", 100, deadline=FAR, weight=4.0)
     q.push(None, "b", 10, deadline=FAR)
     assert q.pop() is not None and q.pop() is not None
@@ -307,12 +309,12 @@ def test_take_charged_hands_out_what_was_charged_here_once() -> None:
 def test_bands_are_strict_and_fair_within() -> None:
     q: FairQueue[None] = FairQueue(quantum_tokens=0)
     for _ in range(3):
-        q.push(None, "big", 1, deadline=FAR, band=BATCH)
+        q.push(None, "big", 1, deadline=FAR, band=Band.BATCH)
     for _ in range(4):
         q.push(None, "a", 1, deadline=FAR)
         q.push(None, "b", 1, deadline=FAR)
     order = [(w.band, w.tenant) for w in iter(q.pop, None)]
-    assert [b for b, _ in order] == [INTERACTIVE] * 8 + [BATCH] * 3
+    assert [b for b, _ in order] == [Band.INTERACTIVE] * 8 + [Band.BATCH] * 3
     firsts = [t for _, t in order[:8]]
     assert sorted(firsts[:2]) == sorted(firsts[2:4]) == ["a", "b"]
 
@@ -387,25 +389,25 @@ def test_removed_requests_never_leave_and_expiry_is_by_deadline() -> None:
 
 def test_push_refuses_an_unknown_band() -> None:
     with pytest.raises(ValueError, match="priority band"):
-        FairQueue[None]().push(None, "a", 1, deadline=FAR, band="urgent")
+        FairQueue[None]().push(None, "a", 1, deadline=FAR, band="urgent")  # type: ignore[arg-type]
 
 
 def test_gate_learns_capacity_from_a_queue_and_counts_dispatches_at_once() -> None:
     gate = SaturationGate(max_waiting=2)
-    assert not gate.saturated("r", 1000), "capacity unknown: not held back"
-    gate.probed("r", inflight=10, waiting=3)  # runs 7
-    assert gate.waiting("r", 10) == 3 and gate.saturated("r", 10)
-    assert gate.waiting("r", 8) == 1 and not gate.saturated("r", 8)  # two ended since
-    assert gate.saturated("r", 9)  # one dispatched again: 2 waiting
-    gate.probed("r", inflight=9, waiting=0)  # it ran all nine: capacity at least 9
-    assert gate.waiting("r", 9) == 0 and not gate.saturated("r", 10)
-    assert gate.saturated("r", 11)
-    gate.probed("r", inflight=9, waiting=None)  # the metric is gone: nothing to go by
-    assert gate.waiting("r", 50) is None
-    gate.probed("r", inflight=12, waiting=2, running=7)  # 3 still on their way: not capacity
-    assert gate.waiting("r", 12) == 5
-    gate.forget(["other"])
-    assert gate.waiting("r", 50) is None
+    assert not gate.saturated(R, 1000), "capacity unknown: not held back"
+    gate.probed(R, inflight=10, waiting=3)  # runs 7
+    assert gate.waiting(R, 10) == 3 and gate.saturated(R, 10)
+    assert gate.waiting(R, 8) == 1 and not gate.saturated(R, 8)  # two ended since
+    assert gate.saturated(R, 9)  # one dispatched again: 2 waiting
+    gate.probed(R, inflight=9, waiting=0)  # it ran all nine: capacity at least 9
+    assert gate.waiting(R, 9) == 0 and not gate.saturated(R, 10)
+    assert gate.saturated(R, 11)
+    gate.probed(R, inflight=9, waiting=None)  # the metric is gone: nothing to go by
+    assert gate.waiting(R, 50) is None
+    gate.probed(R, inflight=12, waiting=2, running=7)  # 3 still on their way: not capacity
+    assert gate.waiting(R, 12) == 5
+    gate.forget([OTHER])
+    assert gate.waiting(R, 50) is None
 
 
 def test_a_queue_seen_between_two_steps_does_not_close_the_replica() -> None:
@@ -414,19 +416,19 @@ def test_a_queue_seen_between_two_steps_does_not_close_the_replica() -> None:
     of 0 from it held every request back for good at a gate of 0 (nothing sent, nothing
     running, no later probe to correct it): the capacity learnt is at least 1."""
     gate = SaturationGate(max_waiting=0)
-    gate.probed("r", inflight=1, waiting=1, running=0)
-    assert gate.waiting("r", 0) == 0
-    assert not gate.saturated("r", 0), "an idle replica must take a request"
-    assert gate.saturated("r", 1)
-    gate.probed("r", inflight=1, waiting=1)  # without the running metric, the same
-    assert not gate.saturated("r", 0)
+    gate.probed(R, inflight=1, waiting=1, running=0)
+    assert gate.waiting(R, 0) == 0
+    assert not gate.saturated(R, 0), "an idle replica must take a request"
+    assert gate.saturated(R, 1)
+    gate.probed(R, inflight=1, waiting=1)  # without the running metric, the same
+    assert not gate.saturated(R, 0)
 
 
 def test_a_gate_of_zero_keeps_the_replica_queue_empty() -> None:
     gate = SaturationGate(max_waiting=0)
-    gate.probed("r", inflight=5, waiting=1)  # runs 4
-    assert not gate.saturated("r", 3)
-    assert gate.saturated("r", 4), "all four places taken: the next would wait there"
+    gate.probed(R, inflight=5, waiting=1)  # runs 4
+    assert not gate.saturated(R, 3)
+    assert gate.saturated(R, 4), "all four places taken: the next would wait there"
 
 
 def test_a_prefill_budget_holds_long_prompts_and_lets_short_ones_by() -> None:
@@ -435,15 +437,15 @@ def test_a_prefill_budget_holds_long_prompts_and_lets_short_ones_by() -> None:
     it takes any prompt, even one over the budget, so nothing starves. Without a budget
     (the control) the second long prompt goes too."""
     gate = SaturationGate(max_waiting=2, max_prefill_tokens=8192)
-    assert not gate.saturated("r", 0, prefill=0, request=12_000), "idle: a long prompt goes"
-    assert not gate.saturated("r", 1, prefill=12_000, request=300), "a short one goes beside"
-    assert gate.saturated("r", 1, prefill=12_000, request=600), "a longer one waits"
-    assert not gate.saturated("r", 1, prefill=6_000, request=300), "a short one fits beside"
-    assert gate.saturated("r", 1, prefill=6_000, request=6_000), "a second long one waits"
-    assert not gate.saturated("r", 2, prefill=2_000, request=6_000), "once most is prefilled"
-    assert not SaturationGate(max_waiting=2).saturated("r", 1, prefill=6_000, request=6_000)
-    gate.probed("r", inflight=5, waiting=2, running=3)  # the queue rule still holds
-    assert gate.saturated("r", 5, prefill=0, request=10)
+    assert not gate.saturated(R, 0, prefill=0, request=12_000), "idle: a long prompt goes"
+    assert not gate.saturated(R, 1, prefill=12_000, request=300), "a short one goes beside"
+    assert gate.saturated(R, 1, prefill=12_000, request=600), "a longer one waits"
+    assert not gate.saturated(R, 1, prefill=6_000, request=300), "a short one fits beside"
+    assert gate.saturated(R, 1, prefill=6_000, request=6_000), "a second long one waits"
+    assert not gate.saturated(R, 2, prefill=2_000, request=6_000), "once most is prefilled"
+    assert not SaturationGate(max_waiting=2).saturated(R, 1, prefill=6_000, request=6_000)
+    gate.probed(R, inflight=5, waiting=2, running=3)  # the queue rule still holds
+    assert gate.saturated(R, 5, prefill=0, request=10)
     with pytest.raises(ValueError):
         SaturationGate(max_waiting=0, max_prefill_tokens=-1)
 
@@ -455,31 +457,31 @@ def test_a_derived_budget_is_the_replica_engine_step() -> None:
     replica takes anything. Until a replica reports a step (or a step too small to
     tell), it gets the fallback; another replica's step is not its own."""
     gate = SaturationGate(max_waiting=2, max_prefill_tokens=None)
-    assert gate.stepped("r", 2048) == 2048
-    assert not gate.saturated("r", 1, prefill=0, request=12_000), "idle: a long prompt goes"
-    assert not gate.saturated("r", 1, prefill=12_000, request=4096), "two steps: never held"
-    assert gate.saturated("r", 1, prefill=100, request=4097), "longer: waits"
+    assert gate.stepped(R, 2048) == 2048
+    assert not gate.saturated(R, 1, prefill=0, request=12_000), "idle: a long prompt goes"
+    assert not gate.saturated(R, 1, prefill=12_000, request=4096), "two steps: never held"
+    assert gate.saturated(R, 1, prefill=100, request=4097), "longer: waits"
     fallback = (FALLBACK_STEP_TOKENS, FALLBACK_STEP_TOKENS * SHORT_STEPS)
-    assert gate.prefill_budget("other") == fallback
-    assert not gate.saturated("other", 1, prefill=100, request=fallback[1])
-    assert gate.saturated("other", 1, prefill=100, request=fallback[1] + 1)
-    assert gate.stepped("r", MIN_STEP_TOKENS // 2) is None, "too little to tell"
-    assert gate.prefill_budget("r") == fallback
-    assert gate.stepped("r", None) is None
-    gate.stepped("r", 4096)
-    gate.forget(["other"])
-    assert gate.prefill_budget("r")[0] == FALLBACK_STEP_TOKENS, "a removed replica's step"
+    assert gate.prefill_budget(OTHER) == fallback
+    assert not gate.saturated(OTHER, 1, prefill=100, request=fallback[1])
+    assert gate.saturated(OTHER, 1, prefill=100, request=fallback[1] + 1)
+    assert gate.stepped(R, MIN_STEP_TOKENS // 2) is None, "too little to tell"
+    assert gate.prefill_budget(R) == fallback
+    assert gate.stepped(R, None) is None
+    gate.stepped(R, 4096)
+    gate.forget([OTHER])
+    assert gate.prefill_budget(R)[0] == FALLBACK_STEP_TOKENS, "a removed replica's step"
 
 
 def test_a_budget_set_by_hand_wins_over_the_reported_step() -> None:
     gate = SaturationGate(max_waiting=2, max_prefill_tokens=8192)
-    assert gate.stepped("r", 256) == 256
-    assert gate.prefill_budget("r") == (8192, 8192 / 16)
-    assert gate.saturated("r", 1, prefill=6_000, request=6_000)
-    assert not gate.saturated("r", 1, prefill=6_000, request=300)
+    assert gate.stepped(R, 256) == 256
+    assert gate.prefill_budget(R) == (8192, 8192 / 16)
+    assert gate.saturated(R, 1, prefill=6_000, request=6_000)
+    assert not gate.saturated(R, 1, prefill=6_000, request=300)
     off = SaturationGate(max_waiting=2, max_prefill_tokens=0)
-    off.stepped("r", 256)
-    assert not off.saturated("r", 1, prefill=6_000, request=6_000), "0: no budget"
+    off.stepped(R, 256)
+    assert not off.saturated(R, 1, prefill=6_000, request=6_000), "0: no budget"
 
 
 def test_step_tokens_falls_back_on_too_little() -> None:
@@ -497,7 +499,7 @@ def test_a_request_held_back_does_not_hold_up_another_tenant() -> None:
     q.push("noisy-long", "noisy", 12_000, deadline=FAR)
     q.push("noisy-next", "noisy", 12_000, deadline=FAR)
     q.push("quiet", "quiet", 300, deadline=FAR)  # lifted to noisy's counter: the tie
-    q.push("batch", "other", 10, deadline=FAR, band=BATCH)
+    q.push("batch", "other", 10, deadline=FAR, band=Band.BATCH)
     assert [w.item for w in q.candidates()] == ["noisy-long", "quiet"]
     held, quiet = list(q.candidates())
     assert q.pop(quiet) is quiet and q.counters["quiet"] == 300  # charged as released
@@ -511,7 +513,7 @@ def test_a_request_held_back_does_not_hold_up_another_tenant() -> None:
 def _state(q: FairQueue[Any]) -> tuple[Any, ...]:
     """What the next releases depend on: counters, weights, each band's floor, the turn."""
     turn = q._turn
-    floors = tuple(q._bands[b].floor for b in (INTERACTIVE, BATCH))
+    floors = tuple(q._bands[b].floor for b in (Band.INTERACTIVE, Band.BATCH))
     return (
         dict(q.counters),
         dict(q.weights),
@@ -524,7 +526,7 @@ def _state(q: FairQueue[Any]) -> tuple[Any, ...]:
 _ARRIVAL = st.tuples(
     st.just("arrive"),
     st.sampled_from(TENANTS),
-    st.sampled_from((INTERACTIVE, BATCH)),
+    st.sampled_from((Band.INTERACTIVE, Band.BATCH)),
     st.integers(0, 3000),
     st.sampled_from((None, b"k1", b"k2")),
     st.sampled_from((1.0, 2.0, 0.5)),
@@ -550,10 +552,8 @@ def test_serve_now_is_push_then_pop_on_an_empty_queue(
     queue exactly as the request queued and released at once would: same counters, lift,
     floors, turn and weights, same service handed to the bus, so every later release is
     the same; with a request waiting it changes nothing and the request must queue."""
-    fast: FairQueue[int] = FairQueue(quantum_tokens=quantum, fifo=fifo)
-    slow: FairQueue[int] = FairQueue(quantum_tokens=quantum, fifo=fifo)
-    fast.keep_charged()
-    slow.keep_charged()
+    fast: FairQueue[int] = FairQueue(quantum_tokens=quantum, fifo=fifo, keep_charged=True)
+    slow: FairQueue[int] = FairQueue(quantum_tokens=quantum, fifo=fifo, keep_charged=True)
     charged: dict[str, float] = {}  # the estimate each tenant's last release charged
     for i, (served_now, step) in enumerate(script):
         if step[0] == "arrive":

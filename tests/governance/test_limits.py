@@ -14,13 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from saltgate.governance.kinds import LimitKind, Scope, Subject
 from saltgate.governance.limits import (
-    BUDGET,
-    CONCURRENCY,
     DEFAULT_OUTPUT_ALLOWANCE,
-    INPUT_TOKENS,
-    OUTPUT_TOKENS,
-    REQUESTS,
     Demand,
     Governor,
     LimitError,
@@ -35,8 +31,8 @@ from saltgate.governance.limits import (
 
 pytestmark = pytest.mark.unit
 
-TENANT = ("tenant", "t1")
-KEY = ("key", "k1")
+TENANT = Subject(Scope.TENANT, "t1")
+KEY = Subject(Scope.KEY, "k1")
 
 
 def governor(limits: Limits, *, key: Limits | None = None, ttl: float = 600.0) -> Governor:
@@ -54,7 +50,11 @@ def test_any_window_not_fixed_windows() -> None:
         assert gov.admit([TENANT], Demand(0, 0), 59.0).admitted
     refused = gov.admit([TENANT], Demand(0, 0), 61.0)
     assert refused.denial is not None
-    assert (refused.denial.kind, refused.denial.limit, refused.denial.used) == (REQUESTS, 3, 3)
+    assert (refused.denial.kind, refused.denial.limit, refused.denial.used) == (
+        LimitKind.REQUESTS,
+        3,
+        3,
+    )
     assert refused.denial.retry_at == 119.0
     assert refused.denial.retry_after_s == pytest.approx(58.0)
     assert not gov.admit([TENANT], Demand(0, 0), 118.999).admitted
@@ -73,11 +73,11 @@ def test_all_limits_or_none() -> None:
     gov = governor(Limits(rpm=10, input_tpm=100, output_tpm=1000))
     assert gov.admit([TENANT], Demand(80, 10), 0.0).admitted
     refused = gov.admit([TENANT], Demand(30, 10), 1.0)
-    assert refused.denial is not None and refused.denial.kind == INPUT_TOKENS
+    assert refused.denial is not None and refused.denial.kind == LimitKind.INPUT_TOKENS
     quotas = {q.kind: q for q in gov.quotas([TENANT], 1.0)}
-    assert quotas[REQUESTS].remaining == 9
-    assert quotas[OUTPUT_TOKENS].remaining == 990
-    assert quotas[INPUT_TOKENS].remaining == 20
+    assert quotas[LimitKind.REQUESTS].remaining == 9
+    assert quotas[LimitKind.OUTPUT_TOKENS].remaining == 990
+    assert quotas[LimitKind.INPUT_TOKENS].remaining == 20
 
 
 def test_key_narrows_tenant() -> None:
@@ -87,7 +87,7 @@ def test_key_narrows_tenant() -> None:
     refused = gov.admit([TENANT, KEY], Demand(0, 0), 0.0)
     assert refused.denial is not None and refused.denial.scope == "key"
     # Another key of the tenant is still admitted: the tenant's own limit is 10.
-    assert gov.admit([TENANT, ("key", "k2")], Demand(0, 0), 0.0).admitted
+    assert gov.admit([TENANT, Subject(Scope.KEY, "k2")], Demand(0, 0), 0.0).admitted
 
 
 def test_settle_returns_what_was_not_used() -> None:
@@ -98,7 +98,9 @@ def test_settle_returns_what_was_not_used() -> None:
     assert not gov.admit([TENANT], Demand(10, 500), 1.0).admitted
     gov.settle(first.ticket, Demand(10, 100), 2.0)
     gov.settle(first.ticket, Demand(10, 0), 2.0)  # a second ending counts for nothing
-    assert {q.kind: q.remaining for q in gov.quotas([TENANT], 2.0)} == {OUTPUT_TOKENS: 900}
+    assert {q.kind: q.remaining for q in gov.quotas([TENANT], 2.0)} == {
+        LimitKind.OUTPUT_TOKENS: 900
+    }
     assert gov.admit([TENANT], Demand(10, 900), 3.0).admitted
 
 
@@ -107,7 +109,7 @@ def test_concurrency_lease_released_or_expired() -> None:
     held = gov.admit([TENANT], Demand(0, 0), 0.0)
     assert held.ticket is not None
     refused = gov.admit([TENANT], Demand(0, 0), 5.0)
-    assert refused.denial is not None and refused.denial.kind == CONCURRENCY
+    assert refused.denial is not None and refused.denial.kind == LimitKind.CONCURRENCY
     assert refused.denial.retry_at == 30.0  # the lease's expiry
     gov.settle(held.ticket, Demand(0, 0), 6.0)
     lost = gov.admit([TENANT], Demand(0, 0), 6.0)  # never settled: its lease expires
@@ -126,7 +128,7 @@ def test_a_fallback_counts_the_admissions_recorded_from_elsewhere() -> None:
     admitted = sum(gov.admit([TENANT, KEY], Demand(0, 0), 10.0).admitted for _ in range(20))
     assert admitted == 10 - 4
     refused = gov.admit([TENANT, KEY], Demand(0, 0), 10.0)
-    assert refused.denial is not None and refused.denial.kind == REQUESTS
+    assert refused.denial is not None and refused.denial.kind == LimitKind.REQUESTS
     assert refused.denial.retry_at == 60.0  # the first recorded admission leaves
     assert gov.admit([TENANT, KEY], Demand(0, 0), 60.0).admitted
 
@@ -136,12 +138,14 @@ def test_recorded_admissions_are_settled_and_hold_leases() -> None:
     like an admitted one; recording never refuses, even past the share."""
     gov = governor(Limits(output_tpm=1000, concurrency=2))
     tickets = [gov.record([TENANT], Demand(0, 600), 0.0) for _ in range(3)]
-    assert {q.kind: q.remaining for q in gov.quotas([TENANT], 0.0)} == {OUTPUT_TOKENS: 0}
+    assert {q.kind: q.remaining for q in gov.quotas([TENANT], 0.0)} == {LimitKind.OUTPUT_TOKENS: 0}
     refused = gov.admit([TENANT], Demand(0, 0), 1.0)
     assert refused.denial is not None
     for ticket in tickets:
         gov.settle(ticket, Demand(0, 100), 2.0)
-    assert {q.kind: q.remaining for q in gov.quotas([TENANT], 2.0)} == {OUTPUT_TOKENS: 700}
+    assert {q.kind: q.remaining for q in gov.quotas([TENANT], 2.0)} == {
+        LimitKind.OUTPUT_TOKENS: 700
+    }
     assert gov.admit([TENANT], Demand(0, 700), 3.0).admitted
     assert gov.admit([TENANT], Demand(0, 0), 3.0).admitted  # the leases came back
 
@@ -152,7 +156,7 @@ def test_recording_alone_keeps_its_logs_a_window_long() -> None:
     for t in range(600):
         gov.record([TENANT], Demand(0, 0), float(t))
     # Looked at before anything else prunes it (a quota or an admission would).
-    assert len(gov._subjects[TENANT].logs[REQUESTS].entries) == 60
+    assert len(gov._subjects[TENANT].logs[LimitKind.REQUESTS].entries) == 60
 
 
 def test_budget_overshoots_by_at_most_one_reservation() -> None:
@@ -162,7 +166,7 @@ def test_budget_overshoots_by_at_most_one_reservation() -> None:
         admitted += 1
     assert admitted == 4  # 0, 300, 600, 900 spent before each: 1200 <= 1000 + 300
     refused = gov.admit([TENANT], Demand(0, 0, 300), 10.0)
-    assert refused.denial is not None and refused.denial.kind == BUDGET
+    assert refused.denial is not None and refused.denial.kind == LimitKind.BUDGET
     assert refused.denial.retry_at == 3600.0  # the first 300 leaves: 900 < 1000 again
 
 
@@ -195,15 +199,15 @@ class Record:
     """The checker's own copy of one admission."""
 
     at: float
-    amounts: dict[str, int]
+    amounts: dict[LimitKind, int]
     open: bool
     expiry: float
 
 
-def brute_used(records: list[Record], kind: str, now: float, ttl: float) -> int:
-    if kind == CONCURRENCY:
+def brute_used(records: list[Record], kind: LimitKind, now: float, ttl: float) -> int:
+    if kind == LimitKind.CONCURRENCY:
         return sum(1 for r in records if r.open and r.expiry > now)
-    span = PERIOD if kind == BUDGET else WINDOW
+    span = PERIOD if kind == LimitKind.BUDGET else WINDOW
     return sum(r.amounts[kind] for r in records if r.at + span > now)
 
 
@@ -237,39 +241,45 @@ def test_random_sequences_against_brute_force(
     tickets: list[tuple[Ticket, Record]] = []
     now = 0.0
     kinds = {
-        REQUESTS: limits.rpm,
-        INPUT_TOKENS: limits.input_tpm,
-        OUTPUT_TOKENS: limits.output_tpm,
-        CONCURRENCY: limits.concurrency,
-        BUDGET: limits.budget_micro_usd,
+        LimitKind.REQUESTS: limits.rpm,
+        LimitKind.INPUT_TOKENS: limits.input_tpm,
+        LimitKind.OUTPUT_TOKENS: limits.output_tpm,
+        LimitKind.CONCURRENCY: limits.concurrency,
+        LimitKind.BUDGET: limits.budget_micro_usd,
     }
     for dt, settle, inp, out, cost, frac in ops:
         now += dt
         if settle and tickets:
             ticket, record = tickets.pop(0)
             used = Demand(
-                int(record.amounts[INPUT_TOKENS] * frac),
-                int(record.amounts[OUTPUT_TOKENS] * frac),
-                int(record.amounts[BUDGET] * frac),
+                int(record.amounts[LimitKind.INPUT_TOKENS] * frac),
+                int(record.amounts[LimitKind.OUTPUT_TOKENS] * frac),
+                int(record.amounts[LimitKind.BUDGET] * frac),
             )
             gov.settle(ticket, used, now)
             record.amounts.update(
                 {
-                    INPUT_TOKENS: used.input_tokens,
-                    OUTPUT_TOKENS: used.output_tokens,
-                    BUDGET: used.cost_micro_usd,
+                    LimitKind.INPUT_TOKENS: used.input_tokens,
+                    LimitKind.OUTPUT_TOKENS: used.output_tokens,
+                    LimitKind.BUDGET: used.cost_micro_usd,
                 }
             )
             record.open = False
             continue
         demand = Demand(inp, out, cost)
-        wanted = {REQUESTS: 1, INPUT_TOKENS: inp, OUTPUT_TOKENS: out, CONCURRENCY: 1, BUDGET: cost}
-        fits = {}
+        wanted = {
+            LimitKind.REQUESTS: 1,
+            LimitKind.INPUT_TOKENS: inp,
+            LimitKind.OUTPUT_TOKENS: out,
+            LimitKind.CONCURRENCY: 1,
+            LimitKind.BUDGET: cost,
+        }
+        fits: dict[LimitKind, bool] = {}
         for kind, limit in kinds.items():
             if limit is None:
                 continue
             spent = brute_used(records, kind, now, ttl)
-            if kind == BUDGET:
+            if kind == LimitKind.BUDGET:
                 fits[kind] = spent < limit
             else:
                 fits[kind] = spent + wanted[kind] <= limit
@@ -293,7 +303,7 @@ def test_random_sequences_against_brute_force(
         assert not copy.deepcopy(before).admit([TENANT], demand, denial.retry_at - 0.5).admitted
 
     # No window of 60 s ever holds more than L (windows ending at each admission suffice).
-    for kind in (REQUESTS, INPUT_TOKENS, OUTPUT_TOKENS):
+    for kind in (LimitKind.REQUESTS, LimitKind.INPUT_TOKENS, LimitKind.OUTPUT_TOKENS):
         limit = kinds[kind]
         if limit is None:
             continue
@@ -309,8 +319,8 @@ def test_a_weight_is_no_limit_and_the_limits_hold_none() -> None:
     assert "weight" not in {f.name for f in fields(Limits)}
     assert Limits().empty and Limits.from_json(Limits(rpm=60).to_json()) == Limits(rpm=60)
     governor = Governor()
-    governor.set_limits(("tenant", "t"), Limits())
-    assert not governor.governs([("tenant", "t")])  # nothing limited: admission skipped
+    governor.set_limits(Subject(Scope.TENANT, "t"), Limits())
+    assert not governor.governs([Subject(Scope.TENANT, "t")])  # nothing limited: admission skipped
     for parse in (parse_limits, parse_limits_edit, json_limits_edit):
         with pytest.raises(LimitError, match="unknown limit 'weight'"):
             parse({"weight": 2})

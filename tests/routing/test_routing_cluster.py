@@ -256,9 +256,9 @@ def test_own_batches_are_not_applied_and_bad_ones_are_counted() -> None:
 
 def fair_pair() -> tuple[ClusterState, ClusterState, FairQueue[None], FairQueue[None]]:
     a, b = pair()
-    a.fair, b.fair = qa, qb = FairQueue[None](quantum_tokens=0), FairQueue[None](quantum_tokens=0)
-    qa.keep_charged()
-    qb.keep_charged()
+    qa = FairQueue[None](quantum_tokens=0, keep_charged=True)
+    qb = FairQueue[None](quantum_tokens=0, keep_charged=True)
+    a.fair, b.fair = qa, qb
     return a, b, qa, qb
 
 

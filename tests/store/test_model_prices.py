@@ -14,7 +14,7 @@ import pytest
 from tests.support.waiting import eventually
 
 from saltgate.cli import main
-from saltgate.prices import Price, PriceVersion, price_from_fields
+from saltgate.prices import Price, PriceBook, PriceVersion, price_from_fields
 from saltgate.store.audit import Actor, list_entries, verify_chain
 from saltgate.store.backends import open_database
 from saltgate.store.errors import InvalidInputError, PriceNotFoundError
@@ -127,17 +127,25 @@ def test_a_sqlite_key_index_reloads_prices_with_its_keys(tmp_path: Path) -> None
     settings = StoreSettings.in_state_dir(tmp_path / "state")
     db = open_database(settings)
     assert settings.sqlite_path is not None
-    index = KeyIndex(settings.sqlite_path, max_staleness=0.0)
+    configured = {
+        "m": PriceVersion.of("m", Price(1, 0, 1)),
+        "c": PriceVersion.of("c", Price(2, 0, 2)),
+    }
+    book = PriceBook(configured)  # the gateway's: its meter and limits bill at it
+    index = KeyIndex(settings.sqlite_path, max_staleness=0.0, book=book)
     try:
         before = index.prices
-        assert dict(before) == {}
+        assert dict(before) == {} and book.by_model == configured
         PriceStore(db).set("m", Price(1.5, 0.15, 6.0))
         assert index.refresh_if_changed()
         assert index.prices is not before
         assert index.prices["m"] == PriceVersion.of("m", Price(1.5, 0.15, 6.0))
+        # The reload hands the book the store's prices over the configuration's.
+        assert book.by_model == {**configured, "m": index.prices["m"]}
         PriceStore(db).clear("m")
         assert index.refresh_if_changed()
         assert "m" not in index.prices
+        assert book.by_model == configured
     finally:
         index.close()
         db.close()
@@ -148,7 +156,9 @@ def test_a_postgres_gateway_hears_of_a_price_by_notify(pg_store: StoreSettings) 
     prices = PriceStore(db)
 
     async def run() -> None:
-        index = PgKeyIndex(pg_store, check_interval_s=30.0)  # only NOTIFY can be this fast
+        book = PriceBook()
+        # Only NOTIFY can be this fast.
+        index = PgKeyIndex(pg_store, check_interval_s=30.0, book=book)
         await index.start()
         try:
             assert dict(index.prices) == {}
@@ -157,8 +167,10 @@ def test_a_postgres_gateway_hears_of_a_price_by_notify(pg_store: StoreSettings) 
             await eventually(lambda: "m" in index.prices, timeout_s=1.0, what="new price")
             assert time.monotonic() - start < 1.0
             assert index.prices["m"] == PriceVersion.of("m", Price(1.5, 0.15, 6.0))
+            assert book.by_model == index.prices, "the gateway's book follows the reload"
             await asyncio.to_thread(prices.clear, "m")
             await eventually(lambda: "m" not in index.prices, timeout_s=1.0, what="cleared")
+            assert dict(book.by_model) == {}
         finally:
             await index.aclose()
 

@@ -58,14 +58,12 @@ import orjson
 from redis.asyncio import Redis
 
 from saltgate.admin.scopes import USAGE_READ
-from saltgate.gateway.admission import reservation
 from saltgate.gateway.host_limits import HostLimits
 from saltgate.gateway.shared_limits import SharedLimits
+from saltgate.governance.answers import reservation
+from saltgate.governance.kinds import LimitKind, Scope, Subject
 from saltgate.governance.limits import (
     DEFAULT_LEASE_TTL_S,
-    INPUT_TOKENS,
-    OUTPUT_TOKENS,
-    REQUESTS,
     WINDOW_S,
     Demand,
     Governor,
@@ -190,9 +188,9 @@ def window_figures(sent: Sequence[Sent], limits: Limits, gateways: int) -> dict[
     admitted = [s for s in sent if s.status == 200]
     rejected = [s for s in sent if s.status == 429]
     peaks = {
-        REQUESTS: max_in_window((s.at, 1) for s in admitted),
-        INPUT_TOKENS: max_in_window((s.at, s.input_tokens) for s in admitted),
-        OUTPUT_TOKENS: max_in_window((s.at, s.output_tokens) for s in admitted),
+        LimitKind.REQUESTS: max_in_window((s.at, 1) for s in admitted),
+        LimitKind.INPUT_TOKENS: max_in_window((s.at, s.input_tokens) for s in admitted),
+        LimitKind.OUTPUT_TOKENS: max_in_window((s.at, s.output_tokens) for s in admitted),
     }
     ratios = {}
     for kind, peak in peaks.items():
@@ -221,14 +219,17 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q / 100 * len(sorted_values)))]
 
 
-Limited = list[tuple[tuple[str, str], Limits]]
+Limited = list[tuple[Subject, Limits]]
 
 
 def latency_limits() -> Limited:
     """What the latency figures admit into: a tenant with every kind of limit and its key,
     all too large to refuse, so each admission checks and records every log."""
     every = replace(UNBOUNDED, concurrency=10**6)
-    return [(("tenant", "bench-latency"), every), (("key", "bench-latency"), Limits(rpm=10**9))]
+    return [
+        (Subject(Scope.TENANT, "bench-latency"), every),
+        (Subject(Scope.KEY, "bench-latency"), Limits(rpm=10**9)),
+    ]
 
 
 def local_latencies(limited: Limited, samples: int) -> list[float]:
@@ -580,7 +581,7 @@ class Bench:
         try:
             left = {
                 k: int(await redis.get(prefix + k + ":s") or 0)
-                for k in (REQUESTS, INPUT_TOKENS, OUTPUT_TOKENS)
+                for k in (LimitKind.REQUESTS, LimitKind.INPUT_TOKENS, LimitKind.OUTPUT_TOKENS)
             }
             # Leases are returned as the requests end; the windowed counters keep what was
             # used until it leaves the window, then their keys expire.
@@ -609,7 +610,7 @@ class Bench:
         ok = (
             counts["cancelled_midway"] >= self.o.streams * 0.99
             and (expires_in is None or expires_in <= DEFAULT_LEASE_TTL_S)
-            and left[OUTPUT_TOKENS] <= reserved
+            and left[LimitKind.OUTPUT_TOKENS] <= reserved
             and (
                 not self.o.wait_expiry
                 or (counters_gone is not None and counters_gone <= WINDOW_S + 2)
@@ -912,9 +913,10 @@ def table(report: dict[str, Any]) -> str:
         peaks = arm["max_window"]
         rows.append(
             f"| {arm['arm']} | {arm['gateways']} | {arm['sent']} | {arm['admitted']} | "
-            f"{arm['rejected_429']} | {peaks[REQUESTS]} ({r[REQUESTS]:.3f} x L) | "
-            f"{peaks[INPUT_TOKENS]} ({r[INPUT_TOKENS]:.3f}) | "
-            f"{peaks[OUTPUT_TOKENS]} ({r[OUTPUT_TOKENS]:.3f}) |"
+            f"{arm['rejected_429']} | "
+            f"{peaks[LimitKind.REQUESTS]} ({r[LimitKind.REQUESTS]:.3f} x L) | "
+            f"{peaks[LimitKind.INPUT_TOKENS]} ({r[LimitKind.INPUT_TOKENS]:.3f}) | "
+            f"{peaks[LimitKind.OUTPUT_TOKENS]} ({r[LimitKind.OUTPUT_TOKENS]:.3f}) |"
         )
     return "\n".join(rows)
 

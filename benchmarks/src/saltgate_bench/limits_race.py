@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from saltgate.gateway.shared_limits import ADMIT_SCRIPT, SETTLE_SCRIPT, SharedLimits, settle_call
+from saltgate.governance.kinds import Scope, Subject
 from saltgate.governance.limits import DEFAULT_LEASE_TTL_S, Demand, Limits
 
 CONNECTIONS = 4
@@ -193,7 +194,9 @@ class _Slot:
 
     @classmethod
     def of(cls, engine: SharedLimits, subject: str, cap: int) -> _Slot:
-        ticket = engine.ticket([(("tenant", subject), Limits(concurrency=cap))], Demand(1, 1))
+        ticket = engine.ticket(
+            [(Subject(Scope.TENANT, subject), Limits(concurrency=cap))], Demand(1, 1)
+        )
         keys, args = engine.admit_call(ticket)
         admit = command("EVALSHA", _sha(ADMIT_SCRIPT), len(keys), *keys, *args)
         keys, args = settle_call(ticket, Demand(0, 0))

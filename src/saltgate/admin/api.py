@@ -29,6 +29,7 @@ from saltgate.admin.service import (
 )
 from saltgate.admin.store import AdminStore
 from saltgate.admin.tokens import AdminPrincipal, authenticate_admin
+from saltgate.governance.kinds import BANDS, DEFAULT_BAND
 from saltgate.governance.limits import (
     LimitError,
     Limits,
@@ -36,7 +37,6 @@ from saltgate.governance.limits import (
     json_limits_edit,
     parse_limits,
 )
-from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
 from saltgate.governance.weight import WEIGHT, split_weight
 from saltgate.http import Request, Response
 from saltgate.policy.errors import ApiError
@@ -332,11 +332,9 @@ class AdminApi:
         return 200, page(found, "id")
 
     async def _keys_create(self, call: Call) -> JsonAnswer:
-        priority = call.body().get("priority", DEFAULT_PRIORITY)
+        priority = call.body().get("priority", DEFAULT_BAND.value)
         if not isinstance(priority, str):
-            raise ApiError(
-                400, f"priority must be one of: {', '.join(PRIORITIES)}", param="priority"
-            )
+            raise ApiError(400, f"priority must be one of: {', '.join(BANDS)}", param="priority")
         return 201, (await self.service.keys_create(call.caller, call.tenant, priority)).to_dict()
 
     async def _keys_get(self, call: Call) -> JsonAnswer:

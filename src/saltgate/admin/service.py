@@ -31,8 +31,8 @@ from typing import Any, Generic, TypeVar
 from saltgate.admin import openapi, scopes, usage
 from saltgate.admin.store import AdminStore
 from saltgate.admin.tokens import AdminPrincipal
+from saltgate.governance.kinds import BANDS
 from saltgate.governance.limits import LimitError, Limits, LimitsEdit
-from saltgate.governance.priority import PRIORITIES
 from saltgate.policy.errors import ApiError
 from saltgate.prices import Price
 from saltgate.store import audit
@@ -362,10 +362,8 @@ class AdminService:
         return _page(await self._run(caller, "keys_list", read), limit)
 
     async def keys_create(self, caller: Caller, ref: str, priority: str) -> NewKey:
-        if priority not in PRIORITIES:
-            raise ApiError(
-                400, f"priority must be one of: {', '.join(PRIORITIES)}", param="priority"
-            )
+        if priority not in BANDS:
+            raise ApiError(400, f"priority must be one of: {', '.join(BANDS)}", param="priority")
 
         def create(db: Database) -> NewKey:
             store = TenantStore(db, actor=caller.actor)

@@ -16,7 +16,7 @@ from saltgate.cli.common import _PAGE, _every, _state_dir_arg, _with_service
 
 
 def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
+    from saltgate.governance.kinds import BANDS, DEFAULT_BAND
 
     tenants = sub.add_parser(
         "tenants", help="create, list and rotate tenants, and choose the models they may use"
@@ -59,8 +59,8 @@ def _add_admin(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("tenant", help="the tenant's name")
     p.add_argument(
         "--priority",
-        choices=PRIORITIES,
-        default=DEFAULT_PRIORITY,
+        choices=BANDS,
+        default=DEFAULT_BAND.value,
         help="the key's band when the replicas are saturated: interactive requests go first",
     )
     _state_dir_arg(p)

@@ -13,9 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import math
 import time
-from datetime import UTC, datetime
 from typing import Final
 
 from redis.exceptions import RedisError
@@ -23,26 +21,19 @@ from redis.exceptions import RedisError
 from saltgate.gateway.host_limits import HostLimits, HostTicket
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.shared_limits import SharedLimits, SharedTicket
+from saltgate.governance.answers import denial_error, rate_headers, reservation
+from saltgate.governance.kinds import Scope, Subject
 from saltgate.governance.limits import (
-    BUDGET,
-    CONCURRENCY,
     DEFAULT_LEASE_TTL_S,
-    INPUT_TOKENS,
-    OUTPUT_TOKENS,
-    REQUESTS,
     Demand,
     Denial,
     Governor,
     Limits,
     Quota,
     Ticket,
-    output_allowance,
-    prompt_estimate,
 )
 from saltgate.http import Headers
-from saltgate.policy.errors import AnthropicApiError, ApiError
-from saltgate.policy.request import GENERATION_ROUTES
-from saltgate.prices import PriceVersion
+from saltgate.prices import PriceBook
 from saltgate.store.tenants import Principal
 from saltgate.store.usage_rollups import UsageReader, read_buckets
 
@@ -53,13 +44,6 @@ BUDGET_BUCKET_S: Final = 60
 BUDGET_RETRY_S: Final = 5.0
 log = logging.getLogger(__name__)
 
-# What OpenAI's message calls each limit.
-_NAMES: Final = {
-    REQUESTS: "requests per min (RPM)",
-    INPUT_TOKENS: "uncached input tokens per min (TPM)",
-    OUTPUT_TOKENS: "output tokens per min (TPM)",
-    CONCURRENCY: "concurrent requests",
-}
 # What a request admitted here holds: a ticket of this process's governor, of Redis's
 # script (SharedTicket) or of the supervisor's (HostTicket).
 AnyTicket = Ticket | SharedTicket | HostTicket
@@ -69,30 +53,6 @@ Engine = SharedLimits | HostLimits
 # After the engine failed, the local shares hold this long before it is tried again, so a
 # request does not wait for a dead server's timeout each time.
 SHARED_RETRY_S: Final = 1.0
-# A concurrency lease frees when a request ends, which the log cannot foresee: the caller
-# is told to retry after this (or the lease's expiry, if sooner).
-CONCURRENCY_RETRY_S: Final = 1.0
-_ANTHROPIC_KINDS: Final = {
-    REQUESTS: b"requests",
-    INPUT_TOKENS: b"input-tokens",
-    OUTPUT_TOKENS: b"output-tokens",
-}
-
-
-def go_duration(seconds: float) -> str:
-    """A duration as OpenAI's x-ratelimit-reset-* write it (Go's style): "6m0s", "1.5s",
-    "120ms"; rounded up to the millisecond, so waiting that long is always enough."""
-    ms = max(math.ceil(seconds * 1000 - 1e-6), 0)
-    if ms < 1000:
-        return f"{ms}ms"
-    hours, rest = divmod(ms, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
-    if hours:
-        return f"{hours}h{minutes}m{secs}s"
-    if minutes:
-        return f"{minutes}m{secs}s"
-    return f"{secs}s"
 
 
 class Admission:
@@ -107,7 +67,7 @@ class Admission:
 
     def __init__(
         self,
-        prices: dict[str, PriceVersion],
+        prices: PriceBook,
         *,
         share: int = 1,
         shared: Engine | None = None,
@@ -121,9 +81,9 @@ class Admission:
         self.metrics = metrics
         self.spend = spend
         # (subject, period) of each budget started from the ledger, and those being read.
-        self._seeded: set[tuple[tuple[str, str], int]] = set()
-        self._seeding: dict[tuple[tuple[str, str], int], asyncio.Future[None]] = {}
-        self._seed_retry_at: dict[tuple[tuple[str, str], int], float] = {}
+        self._seeded: set[tuple[Subject, int]] = set()
+        self._seeding: dict[tuple[Subject, int], asyncio.Future[None]] = {}
+        self._seed_retry_at: dict[tuple[Subject, int], float] = {}
         if metrics is not None:
             metrics.describe(
                 REFUSALS,
@@ -135,6 +95,27 @@ class Admission:
         self.prices = prices
         self.share = share
         self.shared = shared
+        if isinstance(shared, HostLimits):
+            log.info(
+                "limits shared by this host's workers through the supervisor; while it "
+                "does not answer this worker enforces 1/%d of every limit (docs/limits.md)",
+                share,
+            )
+        elif shared is not None:
+            log.info(
+                "limits shared by the fleet through [cluster]'s Redis; while it is "
+                "unreachable each process enforces 1/%d of every limit (docs/limits.md)",
+                share,
+            )
+        elif share > 1:
+            log.warning(
+                "limits are not shared between this gateway's %d processes "
+                "([limits] share x --workers): each enforces 1/%d of every tenant's and "
+                "key's limit (rounded down), so together they never exceed it "
+                "(docs/limits.md)",
+                share,
+                share,
+            )
         self.shared_up = shared is not None
         self._retry_shared_at = 0.0
         self._settling: set[asyncio.Task[None]] = set()
@@ -147,7 +128,7 @@ class Admission:
         Returns the ticket to settle and the headers for the answer."""
         if self.spend is not None:
             await self._start_budgets(principal)
-        demand = reservation(self.prices.get(model), route, body_bytes, max_tokens)
+        demand = reservation(self.prices.by_model.get(model), route, body_bytes, max_tokens)
         anthropic = route.startswith("/v1/messages")
         ticket: AnyTicket | None = None
         denial: Denial | None = None
@@ -157,8 +138,8 @@ class Admission:
             limited = [
                 (subject, limits)
                 for subject, limits in (
-                    (("tenant", principal.tenant_id), principal.limits),
-                    (("key", principal.key_id), principal.key_limits),
+                    (Subject(Scope.TENANT, principal.tenant_id), principal.limits),
+                    (Subject(Scope.KEY, principal.key_id), principal.key_limits),
                 )
                 if limits is not None
             ]
@@ -182,7 +163,7 @@ class Admission:
         if not shared_answered:
             decision = self.governor.admit(self._subjects(principal), demand, self._clock())
             ticket, denial, quotas = decision.ticket, decision.denial, decision.quotas
-        headers = rate_headers(quotas, anthropic)
+        headers = rate_headers(quotas, anthropic, time.time())
         if ticket is None:
             assert denial is not None
             if self.metrics is not None:
@@ -198,8 +179,8 @@ class Admission:
         counts what was spent (docs/limits.md). Once per subject and period per process;
         concurrent first requests wait for the one read."""
         for subject, limits in (
-            (("tenant", principal.tenant_id), principal.limits),
-            (("key", principal.key_id), principal.key_limits),
+            (Subject(Scope.TENANT, principal.tenant_id), principal.limits),
+            (Subject(Scope.KEY, principal.key_id), principal.key_limits),
         ):
             if limits is None or limits.budget_period_s is None:
                 continue
@@ -212,15 +193,13 @@ class Admission:
                 self._seeding[mark] = pending
             await asyncio.shield(pending)
 
-    async def _start_budget(
-        self, principal: Principal, subject: tuple[str, str], limits: Limits
-    ) -> None:
+    async def _start_budget(self, principal: Principal, subject: Subject, limits: Limits) -> None:
         period = limits.budget_period_s
         assert period is not None and self.spend is not None
         mark = (subject, period)
         wall, now = time.time(), self._clock()
         filters = {"tenant_id": [principal.tenant_id]}
-        if subject[0] == "key":
+        if subject.scope == Scope.KEY:
             filters["key_id"] = [principal.key_id]
         start = int(wall - period) // BUDGET_BUCKET_S * BUDGET_BUCKET_S
         failure: Exception | None = None
@@ -244,7 +223,7 @@ class Admission:
             log.warning(
                 "limits: the %s budget could not be started from the ledger (%s); it counts "
                 "from now, retried in %.0f s",
-                subject[0],
+                subject.scope,
                 type(failure).__name__,
                 BUDGET_RETRY_S,
             )
@@ -270,10 +249,10 @@ class Admission:
         self.shared_up = False
         self._retry_shared_at = self._clock() + SHARED_RETRY_S
 
-    def _subjects(self, principal: Principal) -> list[tuple[str, str]]:
+    def _subjects(self, principal: Principal) -> list[Subject]:
         """Install the principal's current limits (they follow the store's snapshot)."""
-        tenant = ("tenant", principal.tenant_id)
-        key = ("key", principal.key_id)
+        tenant = Subject(Scope.TENANT, principal.tenant_id)
+        key = Subject(Scope.KEY, principal.key_id)
         self.governor.set_limits(tenant, _shared(principal.limits, self.share))
         self.governor.set_limits(key, _shared(principal.key_limits, self.share))
         return [tenant, key]
@@ -304,111 +283,8 @@ class Admission:
             log.debug("limits: settling in Redis failed (%s)", type(exc).__name__)
 
 
-def reservation(
-    price: PriceVersion | None, route: str, body_bytes: int, max_tokens: int | None
-) -> Demand:
-    """What a request reserves at admission: the prompt estimate, its output allowance
-    and their price (docs/limits.md; saltgate-bench limits bounds a budget's overshoot
-    with it)."""
-    prompt = prompt_estimate(body_bytes)
-    allowance = output_allowance(max_tokens) if route in GENERATION_ROUTES else 0
-    cost = 0 if price is None else price.cost_micro_usd(prompt, None, allowance)
-    return Demand(prompt, allowance, cost)
-
-
 # Every admission through Redis installs the local shares too (to record it): computed
 # once per distinct limits, not per request.
 @functools.lru_cache(maxsize=4096)
 def _shared(limits: Limits | None, share: int) -> Limits | None:
     return None if limits is None else limits.share(share)
-
-
-def rate_headers(quotas: tuple[Quota, ...], anthropic: bool) -> Headers:
-    """x-ratelimit-* (OpenAI: requests, and tokens as the tighter of input and output) or
-    anthropic-ratelimit-* (RFC 3339 resets)."""
-    headers: Headers = []
-    if anthropic:
-        wall = time.time()
-        for q in quotas:
-            name = b"anthropic-ratelimit-" + _ANTHROPIC_KINDS[q.kind]
-            reset = datetime.fromtimestamp(wall + q.reset_s, UTC).isoformat(timespec="seconds")
-            headers += [
-                (name + b"-limit", str(q.limit).encode()),
-                (name + b"-remaining", str(q.remaining).encode()),
-                (name + b"-reset", reset.replace("+00:00", "Z").encode()),
-            ]
-        return headers
-    tokens: Quota | None = None
-    for q in quotas:
-        if q.kind == REQUESTS:
-            headers += _openai(b"requests", q)
-        elif tokens is None or q.remaining < tokens.remaining:
-            tokens = q
-    if tokens is not None:
-        headers += _openai(b"tokens", tokens)
-    return headers
-
-
-def _openai(name: bytes, q: Quota) -> Headers:
-    return [
-        (b"x-ratelimit-limit-" + name, str(q.limit).encode()),
-        (b"x-ratelimit-remaining-" + name, str(q.remaining).encode()),
-        (b"x-ratelimit-reset-" + name, go_duration(q.reset_s).encode()),
-    ]
-
-
-def denial_error(denial: Denial, model: str, anthropic: bool, headers: Headers) -> ApiError:
-    """The 429, worded as OpenAI words it; a spent budget is `insufficient_quota` with
-    x-should-retry: false and no Retry-After, so the official SDKs stop retrying."""
-    error_type = AnthropicApiError if anthropic else ApiError
-    scope = "this API key" if denial.scope == "key" else "this tenant"
-    if denial.kind == BUDGET:
-        message = (
-            "You exceeded your current quota, please check your plan and billing details. "
-            f"The spend budget of {scope} is used up."
-        )
-        return error_type(
-            429,
-            message,
-            type="rate_limit_error" if anthropic else "insufficient_quota",
-            code="insufficient_quota",
-            headers=[*headers, (b"x-should-retry", b"false")],
-        )
-    what = f"{model or 'requests'} on {_NAMES[denial.kind]} of {scope}"
-    retry = denial.retry_after_s
-    if denial.kind == CONCURRENCY and retry is not None:
-        retry = min(retry, CONCURRENCY_RETRY_S)
-    extra: Headers = [(b"x-should-retry", b"false")]
-    if retry is None and denial.limit == 0:
-        # Set to 0, or a limit smaller than the processes it is split between.
-        message = (
-            f"Rate limit reached for {what}: Limit 0, Requested {denial.requested}. This "
-            "limit admits nothing here; ask the operator to raise it."
-        )
-    elif retry is None:
-        message = (
-            f"Request too large for {what}: Limit {denial.limit}, Requested "
-            f"{denial.requested}. The input or output tokens must be reduced in order to "
-            "run successfully."
-        )
-    else:
-        message = (
-            f"Rate limit reached for {what}: Limit {denial.limit}, Used {denial.used}, "
-            f"Requested {denial.requested}. Please try again in {go_duration(retry)}."
-        )
-        ms = max(math.ceil(retry * 1000 - 1e-6), 1)
-        extra = [
-            (b"retry-after", str(math.ceil(ms / 1000)).encode()),
-            (b"retry-after-ms", str(ms).encode()),
-        ]
-    return error_type(
-        429,
-        message,
-        type="rate_limit_error"
-        if anthropic
-        else (
-            "tokens" if denial.kind in _ANTHROPIC_KINDS and denial.kind != REQUESTS else "requests"
-        ),
-        code="rate_limit_exceeded",
-        headers=[*headers, *extra],
-    )

@@ -38,12 +38,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from saltgate.config import ConfigError, read_secret_file
-from saltgate.derivations.derive import ClusterKeys, cluster_keys
-from saltgate.gateway.fairshare import FairShare
+from saltgate.derivations.derive import ClusterKeys
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet
-from saltgate.routing import Router
-from saltgate.routing.cluster import HEARTBEAT_S, ClusterSettings, ClusterState
+from saltgate.routing import ReplicaId, Router
+from saltgate.routing.cluster import HEARTBEAT_S, ClusterSettings, ClusterState, FairCounters
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +92,15 @@ class ClusterBus:
         keys: ClusterKeys,
         *,
         metrics: Metrics | None = None,
+        fair: FairCounters | None = None,
     ) -> None:
+        """``fair``: the fair queue's counters ([queue]), which become the fleet's."""
         self.settings = settings
         self.keys = keys
         self.sender = sender_id(settings.gateway_id)
-        self.state = ClusterState(router, keys, self.sender, backlog_ttl_s=settings.backlog_ttl_s)
+        self.state = ClusterState(
+            router, keys, self.sender, backlog_ttl_s=settings.backlog_ttl_s, fair=fair
+        )
         self.metrics = metrics or Metrics()
         self.up = False
         self._down_since: float | None = time.monotonic()
@@ -248,9 +251,28 @@ class ClusterBus:
                 raise error
 
     def changed(self) -> None:
-        """The router placed a request or its backlog moved: publish soon (called on the
-        request path: it only sets a flag)."""
+        """The router placed a request or its backlog moved, or the fair queue charged a
+        tenant: publish soon (called on the request path: it only sets a flag)."""
         self._wake.set()
+
+    # -- the replica set's listener (gateway/replicas.py ReplicaListener) ----------------
+    def acquired(self) -> None:
+        self._wake.set()
+
+    def freed(self, replicas: ReplicaSet) -> None:
+        self._wake.set()
+
+    def queue_seen(
+        self,
+        replicas: ReplicaSet,
+        replica: ReplicaId,
+        *,
+        inflight: int,
+        waiting: float | None,
+        running: float | None,
+        step: int | None,
+    ) -> None:
+        """Probes are each gateway's own: nothing to publish."""
 
     async def _publish(self, client: Redis) -> None:
         """A batch as soon as something changed, at most one per ``publish_interval_s``,
@@ -313,25 +335,3 @@ class ClusterBus:
 
     def _count(self, kind: str, n: int) -> None:
         self.metrics.inc("saltgate_cluster_batches_total", (("kind", kind),), n)
-
-
-def start_cluster_bus(
-    settings: ClusterSettings | None,
-    replicas: ReplicaSet,
-    k_route: bytes,
-    metrics: Metrics,
-    fair: FairShare | None = None,
-) -> ClusterBus | None:
-    """The bus of ``[cluster]`` for the router of ``replicas`` and the fair queue of
-    ``fair`` ([queue]; its counters become the fleet's), told of every change to either
-    and connecting in the background; None without the section."""
-    if settings is None:
-        return None
-    bus = ClusterBus(settings, replicas.router, cluster_keys(k_route), metrics=metrics)
-    if fair is not None:
-        fair.queue.keep_charged()
-        bus.state.fair = fair.queue
-        fair.on_charge = bus.changed
-    bus.start()
-    replicas.on_change = bus.changed
-    return bus

@@ -31,25 +31,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 from saltgate.derivations.derive import ROUTE_RESPONSES
-from saltgate.gateway.admission import Admission, AnyTicket
 from saltgate.gateway.context import AttemptTrace, RequestContext
-from saltgate.gateway.fairshare import FairShare
+from saltgate.gateway.governor import Pass
 from saltgate.gateway.metrics import TTFT_BUCKETS, Labels, Metrics, duration_buckets
 from saltgate.gateway.replicas import CREDENTIALS_REFUSED, Attempt, ReplicaSet
 from saltgate.gateway.responses import response_id_in
 from saltgate.gateway.usage import SseUsageScanner, Usage, delivered_usage, usage_from_body
-from saltgate.governance.fairness import service
 from saltgate.governance.limits import prompt_estimate
 from saltgate.http import Client, Headers, Response, UpstreamError, UpstreamResponse
 from saltgate.policy.errors import ApiError, gateway_stopping, stream_error_event
 from saltgate.policy.fields import scrub_answer, scrub_events
 from saltgate.policy.headers import scrub_response_headers
-from saltgate.policy.request import ANTHROPIC_ROUTES, GENERATION_ROUTES
-from saltgate.prices import PriceVersion
+from saltgate.policy.request import GENERATION_ROUTES
+from saltgate.prices import PriceBook
 from saltgate.routing import Plan, ReplicaId
 from saltgate.store.ledger import UsageLedger, UsageRecord
 from saltgate.store.tenants import Principal
@@ -110,13 +108,13 @@ class Meter:
         self,
         ledger: UsageLedger,
         metrics: Metrics,
-        prices: Mapping[str, PriceVersion] | None = None,
+        prices: PriceBook | None = None,
         *,
         timeout_s: float = 600.0,
     ) -> None:
         self.ledger = ledger
         self.metrics = metrics
-        self.prices: Mapping[str, PriceVersion] = prices or {}
+        self.prices = prices or PriceBook()
         # Exchanges a replica is answering now: the drain cuts those still open at its end.
         self.answering: set[Exchange] = set()
         self._unreported: dict[str, Labels] = {}  # replica label -> its labels, once warned
@@ -151,7 +149,7 @@ class Meter:
     def model_label(self, model: str, attempt: Attempt | None) -> str:
         """`model` if the gateway knows it (it has a price, or the replica that answered
         serves it), else "other": a client cannot add series by inventing model names."""
-        if model in self.prices:
+        if model in self.prices.by_model:
             return model
         if attempt is not None and model in (attempt.replica.served or ()):
             return model
@@ -227,24 +225,21 @@ class Exchange:
     """See the module docstring; `forward` starts it, `_end` ends it, once."""
 
     __slots__ = (
-        "_admission",
         "_attempt",
         "_body_bytes",
-        "_charged",
         "_client",
         "_context",
         "_cut",
         "_ended",
-        "_fair",
         "_finished",
         "_held",
         "_keep",
         "_meter",
+        "_pass",
         "_prefilling",
         "_principal",
         "_scanner",
         "_span",
-        "_ticket",
         "_upstream",
     )
 
@@ -255,19 +250,14 @@ class Exchange:
         context: RequestContext,
         client: Client,
         *,
-        admission: Admission | None = None,
-        ticket: AnyTicket | None = None,
-        fair: FairShare | None = None,
+        pass_: Pass | None = None,
         keep: KeepResponse | None = None,
     ) -> None:
-        """`ticket`: the request's reservations under its tenant's limits, settled with
-        `admission` when it ends (gateway/admission.py); None when it has no limits.
-        `fair`: with [queue], the first attempt waits its turn there (gateway/fairshare.py)."""
-        self._admission = admission
-        self._fair = fair
+        """`pass_`: the request's way through governance (saltgate/governor): its first
+        attempt is the pass's, settled once when it ends; None when it has no limits and
+        [queue] is off."""
+        self._pass = pass_
         self._keep = keep  # [responses] store: record the answer's response id and owner
-        self._charged = -1.0  # the service the fair queue charged at release; -1: none
-        self._ticket = ticket
         self._meter = meter
         self._principal = principal
         self._context = context
@@ -300,21 +290,21 @@ class Exchange:
         tried = list(avoid)
         self._body_bytes = len(payload)
         trace = self._context.span
-        fair = self._fair
+        pass_ = self._pass
         # Every ending awaits its record outside the handler that caught it: compiled code
         # must not suspend inside one (buildinfo.py).
         try:
             while True:
                 attempt = self._attempt = (
-                    await self._queued(fair, plan, len(payload))
-                    if fair is not None and not tried
+                    await pass_.first_attempt(replicas, plan, self._client, len(payload))
+                    if pass_ is not None and not tried
                     else replicas.acquire(plan, tried)
                 )
                 if attempt is None:
                     if tried:
                         await self._end(NOT_SERVED)
-                    if self._admission is not None:
-                        self._settle(None, None)
+                    if pass_ is not None:
+                        pass_.settle(None, None)
                     raise no_replica()
                 replica = attempt.replica
                 sent = headers
@@ -348,21 +338,6 @@ class Exchange:
             cancelled = cancel
         await self._end(NOT_SERVED)
         raise cancelled
-
-    async def _queued(self, fair: FairShare, plan: Plan, body_bytes: int) -> Attempt | None:
-        """The first attempt, in its turn in the fair queue; the 503 / 529 (settled) when
-        it waited too long, the end of it when its client left."""
-        cost = float(prompt_estimate(body_bytes))
-        route = self._context.route
-        acquired = await fair.acquire(
-            self._principal, plan, self._client, cost, route in ANTHROPIC_ROUTES
-        )
-        if isinstance(acquired, ApiError):
-            self._settle(None, None)
-            raise acquired
-        if acquired is not None:
-            self._charged = cost
-        return acquired
 
     # -- the streamed body -------------------------------------------------------------
     def __aiter__(self) -> Exchange:
@@ -449,9 +424,9 @@ class Exchange:
         """The replica for a request another proxy carries: its turn in the fair queue
         ([queue]; the 503 / 529 when it waited too long), else the router's pick, as
         `forward`'s first attempt; None: no replica."""
-        fair = self._fair
-        if fair is not None and not avoid:
-            attempt = await self._queued(fair, plan, body_bytes)
+        pass_ = self._pass
+        if pass_ is not None and not avoid:
+            attempt = await pass_.first_attempt(replicas, plan, self._client, body_bytes)
         else:
             attempt = replicas.acquire(plan, avoid)
         self._attempt = attempt
@@ -468,7 +443,8 @@ class Exchange:
     def unserved(self) -> None:
         """No replica could take the request: its reservations freed, nothing recorded
         (as `forward` does when the first attempt finds none)."""
-        self._settle(None, None)
+        if self._pass is not None:
+            self._pass.settle(None, None)
 
     def failed(self) -> None:
         """The replica broke the exchange: told to the router, counted."""
@@ -540,19 +516,6 @@ class Exchange:
         await keep(response_id, self._principal.tenant_id, attempt.replica.id)
 
     # -- the one ending ----------------------------------------------------------------
-    def _settle(self, used: Usage | None, cost: int | None) -> None:
-        """Correct the request's reservations to what it used (nothing metered: nothing
-        used) and free its concurrency lease; once, whichever way it ended."""
-        admission, ticket = self._admission, self._ticket
-        if admission is None or ticket is None:
-            return
-        self._admission = None
-        if used is None:
-            admission.settle(ticket, 0, 0, 0)
-            return
-        uncached = used.prompt_tokens - (used.cached_tokens or 0)
-        admission.settle(ticket, max(uncached, 0), used.completion_tokens, cost or 0)
-
     def _failed(self) -> None:
         if self._attempt is not None:
             self._attempt.failed()
@@ -584,7 +547,7 @@ class Exchange:
             and context.route in GENERATION_ROUTES  # pooling answers never carry them
         ):
             meter.cached_unreported(self._attempt.replica.label)
-        price = meter.prices.get(context.model)
+        price = meter.prices.by_model.get(context.model)
         record = UsageRecord(
             request_id=context.request_id,  # this exchange's one record, however often committed
             ts=time.time(),
@@ -603,12 +566,8 @@ class Exchange:
             price_version=None if price is None else price.version,
             replica=meter.replica(self._attempt),
         )
-        if self._admission is not None:
-            self._settle(used, record.cost_micro_usd)
-        if self._fair is not None and self._charged >= 0:
-            self._fair.done(
-                p.tenant_id, self._charged, service(used.prompt_tokens, used.completion_tokens)
-            )
+        if self._pass is not None:
+            self._pass.settle(used, record.cost_micro_usd)
         await meter.ledger.record(record)
         meter.count(
             record,

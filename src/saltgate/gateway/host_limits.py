@@ -21,13 +21,13 @@ from typing import Final
 from saltgate.governance.arbiter import (
     MAX_LINE_BYTES,
     ZERO,
-    Subject,
     admit_line,
     answer_id,
     read_admission,
     seed_line,
     settle_line,
 )
+from saltgate.governance.kinds import Subject
 from saltgate.governance.limits import Demand, Denial, Limits, Quota, Ticket
 
 # An admission waits at most this for the supervisor before the worker falls back to its

@@ -17,9 +17,9 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
 
 import orjson
@@ -109,25 +109,21 @@ class Attempt:
     prefill backlog return to zero.
     """
 
-    __slots__ = ("_at_most", "_changed", "_closed", "_freed", "_prefill", "_router", "replica")
+    __slots__ = ("_at_most", "_closed", "_prefill", "_router", "_set", "replica")
 
     def __init__(
         self,
-        router: Router,
+        replicas: ReplicaSet,
         replica: Replica,
         prefill: float,  # likely and at most: what `Router.started` counted
         at_most: float,
-        *,
-        changed: Callable[[], None] | None = None,
-        freed: Callable[[], None] | None = None,
     ) -> None:
-        self._router = router
+        self._set = replicas
+        self._router = replicas.router
         self.replica = replica
         self._prefill = prefill
         self._at_most = at_most
         self._closed = False
-        self._changed = changed
-        self._freed = freed
 
     def responded(self) -> None:
         self._router.responded(self.replica.id)
@@ -136,10 +132,7 @@ class Attempt:
         if self._at_most:
             self._router.prefilled(self.replica.id, self._prefill, self._at_most)
             self._prefill = self._at_most = 0.0
-            if self._changed is not None:
-                self._changed()
-            if self._freed is not None:
-                self._freed()  # its prefill no longer counts against the gate's budget
+            self._freed()  # its prefill no longer counts against the gate's budget
 
     def failed(self) -> None:
         self._router.failed(self.replica.id, time.monotonic())
@@ -149,29 +142,52 @@ class Attempt:
             self._closed = True
             self._router.finished(self.replica.id, self._prefill, self._at_most)
             self._prefill = self._at_most = 0.0
-            if self._changed is not None:
-                self._changed()
-            if self._freed is not None:
-                self._freed()
+            self._freed()
+
+    def _freed(self) -> None:
+        replicas = self._set
+        for listener in replicas.listeners:
+            listener.freed(replicas)
+
+
+class ReplicaListener(Protocol):
+    """What the replica set tells as it happens: the cluster bus (gateway/cluster.py)
+    publishes the router's load on it, the fair queue (gateway/fairshare.py) hands out
+    the places it frees. Given to the set when it is built (serving/run.py)."""
+
+    def acquired(self) -> None:
+        """A request took a place on a replica."""
+
+    def freed(self, replicas: ReplicaSet) -> None:
+        """A place may have freed: a request left a replica, or its prompt is prefilled."""
+
+    def queue_seen(
+        self,
+        replicas: ReplicaSet,
+        replica: ReplicaId,
+        *,
+        inflight: int,
+        waiting: float | None,
+        running: float | None,
+        step: int | None,
+    ) -> None:
+        """A probe read a replica's queue: every gateway's requests in flight there, its
+        waiting and running counts and the largest engine step it ran (None: not
+        reported; waiting None: it reports no queue)."""
 
 
 class ReplicaSet:
     def __init__(
-        self, configs: tuple[ReplicaConfig, ...], *, timeout: float, router: Router
+        self,
+        configs: tuple[ReplicaConfig, ...],
+        *,
+        timeout: float,
+        router: Router,
+        listeners: Sequence[ReplicaListener] = (),
     ) -> None:
         self.router = router
         self.timeout = timeout
-        # Told of every change to the router's load and placements (the cluster bus
-        # publishes on it: gateway/cluster.py); None without one.
-        self.on_change: Callable[[], None] | None = None
-        # The fair queue's (gateway/fairshare.py), None without [queue]: told when a
-        # request leaves a replica or its prompt is prefilled, and of each probe's queue
-        # (replica, every gateway's requests in flight there, its waiting and running
-        # counts, the largest engine step it ran; None: not reported).
-        self.on_free: Callable[[], None] | None = None
-        self.on_queue: (
-            Callable[[ReplicaId, int, float | None, float | None, int | None], None] | None
-        ) = None
+        self.listeners = tuple(listeners)
         self._replicas: dict[str, Replica] = {}
         self._probe_task: asyncio.Task[None] | None = None
         # What reload starts (retirements, first probes), cancelled by close.
@@ -269,17 +285,9 @@ class ReplicaSet:
         prefill = float(plan.uncached_bytes(replica_id))
         at_most = float(plan.uncached_at_most(replica_id))
         router.started(replica_id, now, prefill, at_most)
-        changed = self.on_change
-        if changed is not None:
-            changed()
-        return Attempt(
-            router,
-            self._replicas[replica_id],
-            prefill,
-            at_most,
-            changed=changed,
-            freed=self.on_free,
-        )
+        for listener in self.listeners:
+            listener.acquired()
+        return Attempt(self, self._replicas[replica_id], prefill, at_most)
 
     def available(self) -> list[tuple[int, Replica, bool]]:
         """(index in the configuration, replica, may be picked now) for the metrics."""
@@ -359,7 +367,7 @@ class ReplicaSet:
         body = await resp.read()
         waiting = parse_waiting(body) if resp.status == 200 else None
         self.router.observed_queue(replica.id, waiting)
-        step = parse_largest_step(body) if resp.status == 200 and self.on_queue else None
+        step = parse_largest_step(body) if resp.status == 200 and self.listeners else None
         if waiting is not None:
             running = parse_gauge(body, RUNNING_METRIC)
             state = self.router.state(replica.id)
@@ -377,14 +385,15 @@ class ReplicaSet:
         running: float | None,
         step: int | None,
     ) -> None:
-        """Give the fair queue what a probe read. Its failure is the queue's, not the
+        """Give the listeners what a probe read. A failure is the listener's, not the
         replica's: logged, and the probe (and the probe loop) goes on."""
-        if self.on_queue is None:
-            return
-        try:
-            self.on_queue(replica, inflight, waiting, running, step)
-        except Exception:
-            log.exception("the fair queue failed on a probe of %s; probing goes on", replica)
+        for listener in self.listeners:
+            try:
+                listener.queue_seen(
+                    self, replica, inflight=inflight, waiting=waiting, running=running, step=step
+                )
+            except Exception:
+                log.exception("%r failed on a probe of %s; probing goes on", listener, replica)
 
     def _learn_models(self, replica: Replica, entries: list[dict[str, Any]]) -> None:
         """Take what the replica's /v1/models lists: its requests follow it (a replica

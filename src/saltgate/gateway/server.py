@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -26,13 +26,12 @@ from saltgate.buildinfo import COMPILED, build_kind
 from saltgate.config import GatewayConfig
 from saltgate.derivations.derive import SubKeys, cache_salt
 from saltgate.gateway.access_log import AccessLog
-from saltgate.gateway.admission import Admission, AnyTicket, Engine
 from saltgate.gateway.canary import IsolationCanary
+from saltgate.gateway.cluster import ClusterBus
 from saltgate.gateway.context import RequestContext, Tracer
 from saltgate.gateway.ehbp import plaintext_secret_refused
 from saltgate.gateway.exchange import Exchange, Meter
-from saltgate.gateway.fairshare import FairShare
-from saltgate.gateway.host_limits import HostLimits
+from saltgate.gateway.governor import Governance, Pass
 from saltgate.gateway.media import MediaFetcher
 from saltgate.gateway.metrics import Labels, Metrics
 from saltgate.gateway.readiness import ReplicaView, readiness
@@ -60,7 +59,6 @@ from saltgate.policy.request import (
     prepare,
     resolve_route,
 )
-from saltgate.prices import PriceVersion, price_versions
 from saltgate.routing import Plan, ReplicaId
 from saltgate.store.errors import StoreUnavailableError
 from saltgate.store.ledger import UsageLedger
@@ -77,16 +75,19 @@ TENANT_SALT_CACHE = 65_536  # tenants x epochs remembered; cleared when full
 class Admitted:
     """A request the policy let through (`Gateway.admit`): whose it is, what it asks,
     the router's plan, the body to forward (salted, client salts stripped), the replicas
-    not to try, and its reservations under its limits (None: it has none)."""
+    not to try, and its pass through governance (None: no limits, no queue)."""
 
     principal: Principal
     inspected: Inspected
     plan: Plan
     payload: bytes
     avoid: list[ReplicaId]
-    admission: Admission | None
-    ticket: AnyTicket | None
-    limit_headers: Headers | None
+    pass_: Pass | None
+
+    @property
+    def limit_headers(self) -> Headers | None:
+        """The rate-limit headers for its answer (None: it has no limits)."""
+        return None if self.pass_ is None else self.pass_.headers
 
 
 def error_response(status: int, message: str) -> Response:
@@ -107,64 +108,28 @@ class Gateway:
         keys: KeySource,
         ledger: UsageLedger,
         replicas: ReplicaSet,
-        metrics: Metrics | None = None,
+        metrics: Metrics,
         access_log: AccessLog | None = None,
         store_down_for: Callable[[], float] | None = None,
         tracer: Tracer | None = None,
-        limit_share: int = 1,
-        shared_limits: Engine | None = None,
+        meter: Meter,
+        governance: Governance,
+        cluster: ClusterBus | None = None,
         usage: UsageReader | None = None,
     ) -> None:
+        """The parts are built and wired by serving/run.py (`open_gateway`): ``meter``,
+        ``governance`` (limits and the fair queue) and ``cluster``, the bus ([cluster],
+        started by start_gateway; None: none); queue and bus listen to ``replicas``."""
         self.config = config
         self.usage = usage  # GET /v1/usage reads the rollups through it
         self.subkeys = subkeys
         self.keys = keys
         self.ledger = ledger
         self.replicas = replicas
-        self.metrics = metrics or Metrics()
-        # The config's prices, and the store's over them (Gateway._reprice) once the key
-        # source has read them: a price set through the store bills the next request.
-        self._config_prices = price_versions(config.prices)
-        self._store_prices: Mapping[str, PriceVersion] | None = None
-        self.meter = Meter(
-            ledger,
-            self.metrics,
-            self._config_prices,
-            timeout_s=config.upstream_timeout_s,
-        )
-        self.admission = Admission(
-            dict(self.meter.prices),
-            share=limit_share,
-            shared=shared_limits,
-            lease_ttl_s=config.limits_lease_ttl_s,
-            metrics=self.metrics,
-            spend=usage,
-        )
-        if isinstance(shared_limits, HostLimits):
-            log.info(
-                "limits shared by this host's workers through the supervisor; while it "
-                "does not answer this worker enforces 1/%d of every limit (docs/limits.md)",
-                limit_share,
-            )
-        elif shared_limits is not None:
-            log.info(
-                "limits shared by the fleet through [cluster]'s Redis; while it is "
-                "unreachable each process enforces 1/%d of every limit (docs/limits.md)",
-                limit_share,
-            )
-        elif limit_share > 1:
-            log.warning(
-                "limits are not shared between this gateway's %d processes "
-                "([limits] share x --workers): each enforces 1/%d of every tenant's and "
-                "key's limit (rounded down), so together they never exceed it "
-                "(docs/limits.md)",
-                limit_share,
-                limit_share,
-            )
-        # [queue]: the saturation gate and the fair queue (docs/fairness.md); None: off.
-        self.fair = (
-            FairShare(config.queue, replicas, self.metrics) if config.queue.enabled else None
-        )
+        self.metrics = metrics
+        self.meter = meter
+        self.governance = governance
+        self.cluster = cluster
         # [canary]: the isolation canary (gateway/canary.py), started by serving/run.py.
         self.canary = (
             IsolationCanary(config.canary, replicas, self.metrics)
@@ -213,15 +178,15 @@ class Gateway:
             "The processes every tenant's and key's limits are split between when they "
             "cannot be counted in one place (no [cluster] Redis or supervisor, or it does "
             "not answer), each enforcing limit / share ([limits] share x --workers).",
-            lambda: [((), float(self.admission.share))],
+            lambda: [((), float(self.governance.admission.share))],
         )
-        if self.admission.shared is not None:
+        if self.governance.admission.shared is not None:
             m.gauge(
                 "saltgate_limits_shared_up",
                 "1 while limits are checked in one count: [cluster]'s Redis for the whole "
                 "fleet, or the supervisor for the workers of one host; 0 while it is "
                 "unreachable and this process enforces limit / saltgate_limits_share.",
-                lambda: [((), float(self.admission.shared_up))],
+                lambda: [((), float(self.governance.admission.shared_up))],
             )
         m.gauge(
             "saltgate_plaintext_upstream_replicas",
@@ -252,8 +217,7 @@ class Gateway:
         """Take a new [[replicas]] list without a restart (SIGHUP); other settings wait
         for the next start. Returns the added replicas' first probes (`ReplicaSet.reload`)."""
         probes = self.replicas.reload(config.replicas)
-        if self.fair is not None:
-            self.fair.forget([r.id for r in self.replicas.replicas])
+        self.governance.forget(self.replicas)
         self.config = dataclasses.replace(self.config, replicas=config.replicas)
         return probes
 
@@ -288,8 +252,9 @@ class Gateway:
             await self.usage.aclose()
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # exports the last spans
-        if self.admission.shared is not None:
-            await self.admission.shared.aclose()
+        shared = self.governance.admission.shared
+        if shared is not None:
+            await shared.aclose()
 
     def reopen_log(self) -> bool:
         """Reopen the access log file (SIGHUP, log rotation); False when it is no file or
@@ -423,18 +388,14 @@ class Gateway:
         plan = self.replicas.plan(
             route, body.obj, inspected.model, salt, remember=inspected.user_cache_secret is None
         )
-        admission = ticket = limit_headers = None
-        if principal.limited:
-            admission = self.admission  # no limits, no cost: all of this is skipped
-            ticket, limit_headers = await admission.admit(
-                principal, route, inspected.model, len(request.body), inspected.max_tokens
-            )
-        if self.media is not None and inspected.content_rewrite:  # fetched once admitted
-            body = await self._inline_media(route, body, principal, admission, ticket)
-        payload = prepare(body, inspected, salt, ranked)
-        return Admitted(
-            principal, inspected, plan, payload, avoid, admission, ticket, limit_headers
+        # No limits and no queue: no pass, and nothing of governance on this path.
+        pass_ = await self.governance.enter(
+            principal, route, inspected.model, len(request.body), inspected.max_tokens
         )
+        if self.media is not None and inspected.content_rewrite:  # fetched once admitted
+            body = await self._inline_media(route, body, principal, pass_)
+        payload = prepare(body, inspected, salt, ranked)
+        return Admitted(principal, inspected, plan, payload, avoid, pass_)
 
     def exchange(self, admitted: Admitted, context: RequestContext, client: Client) -> Exchange:
         """The exchange that carries an admitted request to its one usage record."""
@@ -444,9 +405,7 @@ class Gateway:
             admitted.principal,
             context,
             client,
-            admission=admitted.admission,
-            ticket=admitted.ticket,
-            fair=self.fair,
+            pass_=admitted.pass_,
             keep=None if owners is None else owners.record,
         )
 
@@ -490,8 +449,7 @@ class Gateway:
         route: str,
         body: Body,
         principal: Principal,
-        admission: Admission | None,
-        ticket: AnyTicket | None,
+        pass_: Pass | None,
     ) -> Body:
         """``body`` with its remote media fetched and inlined; a refusal frees what the
         admission reserved (no replica will be asked)."""
@@ -501,8 +459,8 @@ class Gateway:
             return await self.media.inline(route, body, principal.tenant_id)
         except BaseException as exc:
             failure = exc  # settled and raised outside the handler (buildinfo.py)
-        if admission is not None and ticket is not None:
-            admission.settle(ticket, 0, 0, 0)
+        if pass_ is not None:
+            pass_.settle(None, None)
         raise failure
 
     async def _usage(self, request: Request, principal: Principal) -> Response:
@@ -563,15 +521,4 @@ class Gateway:
                 type="authentication_error",
                 code="invalid_api_key",
             )
-        if self.keys.prices is not self._store_prices:
-            self._reprice(self.keys.prices)
         return principal
-
-    def _reprice(self, stored: Mapping[str, PriceVersion]) -> None:
-        """Bill with the store's prices over the config's, as of the key snapshot just
-        used (it reloads them with the keys, within a second of a change: docs/billing.md).
-        A record takes its price when it is recorded, so one in flight may bill either."""
-        self._store_prices = stored
-        prices = {**self._config_prices, **stored}
-        self.meter.prices = prices
-        self.admission.prices = prices

@@ -27,11 +27,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from saltgate.gateway.cluster import CONNECT_TIMEOUT_S, bus_password
+from saltgate.governance.kinds import WINDOWED, LimitKind, Scope, Subject
 from saltgate.governance.limits import (
-    BUDGET,
-    CONCURRENCY,
     WINDOW_S,
-    WINDOWED,
     Demand,
     Denial,
     Limits,
@@ -187,9 +185,9 @@ class _Spec:
     """One limit of one subject as the script checks it."""
 
     key: str
-    kind: str  # a governance kind
-    code: str  # the script's: w (window), b (budget), c (concurrency)
-    scope: str
+    kind: LimitKind
+    code: str  # the kind's script_code: w (window), b (budget), c (concurrency)
+    scope: Scope
     limit: int
     span_us: int
     amount: int
@@ -207,7 +205,7 @@ class SharedTicket:
 
 
 def _specs(
-    limited: Sequence[tuple[tuple[str, str], Limits]], demand: Demand, window_s: float
+    limited: Sequence[tuple[Subject, Limits]], demand: Demand, window_s: float
 ) -> list[_Spec]:
     counted = amounts(demand)
     window_us = int(window_s * _US)
@@ -218,23 +216,39 @@ def _specs(
             limit = limits.windowed(kind)
             if limit is not None:
                 specs.append(
-                    _Spec(prefix + kind, kind, "w", scope, limit, window_us, counted[kind])
+                    _Spec(
+                        prefix + kind,
+                        kind,
+                        kind.script_code,
+                        scope,
+                        limit,
+                        window_us,
+                        counted[kind],
+                    )
                 )
         if limits.concurrency is not None:
             specs.append(
-                _Spec(prefix + CONCURRENCY, CONCURRENCY, "c", scope, limits.concurrency, 0, 1)
+                _Spec(
+                    prefix + LimitKind.CONCURRENCY,
+                    LimitKind.CONCURRENCY,
+                    LimitKind.CONCURRENCY.script_code,
+                    scope,
+                    limits.concurrency,
+                    0,
+                    1,
+                )
             )
         if limits.budget_micro_usd is not None and limits.budget_period_s is not None:
             span = limits.budget_period_s * _US
             specs.append(
                 _Spec(
-                    prefix + BUDGET,
-                    BUDGET,
-                    "b",
+                    prefix + LimitKind.BUDGET,
+                    LimitKind.BUDGET,
+                    LimitKind.BUDGET.script_code,
                     scope,
                     limits.budget_micro_usd,
                     span,
-                    counted[BUDGET],
+                    counted[LimitKind.BUDGET],
                 )
             )
     return specs
@@ -254,7 +268,7 @@ class SharedLimits:
         self._ttl_us = int(lease_ttl_s * _US)
 
     async def admit(
-        self, limited: Sequence[tuple[tuple[str, str], Limits]], demand: Demand
+        self, limited: Sequence[tuple[Subject, Limits]], demand: Demand
     ) -> tuple[SharedTicket | None, Denial | None, tuple[Quota, ...]]:
         """Admit into every limit or none; RedisError when Redis cannot answer."""
         ticket = self.ticket(limited, demand)
@@ -281,7 +295,7 @@ class SharedLimits:
         )
 
     async def seed_budget(
-        self, subject: tuple[str, str], limits: Limits, spent: Sequence[tuple[float, int]]
+        self, subject: Subject, limits: Limits, spent: Sequence[tuple[float, int]]
     ) -> bool:
         """Start the subject's budget log (of `limits`' period) in Redis from (age in
         seconds, amount) pairs, unless Redis holds it already; True if this call seeded it.
@@ -291,7 +305,7 @@ class SharedLimits:
         args: list[str | int] = [limits.budget_period_s * _US]
         for age, amount in spent:
             args += [max(int(age * _US), 0), amount]
-        keys = [f"sg:lim:{scope}:{ident}:{BUDGET}"]
+        keys = [f"sg:lim:{scope}:{ident}:{LimitKind.BUDGET}"]
         return bool(await self._seed(keys=keys, args=args))
 
     async def settle(self, ticket: SharedTicket, used: Demand) -> None:
@@ -302,9 +316,7 @@ class SharedLimits:
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    def ticket(
-        self, limited: Sequence[tuple[tuple[str, str], Limits]], demand: Demand
-    ) -> SharedTicket:
+    def ticket(self, limited: Sequence[tuple[Subject, Limits]], demand: Demand) -> SharedTicket:
         """A fresh ticket for this demand under these limits (not yet admitted)."""
         return SharedTicket(secrets.token_hex(8), tuple(_specs(limited, demand, self._window_s)))
 

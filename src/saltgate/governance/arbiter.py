@@ -37,6 +37,7 @@ from typing import Final
 
 import orjson
 
+from saltgate.governance.kinds import LimitKind, Scope, Subject
 from saltgate.governance.limits import (
     DEFAULT_LEASE_TTL_S,
     WINDOW_S,
@@ -48,9 +49,8 @@ from saltgate.governance.limits import (
     Ticket,
 )
 
-Subject = tuple[str, str]
 _LIMIT_FIELDS: Final = tuple(f.name for f in fields(Limits))
-_SCOPES: Final = ("tenant", "key")
+_SCOPES: Final = tuple(Scope)
 # A line from a worker is at most this long (a budget's spend over a year in minute rollups
 # is about 10 MB); the stream readers of both ends take this limit.
 MAX_LINE_BYTES: Final = 32 * 1024 * 1024
@@ -128,7 +128,7 @@ class Arbiter:
         scope, ident = given[0], given[1]
         if scope not in _SCOPES or type(ident) is not str:
             raise ArbiterError("a subject's scope is tenant or key, its id a string")
-        subject = (scope, ident)
+        subject = Subject(Scope(scope), ident)
         limits = _limits(tuple(given[2:]), self.share)
         if subject in self._seeded and not self.governor.governs((subject,)):
             del self._seeded[subject]  # its limits were cleared: a budget set anew starts again
@@ -243,10 +243,13 @@ def read_admission(answer: list[object], now: float) -> Answer:
     """An admission's answer, its times on the worker's clock `now`."""
     _, admitted, denial, quotas = answer
     assert isinstance(quotas, list)
-    read = tuple(Quota(k, limit, remaining, reset) for k, limit, remaining, reset in quotas)
+    read = tuple(
+        Quota(LimitKind(k), limit, remaining, reset) for k, limit, remaining, reset in quotas
+    )
     if admitted:
         return Answer(True, None, read)
     assert isinstance(denial, list)
     kind, scope, limit, used, requested, retry = denial
     retry_at = None if retry is None else now + retry
-    return Answer(False, Denial(kind, scope, limit, used, requested, retry_at, now), read)
+    denied = Denial(LimitKind(kind), Scope(scope), limit, used, requested, retry_at, now)
+    return Answer(False, denied, read)

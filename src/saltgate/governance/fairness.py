@@ -36,13 +36,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
+from saltgate.governance.kinds import BANDS, Band
 from saltgate.governance.weight import sane_weight
+from saltgate.routing import ReplicaId
 
 T = TypeVar("T")
 
-INTERACTIVE: Final = "interactive"
-BATCH: Final = "batch"
-BANDS: Final = (INTERACTIVE, BATCH)  # released strictly in this order
 OUTPUT_WEIGHT: Final = 2.0  # VTC's w_q / w_p: an output token costs two input tokens
 
 
@@ -51,20 +50,33 @@ def service(input_tokens: int, output_tokens: int) -> float:
     return input_tokens + OUTPUT_WEIGHT * output_tokens
 
 
-@dataclass(slots=True, eq=False)
 class Waiter(Generic[T]):
     """One request waiting for a replica. ``cost``: its service charged when released
     (the shell's estimate); ``locality``: its route key (None: it shares nothing);
-    ``item``: what the shell needs to hand it its replica."""
+    ``item``: what the shell needs to hand it its replica. (A plain class: compiled, a
+    Generic dataclass fails at import.)"""
 
-    item: T
-    tenant: str
-    band: str
-    cost: float
-    locality: bytes | None
-    deadline: float
-    seq: int = 0
-    waiting: bool = True  # False once released, removed or expired
+    __slots__ = ("band", "cost", "deadline", "item", "locality", "seq", "tenant", "waiting")
+
+    def __init__(
+        self,
+        item: T,
+        tenant: str,
+        *,
+        band: Band,
+        cost: float,
+        locality: bytes | None,
+        deadline: float,
+        seq: int = 0,
+    ) -> None:
+        self.item = item
+        self.tenant = tenant
+        self.band = band
+        self.cost = cost
+        self.locality = locality
+        self.deadline = deadline
+        self.seq = seq
+        self.waiting = True  # False once released, removed or expired
 
 
 @dataclass(slots=True)
@@ -103,7 +115,7 @@ class _Band:
 
 @dataclass(slots=True)
 class _Turn:
-    band: str
+    band: Band
     tenant: str
     key: bytes
     left: float  # the quantum not yet used
@@ -118,7 +130,10 @@ class FairQueue(Generic[T]):
         *,
         quantum_tokens: float = 4096.0,
         fifo: bool = False,
+        keep_charged: bool = False,
     ) -> None:
+        """``keep_charged``: keep what is charged here for `take_charged` (a cluster bus
+        tells the other gateways; without one nothing is kept)."""
         if quantum_tokens < 0:
             raise ValueError("quantum_tokens must be >= 0")
         self.quantum = float(quantum_tokens)
@@ -126,7 +141,7 @@ class FairQueue(Generic[T]):
         self.counters: dict[str, float] = {}  # the tenants' VTC, weighted
         self.weights: dict[str, float] = {}  # as the tenants' last requests gave them; else 1
         # Charged here since the last `take_charged`; None: not kept (no bus to tell).
-        self._charged: dict[str, float] | None = None
+        self._charged: dict[str, float] | None = {} if keep_charged else None
         self._bands = {band: _Band() for band in BANDS}
         self._deadlines: list[tuple[float, int, Waiter[T]]] = []
         self._seq = itertools.count()
@@ -155,7 +170,7 @@ class FairQueue(Generic[T]):
         cost: float,
         *,
         deadline: float,
-        band: str = INTERACTIVE,
+        band: Band = Band.INTERACTIVE,
         locality: bytes | None = None,
         weight: float = 1.0,
     ) -> Waiter[T]:
@@ -170,7 +185,9 @@ class FairQueue(Generic[T]):
         else:
             self.weights[tenant] = weight
         seq = next(self._seq)
-        waiter = Waiter(item, tenant, band, cost, locality, deadline, seq)
+        waiter = Waiter(
+            item, tenant, band=band, cost=cost, locality=locality, deadline=deadline, seq=seq
+        )
         t = b.tenants.get(tenant)
         if t is None:
             counter = self.counters.get(tenant, 0.0)
@@ -195,7 +212,7 @@ class FairQueue(Generic[T]):
         tenant: str,
         cost: float,
         *,
-        band: str = INTERACTIVE,
+        band: Band = Band.INTERACTIVE,
         locality: bytes | None = None,
         weight: float = 1.0,
     ) -> bool:
@@ -352,12 +369,6 @@ class FairQueue(Generic[T]):
         if tenant in self.counters:
             self._charge(tenant, (used - charged) / self._weight(tenant))
 
-    def keep_charged(self) -> None:
-        """From now on keep what is charged here for `take_charged` (a bus is linked;
-        without one nothing is kept)."""
-        if self._charged is None:
-            self._charged = {}
-
     def take_charged(self) -> dict[str, float]:
         """What this queue charged each tenant (weighted, as its counter moved) since the
         last call, corrections included: the cluster bus publishes it."""
@@ -489,10 +500,10 @@ class SaturationGate:
             raise ValueError("max_waiting and max_prefill_tokens must be >= 0")
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
-        self._capacity: dict[str, int] = {}
-        self._step: dict[str, int] = {}  # replica -> its engine step, as reported
+        self._capacity: dict[ReplicaId, int] = {}
+        self._step: dict[ReplicaId, int] = {}  # replica -> its engine step, as reported
 
-    def stepped(self, replica: str, largest_step: int | None) -> int | None:
+    def stepped(self, replica: ReplicaId, largest_step: int | None) -> int | None:
         """A probe read the largest engine step the replica has run (None: not reported);
         returns the step size now taken for it, None when it falls back
         (`FALLBACK_STEP_TOKENS`). Without a derived budget it only records it."""
@@ -503,7 +514,7 @@ class SaturationGate:
             self._step[replica] = step
         return step
 
-    def prefill_budget(self, replica: str) -> tuple[int, float]:
+    def prefill_budget(self, replica: ReplicaId) -> tuple[int, float]:
         """(the replica's prefill budget, the longest prompt it never holds); (0, 0): none."""
         budget = self.max_prefill_tokens
         if budget is None:
@@ -512,7 +523,11 @@ class SaturationGate:
         return budget, budget / SHORT
 
     def probed(
-        self, replica: str, inflight: int, waiting: float | None, running: float | None = None
+        self,
+        replica: ReplicaId,
+        inflight: int,
+        waiting: float | None,
+        running: float | None = None,
     ) -> None:
         """A probe saw ``waiting`` queued and ``running`` (None: not reported) with
         ``inflight`` requests in flight there."""
@@ -529,13 +544,13 @@ class SaturationGate:
         elif replica in self._capacity:
             self._capacity[replica] = max(self._capacity[replica], ran)
 
-    def waiting(self, replica: str, inflight: int) -> int | None:
+    def waiting(self, replica: ReplicaId, inflight: int) -> int | None:
         """The replica's estimated queue now; None while its capacity is unknown."""
         capacity = self._capacity.get(replica)
         return None if capacity is None else max(inflight - capacity, 0)
 
     def saturated(
-        self, replica: str, inflight: int, prefill: float = 0.0, request: float = 0.0
+        self, replica: ReplicaId, inflight: int, prefill: float = 0.0, request: float = 0.0
     ) -> bool:
         """Whether one more request would queue more than ``max_waiting`` there, or
         (``prefill``: the replica's prompt tokens not yet prefilled, ``request``: this
@@ -547,7 +562,7 @@ class SaturationGate:
         capacity = self._capacity.get(replica)
         return capacity is not None and inflight - capacity >= self.max_waiting
 
-    def forget(self, keep: Iterable[str]) -> None:
+    def forget(self, keep: Iterable[ReplicaId]) -> None:
         """Only the replicas in ``keep`` remain (a reload removed the others)."""
         kept = set(keep)
         for replica in [r for r in self._capacity if r not in kept]:

@@ -26,7 +26,7 @@ from saltgate.policy.errors import ApiError, invalid_request, invalid_type
 MAX_SEQUENCES: Final = 16
 _SEQUENCE_PARAMS: Final = ("n", "best_of")
 
-# The replica priority of each key band (governance/priority.py), set by the gateway when
+# The replica priority of each key band (governance/kinds.py), set by the gateway when
 # the replicas run vLLM's priority scheduling (lower goes first there; vLLM documents a
 # nonzero priority as an error under its default fcfs policy, so none is set unless
 # configured: docs/fields.md).

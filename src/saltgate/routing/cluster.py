@@ -330,12 +330,18 @@ class ClusterState:
     """
 
     def __init__(
-        self, router: Router, keys: ClusterKeys, sender: str, *, backlog_ttl_s: float = 2.0
+        self,
+        router: Router,
+        keys: ClusterKeys,
+        sender: str,
+        *,
+        backlog_ttl_s: float = 2.0,
+        fair: FairCounters | None = None,
     ) -> None:
         self.router = router
         self.keys = keys
         self.sender = sender
-        self.fair: FairCounters | None = None
+        self.fair = fair
         self.backlog_ttl_s = backlog_ttl_s
         self._seq = 0
         self._peers: dict[str, _Peer] = {}

@@ -19,11 +19,15 @@ from saltgate.admin.api import AdminApi
 from saltgate.admin.store import AdminStore
 from saltgate.config import ConfigError, GatewayConfig, load_config, load_master_key
 from saltgate.console.app import Console
-from saltgate.derivations.derive import derive_subkeys
+from saltgate.derivations.derive import cluster_keys, derive_subkeys
 from saltgate.ehbp.frames import KEYS_PATH, Keyring, ServerKey
 from saltgate.gateway.access_log import AccessLog
-from saltgate.gateway.cluster import ClusterBus, start_cluster_bus
+from saltgate.gateway.admission import Admission
+from saltgate.gateway.cluster import ClusterBus
 from saltgate.gateway.ehbp import EhbpEdge, load_or_create_server_key, load_retired_keys
+from saltgate.gateway.exchange import Meter
+from saltgate.gateway.fairshare import FairShare, fair_queue
+from saltgate.gateway.governor import Governance
 from saltgate.gateway.host_limits import HostLimits
 from saltgate.gateway.metrics import Metrics
 from saltgate.gateway.replicas import ReplicaSet, tls_context
@@ -34,7 +38,7 @@ from saltgate.governance.limits import enforcement
 from saltgate.http import Handler, HttpServer
 from saltgate.kvevents.relay import KvRelay
 from saltgate.kvevents.settings import KvUpstream
-from saltgate.prices import price_versions
+from saltgate.prices import PriceBook, price_versions
 from saltgate.routing import Router
 from saltgate.runtime import listen_error, run_service, until_stopped
 from saltgate.serving import event_log
@@ -142,25 +146,72 @@ async def open_gateway(
     *,
     workers: int = 1,
     host_limits: socket.socket | None = None,
+    bus: bool = False,
 ) -> Gateway:
     """The gateway from its parts (store, router, replicas, metrics, access log), not
     yet serving: `start_gateway` puts its HTTP server around it, `saltgate epp` its
-    ext_proc server (saltgate/epp). ``host_limits``: see `start_gateway`."""
+    ext_proc server (saltgate/epp). ``host_limits``: see `start_gateway`; ``bus``: with
+    [cluster], build the cluster bus (started by `start_gateway`).
+
+    The one place governance is wired: the meter, the limits, the fair queue and the bus
+    are built here and given to the replica set (its listeners) and the gateway."""
     tracer = start_tracer(config.tracing) if config.tracing is not None else None
     master_key = load_master_key(config.master_key_file)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     subkeys = derive_subkeys(master_key)
     router = Router(config.router, subkeys.route)
     # Under load, let one commit carry the records of requests about to finish.
+    # The prices requests are reserved and billed at: the config's, the store's over them
+    # as the key snapshot reloads them.
+    book = PriceBook(price_versions(config.prices))
     store = await open_gateway_store(
         config.store_settings,
         busy=router.busy,
         outage_grace_s=config.store_outage_grace_s,
         prices=price_versions(config.prices).values(),
+        book=book,
     )
-    replicas = ReplicaSet(config.replicas, timeout=config.upstream_timeout_s, router=router)
     metrics = Metrics()
     store.register_gauges(metrics.gauge)
+    cluster_settings = config.cluster if bus else None
+    queue = (
+        fair_queue(config.queue, shared=cluster_settings is not None)
+        if config.queue.enabled
+        else None
+    )
+    cluster = (
+        None
+        if cluster_settings is None
+        else ClusterBus(
+            cluster_settings, router, cluster_keys(subkeys.route), metrics=metrics, fair=queue
+        )
+    )
+    # [queue]: the saturation gate and the fair queue (docs/fairness.md); None: off.
+    fair = (
+        None
+        if queue is None
+        else FairShare(
+            config.queue, metrics, queue, on_charge=None if cluster is None else cluster.changed
+        )
+    )
+    listeners = [listener for listener in (cluster, fair) if listener is not None]
+    replicas = ReplicaSet(
+        config.replicas, timeout=config.upstream_timeout_s, router=router, listeners=listeners
+    )
+    meter = Meter(store.ledger, metrics, book, timeout_s=config.upstream_timeout_s)
+    usage = open_usage_reader(config.store_settings)
+    admission = Admission(
+        book,
+        share=config.limits_share * workers,
+        shared=connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s)
+        if config.cluster is not None
+        else None
+        if host_limits is None
+        else await HostLimits.open(host_limits),
+        lease_ttl_s=config.limits_lease_ttl_s,
+        metrics=metrics,
+        spend=usage,
+    )
     return Gateway(
         config,
         subkeys=subkeys,
@@ -171,13 +222,10 @@ async def open_gateway(
         access_log=access_log,
         store_down_for=store.unreachable_for,
         tracer=tracer,
-        limit_share=config.limits_share * workers,
-        shared_limits=connect_shared_limits(config.cluster, lease_ttl_s=config.limits_lease_ttl_s)
-        if config.cluster is not None
-        else None
-        if host_limits is None
-        else await HostLimits.open(host_limits),
-        usage=open_usage_reader(config.store_settings),
+        meter=meter,
+        governance=Governance(admission, fair),
+        cluster=cluster,
+        usage=usage,
     )
 
 
@@ -198,7 +246,9 @@ async def start_gateway(
     admin_context = admin_tls(config) if config.admin_port is not None else None
     edge = None if (context := edge_context(config)) is None else EdgeTls(context)
     access_log = AccessLog.open(config.access_log, config.log_format)
-    gateway = await open_gateway(config, access_log, workers=workers, host_limits=host_limits)
+    gateway = await open_gateway(
+        config, access_log, workers=workers, host_limits=host_limits, bus=True
+    )
     metrics, replicas, subkeys = gateway.metrics, gateway.replicas, gateway.subkeys
     ehbp = _ehbp_edge(config, gateway, metrics, ehbp_keyring)
     handler: Handler = gateway.handle if ehbp is None else ehbp.handle
@@ -244,9 +294,9 @@ async def start_gateway(
     running.console = console
     running.edge_tls = edge
     try:
-        running.cluster = start_cluster_bus(
-            config.cluster, replicas, subkeys.route, metrics, gateway.fair
-        )
+        running.cluster = gateway.cluster
+        if gateway.cluster is not None:
+            gateway.cluster.start()
         running.kv_relay = start_kv_relay(config, subkeys.kv_events)
     except BaseException:
         await running.close()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from saltgate.prices import PriceVersion
+from saltgate.prices import PriceBook, PriceVersion
 from saltgate.store.audit import audit_key
 from saltgate.store.db import Database
 from saltgate.store.errors import SchemaVersionError, StoreError
@@ -192,16 +192,18 @@ async def open_gateway_store(
     busy: Callable[[], bool] | None = None,
     outage_grace_s: float = 60.0,
     prices: Iterable[PriceVersion] = (),
+    book: PriceBook | None = None,
 ) -> GatewayStore:
     """Keys and ledger, migrated and loaded; StoreError if the store cannot be used.
 
     `busy` (SQLite) lets a ledger commit wait a moment for records about to arrive;
     `outage_grace_s` (PostgreSQL) is how long authentication goes on without the store;
-    `prices` are the versions the gateway bills with, kept in the store's `prices` table.
+    `prices` are the versions the gateway bills with, kept in the store's `prices` table;
+    `book` is handed the prices set through the store whenever the keys reload.
     """
     if settings.backend == "sqlite":
         assert settings.sqlite_path is not None
-        keys = KeyIndex(settings.sqlite_path)
+        keys = KeyIndex(settings.sqlite_path, book=book)
         return GatewayStore(keys, Ledger(settings.sqlite_path, busy=busy, prices=prices))
 
     from saltgate.store.pg_ledger import PgLedger
@@ -209,7 +211,7 @@ async def open_gateway_store(
 
     # Migrate once, from a plain connection, before the keys and the ledger use the schema.
     await asyncio.to_thread(lambda: PostgresDatabase(settings).close())
-    pg_keys = PgKeyIndex(settings, outage_grace_s=outage_grace_s)
+    pg_keys = PgKeyIndex(settings, outage_grace_s=outage_grace_s, book=book)
     await pg_keys.start()
     ledger = PgLedger(settings, prices=prices)
     await ledger.start()

@@ -27,7 +27,7 @@ import psycopg
 from psycopg import IsolationLevel
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from saltgate.prices import PriceVersion
+from saltgate.prices import PriceBook, PriceVersion
 from saltgate.store.errors import (
     ConflictError,
     SchemaVersionError,
@@ -249,8 +249,11 @@ class PgKeyIndex:
         check_interval_s: float = 1.0,
         retry_interval_s: float = 0.25,
         query_timeout_s: float = 5.0,
+        book: PriceBook | None = None,
     ) -> None:
+        """``book``: handed the store's prices at every reload (the gateway's PriceBook)."""
         self.settings = settings
+        self._book = book
         self.outage_grace_s = outage_grace_s
         self.check_interval_s = check_interval_s
         self.retry_interval_s = retry_interval_s
@@ -331,6 +334,8 @@ class PgKeyIndex:
 
         generation, rows, prices = await asyncio.wait_for(read(), self.query_timeout_s)
         self._keys = KeySnapshot(rows, store_versions(prices))
+        if self._book is not None:
+            self._book.stored(self._keys.prices)
         self._generation = generation
         self.reloads += 1
 

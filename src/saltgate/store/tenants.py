@@ -34,10 +34,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
+from saltgate.governance.kinds import BANDS, DEFAULT_BAND
 from saltgate.governance.limits import Limits
-from saltgate.governance.priority import DEFAULT_PRIORITY, PRIORITIES
 from saltgate.governance.weight import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT, sane_weight
-from saltgate.prices import MODEL_NAME, PriceVersion
+from saltgate.prices import MODEL_NAME, PriceBook, PriceVersion
 from saltgate.store import audit
 from saltgate.store.audit import Actor
 from saltgate.store.db import Database
@@ -117,7 +117,7 @@ class ApiKeyInfo:
     created_at: float
     revoked_at: float | None
     limits: Limits | None = None  # narrowing its tenant's; None: the tenant's alone
-    priority: str = DEFAULT_PRIORITY  # its band (PRIORITIES), fixed when it is created
+    priority: str = DEFAULT_BAND.value  # its band (BANDS), fixed when it is created
     expires_at: float | None = None  # works until then (a rotation's grace); None: no end
 
     def to_dict(self) -> dict[str, object]:
@@ -146,7 +146,7 @@ class Principal:
     models: frozenset[str] | None = None  # the models it may use; None: all
     limits: Limits | None = None  # the tenant's limits; None: unlimited
     key_limits: Limits | None = None  # the key's own, narrowing the tenant's
-    priority: str = "interactive"  # the key's band (PRIORITIES): the fair queue's order
+    priority: str = "interactive"  # the key's band (BANDS): the fair queue's order
     weight: float = DEFAULT_WEIGHT  # the tenant's fair share, bounded (sane_weight)
     # Whether admission has anything to check: decided once, when the key snapshot builds
     # the principal, not on every request.
@@ -488,16 +488,14 @@ class TenantStore:
 
     # keys
 
-    def create_key(self, tenant: str, priority: str = DEFAULT_PRIORITY) -> tuple[str, str]:
-        """Mint a key for a tenant (by name or id) in a priority band (PRIORITIES);
+    def create_key(self, tenant: str, priority: str = DEFAULT_BAND.value) -> tuple[str, str]:
+        """Mint a key for a tenant (by name or id) in a priority band (BANDS);
         returns ``(key_id, key)``.
 
         The key is shown once: only its SHA-256 is stored.
         """
-        if priority not in PRIORITIES:
-            raise StoreError(
-                f"invalid priority {priority!r}: expected one of {', '.join(PRIORITIES)}"
-            )
+        if priority not in BANDS:
+            raise StoreError(f"invalid priority {priority!r}: expected one of {', '.join(BANDS)}")
         with self._db.transaction():
             return self._insert_key(self._live_tenant(tenant).id, None, priority)
 
@@ -694,9 +692,17 @@ class KeyIndex:
     from `authenticate`, or whenever `refresh_if_changed` is called). Use from one thread.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, max_staleness: float | None = 0.5) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_staleness: float | None = 0.5,
+        book: PriceBook | None = None,
+    ) -> None:
+        """``book``: handed the store's prices at every reload (the gateway's PriceBook)."""
         self.path = Path(path)
         self.max_staleness = max_staleness
+        self._book = book
         self._conn = open_db(self.path)
         self._keys = KeySnapshot()
         self._data_version = -1
@@ -773,5 +779,7 @@ class KeyIndex:
         finally:
             self._conn.execute("COMMIT")
         self._keys = KeySnapshot(rows, prices)
+        if self._book is not None:
+            self._book.stored(prices)
         self._generation = generation
         self.reloads += 1

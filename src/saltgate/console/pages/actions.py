@@ -7,8 +7,8 @@ from saltgate.console.common import LIMIT_FIELDS, Form, Refusal
 from saltgate.console.core import ConsoleCore
 from saltgate.console.html import url
 from saltgate.console.security import Session
+from saltgate.governance.kinds import DEFAULT_BAND
 from saltgate.governance.limits import LimitError, parse_limits
-from saltgate.governance.priority import DEFAULT_PRIORITY
 from saltgate.governance.weight import WEIGHT, split_weight
 from saltgate.http import Response
 from saltgate.prices import price_from_fields
@@ -45,7 +45,7 @@ async def rotate_salt(console: ConsoleCore, session: Session, tenant: str, _: Fo
 async def create_key(console: ConsoleCore, session: Session, _: str, form: Form) -> Response:
     tenant = form.one("tenant")
     made = await console.do(
-        session, lambda caller: console.service.keys_create(caller, tenant, DEFAULT_PRIORITY)
+        session, lambda caller: console.service.keys_create(caller, tenant, DEFAULT_BAND.value)
     )
     return console.shown_once(made, "New API key", url("keys", {"tenant": tenant}))
 
