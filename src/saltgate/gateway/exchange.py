@@ -253,7 +253,7 @@ class Exchange:
         pass_: Pass | None = None,
         keep: KeepResponse | None = None,
     ) -> None:
-        """`pass_`: the request's way through governance (saltgate/governor): its first
+        """`pass_`: the request's way through governance (gateway/governor.py): its first
         attempt is the pass's, settled once when it ends; None when it has no limits and
         [queue] is off."""
         self._pass = pass_
