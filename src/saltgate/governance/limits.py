@@ -266,14 +266,15 @@ def _count(name: str, value: object) -> int:
         return int(value.strip())
     if type(value) is int:
         return value
-    raise LimitError(f"limit {name} must be a whole number, got {_shown(value)}", name)
+    raise LimitError(f"limit {name} must be a whole number, got {shown_value(value)}", name)
 
 
 def _dollars(value: object) -> int:
     text = value.strip() if isinstance(value, str) else repr(value)
     if isinstance(value, bool) or not _DOLLARS_RE.fullmatch(text):
         raise LimitError(
-            f"budget_usd must be dollars with at most 6 decimals, got {_shown(value)}", BUDGET_USD
+            f"budget_usd must be dollars with at most 6 decimals, got {shown_value(value)}",
+            BUDGET_USD,
         )
     whole, _, fraction = text.partition(".")
     return int(whole) * MICRO_PER_USD + int(fraction.ljust(6, "0") or 0)
@@ -287,7 +288,7 @@ def _period(value: object) -> int:
         seconds = float(value)
     if seconds is None or seconds < 1 or seconds != int(seconds):
         raise LimitError(
-            f"budget_period must be a duration such as 30d, 7d or 24h, got {_shown(value)}",
+            f"budget_period must be a duration such as 30d, 7d or 24h, got {shown_value(value)}",
             BUDGET_PERIOD,
         )
     return int(seconds)
@@ -379,7 +380,7 @@ def period_label(seconds: int) -> str:
     return f"{seconds}s"
 
 
-def _shown(value: object) -> str:
+def shown_value(value: object) -> str:
     """A wrong value as an error echoes it: short, and printable."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."

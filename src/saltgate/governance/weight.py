@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Final
 
-from saltgate.governance.limits import LimitError
+from saltgate.governance.limits import LimitError, shown_value
 
 WEIGHT: Final = "weight"
 DEFAULT_WEIGHT: Final = 1.0
@@ -47,10 +47,9 @@ def parse_weight(value: object) -> float:
     elif isinstance(value, int | float) and not isinstance(value, bool):
         number = float(value)
     if not (math.isfinite(number) and MIN_WEIGHT <= number <= MAX_WEIGHT):
-        shown = repr(value)
         raise LimitError(
             f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g} (such as 1, 2 or "
-            f"0.5), got {shown if len(shown) <= 40 else shown[:37] + '...'}",
+            f"0.5), got {shown_value(value)}",
             WEIGHT,
         )
     return number
