@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import sqlite3
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,6 @@ from saltgate.gateway.fairshare import FairShare
 from saltgate.gateway.replicas import ReplicaSet
 from saltgate.governance.fairness import FALLBACK_STEP_TOKENS
 from saltgate.governance.weight import MIN_WEIGHT
-from saltgate.prices import PriceVersion
 from saltgate.routing import ReplicaId, RouterConfig
 from saltgate.sim.run import SimConfig
 from saltgate.store.settings import DB_FILENAME
@@ -425,10 +424,6 @@ class BatchKeys:
         if principal is not None and principal.tenant_name == self.batch_tenant:
             return dataclasses.replace(principal, priority="batch")
         return principal
-
-    @property
-    def prices(self) -> Mapping[str, PriceVersion]:
-        return self.keys.prices
 
     async def aclose(self) -> None:
         await self.keys.aclose()

@@ -20,14 +20,14 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import psycopg
 from psycopg import IsolationLevel
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from saltgate.prices import PriceBook, PriceVersion
+from saltgate.prices import PriceBook
 from saltgate.store.errors import (
     ConflictError,
     SchemaVersionError,
@@ -283,10 +283,6 @@ class PgKeyIndex:
     def __len__(self) -> int:
         return len(self._keys)
 
-    @property
-    def prices(self) -> Mapping[str, PriceVersion]:
-        return self._keys.prices
-
     def authenticate(self, presented: str) -> Principal | None:
         if self._down_since is not None:
             down_for = time.monotonic() - self._down_since
@@ -333,9 +329,9 @@ class PgKeyIndex:
             return int(row[0]), rows, prices
 
         generation, rows, prices = await asyncio.wait_for(read(), self.query_timeout_s)
-        self._keys = KeySnapshot(rows, store_versions(prices))
+        self._keys = KeySnapshot(rows)
         if self._book is not None:
-            self._book.stored(self._keys.prices)
+            self._book.stored(store_versions(prices))
         self._generation = generation
         self.reloads += 1
 

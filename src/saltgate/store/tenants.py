@@ -28,7 +28,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -37,7 +37,7 @@ from typing import Protocol
 from saltgate.governance.kinds import BANDS, DEFAULT_BAND
 from saltgate.governance.limits import Limits
 from saltgate.governance.weight import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT, sane_weight
-from saltgate.prices import MODEL_NAME, PriceBook, PriceVersion
+from saltgate.prices import MODEL_NAME, PriceBook
 from saltgate.store import audit
 from saltgate.store.audit import Actor
 from saltgate.store.db import Database
@@ -602,20 +602,13 @@ class KeySource(Protocol):
         been out of reach for longer than the gateway may authenticate without it."""
         ...
 
-    @property
-    def prices(self) -> Mapping[str, PriceVersion]:
-        """The prices set through the store, by model, as of the snapshot: a new object
-        whenever the snapshot is reloaded (the gateway compares them by identity)."""
-        ...
-
     async def aclose(self) -> None: ...
 
 
 class KeySnapshot:
-    """The live keys by SHA-256 digest: what `authenticate` consults, on either backend;
-    and the prices set through the store, read in the same transaction."""
+    """The live keys by SHA-256 digest: what `authenticate` consults, on either backend."""
 
-    __slots__ = ("_by_hash", "prices")
+    __slots__ = ("_by_hash",)
 
     def __init__(
         self,
@@ -634,10 +627,8 @@ class KeySnapshot:
                 float,
             ]
         ] = (),
-        prices: Mapping[str, PriceVersion] | None = None,
     ) -> None:
-        """`rows` as LIVE_KEYS_SQL returns them; `prices` from MODEL_PRICES_SQL's rows."""
-        self.prices: Mapping[str, PriceVersion] = prices or {}
+        """`rows` as LIVE_KEYS_SQL returns them."""
         allowed: dict[str, frozenset[str] | None] = {}  # one set per tenant, not per key
         limits: dict[str, Limits | None] = {}
         # digest -> (digest, principal, expiry: math.inf for none)
@@ -726,10 +717,6 @@ class KeyIndex:
     def __len__(self) -> int:
         return len(self._keys)
 
-    @property
-    def prices(self) -> Mapping[str, PriceVersion]:
-        return self._keys.prices
-
     def authenticate(self, presented: str) -> Principal | None:
         """The principal of a live key, or None (see `KeySnapshot.lookup`).
 
@@ -778,7 +765,7 @@ class KeyIndex:
             prices = store_versions(self._conn.execute(MODEL_PRICES_SQL).fetchall())
         finally:
             self._conn.execute("COMMIT")
-        self._keys = KeySnapshot(rows, prices)
+        self._keys = KeySnapshot(rows)
         if self._book is not None:
             self._book.stored(prices)
         self._generation = generation
