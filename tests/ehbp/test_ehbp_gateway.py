@@ -14,6 +14,7 @@ import orjson
 import pytest
 from tests.gateway.stack import MODEL, Stack, ledger_rows, long_prompt, run, stack
 from tests.support.http import async_client
+from tests.support.tinfoil import tinfoil_client as tinfoil
 from tests.support.waiting import eventually
 
 from saltgate.config import load_master_key
@@ -36,16 +37,8 @@ SECRET = "s3cr3t-" + "a" * 40
 
 
 async def tinfoil_client(s: Stack, tenant: str = "alice") -> httpx.AsyncClient:
-    """The real tinfoil-ehbp httpx transport, given the key config the gateway serves."""
-    async with async_client() as plain:
-        config = (await plain.get(s.url + KEYS_PATH)).content
-    identity = ehbp.ServerIdentity.unmarshal_public_config(config)
-    return async_client(
-        base_url=s.url,
-        transport=ehbp.AsyncEHBPTransport(identity),
-        headers={"authorization": f"Bearer {s.keys[tenant]}"},
-        timeout=30,
-    )
+    """The real tinfoil-ehbp transport, with the key config the gateway serves."""
+    return await tinfoil(s.url, s.keys[tenant])
 
 
 def user_salt(s: Stack, tenant: str, secret: str | None) -> str:

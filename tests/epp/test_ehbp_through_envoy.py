@@ -18,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from tests.epp.test_through_envoy import MODEL, EnvoyStack, envoy_stack, ledger_rows_of
 from tests.gateway.stack import long_prompt, run
 from tests.support.http import async_client
+from tests.support.tinfoil import tinfoil_client as tinfoil
 
 from saltgate.ehbp.frames import (
     ENCAPSULATED_KEY_HEADER,
@@ -37,17 +38,8 @@ SECRET = "s3cr3t-" + "b" * 40
 
 
 async def tinfoil_client(s: EnvoyStack, tenant: str = "alice") -> httpx.AsyncClient:
-    """The real tinfoil-ehbp transport, with the key config fetched through Envoy."""
-    async with async_client(timeout=30) as plain:
-        offered = await plain.get(s.url + KEYS_PATH)
-    assert offered.status_code == 200, offered.text
-    identity = ehbp.ServerIdentity.unmarshal_public_config(offered.content)
-    return async_client(
-        base_url=s.url,
-        transport=ehbp.AsyncEHBPTransport(identity),
-        headers={"authorization": f"Bearer {s.keys[tenant]}"},
-        timeout=30,
-    )
+    """The real tinfoil-ehbp transport, its key config fetched through Envoy."""
+    return await tinfoil(s.url, s.keys[tenant])
 
 
 def opener(s: EnvoyStack) -> EhbpOpener:
