@@ -15,22 +15,17 @@ worker restarted.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
-import signal
 import socket
 
 from saltgate.config import ConfigError, GatewayConfig
 from saltgate.epp import GRPC_OPTIONS
 from saltgate.epp.metrics import metrics_tls, serve_metrics
-from saltgate.runtime import listen_error, run_service, until_stopped
+from saltgate.runtime import listen_error, run_service
 from saltgate.serving import event_log
 from saltgate.serving.admin_listener import admin_scheme
-from saltgate.serving.supervisor import Supervisor
+from saltgate.serving.supervisor import Supervisor, supervise
 from saltgate.store.errors import StoreError
-
-log = logging.getLogger(__name__)
 
 
 def reserve(host: str, port: int) -> socket.socket:
@@ -103,13 +98,4 @@ async def _serve(config: GatewayConfig, workers: int) -> None:
     if supervisor.admin_port is not None:
         where = f"{admin_scheme(config)}://{config.admin_host}:{supervisor.admin_port}"
         print(f"saltgate: metrics on {where}/metrics (an admin token with usage:read)")
-    if config.config_file is not None:
-        asyncio.get_running_loop().add_signal_handler(
-            signal.SIGHUP, supervisor.request_reload, config.config_file
-        )
-    try:
-        await until_stopped()
-        log.info("stopping: draining %d workers", len(supervisor.alive))
-    finally:
-        await supervisor.stop()
-    log.info("stopped")
+    await supervise(supervisor, config)

@@ -555,10 +555,16 @@ async def _serve_workers(config: GatewayConfig, workers: int) -> None:
         ),
         workers=workers,
     )
+    await supervise(supervisor, config)
+
+
+async def supervise(supervisor: Supervisor, config: GatewayConfig) -> None:
+    """The started parent's life, the gateway's and the EPP's (epp/supervisor.py): SIGHUP
+    reloads the config file's [[replicas]] in every worker, SIGTERM or SIGINT drains them
+    all."""
     if config.config_file is not None:
-        path = config.config_file
         asyncio.get_running_loop().add_signal_handler(
-            signal.SIGHUP, supervisor.request_reload, path
+            signal.SIGHUP, supervisor.request_reload, config.config_file
         )
     try:
         await until_stopped()
