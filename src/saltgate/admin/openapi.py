@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from saltgate.admin.scopes import PREFIX, ROUTES, SCOPES, Route
+from saltgate.governance.kinds import BANDS
 
 Schema = dict[str, Any]
 
@@ -74,6 +75,7 @@ _LIMITS_PATCH: Final[Schema] = {
 # A tenant's fair-share weight (docs/fairness.md): a tenant field, also taken beside its
 # limits in their bodies, as before it was stored apart; null there: back to 1.
 _WEIGHT: Final[Schema] = {"type": "number", "minimum": 0.01, "maximum": 100}
+_BANDS: Final = [band.value for band in BANDS]  # a key's priority
 
 
 def _with_weight(limits: Schema, description: str) -> Schema:
@@ -144,7 +146,7 @@ SCHEMAS: Final[dict[str, Schema]] = {
         created_at=_NUM,
         revoked_at=_TIME,
         expires_at=_TIME,
-        priority={"enum": ["interactive", "batch"]},
+        priority={"enum": _BANDS},
         limits=_nullable(_ref("Limits")),
         last_used_at=_TIME,
         value={"type": "string", "description": "the key, in the answer that mints it only"},
@@ -290,7 +292,7 @@ OPERATIONS: Final[dict[str, Operation]] = {
         "Mint an API key (its value is in this answer only)",
         _ref("ApiKey"),
         201,
-        {"type": "object", "properties": {"priority": {"enum": ["interactive", "batch"]}}},
+        {"type": "object", "properties": {"priority": {"enum": _BANDS}}},
     ),
     "keys_get": Operation("An API key's metadata", _ref("ApiKey")),
     "keys_revoke": Operation("Revoke an API key", _ref("ApiKey")),

@@ -146,7 +146,7 @@ class Principal:
     models: frozenset[str] | None = None  # the models it may use; None: all
     limits: Limits | None = None  # the tenant's limits; None: unlimited
     key_limits: Limits | None = None  # the key's own, narrowing the tenant's
-    priority: str = "interactive"  # the key's band (BANDS): the fair queue's order
+    priority: str = DEFAULT_BAND.value  # the key's band (BANDS): the fair queue's order
     weight: float = DEFAULT_WEIGHT  # the tenant's fair share, bounded (sane_weight)
     # Whether admission has anything to check: decided once, when the key snapshot builds
     # the principal, not on every request.
