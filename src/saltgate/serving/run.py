@@ -160,15 +160,15 @@ async def open_gateway(
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     subkeys = derive_subkeys(master_key)
     router = Router(config.router, subkeys.route)
-    # Under load, let one commit carry the records of requests about to finish.
     # The prices requests are reserved and billed at: the config's, the store's over them
     # as the key snapshot reloads them.
-    book = PriceBook(price_versions(config.prices))
+    configured = price_versions(config.prices)
+    book = PriceBook(configured)
     store = await open_gateway_store(
         config.store_settings,
-        busy=router.busy,
+        busy=router.busy,  # under load, one commit carries the records about to finish
         outage_grace_s=config.store_outage_grace_s,
-        prices=price_versions(config.prices).values(),
+        prices=configured.values(),
         book=book,
     )
     metrics = Metrics()
