@@ -46,6 +46,8 @@ PURE_MODULES = (
     "saltgate.store.settings",
     "saltgate.admin",  # a docstring, so the admin plane's rules can be loaded alone
     "saltgate.admin.scopes",  # scopes, routes, pinning: decided without the store
+    "saltgate.epp",  # a docstring and a constant, so the EPP's Envoy configuration loads alone
+    "saltgate.epp.envoy",  # the Envoy configuration printed and checked: plain dicts
     # The simulator's model of a replica: vLLM's hashing and block pool, its tokenizer,
     # request validation and errors. Its engine, server and metrics (a clock) are not.
     "saltgate.sim",
