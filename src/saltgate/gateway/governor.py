@@ -26,9 +26,9 @@ from saltgate.store.tenants import Principal
 
 class Pass:
     """One request's way through governance, from its admission to its one settlement:
-    its reservations under its limits (`ticket`, None: it has none), the rate-limit
-    headers for its answer, and what the fair queue charged its tenant when it released
-    the request (`charged`, -1: the queue did not)."""
+    its reservations under its limits (``ticket``, None: it has none), the rate-limit
+    headers for its answer (`headers`), and what the fair queue charged its tenant when
+    it released the request (kept until `settle`; none when the queue did not)."""
 
     __slots__ = ("_admission", "_charged", "_fair", "_principal", "_route", "_ticket", "headers")
 
