@@ -530,7 +530,14 @@ class RunningEpp:
         await self.server.stop(grace)
         if self.metrics is not None:
             await self.metrics.close()
-        await self.gateway.aclose()
+        await _close_parts(self.gateway)
+
+
+async def _close_parts(gateway: Gateway) -> None:
+    """The cluster bus (it outlives no gateway), then the gateway's own parts."""
+    if gateway.cluster is not None:
+        await gateway.cluster.close()
+    await gateway.aclose()
 
 
 async def start_epp(
@@ -550,7 +557,9 @@ async def start_epp(
         keyring = ehbp_keyring(config)  # refused before anything opens
     tls = metrics_tls(config)  # its refusal first: nothing opened or bound
     access_log = AccessLog.open(config.access_log, config.log_format)
-    gateway = await open_gateway(config, access_log, workers=workers, host_limits=host_limits)
+    gateway = await open_gateway(
+        config, access_log, workers=workers, host_limits=host_limits, bus=True
+    )
     server = grpc.aio.server()
     ehbp = None if keyring is None else EhbpOpener(keyring, gateway.metrics)
     ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, ehbp), server)
@@ -569,10 +578,12 @@ async def start_epp(
         if gateway.canary is not None:  # its first round before serving, as the gateway's
             await gateway.canary.run_all()
             gateway.canary.start()
+        if gateway.cluster is not None:  # [cluster]: routing state shared, as the gateway's
+            gateway.cluster.start()
         metrics = await start_metrics_listener(config, gateway, access_log, tls)
     except BaseException:
         await server.stop(None)
-        await gateway.aclose()
+        await _close_parts(gateway)
         raise
     for name in ("", SERVICE):
         await checks.set(name, health_pb2.HealthCheckResponse.SERVING)
