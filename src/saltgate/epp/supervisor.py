@@ -18,14 +18,13 @@ from __future__ import annotations
 import dataclasses
 import socket
 
-from saltgate.config import ConfigError, GatewayConfig
+from saltgate.config import GatewayConfig
 from saltgate.epp import GRPC_OPTIONS
 from saltgate.epp.metrics import metrics_tls, serve_metrics
-from saltgate.runtime import listen_error, run_service
+from saltgate.epp.run import announce, run_epp
+from saltgate.runtime import listen_error
 from saltgate.serving import event_log
-from saltgate.serving.admin_listener import admin_scheme
 from saltgate.serving.supervisor import Supervisor, supervise
-from saltgate.store.errors import StoreError
 
 
 def reserve(host: str, port: int) -> socket.socket:
@@ -78,24 +77,12 @@ class EppSupervisor(Supervisor):
 
 def serve_epp_workers(config: GatewayConfig, workers: int) -> int:
     """`saltgate epp --workers N`; the exit status, as `saltgate.epp.run.serve`."""
-    return run_service(
-        lambda: _serve(config, workers),
-        "saltgate epp",
-        cannot_run=f"cannot serve the EPP on {config.host}:{config.epp.grpc_port}",
-        usage_errors=(ConfigError, StoreError),
-    )
+    return run_epp(config, lambda: _serve(config, workers))
 
 
 async def _serve(config: GatewayConfig, workers: int) -> None:
     event_log.configure(config.log_format, supervisor=True)
     supervisor = EppSupervisor(config, workers)
     await supervisor.start()
-    print(
-        f"saltgate: EPP (ext_proc) on {config.host}:{supervisor.port} "
-        f"({len(config.replicas)} replicas, {workers} workers)",
-        flush=True,
-    )
-    if supervisor.admin_port is not None:
-        where = f"{admin_scheme(config)}://{config.admin_host}:{supervisor.admin_port}"
-        print(f"saltgate: metrics on {where}/metrics (an admin token with usage:read)")
+    announce(config, supervisor.port, supervisor.admin_port, f", {workers} workers")
     await supervise(supervisor, config)
