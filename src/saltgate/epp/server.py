@@ -530,14 +530,7 @@ class RunningEpp:
         await self.server.stop(grace)
         if self.metrics is not None:
             await self.metrics.close()
-        await _close_parts(self.gateway)
-
-
-async def _close_parts(gateway: Gateway) -> None:
-    """The cluster bus (it outlives no gateway), then the gateway's own parts."""
-    if gateway.cluster is not None:
-        await gateway.cluster.close()
-    await gateway.aclose()
+        await self.gateway.aclose()
 
 
 async def start_epp(
@@ -583,7 +576,7 @@ async def start_epp(
         metrics = await start_metrics_listener(config, gateway, access_log, tls)
     except BaseException:
         await server.stop(None)
-        await _close_parts(gateway)
+        await gateway.aclose()
         raise
     for name in ("", SERVICE):
         await checks.set(name, health_pb2.HealthCheckResponse.SERVING)

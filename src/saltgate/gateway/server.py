@@ -119,7 +119,8 @@ class Gateway:
     ) -> None:
         """The parts are built and wired by serving/run.py (`open_gateway`): ``meter``,
         ``governance`` (limits and the fair queue) and ``cluster``, the bus ([cluster],
-        started by start_gateway; None: none); queue and bus listen to ``replicas``."""
+        started by start_gateway or start_epp, closed by `aclose`; None: none); queue and
+        bus listen to ``replicas``."""
         self.config = config
         self.usage = usage  # GET /v1/usage reads the rollups through it
         self.subkeys = subkeys
@@ -238,6 +239,8 @@ class Gateway:
 
     async def aclose(self) -> None:
         """Close what the gateway holds, once its server hands it no more requests."""
+        if self.cluster is not None:
+            await self.cluster.close()
         if self.canary is not None:
             await self.canary.close()
         await self.replicas.close()

@@ -108,8 +108,6 @@ class RunningGateway:
         gateway.draining = True
         grace = gateway.config.drain_grace_s
         await self.server.close(grace, cut=gateway.cut_answers)
-        if self.cluster is not None:
-            await self.cluster.close()
         if self.admin is not None:
             await self.admin.close()
         if self.admin_api is not None:
