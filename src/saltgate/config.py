@@ -733,12 +733,18 @@ def _tracing(table: Any) -> TracingConfig | None:
     return TracingConfig(endpoint.rstrip("/"), name, ratio)
 
 
-def _limits(table: Any) -> dict[str, Any]:
+def _table(table: Any, name: str, known: tuple[str, ...]) -> dict[str, Any]:
+    """The [name] table, refused when it is not one or holds a key not in ``known``."""
     if not isinstance(table, dict):
-        raise ConfigError("limits: expected a table")
-    unknown = sorted(set(table) - {"share", "lease_ttl_s"})
+        raise ConfigError(f"{name}: expected a table")
+    unknown = sorted(set(table) - set(known))
     if unknown:
-        raise ConfigError(f"limits: unknown keys {unknown}; expected ['lease_ttl_s', 'share']")
+        raise ConfigError(f"{name}: unknown keys {unknown}; expected {list(known)}")
+    return table
+
+
+def _limits(table: Any) -> dict[str, Any]:
+    table = _table(table, "limits", ("lease_ttl_s", "share"))
     out: dict[str, Any] = {}
     if "share" in table:
         share = _expect(table, "share", int, "limits")
@@ -754,8 +760,6 @@ def _limits(table: Any) -> dict[str, Any]:
 
 
 def _queue(table: Any) -> QueueConfig:
-    if not isinstance(table, dict):
-        raise ConfigError("queue: expected a table")
     known = (
         "enabled",
         "max_queue_s",
@@ -763,9 +767,7 @@ def _queue(table: Any) -> QueueConfig:
         "quantum_tokens",
         "max_prefill_tokens_per_replica",
     )
-    unknown = sorted(set(table) - set(known))
-    if unknown:
-        raise ConfigError(f"queue: unknown keys {unknown}; expected {list(known)}")
+    table = _table(table, "queue", known)
     out: dict[str, Any] = {}
     if "enabled" in table:
         out["enabled"] = _expect(table, "enabled", bool, "queue")
@@ -794,21 +796,12 @@ def _media(table: Any, base: Path) -> MediaSettings:
 
 def _responses(table: Any) -> bool:
     """[responses]: store (default false)."""
-    if not isinstance(table, dict):
-        raise ConfigError("responses: expected a table")
-    unknown = sorted(set(table) - {"store"})
-    if unknown:
-        raise ConfigError(f"responses: unknown keys {unknown}; expected ['store']")
+    table = _table(table, "responses", ("store",))
     return bool(_expect(table, "store", bool, "responses")) if "store" in table else False
 
 
 def _canary(table: Any) -> CanaryConfig:
-    if not isinstance(table, dict):
-        raise ConfigError("canary: expected a table")
-    known = ("enabled", "interval_s", "timeout_s")
-    unknown = sorted(set(table) - set(known))
-    if unknown:
-        raise ConfigError(f"canary: unknown keys {unknown}; expected {list(known)}")
+    table = _table(table, "canary", ("enabled", "interval_s", "timeout_s"))
     out: dict[str, Any] = {}
     if "enabled" in table:
         out["enabled"] = _expect(table, "enabled", bool, "canary")
@@ -822,12 +815,8 @@ def _canary(table: Any) -> CanaryConfig:
 
 
 def _epp(table: Any) -> EppConfig:
-    if not isinstance(table, dict):
-        raise ConfigError("epp: expected a table")
     known = ("grpc_port", "envoy_port", "metrics_port")
-    unknown = sorted(set(table) - set(known))
-    if unknown:
-        raise ConfigError(f"epp: unknown keys {unknown}; expected {list(known)}")
+    table = _table(table, "epp", known)
     out: dict[str, int] = {}
     for key in known:
         if key in table:
