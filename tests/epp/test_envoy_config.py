@@ -187,6 +187,13 @@ def replicas_cluster(config: dict[str, Any]) -> dict[str, Any]:
 
 def fallback_round_robin() -> dict[str, Any]:
     config = copy.deepcopy(shipped())
+    round_robin_fallback(config)
+    return config
+
+
+def round_robin_fallback(config: dict[str, Any]) -> None:
+    """Envoy's round robin as the override-host policy's fallback: Envoy may then pick a
+    replica the EPP left out (a positive control's config)."""
     override = replicas_cluster(config)["load_balancing_policy"]["policies"][0]
     override["typed_extension_config"]["typed_config"]["fallback_policy"] = {
         "policies": [
@@ -201,7 +208,6 @@ def fallback_round_robin() -> dict[str, Any]:
             }
         ]
     }
-    return config
 
 
 def subset_with_fallback() -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import orjson
 import yaml
+from tests.epp.test_envoy_config import round_robin_fallback
 from tests.gateway.stack import Tap, long_prompt, new_state_dir, run
 from tests.gateway.test_fields import _with_extras
 from tests.support.adversarial_fields import (
@@ -391,23 +392,7 @@ def _fallback_round_robin(config: dict[str, Any]) -> None:
         ],
         "host_selection_retry_max_attempts": 5,
     }
-    [cluster] = [
-        c for c in config["static_resources"]["clusters"] if c["name"] == "saltgate_replicas"
-    ]
-    override = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
-    override["typed_config"]["fallback_policy"] = {
-        "policies": [
-            {
-                "typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.round_robin",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/"
-                        "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
-                    },
-                }
-            }
-        ]
-    }
+    round_robin_fallback(config)
 
 
 async def _past_the_list(s: EnvoyStack) -> tuple[httpx.Response, Tap]:
