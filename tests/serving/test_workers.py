@@ -31,6 +31,7 @@ import httpx
 import orjson
 from tests.gateway.stack import MODEL, Tap, run
 from tests.routing.test_routing_gateway import kill
+from tests.serving.test_drain import refused
 from tests.support.gateways import (
     SALTGATE,
     GatewayProcess,
@@ -510,19 +511,8 @@ def test_sigterm_lets_a_long_stream_finish_and_refuses_new_connections(tmp_path:
                 started = time.monotonic()
                 os.kill(f.pid, signal.SIGTERM)
 
-                async def refused() -> bool:
-                    try:
-                        _, writer = await asyncio.open_connection(
-                            "127.0.0.1", int(f.gateway.url.rsplit(":", 1)[1])
-                        )
-                    except ConnectionRefusedError:
-                        return True
-                    except ConnectionResetError:
-                        return False  # queued as the listener closed: the next one tells
-                    writer.close()
-                    return False
-
-                await eventually(refused, what="new connections refused while draining")
+                closed = functools.partial(refused, f.gateway.url)
+                await eventually(closed, what="new connections refused while draining")
                 rest = [line async for line in lines]
                 assert rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
                 took = time.monotonic() - started
