@@ -165,3 +165,17 @@ def test_placeable_holds_a_long_prompt_behind_a_replica_s_prefill_backlog() -> N
     short = Plan(None, prompt_bytes=200)  # 50 tokens: within 1/16 of the budget
     assert [s.id for s in placeable(gate, usable, long)] == [B]
     assert [s.id for s in placeable(gate, usable, short)] == [A, B]
+
+
+def test_placeable_counts_the_other_gateways_load_on_a_replica() -> None:
+    """With [cluster], a replica's load is every gateway's: what the bus says the others
+    have in flight, and not yet prefilled, there holds it back as this gateway's own would."""
+    router = _router()
+    gate = SaturationGate(max_waiting=0, max_prefill_tokens=1000)
+    gate.probed(A, inflight=1, waiting=1, running=1)  # a runs one: a second would wait
+    long = Plan(None, prompt_bytes=800)  # 200 tokens
+    assert [s.id for s in placeable(gate, router.usable(None, 0.0), long)] == [A, B]
+    router.set_remote_load({A: (1, 0.0)})  # the one a runs is another gateway's
+    assert [s.id for s in placeable(gate, router.usable(None, 0.0), long)] == [B]
+    router.set_remote_load({B: (0, 3600.0)})  # 900 tokens of the others' prefill on b
+    assert [s.id for s in placeable(gate, router.usable(None, 0.0), long)] == [A]
