@@ -55,3 +55,22 @@ def test_a_pass_holds_its_lease_until_it_settles_and_settles_once() -> None:
         assert dict(second.headers)[b"x-ratelimit-remaining-tokens"] == b"1990"
 
     asyncio.run(main())
+
+
+def test_a_pass_settles_input_tokens_as_the_uncached_ones() -> None:
+    """`--input-tpm` counts uncached input (docs/limits.md): the prompt estimate reserved
+    is corrected to the prompt the replica metered less what it had cached."""
+
+    async def main() -> None:
+        governance = Governance(Admission(PriceBook()), None)
+        alice = principal(Limits(input_tpm=1000))
+        first = await governance.enter(alice, ROUTE_CHAT, "m", 400, None)
+        assert first is not None and first.headers is not None
+        reserved = 1000 - int(dict(first.headers)[b"x-ratelimit-remaining-tokens"])
+        first.settle(Usage(prompt_tokens=300, cached_tokens=250, completion_tokens=5), 0)
+        second = await governance.enter(alice, ROUTE_CHAT, "m", 400, None)
+        assert second is not None and second.headers is not None
+        remaining = int(dict(second.headers)[b"x-ratelimit-remaining-tokens"])
+        assert remaining == 1000 - 50 - reserved  # 300 - 250 used, the second's reserved
+
+    asyncio.run(main())
